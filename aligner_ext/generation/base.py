@@ -1,0 +1,51 @@
+"""The generation-engine interface: token ids in, token ids (and optional log-probs) out.
+
+Every engine (HF here; Megatron-core, vLLM, remote servers later) implements `GenerationEngine`.
+Nothing between stages re-tokenises text: the experience maker hands prompt ids in and stores the
+returned ids as the response.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from aligner_ext.registry import Registry
+
+ENGINES = Registry("generation engine")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one call's sequences."""
+
+    max_new_tokens: int = 32  # response length cap, in tokens
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus sampling mass; 1.0 disables it
+    stop: list[str] = field(default_factory=list)  # stop strings, kept in the output
+    return_logprobs: bool = False  # return the sampling log-prob of every generated token
+    seed: int | None = None  # seeds this call's sampling; None draws from the global torch RNG
+
+
+@dataclass
+class GenerationOutput:
+    """One generated sequence."""
+
+    token_ids: list[int]  # generated ids, EOS and the tokens completing a stop string included
+    finish_reason: str  # "stop" (a stop string), "eos" (end-of-sequence token), "length" (cap reached)
+    logprobs: list[float] | None = None  # per generated token, under the sampling distribution
+
+
+class GenerationEngine(abc.ABC):
+    """Produces continuations of token-id prompts.
+
+    Implementations must: keep stop strings (and EOS) in the output and cut everything after them;
+    report a per-sequence finish reason; accept prompts of different lengths in one call.
+    """
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        """Continue every prompt once; output i belongs to prompt i."""
+
+    def update_weights(self, policy_model) -> None:  # noqa: B027 - engines sharing the model do nothing
+        """Make the engine sample from the policy's current weights (called after each update)."""

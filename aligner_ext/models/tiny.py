@@ -1,0 +1,83 @@
+"""The embedded default model: a character tokenizer and a small Qwen2-architecture config,
+built locally so the library runs with no downloads.
+
+Both are ordinary transformers objects, saved with `save_pretrained`, so the rest of the library
+treats them exactly like a user's HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+UNK_TOKEN = "<|unk|>"
+
+# ChatML, as Qwen models use it; rendered by the tokenizer like any HF chat template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass
+class TinyModelConfig:
+    """Size of the built-in model (used only when `model.path` is not set)."""
+
+    hidden_size: int = 128  # width of the residual stream
+    num_layers: int = 4  # transformer blocks
+    num_heads: int = 4  # attention heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention)
+    intermediate_size: int = 512  # MLP width
+    max_position_embeddings: int = 512  # longest prompt + response, in tokens
+    seed: int = 0  # seeds the random initialisation
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character, plus ChatML special tokens."""
+    specials = [PAD_TOKEN, IM_START, IM_END, UNK_TOKEN]
+    chars = sorted(set(string.printable) - set("\r\x0b\x0c"))
+    vocab = {token: index for index, token in enumerate(specials + chars)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        additional_special_tokens=[IM_START],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2-architecture causal LM sized by `config`."""
+    import torch
+
+    hf_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        return Qwen2ForCausalLM(hf_config)

@@ -1,0 +1,32 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="aligner_ext",
+    version="0.1.0",
+    description="GRPO-family RL post-training for LLMs: one training loop, variants as plug-ins",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["aligner_ext", "aligner_ext.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=4.50",
+        "tokenizers>=0.20",
+        "safetensors>=0.4",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "math-verify>=0.7",
+        "pyarrow>=14",
+        "numpy>=1.24",
+        "tensorboard>=2.14",
+        "tqdm>=4.66",
+        "rich>=13",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "megatron": ["megatron-core>=0.16,<0.17"],
+        "vllm": ["vllm>=0.8"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+    entry_points={"console_scripts": ["aligner-ext=aligner_ext.cli:main"]},
+)
