@@ -81,6 +81,15 @@ class ExperienceBatch:
                 values[f.name] = [value[i] for i in index.tolist()]
         return dataclasses.replace(self, **values)
 
+    def to(self, device: torch.device | str) -> "ExperienceBatch":
+        """The same batch with every tensor on `device`."""
+        values = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **values)
+
 
 def concat_batches(batches: Sequence[ExperienceBatch], pad_token_id: int) -> ExperienceBatch:
     """Stack batches row-wise, re-padding prompts on the left and responses on the right.

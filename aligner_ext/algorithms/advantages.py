@@ -1,0 +1,133 @@
+"""Advantage estimators: sequence rewards -> per-token advantages [B, R].
+
+GRPO (Shao et al. 2024, DeepSeekMath) scores each sample against the other samples of its prompt
+draw (its group, by `batch.group_ids`):
+
+    A_i = (r_i - mean_g(r)) / max(std_g(r), std_floor)      (use_std = True, GRPO)
+    A_i =  r_i - mean_g(r)                                  (use_std = False, Dr.GRPO, Liu et al. 2025)
+
+and every loss-masked response token of sample i gets A_i.
+
+Decisions:
+- Groups are found from the explicit group ids only (never from tokens or row positions): a group
+  may be spread over the batch and groups may differ in size.
+- std is the unbiased (Bessel, n - 1) estimate, as in verl and TRL, so the same rewards give the
+  same advantages as there. A group of one sample has no spread: its std is 0 and its advantage 0.
+- Statistics are computed in float64. Rewards arrive as float32, whose 24-bit mantissas make every
+  partial sum of n <= 2^29 equal values exact in float64, so a group of identical rewards such as
+  0.35 gets a mean equal to each reward and an advantage of exactly 0 (float32 sums leave a residue
+  that the std division then inflates). Groups whose rewards are all identical are also set to 0
+  explicitly, so the guarantee holds for float64 input too.
+- The floor is applied as max(std, floor), not std + eps: groups with a real spread are normalised
+  exactly, and only near-ties are damped. 1e-4 (TRL's eps) is far below any meaningful reward
+  difference on a [0, 1] scale, yet large enough that float32 noise (~1e-7 on rewards of order 1)
+  turns into advantages of order 1e-3 instead of +-1.
+- "All agree" (no learning signal in a group) is judged by the spread max - min <= eps, which is
+  what dynamic-sampling filters and difficulty masks need; see `GroupStats.all_agree`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from aligner_ext.batch import ExperienceBatch
+from aligner_ext.registry import Registry
+
+ADVANTAGES = Registry("advantage estimator")
+
+
+class AdvantageFn(Protocol):
+    """Turns a scored batch into per-token advantages [B, R] float32 (0 outside response_mask)."""
+
+    def __call__(self, batch: ExperienceBatch) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """Per-group statistics of [B] scores; group k is `ids[k]`, sample i belongs to group `index[i]`."""
+
+    ids: torch.Tensor  # [G] int64 distinct group ids, ascending
+    index: torch.Tensor  # [B] int64 position in `ids` of each sample's group
+    size: torch.Tensor  # [G] int64 samples per group
+    mean: torch.Tensor  # [G] float64
+    std: torch.Tensor  # [G] float64 unbiased (n - 1); 0 for groups of one sample
+    spread: torch.Tensor  # [G] float64 max - min
+
+    def all_agree(self, eps: float) -> torch.Tensor:
+        """[G] bool: every score of the group lies within `eps` of the others (no learning signal)."""
+        return self.spread <= eps
+
+    def per_sample(self, values: torch.Tensor) -> torch.Tensor:
+        """[G] group values -> [B], each sample getting its group's value."""
+        return values[self.index]
+
+
+def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> GroupStats:
+    """Statistics of `scores` [B] (any float dtype) per group of `group_ids` [B] int64, in float64."""
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must both be [B]")
+    if not torch.isfinite(scores).all():
+        bad = torch.nonzero(~torch.isfinite(scores)).flatten().tolist()
+        raise ValueError(f"non-finite scores at rows {bad}")
+    values = scores.to(torch.float64)
+    ids, index = torch.unique(group_ids, return_inverse=True)
+    num = ids.shape[0]
+    size = torch.zeros(num, dtype=torch.int64, device=values.device).index_add_(0, index, torch.ones_like(index))
+    total = torch.zeros(num, dtype=torch.float64, device=values.device).index_add_(0, index, values)
+    mean = total / size
+    squares = torch.zeros_like(mean).index_add_(0, index, (values - mean[index]).square())
+    std = (squares / (size - 1).clamp(min=1)).sqrt()
+    high = torch.full_like(mean, -torch.inf).scatter_reduce_(0, index, values, "amax")
+    low = torch.full_like(mean, torch.inf).scatter_reduce_(0, index, values, "amin")
+    return GroupStats(ids=ids, index=index, size=size, mean=mean, std=std, spread=high - low)
+
+
+def groups_all_agree(scores: torch.Tensor, group_ids: torch.Tensor, eps: float) -> dict[int, bool]:
+    """{group id: whether all its scores lie within `eps`}, for filters that decide per group."""
+    stats = group_stats(scores, group_ids)
+    return dict(zip(stats.ids.tolist(), stats.all_agree(eps).tolist()))
+
+
+def zero_std_group_fraction(scores: torch.Tensor, group_ids: torch.Tensor, eps: float) -> float:
+    """Fraction of groups whose scores all agree within `eps` (the "zero reward std" metric)."""
+    return group_stats(scores, group_ids).all_agree(eps).double().mean().item()
+
+
+def group_baseline_normalize(
+    scores: torch.Tensor, group_ids: torch.Tensor, use_std: bool, std_floor: float
+) -> torch.Tensor:
+    """[B] advantages (float64): score minus its group mean, divided by max(group std, std_floor) if use_std."""
+    stats = group_stats(scores, group_ids)
+    centred = scores.to(torch.float64) - stats.per_sample(stats.mean)
+    if use_std:
+        centred = centred / stats.per_sample(stats.std.clamp(min=std_floor))
+    identical = stats.per_sample(stats.spread == 0)
+    return torch.where(identical, torch.zeros_like(centred), centred)
+
+
+@ADVANTAGES.register("grpo", "group_norm")
+class GroupAdvantage:
+    """GRPO group-normalised advantage, broadcast over the loss-masked response tokens."""
+
+    @dataclass
+    class Config:
+        use_std: bool = True  # normalise by the group std (false = Dr.GRPO: mean-centring only)
+        std_floor: float = 1e-4  # lower bound of the group std, in reward units (see module docstring)
+
+    def __init__(self, cfg: Config):
+        if cfg.std_floor <= 0:
+            raise ValueError(f"advantage.std_floor must be > 0, got {cfg.std_floor}")
+        self.cfg = cfg
+
+    def __call__(self, batch: ExperienceBatch) -> torch.Tensor:
+        """[B, R] float32: A_i on every token where response_mask is True, 0 elsewhere."""
+        if batch.rewards is None:
+            raise ValueError("GroupAdvantage needs batch.rewards; score the batch first")
+        if not torch.isfinite(batch.rewards).all():
+            rows = torch.nonzero(~torch.isfinite(batch.rewards)).flatten().tolist()
+            raise ValueError(f"non-finite rewards for rows {[batch.samples[i].row.row_id for i in rows]}")
+        per_sample = group_baseline_normalize(batch.rewards, batch.group_ids, self.cfg.use_std, self.cfg.std_floor)
+        return per_sample.to(torch.float32)[:, None] * batch.response_mask.to(torch.float32)

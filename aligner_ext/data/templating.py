@@ -1,0 +1,58 @@
+"""Chat-template encoding of prompts, and left / right padding into tensors.
+
+`encode_prompt` renders the tokenizer's own chat template to text (with the generation prompt),
+then tokenises that text without adding special tokens: the template already wrote them. Rendering
+first and tokenising second works the same for every template and every transformers version
+(transformers 5 returns a dict from `apply_chat_template(tokenize=True)`), and hard-codes no token ids.
+
+Padding follows `ExperienceBatch`: prompts are left-padded so they all end at the same column,
+responses right-padded so they all start at the same column.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` under the tokenizer's chat template, ending with the generation prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')!r}) has no chat "
+            "template; use a chat/instruct checkpoint or set `tokenizer.chat_template` before training"
+        )
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad on the left to the longest sequence.
+
+    Returns:
+        ids: [B, P] int64, pads first then the sequence.
+        mask: [B, P] bool, True on real tokens.
+    """
+    return _pad(seqs, pad_id, left=True)
+
+
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad on the right to the longest sequence (width 0 when all are empty).
+
+    Returns:
+        ids: [B, R] int64, the sequence then pads.
+        mask: [B, R] bool, True on real tokens.
+    """
+    return _pad(seqs, pad_id, left=False)
+
+
+def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(seq) for seq in seqs), default=0)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for row, seq in enumerate(seqs):
+        if not seq:
+            continue
+        columns = slice(width - len(seq), width) if left else slice(0, len(seq))
+        ids[row, columns] = torch.as_tensor(seq, dtype=torch.long)
+        mask[row, columns] = True
+    return ids, mask

@@ -1,0 +1,158 @@
+"""Experience makers: how one step's rollouts are produced, scored and grouped.
+
+`GroupSampling` is plain GRPO: draw `data.train_batch_size` prompts, sample `rollout.n` responses
+for each, score them with the reward registry, and give every sample of one prompt draw the same
+group id. Variants override one of its named steps instead of copying the flow:
+
+- `requests(draws)`: what the generator sees for each sample (graded system prompt changes it);
+- `generate(requests)`: how responses are produced (two-round rollouts change it);
+- `score(batch)`: how responses become rewards.
+
+The training prompt is always the draw's own prompt tokens, whatever the generator saw.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+from aligner_ext.batch import ExperienceBatch, SampleInfo
+from aligner_ext.data.loader import PromptLoader
+from aligner_ext.data.templating import left_pad, right_pad
+from aligner_ext.data.types import PromptDraw
+from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.registry import Registry
+from aligner_ext.rewards.manager import RewardManager
+
+EXPERIENCE_MAKERS = Registry("experience maker")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling of training rollouts (validation is greedy with the same length cap and stops)."""
+
+    n: int = 8  # responses per prompt: the GRPO group size
+    temperature: float = 1.0  # sampling temperature; log-probs for training use the same temperature
+    top_p: float = 1.0  # nucleus mass; 1.0 disables it
+    max_response_length: int = 32  # response cap, in tokens
+    stop: list[str] = field(default_factory=list)  # stop strings, kept in the response
+    return_logprobs: bool = False  # keep the engine's sampling log-probs (diagnostics only)
+
+
+@dataclass
+class SampleRequest:
+    """One sample to generate: the draw it belongs to and the prompt the generator sees."""
+
+    draw: PromptDraw
+    generation_prompt: list[int]  # token ids given to the engine (may differ from draw.prompt_ids)
+    group_id: int  # the GRPO group (the prompt draw), set explicitly
+
+
+class ExperienceMaker(abc.ABC):
+    """Produces one step's scored rollouts from the prompt stream."""
+
+    @abc.abstractmethod
+    def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
+        """Return the step's batch (rewards set, log-probs and advantages not yet) and its metrics."""
+
+    def state_dict(self) -> dict:
+        """Anything a maker carries between steps (saved in checkpoints)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:  # noqa: B027 - stateless makers have nothing to load
+        """Restore what `state_dict` returned."""
+
+
+@EXPERIENCE_MAKERS.register("group_sampling", "grpo")
+class GroupSampling(ExperienceMaker):
+    """GRPO: `n` samples per prompt draw, one group each."""
+
+    def __init__(self, cfg: RolloutConfig, engine: GenerationEngine, rewards: RewardManager, tokenizer,
+                 seed: int = 0):
+        if cfg.n < 1:
+            raise ValueError(f"rollout.n must be >= 1, got {cfg.n}")
+        self.cfg = cfg
+        self.engine = engine
+        self.rewards = rewards
+        self.tokenizer = tokenizer
+        self.seed = seed
+
+    def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
+        draws = loader.next_batch()
+        requests = self.requests(draws)
+        outputs = self.generate(requests, self.sampling_params(step))
+        batch = self.assemble(requests, outputs)
+        self.score(batch)
+        return batch, self.rewards.metrics()
+
+    def sampling_params(self, step: int) -> SamplingParams:
+        """Training sampling; seeded by (seed, step) so a resumed run samples the same responses."""
+        return SamplingParams(
+            max_new_tokens=self.cfg.max_response_length, temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p, stop=list(self.cfg.stop), return_logprobs=self.cfg.return_logprobs,
+            seed=self.seed * 1_000_003 + step,
+        )
+
+    def requests(self, draws: list[PromptDraw]) -> list[SampleRequest]:
+        """Override point: `n` identical requests per draw, grouped by the draw id."""
+        return [SampleRequest(draw, draw.prompt_ids, draw.draw_id) for draw in draws for _ in range(self.cfg.n)]
+
+    def generate(self, requests: list[SampleRequest], params: SamplingParams) -> list[GenerationOutput]:
+        """Override point: one engine call over every request."""
+        return self.engine.generate([request.generation_prompt for request in requests], params)
+
+    def assemble(self, requests: list[SampleRequest], outputs: list[GenerationOutput]) -> ExperienceBatch:
+        """Tensors of the batch: the draw's own prompt (not the generator's) and the generated ids."""
+        pad = self.tokenizer.pad_token_id
+        prompt_ids, prompt_mask = left_pad([request.draw.prompt_ids for request in requests], pad)
+        response_ids, response_valid = right_pad([output.token_ids for output in outputs], pad)
+        samples = [
+            SampleInfo(
+                row=request.draw.row,
+                response_text=self.tokenizer.decode(output.token_ids, skip_special_tokens=True),
+                finish_reason=output.finish_reason,
+            )
+            for request, output in zip(requests, outputs)
+        ]
+        generation_logprobs = None
+        if self.cfg.return_logprobs:
+            generation_logprobs, _ = right_pad_float([output.logprobs or [] for output in outputs])
+        return ExperienceBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+            response_valid=response_valid, response_mask=response_valid.clone(),
+            group_ids=torch.tensor([request.group_id for request in requests], dtype=torch.long),
+            samples=samples, generation_logprobs=generation_logprobs,
+        )
+
+    def score(self, batch: ExperienceBatch) -> None:
+        """Override point: sequence rewards, raw correctness, and the sparse token reward."""
+        results = self.rewards.score([s.response_text for s in batch.samples], [s.row for s in batch.samples])
+        for sample, result in zip(batch.samples, results):
+            sample.reward_info = result.info
+        batch.rewards = torch.tensor([r.score for r in results], dtype=torch.float32)
+        batch.correct = torch.tensor(
+            [r.correct if r.correct is not None else float("nan") for r in results], dtype=torch.float32
+        )
+        batch.token_rewards = sparse_token_rewards(batch.rewards, batch.response_lengths, batch.response_ids.shape[1])
+
+
+def sparse_token_rewards(rewards: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] zeros with each reward on its sequence's last generated token (none if empty)."""
+    token_rewards = torch.zeros(len(rewards), width, dtype=torch.float32)
+    has_tokens = lengths > 0
+    rows = torch.nonzero(has_tokens).squeeze(1)
+    token_rewards[rows, lengths[has_tokens] - 1] = rewards[has_tokens]
+    return token_rewards
+
+
+def right_pad_float(values: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad float lists to [B, R] with zeros; returns (values, mask)."""
+    width = max((len(v) for v in values), default=0)
+    out = torch.zeros(len(values), width, dtype=torch.float32)
+    mask = torch.zeros(len(values), width, dtype=torch.bool)
+    for i, row in enumerate(values):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        mask[i, : len(row)] = True
+    return out, mask

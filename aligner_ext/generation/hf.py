@@ -1,0 +1,219 @@
+"""Generation with the policy's own transformers module: a KV-cached sampling loop, token ids only.
+
+The engine holds a reference to the policy model (no copy), so `update_weights` only swaps the
+reference and sampling always sees the current weights.
+
+Per chunk of at most `cfg.batch_size` prompts:
+  1. left-pad the prompts; `position_ids = cumsum(attention_mask) - 1`, so each sequence's first
+     real token sits at position 0 whatever its padding;
+  2. one forward over the padded prompts fills the KV cache (`past_key_values`); afterwards each
+     step feeds only the newest token, its position (previous + 1) and a mask grown by one column;
+  3. each step samples from the float32 logits of the last column:
+       temperature 0:  x = argmax(z)
+       otherwise:      p = softmax(z / T); top-p keeps the smallest set of most likely tokens whose
+                       mass reaches top_p (always at least one), renormalised; x ~ p
+  4. a row finishes on an EOS id ("eos", EOS kept), on a token that completes a stop string
+     ("stop", kept, see stopping.py), or at max_new_tokens ("length"). Finished rows are fed pad
+     tokens that are never returned; the loop ends when every row has finished.
+
+Decisions:
+  - Log-probs are those of the sampled token under the distribution it was drawn from, after
+    temperature and top-p renormalisation: what an importance ratio against the sampler needs.
+    Greedy decoding has no sampling distribution; it reports the temperature-1 log-softmax of the
+    chosen token (the policy's own log-prob). Pinned by tests/unit/generation/test_hf_engine.py.
+  - `params.seed` seeds one torch.Generator for the whole call, consumed chunk after chunk: a call
+    is reproducible for a given seed, prompt order and `batch_size`.
+  - EOS ids are the tokenizer's eos_token_id plus the model's generation_config.eos_token_id.
+  - Stop strings are matched on the text decoded with `skip_special_tokens=True`, as a reader of
+    the response sees it; so a special token (e.g. "<|im_end|>") cannot itself be a stop string:
+    list its id as EOS instead.
+  - The prompt forward asks for last-column logits only (`logits_to_keep=1`) when the model
+    accepts it: full prompt logits would take B * P * vocab floats.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.stopping import StopStringMatcher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HFEngineConfig:
+    """Settings of the in-process transformers engine."""
+
+    batch_size: int = 256  # sequences per forward pass; larger calls are split into chunks of this size
+
+
+@ENGINES.register("hf")
+class HFGenerationEngine(GenerationEngine):
+    """Samples from a transformers causal LM shared with the policy.
+
+    Args:
+        model: a causal LM called as `model(input_ids=, attention_mask=, position_ids=,
+            past_key_values=, use_cache=True)` returning `.logits` [B, S, V] and `.past_key_values`.
+        tokenizer: supplies `eos_token_id`, `pad_token_id` and `decode` (stop strings only).
+        cfg: engine settings.
+    """
+
+    def __init__(self, model, tokenizer, cfg: HFEngineConfig):
+        if cfg.batch_size < 1:
+            raise ValueError(f"HFEngineConfig.batch_size must be >= 1, got {cfg.batch_size}")
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        # Padded positions are masked out of attention, so any valid id serves as padding.
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.update_weights(model)
+
+    def update_weights(self, policy_model) -> None:
+        """Keep a reference to the policy's module (shared memory: nothing is copied)."""
+        self.model = policy_model
+        self.eos_ids = _eos_ids(self.tokenizer, policy_model)
+        if not self.eos_ids:
+            logger.warning("no EOS id on the tokenizer or generation_config: sequences end only by "
+                           "stop string or max_new_tokens")
+        self._keeps_last_logits = "logits_to_keep" in inspect.signature(policy_model.forward).parameters
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        """Continue every prompt once; output i belongs to prompt i."""
+        _check_request(prompts, params)
+        if not prompts:
+            return []
+        device = _device_of(self.model)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(params.seed)
+        matcher = StopStringMatcher(params.stop, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                outputs: list[GenerationOutput] = []
+                for begin in range(0, len(prompts), self.cfg.batch_size):
+                    chunk = prompts[begin : begin + self.cfg.batch_size]
+                    outputs.extend(self._generate_chunk(chunk, params, matcher, generator, device))
+        finally:
+            self.model.train(was_training)
+        return outputs
+
+    def _generate_chunk(self, prompts, params, matcher, generator, device) -> list[GenerationOutput]:
+        """The cached sampling loop for at most `batch_size` prompts."""
+        input_ids, attention_mask = _left_pad(prompts, self.pad_id, device)  # [B, P] each
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        batch = len(prompts)
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        reasons: list[str | None] = [None] * batch
+        extra = {"logits_to_keep": 1} if self._keeps_last_logits else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=None, use_cache=True, **extra)
+        for step in range(params.max_new_tokens):
+            next_ids, next_logprobs = sample_next(out.logits[:, -1, :].float(), params, generator)
+            for row, (token, logprob) in enumerate(zip(next_ids.tolist(), next_logprobs.tolist())):
+                if reasons[row] is None:
+                    tokens[row].append(token)
+                    logprobs[row].append(logprob)
+                    reasons[row] = self._finish_reason(tokens[row], matcher)
+            if all(reason is not None for reason in reasons) or step + 1 == params.max_new_tokens:
+                break
+            finished = torch.tensor([reason is not None for reason in reasons], device=device)
+            next_ids = next_ids.masked_fill(finished, self.pad_id)[:, None]  # [B, 1]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+            position_ids = position_ids[:, -1:] + 1  # [B, 1]
+            out = self.model(input_ids=next_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=out.past_key_values, use_cache=True)
+        return [
+            GenerationOutput(token_ids=tokens[row], finish_reason=reasons[row] or "length",
+                             logprobs=logprobs[row] if params.return_logprobs else None)
+            for row in range(batch)
+        ]
+
+    def _finish_reason(self, generated: list[int], matcher: StopStringMatcher) -> str | None:
+        """"eos" / "stop" if the newest token ends the sequence, else None (length is the caller's)."""
+        if generated[-1] in self.eos_ids:
+            return "eos"
+        if matcher and matcher.completed_by_last_token(generated):
+            return "stop"
+        return None
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row.
+
+    Args:
+        logits: [B, V] float32, the last position's logits.
+    Returns:
+        token ids [B] int64 and their log-probs [B] float32 (see the module docstring for which
+        distribution).
+    """
+    if params.temperature == 0:
+        token_ids = logits.argmax(dim=-1)
+        log_probs = torch.log_softmax(logits, dim=-1)
+    else:
+        log_probs = torch.log_softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            log_probs = nucleus(log_probs, params.top_p)
+        token_ids = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+    return token_ids, log_probs.gather(-1, token_ids[:, None]).squeeze(-1)
+
+
+def nucleus(log_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p filter: keep the smallest set of most likely tokens whose mass reaches `top_p`.
+
+    A token is kept when the mass of the tokens ranked above it is still below `top_p`, so the
+    most likely token is always kept. Returns [B, V] log-probs renormalised over the kept set,
+    -inf elsewhere.
+    """
+    sorted_log_probs, order = log_probs.sort(dim=-1, descending=True)
+    mass_before = sorted_log_probs.exp().cumsum(dim=-1) - sorted_log_probs.exp()
+    drop_sorted = mass_before >= top_p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    kept = log_probs.masked_fill(drop, float("-inf"))
+    return kept - kept.logsumexp(dim=-1, keepdim=True)
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> (input_ids [B, P] int64, attention_mask [B, P] int64), padded on the left."""
+    width = max(len(prompt) for prompt in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt):] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    """The tokenizer's EOS id and any in the model's generation_config."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    generation_config = getattr(model, "generation_config", None)
+    configured = getattr(generation_config, "eos_token_id", None)
+    if configured is not None:
+        ids.update([configured] if isinstance(configured, int) else configured)
+    return ids
+
+
+def _device_of(model) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _check_request(prompts: list[list[int]], params: SamplingParams) -> None:
+    """Reject requests the loop cannot serve, naming the offending field or prompt."""
+    if params.max_new_tokens < 1:
+        raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
+    for index, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")

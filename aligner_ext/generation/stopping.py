@@ -1,0 +1,71 @@
+"""Incremental stop-string detection over generated token ids.
+
+The engine asks, after every sampled token, whether that token completed one of the stop strings.
+Because the question is asked at every step, a stop string that is found now must end inside the
+text of the newest token: an earlier end would have been caught earlier. So only a tail window
+of tokens needs decoding, never the whole response (and never the prompt: the matcher only ever
+sees generated ids, so a stop string in the prompt, or one that starts in the prompt and ends in
+the response, does not count).
+
+Window bound. A stop string of at most L characters ending in the newest token's text starts at
+most L - 1 characters before that text, so the window must hold at least L - 1 characters ahead
+of the newest token. A fixed count of tokens is not a safe bound, because some tokens decode to
+nothing (special tokens under `skip_special_tokens`, pieces of a multi-byte character). The
+window therefore starts at `L + MARGIN_TOKENS` tokens (enough when every token decodes to at least
+one character, the usual case: two short decodes per step) and doubles until the tokens between
+the margin and the newest token decode to at least L - 1 characters, or it reaches the first
+generated token.
+
+MARGIN_TOKENS extra tokens at the window's start absorb decoding artefacts at a cut: a
+SentencePiece decoder drops the leading space of the first piece, and a byte-level BPE window
+that starts inside a multi-byte UTF-8 character (at most 3 continuation bytes) renders those
+bytes as replacement characters. Beyond that margin we assume decoding is local (decoding a
+suffix of the ids gives a suffix of the text), which holds for byte-level BPE, SentencePiece and
+character tokenizers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+MARGIN_TOKENS = 4  # tokens at a window's start whose text may differ from the full decode
+
+
+class StopStringMatcher:
+    """Tells whether the newest generated token completed a stop string.
+
+    Args:
+        stop: the stop strings; empty strings are rejected (they would match everywhere).
+        decode: token ids -> text, as the response text will be read (e.g. a tokenizer's decode
+            with `skip_special_tokens=True`).
+    """
+
+    def __init__(self, stop: Sequence[str], decode: Callable[[list[int]], str]):
+        for index, text in enumerate(stop):
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop string {index} is {text!r}; stop strings must be non-empty str")
+        self.stop = list(stop)
+        self.decode = decode
+        self.max_chars = max((len(text) for text in self.stop), default=0)  # L, in characters
+
+    def __bool__(self) -> bool:
+        return bool(self.stop)
+
+    def completed_by_last_token(self, generated: Sequence[int]) -> bool:
+        """True if a stop string occurs in the decoded `generated` ids, ending in the last token.
+
+        Assumes the earlier prefixes were already checked (no stop string ended before the last
+        token). `generated` holds response ids only, never prompt ids.
+        """
+        if not self.stop or not generated:
+            return False
+        ids = list(generated)
+        n = len(ids)
+        span = self.max_chars + MARGIN_TOKENS  # window length, in tokens
+        while True:
+            start = max(0, n - span)
+            if start == 0 or len(self.decode(ids[start + MARGIN_TOKENS : n - 1])) >= self.max_chars - 1:
+                break
+            span *= 2
+        text = self.decode(ids[start:n])
+        return any(stop in text for stop in self.stop)

@@ -1,0 +1,173 @@
+"""Policy backend on plain PyTorch + transformers (CPU or one GPU).
+
+Log-probs come from the base model's hidden states through the chunked log-softmax of
+`models/logprobs.py`, so a float32 [b, T, vocab] tensor never exists at once. A training call splits
+the step batch into mini-batches (one optimizer update each) and micro-batches (gradient
+accumulation); the loss divides by the mini-batch's global counts, so the gradient does not depend on
+the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from transformers import PreTrainedModel
+
+from aligner_ext.batch import ExperienceBatch
+from aligner_ext.losses.base import Loss
+from aligner_ext.models.base import POLICIES, OptimConfig, Policy, PolicyConfig
+from aligner_ext.models.logprobs import token_logprobs
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if use_bf16 else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"policy.dtype must be auto, float32 or bfloat16, got {name!r}")
+    return dtypes[name]
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int):
+    """Multiplier of the peak lr at a given RL step: linear warm-up, then constant/linear/cosine."""
+    if cfg.schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"policy.optim.schedule must be constant, linear or cosine, got {cfg.schedule!r}")
+
+    def multiplier(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        decay = 1.0 - progress if cfg.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+    return multiplier
+
+
+def response_logprobs(
+    model: PreTrainedModel, batch: ExperienceBatch, chunk_size: int, with_entropy: bool, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [b, R] (and entropy) of `batch.response_ids` under `model`, on the model's device."""
+    device = model.device
+    prompt_width, response_width = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    hidden = model.base_model(
+        input_ids=batch.input_ids.to(device),
+        attention_mask=batch.attention_mask.to(device),
+        position_ids=batch.position_ids.to(device),
+        use_cache=False,
+    ).last_hidden_state
+    # The logits at column P-1+t predict response token t.
+    hidden = hidden[:, prompt_width - 1 : prompt_width - 1 + response_width]
+    head = model.get_output_embeddings().weight
+    return token_logprobs(hidden, head, batch.response_ids.to(device), chunk_size, with_entropy, temperature)
+
+
+def split_rows(size: int, chunk: int) -> list[range]:
+    chunk = size if chunk <= 0 else chunk
+    return [range(start, min(size, start + chunk)) for start in range(0, size, chunk)]
+
+
+@POLICIES.register("hf")
+class HFPolicy(Policy):
+    """An HF causal LM trained with AdamW; the generation engine may share `self.model`."""
+
+    def __init__(self, model: PreTrainedModel, cfg: PolicyConfig, total_steps: int):
+        self.cfg = cfg
+        device = resolve_device(cfg.device)
+        self.model = model.to(device=device, dtype=resolve_dtype(cfg.dtype, device))
+        optim = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
+            eps=optim.eps, weight_decay=optim.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
+
+    @torch.no_grad()
+    def logprobs(self, batch: ExperienceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        was_training = self.model.training
+        self.model.eval()
+        parts_lp, parts_ent = [], []
+        for rows in split_rows(len(batch), self.cfg.micro_batch_size):
+            lp, ent = response_logprobs(
+                self.model, batch.select(list(rows)), self.cfg.logprob_chunk_size, True, temperature
+            )
+            parts_lp.append(lp.float().cpu())
+            parts_ent.append(ent.float().cpu())
+        self.model.train(was_training)
+        mask = batch.response_valid
+        return torch.cat(parts_lp) * mask, torch.cat(parts_ent) * mask
+
+    def train(self, batch: ExperienceBatch, loss: Loss, temperature: float) -> dict[str, float]:
+        self.model.train()
+        totals: dict[str, float] = defaultdict(float)
+        grad_norms = []
+        for _ in range(self.cfg.num_iterations):
+            for mini_rows in split_rows(len(batch), self.cfg.mini_batch_size):
+                mini = batch.select(list(mini_rows))
+                update_metrics, grad_norm = self._update(mini, loss, temperature)
+                grad_norms.append(grad_norm)
+                for key, value in update_metrics.items():
+                    totals[key] += value
+        self.scheduler.step()
+        metrics = {key: value / len(grad_norms) for key, value in totals.items()}
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/grad_norm_max"] = max(grad_norms)
+        metrics["actor/num_updates"] = float(len(grad_norms))
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _update(self, mini: ExperienceBatch, loss: Loss, temperature: float) -> tuple[dict[str, float], float]:
+        """One optimizer update on a mini-batch, accumulating gradients over micro-batches."""
+        counts = loss.global_counts(mini)
+        metrics: dict[str, float] = defaultdict(float)
+        self.optimizer.zero_grad(set_to_none=True)
+        for rows in split_rows(len(mini), self.cfg.micro_batch_size):
+            micro = mini.select(list(rows)).to(self.model.device)
+            logprobs, _ = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, False, temperature)
+            value, micro_metrics = loss(logprobs, micro, counts)
+            value.backward()
+            for key, number in micro_metrics.items():
+                metrics[key] += float(number)
+        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        self.optimizer.step()
+        return metrics, grad_norm
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def save_pretrained(self, directory: str) -> None:
+        self.model.save_pretrained(directory, safe_serialization=True)
+
+
+class FrozenReference:
+    """A frozen copy of the starting policy, for the KL penalty's reference log-probs."""
+
+    def __init__(self, model: PreTrainedModel, chunk_size: int, micro_batch_size: int):
+        import copy
+
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.chunk_size = chunk_size
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def logprobs(self, batch: ExperienceBatch, temperature: float) -> torch.Tensor:
+        parts = [
+            response_logprobs(self.model, batch.select(list(rows)), self.chunk_size, False, temperature)[0].float().cpu()
+            for rows in split_rows(len(batch), self.micro_batch_size)
+        ]
+        return torch.cat(parts) * batch.response_valid

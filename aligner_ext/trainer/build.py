@@ -1,0 +1,94 @@
+"""Config names -> objects. The only place that reads plug-in names from the config."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from aligner_ext.algorithms.advantages import ADVANTAGES
+from aligner_ext.config import RunConfig
+from aligner_ext.data.loader import PromptLoader
+from aligner_ext.data.readers import load_files
+from aligner_ext.data.synthetic import builtin_rows, sft_target
+from aligner_ext.experience.base import EXPERIENCE_MAKERS, ExperienceMaker
+from aligner_ext.generation.base import ENGINES, GenerationEngine
+from aligner_ext.losses.base import LOSSES, Loss
+from aligner_ext.models.base import POLICIES, Policy
+from aligner_ext.models.hf import FrozenReference
+from aligner_ext.models.tiny import build_char_tokenizer, build_tiny_model
+from aligner_ext.rewards.manager import RewardManager
+from aligner_ext.trainer.warmup import supervised_warmup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    """Every object the loop uses, built from one RunConfig."""
+
+    tokenizer: object
+    policy: Policy
+    reference: FrozenReference | None
+    engine: GenerationEngine
+    rewards: RewardManager
+    maker: ExperienceMaker
+    advantage: object
+    loss: Loss
+    train_loader: PromptLoader
+    val_loader: PromptLoader
+
+
+def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
+    """Build and warm up the embedded tiny model once per run; later calls (resume) reuse it."""
+    directory = run_dir / "base_model"
+    if (directory / "config.json").exists():
+        return directory
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, cfg.model.tiny)
+    rows = builtin_rows(cfg.data.builtin_task, "train", cfg.data.builtin_train_size, cfg.data.seed)
+    logger.info("warming up the embedded model on %d %s rows", len(rows), cfg.data.builtin_task)
+    supervised_warmup(model, tokenizer, rows, [sft_target(row) for row in rows], cfg.model.warmup,
+                      progress=cfg.trainer.progress_bar)
+    tmp = directory.with_name(directory.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(directory)
+    return directory
+
+
+def load_rows(cfg: RunConfig, split: str):
+    files = cfg.data.train_files if split == "train" else cfg.data.val_files
+    if files:
+        return load_files(list(files))
+    size = cfg.data.builtin_train_size if split == "train" else cfg.data.builtin_val_size
+    return builtin_rows(cfg.data.builtin_task, split, size, cfg.data.seed)
+
+
+def build_components(cfg: RunConfig, run_dir: Path) -> Components:
+    model_dir = Path(cfg.model.path) if cfg.model.path else embedded_model_dir(cfg, run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    policy = POLICIES.get(cfg.policy.backend)(model, cfg.policy, cfg.trainer.total_steps)
+    reference = None
+    if cfg.loss.kl_coef > 0:
+        reference = FrozenReference(policy.model, cfg.policy.logprob_chunk_size, cfg.policy.micro_batch_size)
+    engine_cfg = getattr(cfg.generator, cfg.generator.engine)
+    engine = ENGINES.get(cfg.generator.engine)(policy.model, tokenizer, engine_cfg)
+    rewards = RewardManager(cfg.reward)
+    maker = EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker)(
+        cfg.rollout, engine, rewards, tokenizer, seed=cfg.trainer.seed
+    )
+    train_loader = PromptLoader(load_rows(cfg, "train"), tokenizer, cfg.data, cfg.data.train_batch_size,
+                                shuffle=cfg.data.shuffle)
+    val_loader = PromptLoader(load_rows(cfg, "val"), tokenizer, cfg.data, cfg.data.val_batch_size, shuffle=False)
+    return Components(
+        tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, rewards=rewards, maker=maker,
+        advantage=ADVANTAGES.get(cfg.algorithm.adv_estimator)(cfg.advantage),
+        loss=LOSSES.get(cfg.algorithm.loss)(cfg.loss),
+        train_loader=train_loader, val_loader=val_loader,
+    )

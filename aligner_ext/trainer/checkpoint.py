@@ -1,0 +1,102 @@
+"""Checkpoints: written atomically, resumed exactly.
+
+A checkpoint is `checkpoints/step_<N>/` holding the weights (`model.safetensors`), the tokenizer,
+and `trainer_state.pt` (optimizer, LR schedule, prompt-loader position, experience-maker state,
+RNG states). It is written under a temporary name and renamed into place only when complete, and
+`checkpoints/latest` (a one-line file, itself replaced atomically) names the newest one, so a run
+killed mid-save keeps its previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    """Saves and restores the training state under `<run_dir>/checkpoints`."""
+
+    def __init__(self, run_dir: str | Path, keep_last: int):
+        self.directory = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        pointer = self.directory / LATEST
+        if not pointer.exists():
+            return None
+        path = self.directory / pointer.read_text(encoding="utf-8").strip()
+        if not (path / "trainer_state.pt").exists():
+            raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint")
+        return path
+
+    def save(self, step: int, model: torch.nn.Module, tokenizer, state: dict[str, Any]) -> Path:
+        """Write step `step`; `state` holds everything but the weights (optimizer, loader, ...)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.directory / f"step_{step}"
+        tmp = self.directory / f".step_{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_model(model, str(tmp / "model.safetensors"))
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        torch.save({**state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_text_atomically(self.directory / LATEST, final.name)
+        self._prune(keep=final)
+        logger.info("saved checkpoint %s", final)
+        return final
+
+    def load(self, path: Path, model: torch.nn.Module) -> dict[str, Any]:
+        """Load the weights into `model` and the RNG states; return the rest of the saved state."""
+        missing, unexpected = load_model(model, str(path / "model.safetensors"), device=str(model.device))
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        set_rng_state(state["rng"])
+        logger.info("resumed from %s (step %d)", path, state["step"])
+        return state
+
+    def _prune(self, keep: Path) -> None:
+        if self.keep_last <= 0:
+            return
+        steps = sorted(self.directory.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        for old in steps[: -self.keep_last]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)

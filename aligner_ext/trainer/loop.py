@@ -1,0 +1,127 @@
+"""The GRPO loop: prompts -> experience maker -> advantages -> loss -> optimizer step.
+
+Each stage is a component chosen by config (`trainer/build.py`); the loop never learns which
+variant is running. A step is numbered by the updates done: the evaluation before training is step 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from aligner_ext.config import RunConfig, to_yaml
+from aligner_ext.trainer.build import Components, build_components
+from aligner_ext.trainer.checkpoint import Checkpointer
+from aligner_ext.trainer.evaluate import evaluate
+from aligner_ext.trainer.metrics import MetricsLogger, StageTimer, plot_history
+from aligner_ext.trainer.step_metrics import batch_metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSummary:
+    """What a run reports at the end (also written to <run dir>/summary.json)."""
+
+    run_dir: str
+    steps: int
+    accuracy_before: float
+    accuracy_after: float
+    reward_before: float
+    reward_after: float
+    train_seconds: float
+
+
+def train(cfg: RunConfig) -> RunSummary:
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    torch.manual_seed(cfg.trainer.seed)
+    parts = build_components(cfg, run_dir)
+    checkpointer = Checkpointer(run_dir, cfg.trainer.keep_last)
+    start_step, before = resume(cfg, parts, checkpointer)
+    log = MetricsLogger(run_dir, cfg.trainer.tensorboard, resume_step=start_step if start_step else None)
+    if start_step == 0:
+        before = run_eval(cfg, parts)
+        log.log(0, before)
+    temperature = cfg.rollout.temperature
+    started = time.perf_counter()
+    steps = range(start_step, cfg.trainer.total_steps)
+    for step in tqdm(steps, desc="GRPO", disable=not cfg.trainer.progress_bar, initial=start_step,
+                     total=cfg.trainer.total_steps):
+        timer = StageTimer()
+        with timer("rollout"):
+            batch, metrics = parts.maker.make_experience(parts.train_loader, step)
+        with timer("logprobs"):
+            batch.old_logprobs, entropy = parts.policy.logprobs(batch, temperature)
+            if parts.reference is not None:
+                batch.ref_logprobs = parts.reference.logprobs(batch, temperature)
+        with timer("advantages"):
+            batch.advantages = parts.advantage(batch)
+        with timer("train"):
+            metrics.update(parts.policy.train(batch, parts.loss, temperature))
+        with timer("weight_sync"):
+            parts.engine.update_weights(parts.policy.model)
+        metrics.update(batch_metrics(batch, entropy))
+        metrics.update(timer.metrics())
+        metrics.update(parts.train_loader.metrics())
+        metrics["timing/tokens_per_s"] = metrics["response/num_tokens"] / metrics["timing/step_s"]
+        done = step + 1
+        if cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0 and done < cfg.trainer.total_steps:
+            metrics.update(run_eval(cfg, parts))
+        log.log(done, metrics)
+        if cfg.trainer.log_samples_every and done % cfg.trainer.log_samples_every == 0:
+            log.log_samples(done, batch, cfg.trainer.num_log_samples)
+        if cfg.trainer.save_every and done % cfg.trainer.save_every == 0 and done < cfg.trainer.total_steps:
+            save(parts, checkpointer, done, before)
+    after = run_eval(cfg, parts)
+    log.log(cfg.trainer.total_steps, after)
+    log.close()
+    save(parts, checkpointer, cfg.trainer.total_steps, before)
+    if cfg.trainer.export_hf:
+        parts.policy.save_pretrained(str(run_dir / "hf_model"))
+        parts.tokenizer.save_pretrained(str(run_dir / "hf_model"))
+    parts.rewards.close()
+    plot_history(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png")
+    summary = RunSummary(
+        run_dir=str(run_dir), steps=cfg.trainer.total_steps,
+        accuracy_before=before["val/accuracy"], accuracy_after=after["val/accuracy"],
+        reward_before=before["val/reward_mean"], reward_after=after["val/reward_mean"],
+        train_seconds=time.perf_counter() - started,
+    )
+    (run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+    return summary
+
+
+def run_eval(cfg: RunConfig, parts: Components) -> dict[str, float]:
+    return evaluate(parts.engine, parts.rewards, parts.tokenizer, parts.val_loader,
+                    cfg.rollout.max_response_length, cfg.rollout.stop)
+
+
+def save(parts: Components, checkpointer: Checkpointer, step: int, before: dict[str, float]) -> None:
+    state = {
+        "policy": parts.policy.state_dict(),
+        "loader": parts.train_loader.state_dict(),
+        "maker": parts.maker.state_dict(),
+        "eval_before": before,
+    }
+    checkpointer.save(step, parts.policy.model, parts.tokenizer, state)
+
+
+def resume(cfg: RunConfig, parts: Components, checkpointer: Checkpointer) -> tuple[int, dict[str, float]]:
+    """Restore the latest checkpoint if asked; returns (completed steps, the step-0 evaluation)."""
+    latest = checkpointer.latest() if cfg.trainer.resume else None
+    if latest is None:
+        return 0, {}
+    state = checkpointer.load(latest, parts.policy.model)
+    parts.policy.load_state_dict(state["policy"])
+    parts.train_loader.load_state_dict(state["loader"])
+    parts.maker.load_state_dict(state["maker"])
+    parts.engine.update_weights(parts.policy.model)
+    return state["step"], state["eval_before"]

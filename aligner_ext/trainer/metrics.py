@@ -1,0 +1,124 @@
+"""Run logs: a jsonl metrics file, TensorBoard scalars, sample completions, and the end-of-run plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from aligner_ext.batch import ExperienceBatch
+
+logger = logging.getLogger(__name__)
+
+PLOTTED = ("reward/mean", "reward/accuracy", "val/accuracy")
+
+
+class StageTimer:
+    """Wall-clock seconds per named stage of a step: `with timer("rollout"): ...`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        timings = {f"timing/{stage}_s": value for stage, value in self.seconds.items()}
+        timings["timing/step_s"] = sum(self.seconds.values())
+        return timings
+
+
+class MetricsLogger:
+    """Appends one json line per step to `metrics.jsonl` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool, resume_step: int | None):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.samples_path = self.run_dir / "samples.jsonl"
+        if resume_step is not None:
+            self._truncate_after(resume_step)
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop records of steps after the checkpoint so the log reads as one run."""
+        for path in (self.path, self.samples_path):
+            if path.exists():
+                kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+                path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{key: _finite(value) for key, value in sorted(metrics.items())}}
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, step)
+
+    def log_samples(self, step: int, batch: ExperienceBatch, count: int) -> None:
+        """Write `count` completions (prompt, response, reward) to samples.jsonl and the log."""
+        with open(self.samples_path, "a", encoding="utf-8") as handle:
+            for index in range(min(count, len(batch))):
+                sample = batch.samples[index]
+                record = {
+                    "step": step,
+                    "row_id": sample.row.row_id,
+                    "prompt": sample.row.messages[-1]["content"],
+                    "response": sample.response_text,
+                    "reward": float(batch.rewards[index]),
+                    "finish_reason": sample.finish_reason,
+                }
+                handle.write(json.dumps(record) + "\n")
+                logger.info("step %d sample %d: %r -> %r (reward %.3f)", step, index, record["prompt"],
+                            record["response"], record["reward"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _finite(value: float) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def read_history(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_history(metrics_path: str | Path, png_path: str | Path, keys: tuple[str, ...] = PLOTTED) -> Path:
+    """A PNG with one line per metric in `keys` against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history = read_history(metrics_path)
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        points = [(r["step"], r[key]) for r in history if r.get(key) is not None]
+        if points:
+            steps, values = zip(*points)
+            axis.plot(steps, values, marker="o" if key.startswith("val/") else None, label=key)
+    axis.set_xlabel("step")
+    axis.set_ylabel("value")
+    axis.set_title("reward and accuracy per step")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=100)
+    plt.close(figure)
+    return Path(png_path)

@@ -1,0 +1,36 @@
+"""Per-step metrics computed from the experience batch (rewards, lengths, advantages)."""
+
+from __future__ import annotations
+
+import torch
+
+from aligner_ext.algorithms.advantages import groups_all_agree
+from aligner_ext.batch import ExperienceBatch
+
+ZERO_STD_EPS = 1e-6  # reward std at or below this counts as "all samples agree"
+
+
+def batch_metrics(batch: ExperienceBatch, entropy: torch.Tensor) -> dict[str, float]:
+    """Reward, accuracy, lengths, zero-std groups, advantage range, entropy, finish reasons."""
+    lengths = batch.response_lengths.float()
+    valid = batch.response_valid
+    agree = groups_all_agree(batch.rewards, batch.group_ids, ZERO_STD_EPS)
+    advantages = batch.advantages[batch.response_mask] if batch.advantages is not None else torch.zeros(1)
+    finish = [sample.finish_reason for sample in batch.samples]
+    metrics = {
+        "reward/mean": float(batch.rewards.mean()),
+        "reward/std": float(batch.rewards.std(unbiased=False)),
+        "reward/accuracy": float(batch.correct.nanmean()),
+        "reward/zero_std_group_fraction": float(sum(agree.values()) / max(1, len(agree))),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/num_tokens": float(valid.sum()),
+        "response/clipped_fraction": finish.count("length") / len(finish),
+        "response/stop_fraction": finish.count("stop") / len(finish),
+        "advantage/min": float(advantages.min()) if advantages.numel() else 0.0,
+        "advantage/max": float(advantages.max()) if advantages.numel() else 0.0,
+        "actor/entropy": float((entropy * valid).sum() / valid.sum().clamp(min=1)),
+        "batch/num_samples": float(len(batch)),
+        "batch/num_groups": float(len(agree)),
+    }
+    return metrics

@@ -1,0 +1,25 @@
+"""The run summary printed at the end of training."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from aligner_ext.trainer.loop import RunSummary
+
+
+def print_summary(summary: RunSummary) -> None:
+    table = Table(title=f"Run summary ({summary.steps} steps, {summary.train_seconds:.0f} s of RL)")
+    table.add_column("held-out (greedy)")
+    table.add_column("before RL", justify="right")
+    table.add_column("after RL", justify="right")
+    table.add_column("change", justify="right")
+    for name, before, after, scale in (
+        ("accuracy", summary.accuracy_before, summary.accuracy_after, 100.0),
+        ("mean reward", summary.reward_before, summary.reward_after, 1.0),
+    ):
+        unit = " pts" if scale == 100.0 else ""
+        table.add_row(name, f"{before * scale:.1f}", f"{after * scale:.1f}", f"{(after - before) * scale:+.1f}{unit}")
+    console = Console()
+    console.print(table)
+    console.print(f"run directory: {summary.run_dir} (metrics.jsonl, reward_accuracy.png, hf_model/, checkpoints/)")

@@ -1,0 +1,68 @@
+"""Supervised warm-up of the embedded tiny model on a built-in task's gold responses.
+
+A randomly initialised model never samples a correct answer, so GRPO would have no signal. A short
+supervised phase brings it to partial accuracy; it stops early on purpose, to leave RL room to
+improve the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from aligner_ext.data.templating import encode_prompt
+from aligner_ext.data.types import PromptRow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up of the embedded model (only when `model.path` is not set)."""
+
+    steps: int = 200  # optimizer steps; stop early to leave the RL phase something to learn
+    batch_size: int = 64  # sequences per step
+    lr: float = 1e-3  # AdamW learning rate
+    seed: int = 0  # order of the examples
+
+
+def supervised_warmup(model, tokenizer, rows: list[PromptRow], targets: list[str], cfg: WarmupConfig,
+                      progress: bool = True) -> float:
+    """Train `model` on (prompt, target + end token); loss only on target tokens. Returns the last loss."""
+    examples = []
+    for row, target in zip(rows, targets):
+        prompt = encode_prompt(tokenizer, row.messages)
+        answer = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        examples.append((prompt, answer))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    order = random.Random(cfg.seed)
+    model.train()
+    loss_value = float("nan")
+    for _ in tqdm(range(cfg.steps), desc="warm-up", disable=not progress):
+        batch = order.sample(examples, k=min(cfg.batch_size, len(examples)))
+        input_ids, labels, attention = _right_padded(batch, tokenizer.pad_token_id)
+        loss = model(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
+                     labels=labels.to(model.device)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss_value = float(loss)
+    logger.info("warm-up: %d steps, final loss %.4f", cfg.steps, loss_value)
+    return loss_value
+
+
+def _right_padded(batch: list[tuple[list[int], list[int]]], pad_id: int):
+    width = max(len(p) + len(a) for p, a in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, (prompt, answer) in enumerate(batch):
+        sequence = prompt + answer
+        input_ids[i, : len(sequence)] = torch.tensor(sequence)
+        labels[i, len(prompt) : len(sequence)] = torch.tensor(answer)
+        attention[i, : len(sequence)] = 1
+    return input_ids, labels, attention
