@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--config-dir", default=None, help="directory of YAML configs (default: conf/)")
         command.add_argument("--log-level", default="INFO", help="python logging level")
         command.add_argument("overrides", nargs="*", help="key=value overrides")
+        if name == "config":
+            command.add_argument("--reference", action="store_true", help="print the configuration reference (markdown)")
     return parser
 
 
@@ -33,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config_name, args.overrides, args.config_dir)
     if args.command == "config":
-        print(to_yaml(cfg))
+        if args.reference:
+            from aligner_ext.config_reference import render_reference
+
+            print(render_reference())
+        else:
+            print(to_yaml(cfg))
         return 0
     from aligner_ext.trainer.loop import train
     from aligner_ext.trainer.summary import print_summary

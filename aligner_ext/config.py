@@ -1,8 +1,8 @@
 """The run configuration: one typed tree of every component's own `Config`.
 
 Defaults live in the component dataclasses; `conf/*.yaml` only overrides them. `load_config` composes
-a YAML file from `conf/` with command-line overrides (Hydra's override grammar) and validates the
-result against this schema, so an unknown key or a wrong type fails before anything runs.
+a YAML file from `conf/` (which lists the schema `run_schema` first in its defaults) with
+command-line overrides (Hydra's override grammar), validated against this schema, so an unknown key or a wrong type fails before anything runs.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from aligner_ext.rewards.manager import RewardConfig
 from aligner_ext.trainer.warmup import WarmupConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+SCHEMA_NAME = "run_schema"  # the typed schema every top-level YAML lists first in its defaults
 
 
 @dataclass
@@ -89,15 +90,17 @@ class RunConfig:
 def load_config(name: str = "base", overrides: list[str] | None = None, config_dir: str | Path | None = None) -> RunConfig:
     """Compose `<config_dir>/<name>.yaml` with `overrides` and validate it against `RunConfig`."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
 
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
     directory = Path(config_dir or CONF_DIR).resolve()
     if not (directory / f"{name}.yaml").exists():
         raise FileNotFoundError(f"no config {name!r} in {directory}")
     with initialize_config_dir(config_dir=str(directory), version_base=None):
         composed = compose(config_name=name, overrides=list(overrides or []))
-    schema = OmegaConf.structured(RunConfig)
-    merged = OmegaConf.merge(schema, composed)
-    return OmegaConf.to_object(merged)
+    if OmegaConf.get_type(composed) is not RunConfig:
+        raise ValueError(f"{directory / name}.yaml must list '{SCHEMA_NAME}' first in its defaults")
+    return OmegaConf.to_object(composed)
 
 
 def to_yaml(cfg: RunConfig) -> str:

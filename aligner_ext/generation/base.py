@@ -33,7 +33,9 @@ class GenerationOutput:
 
     token_ids: list[int]  # generated ids, EOS and the tokens completing a stop string included
     finish_reason: str  # "stop" (a stop string), "eos" (end-of-sequence token), "length" (cap reached)
-    logprobs: list[float] | None = None  # per generated token, under the sampling distribution
+    # per generated token: its log-prob under the distribution it was drawn from (after temperature
+    # and top-p); greedy decoding reports the temperature-1 log-softmax
+    logprobs: list[float] | None = None
 
 
 class GenerationEngine(abc.ABC):

@@ -90,7 +90,7 @@ class HFGenerationEngine(GenerationEngine):
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device).manual_seed(params.seed)
-        matcher = StopStringMatcher(params.stop, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        matcher = StopStringMatcher(params.stop, self._decode)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -102,6 +102,9 @@ class HFGenerationEngine(GenerationEngine):
         finally:
             self.model.train(was_training)
         return outputs
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _generate_chunk(self, prompts, params, matcher, generator, device) -> list[GenerationOutput]:
         """The cached sampling loop for at most `batch_size` prompts."""
@@ -136,7 +139,7 @@ class HFGenerationEngine(GenerationEngine):
         ]
 
     def _finish_reason(self, generated: list[int], matcher: StopStringMatcher) -> str | None:
-        """"eos" / "stop" if the newest token ends the sequence, else None (length is the caller's)."""
+        """The finish reason ("eos" or "stop") if the newest token ends the sequence, else None."""
         if generated[-1] in self.eos_ids:
             return "eos"
         if matcher and matcher.completed_by_last_token(generated):

@@ -42,8 +42,8 @@ class Loss(abc.ABC):
     """A loss on one micro-batch, normalised by the step's global counts.
 
     Subclasses set `reads` (the ExperienceBatch fields they need besides the log-probs; an instance
-    may extend it from its config) and implement `__call__`. Wrappers that change what counts (e.g. per-segment masks) override
-    `global_counts`.
+    may extend it from its config) and implement `__call__`. Wrappers that change what counts (e.g.
+    per-segment masks) override `global_counts`.
     """
 
     reads: tuple[str, ...] = ("response_mask",)

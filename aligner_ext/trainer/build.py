@@ -10,9 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from aligner_ext.algorithms.advantages import ADVANTAGES
 from aligner_ext.config import RunConfig
+from aligner_ext.data import build_loader, builtin_rows, sft_target
 from aligner_ext.data.loader import PromptLoader
-from aligner_ext.data.readers import load_files
-from aligner_ext.data.synthetic import builtin_rows, sft_target
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, ExperienceMaker
 from aligner_ext.generation.base import ENGINES, GenerationEngine
 from aligner_ext.losses.base import LOSSES, Loss
@@ -38,7 +37,7 @@ class Components:
     advantage: object
     loss: Loss
     train_loader: PromptLoader
-    val_loader: PromptLoader
+    val_loader: PromptLoader | None  # None when there is no validation set
 
 
 def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
@@ -59,14 +58,6 @@ def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     return directory
 
 
-def load_rows(cfg: RunConfig, split: str):
-    files = cfg.data.train_files if split == "train" else cfg.data.val_files
-    if files:
-        return load_files(list(files))
-    size = cfg.data.builtin_train_size if split == "train" else cfg.data.builtin_val_size
-    return builtin_rows(cfg.data.builtin_task, split, size, cfg.data.seed)
-
-
 def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     model_dir = Path(cfg.model.path) if cfg.model.path else embedded_model_dir(cfg, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -83,9 +74,8 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     maker = EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker)(
         cfg.rollout, engine, rewards, tokenizer, seed=cfg.trainer.seed
     )
-    train_loader = PromptLoader(load_rows(cfg, "train"), tokenizer, cfg.data, cfg.data.train_batch_size,
-                                shuffle=cfg.data.shuffle)
-    val_loader = PromptLoader(load_rows(cfg, "val"), tokenizer, cfg.data, cfg.data.val_batch_size, shuffle=False)
+    train_loader = build_loader(cfg.data, tokenizer, "train")
+    val_loader = build_loader(cfg.data, tokenizer, "val")
     return Components(
         tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, rewards=rewards, maker=maker,
         advantage=ADVANTAGES.get(cfg.algorithm.adv_estimator)(cfg.advantage),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,11 +47,13 @@ def train(cfg: RunConfig) -> RunSummary:
     parts = build_components(cfg, run_dir)
     checkpointer = Checkpointer(run_dir, cfg.trainer.keep_last)
     start_step, before = resume(cfg, parts, checkpointer)
-    log = MetricsLogger(run_dir, cfg.trainer.tensorboard, resume_step=start_step if start_step else None)
+    log = MetricsLogger(run_dir, cfg.trainer.tensorboard, start_step)
     if start_step == 0:
         before = run_eval(cfg, parts)
-        log.log(0, before)
+        if before:
+            log.log(0, before)
     temperature = cfg.rollout.temperature
+    after = before
     started = time.perf_counter()
     steps = range(start_step, cfg.trainer.total_steps)
     for step in tqdm(steps, desc="GRPO", disable=not cfg.trainer.progress_bar, initial=start_step,
@@ -73,15 +76,16 @@ def train(cfg: RunConfig) -> RunSummary:
         metrics.update(parts.train_loader.metrics())
         metrics["timing/tokens_per_s"] = metrics["response/num_tokens"] / metrics["timing/step_s"]
         done = step + 1
-        if cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0 and done < cfg.trainer.total_steps:
-            metrics.update(run_eval(cfg, parts))
+        if done == cfg.trainer.total_steps or (cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0):
+            after = run_eval(cfg, parts)
+            metrics.update(after)
         log.log(done, metrics)
         if cfg.trainer.log_samples_every and done % cfg.trainer.log_samples_every == 0:
             log.log_samples(done, batch, cfg.trainer.num_log_samples)
         if cfg.trainer.save_every and done % cfg.trainer.save_every == 0 and done < cfg.trainer.total_steps:
             save(parts, checkpointer, done, before)
-    after = run_eval(cfg, parts)
-    log.log(cfg.trainer.total_steps, after)
+    if start_step >= cfg.trainer.total_steps:  # resumed a finished run: nothing trained, evaluate again
+        after = run_eval(cfg, parts)
     log.close()
     save(parts, checkpointer, cfg.trainer.total_steps, before)
     if cfg.trainer.export_hf:
@@ -91,8 +95,8 @@ def train(cfg: RunConfig) -> RunSummary:
     plot_history(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png")
     summary = RunSummary(
         run_dir=str(run_dir), steps=cfg.trainer.total_steps,
-        accuracy_before=before["val/accuracy"], accuracy_after=after["val/accuracy"],
-        reward_before=before["val/reward_mean"], reward_after=after["val/reward_mean"],
+        accuracy_before=before.get("val/accuracy", math.nan), accuracy_after=after.get("val/accuracy", math.nan),
+        reward_before=before.get("val/reward_mean", math.nan), reward_after=after.get("val/reward_mean", math.nan),
         train_seconds=time.perf_counter() - started,
     )
     (run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
@@ -100,6 +104,8 @@ def train(cfg: RunConfig) -> RunSummary:
 
 
 def run_eval(cfg: RunConfig, parts: Components) -> dict[str, float]:
+    if parts.val_loader is None:
+        return {}
     return evaluate(parts.engine, parts.rewards, parts.tokenizer, parts.val_loader,
                     cfg.rollout.max_response_length, cfg.rollout.stop)
 

@@ -41,12 +41,11 @@ class StageTimer:
 class MetricsLogger:
     """Appends one json line per step to `metrics.jsonl` and mirrors scalars to TensorBoard."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool, resume_step: int | None):
+    def __init__(self, run_dir: str | Path, tensorboard: bool, start_step: int):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "samples.jsonl"
-        if resume_step is not None:
-            self._truncate_after(resume_step)
+        self._truncate_after(start_step)
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -54,9 +53,12 @@ class MetricsLogger:
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps after the checkpoint so the log reads as one run."""
+        """Drop records of steps after `step` (a resumed checkpoint; all of them for a fresh start),
+        so the log reads as one run."""
         for path in (self.path, self.samples_path):
-            if path.exists():
+            if path.exists() and step == 0:
+                path.unlink()
+            elif path.exists():
                 kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
                 path.write_text("".join(line + "\n" for line in kept))
 

@@ -2,7 +2,7 @@
 
 For N in [MIN_NUMBER, MAX_NUMBER] the rubric holds (points in brackets):
     parity            "states that N is even|odd"                 (+3)  check "N is even|odd"
-    digits            "gives the number of digits (d)"            (+2)  check "d digit"
+    digits            "gives the number of digits (d)"            (+2)  check "d digits" ("1 digit")
     prime / factors   composite: "gives the prime factorisation"  (+2)  check "2*2*3" (for 12)
                       prime:     "states that N is prime"         (+2)  check "N is prime"
     wrong claim       composite: "claims that N is prime"         (-4)  check "N is prime"
@@ -60,7 +60,7 @@ def rubric_and_gold(n: int) -> tuple[list[dict[str, Any]], str]:
     factors = "*".join(str(p) for p in prime_factors(n))
     rubric = [
         _item(f"states that {n} is {parity}", 3, "parity", f"{n} is {parity}"),
-        _item(f"gives the number of digits ({digits})", 2, "digits", f"{digits} digit"),
+        _item(f"gives the number of digits ({digits})", 2, "digits", digit_words),
     ]
     gold = f"{n} is {parity}. It has {digit_words}. "
     if len(prime_factors(n)) == 1:

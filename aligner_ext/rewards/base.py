@@ -1,0 +1,60 @@
+"""What a reward function is, and the tables that find one for a row.
+
+A reward function is a module-level function `fn(response: str, row: PromptRow) -> RewardResult | float`.
+It must be module-level (picklable by reference) because `RewardManager` runs it in worker processes.
+A plain number is read as `RewardResult(score=value, correct=None)`.
+
+Two tables:
+- `REWARDS`: reward name -> function; a name that is not registered but contains a dot is imported
+  as `pkg.module:fn`, so user functions plug in without registering.
+- `DATA_SOURCES`: data_source -> reward name, filled by `register_reward(..., data_sources=...)`
+  beside each built-in function; `RewardConfig.sources` overrides it per run.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aligner_ext.registry import Registry
+
+REWARDS = Registry("reward function")
+DATA_SOURCES: dict[str, str] = {}
+
+
+@dataclass
+class RewardResult:
+    """The outcome of scoring one response."""
+
+    score: float  # the reward the policy is trained on
+    correct: float | None = None  # raw outcome 1.0 / 0.0 before any shaping; None: no notion of correctness
+    info: dict[str, Any] = field(default_factory=dict)  # what the function wants logged (extracted answer, ...)
+
+
+def register_reward(name: str, *aliases: str, data_sources: tuple[str, ...] = ()) -> Callable[[Any], Any]:
+    """Register a reward function under `name` (and aliases) and make it the default for `data_sources`."""
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        REWARDS.register(name, *aliases)(fn)
+        for source in data_sources:
+            if DATA_SOURCES.get(source, name) != name:
+                raise ValueError(f"data_source {source!r} is mapped to both {DATA_SOURCES[source]!r} and {name!r}")
+            DATA_SOURCES[source] = name
+        return fn
+
+    return decorator
+
+
+def as_result(value: Any) -> RewardResult:
+    """Read a reward function's return value; raise on anything but a RewardResult or a finite number."""
+    if isinstance(value, RewardResult):
+        result = value
+    elif isinstance(value, numbers.Real):
+        result = RewardResult(score=float(value))
+    else:
+        raise TypeError(f"reward function returned {type(value).__name__}; expected RewardResult or float")
+    if not isinstance(result.score, numbers.Real) or not math.isfinite(result.score):
+        raise ValueError(f"reward function returned score {result.score!r}; expected a finite number")
+    return result

@@ -1,0 +1,51 @@
+"""User-style reward functions for the manager tests, loaded by dotted path 'reward_helper_fns:<name>'.
+
+The test adds this folder to sys.path before the manager starts its workers, as a user would put
+their own module on the path; workers inherit the trainer's sys.path.
+"""
+
+import os
+import time
+from pathlib import Path
+
+from aligner_ext.rewards.base import RewardResult
+
+
+def count_words(response, row):
+    """A plain float: the number of words."""
+    return float(len(response.split()))
+
+
+def worker_pid(response, row):
+    """The pid of the process that ran the call, as the score."""
+    return RewardResult(score=float(os.getpid()))
+
+
+def raise_error(response, row):
+    raise ValueError("cannot score this row")
+
+
+def return_text(response, row):
+    return "1.0"
+
+
+def return_nan(response, row):
+    return float("nan")
+
+
+def exit_worker(response, row):
+    os._exit(3)
+
+
+def sleep_then_score(response, row):
+    """Sleep `extra_info['sleep_s']` seconds (after writing this process's pid to `extra_info['pid_file']`)."""
+    if "pid_file" in row.extra_info:
+        Path(row.extra_info["pid_file"]).write_text(str(os.getpid()))
+    time.sleep(row.extra_info["sleep_s"])
+    return 1.0
+
+
+def touch_marker(response, row):
+    """Create the file `extra_info['marker']`: proof that the call ran."""
+    Path(row.extra_info["marker"]).touch()
+    return 1.0
