@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from aligner_ext.algorithms.advantages import GroupAdvantage
 from aligner_ext.data.loader import DataConfig
@@ -88,19 +89,31 @@ class RunConfig:
 
 
 def load_config(name: str = "base", overrides: list[str] | None = None, config_dir: str | Path | None = None) -> RunConfig:
-    """Compose `<config_dir>/<name>.yaml` with `overrides` and validate it against `RunConfig`."""
+    """Compose `<config_dir>/<name>.yaml` with `overrides` and validate it against `RunConfig`.
+
+    Raises ValueError naming the key for an unknown key, a wrong type or an invalid value.
+    """
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
+    from hydra.errors import ConfigCompositionException
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
     directory = Path(config_dir or CONF_DIR).resolve()
     if not (directory / f"{name}.yaml").exists():
         raise FileNotFoundError(f"no config {name!r} in {directory}")
+    where = f"config {name!r} with overrides {list(overrides or [])}"
     with initialize_config_dir(config_dir=str(directory), version_base=None):
-        composed = compose(config_name=name, overrides=list(overrides or []))
+        try:
+            composed = compose(config_name=name, overrides=list(overrides or []))
+        except ConfigCompositionException as err:  # Hydra names the override; its cause says what is wrong
+            raise ValueError(f"{where}: {err.__cause__ or err}") from err
     if OmegaConf.get_type(composed) is not RunConfig:
         raise ValueError(f"{directory / name}.yaml must list '{SCHEMA_NAME}' first in its defaults")
-    return OmegaConf.to_object(composed)
+    try:  # Hydra lets `+key=value` add keys the schema lacks; merging into the schema rejects them
+        validated = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(composed))
+    except OmegaConfBaseException as err:
+        raise ValueError(f"{where}: {err}") from err
+    return OmegaConf.to_object(validated)
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -36,13 +36,17 @@ def _sections(cls: type, prefix: str) -> list[tuple[str, type]]:
     return found
 
 
+def _cell(text: str) -> str:
+    """`text` inside a markdown table cell: a bare `|` would end the cell, so it is escaped."""
+    return text.replace("|", "\\|")
+
+
 def render_reference() -> str:
     lines = [
         "# Configuration reference",
         "",
         "Generated from the config dataclasses by `aligner-ext config --reference`; do not edit by hand.",
         "Override any key on the command line (`aligner-ext train rollout.n=4`) or in a YAML file in `conf/`.",
-        "",
     ]
     for name, cls in _sections(RunConfig, ""):
         if not name:
@@ -53,8 +57,8 @@ def render_reference() -> str:
             value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if dataclasses.is_dataclass(value):
                 continue
-            rows.append(f"| `{name}.{f.name}` | `{value!r}` | {docs.get(f.name, '')} |")
+            rows.append(f"| `{name}.{f.name}` | `{_cell(repr(value))}` | {_cell(docs.get(f.name, ''))} |")
         if rows:
             summary = (inspect.getdoc(cls) or "").splitlines()[0]
-            lines += [f"## `{name}`", "", summary, "", "| key | default | meaning |", "| --- | --- | --- |", *rows, ""]
+            lines += ["", f"## `{name}`", "", summary, "", "| key | default | meaning |", "| --- | --- | --- |", *rows]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Shared fixtures: the built-in character tokenizer and a very small Qwen2-architecture model."""
+"""Shared fixtures: the built-in character tokenizer and a very small Llama-architecture model."""
 
 import pytest
 import torch

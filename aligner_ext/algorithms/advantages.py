@@ -114,6 +114,8 @@ class GroupAdvantage:
 
     @dataclass
     class Config:
+        """How rewards are normalised within a prompt group."""
+
         use_std: bool = True  # normalise by the group std (false = Dr.GRPO: mean-centring only)
         std_floor: float = 1e-4  # lower bound of the group std, in reward units (see module docstring)
 

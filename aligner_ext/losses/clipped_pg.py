@@ -44,6 +44,8 @@ class ClippedPGLoss(Loss):
 
     @dataclass
     class Config:
+        """The clipped policy-gradient objective: clip range, aggregation and KL penalty."""
+
         epsilon: float = 0.2  # lower clip: the ratio is clipped below at 1 - epsilon
         epsilon_high: float = 0.2  # upper clip: clipped above at 1 + epsilon_high (DAPO: 0.28)
         agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum

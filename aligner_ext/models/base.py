@@ -38,7 +38,7 @@ class PolicyConfig:
     """Which backend trains the policy, and how a batch is split for it."""
 
     backend: str = "hf"  # registered policy backend
-    dtype: str = "auto"  # auto (bfloat16 on a GPU that supports it, else float32) | float32 | bfloat16
+    dtype: str = "auto"  # auto (bfloat16 on a GPU that supports it, else float32) | float32 | bfloat16 | float64
     device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
     micro_batch_size: int = 64  # sequences per forward/backward (memory knob; does not change the gradient)
     mini_batch_size: int = 0  # sequences per optimizer update; 0 = the whole step batch (one update)

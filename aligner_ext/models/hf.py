@@ -31,9 +31,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if use_bf16 else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
     if name not in dtypes:
-        raise ValueError(f"policy.dtype must be auto, float32 or bfloat16, got {name!r}")
+        raise ValueError(f"policy.dtype must be auto, float32, bfloat16 or float64, got {name!r}")
     return dtypes[name]
 
 

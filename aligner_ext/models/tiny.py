@@ -1,8 +1,11 @@
-"""The embedded default model: a character tokenizer and a small Qwen2-architecture config,
+"""The embedded default model: a character tokenizer and a small Llama-architecture config,
 built locally so the library runs with no downloads.
 
 Both are ordinary transformers objects, saved with `save_pretrained`, so the rest of the library
-treats them exactly like a user's HF checkpoint.
+treats them exactly like a user's HF checkpoint. The architecture is Llama rather than Qwen2 because
+transformers 5 loads any checkpoint whose config says `qwen2` with its own Qwen2 tokenizer class,
+which would replace this character tokenizer's pre-tokenizer (tests/unit/models/test_tiny.py pins
+the round trip).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import string
 from dataclasses import dataclass
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -61,11 +64,11 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2-architecture causal LM sized by `config`."""
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig) -> LlamaForCausalLM:
+    """A randomly initialised Llama-architecture causal LM sized by `config`."""
     import torch
 
-    hf_config = Qwen2Config(
+    hf_config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
         num_hidden_layers=config.num_layers,
@@ -80,4 +83,4 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        return Qwen2ForCausalLM(hf_config)
+        return LlamaForCausalLM(hf_config)

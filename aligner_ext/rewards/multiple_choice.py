@@ -1,12 +1,13 @@
 """Multiple-choice reward: the chosen letter (A-J) against the ground-truth letter.
 
-The letter is taken from the first of these that matches (the last occurrence within each):
-1. the last `\\boxed{...}`, with `\\text{}`, `\\textbf{}`, brackets and a trailing period removed:
-   `\\boxed{B}`, `\\boxed{(B)}`, `\\boxed{\\text{B}}`;
-2. an answer phrase: `Answer: B`, `the answer is (B)`, `answer: **B**`;
-3. a letter in brackets or alone at the very end: `... so (B).`, `B`.
-Letters are upper-cased; a response with none of these scores 0.0. The ground truth must be one
-letter A-J (brackets and case are ignored), otherwise the call is an error (counted by the manager).
+The letter is taken from the first of these that is present (the last occurrence within each):
+1. the last `\\boxed{...}`, whose content must be one letter once `\\text{}`, `\\textbf{}`, brackets
+   and a trailing period are removed: `\\boxed{B}`, `\\boxed{(b)}`, `\\boxed{\\text{B}}`;
+2. an answer phrase: `Answer: B`, `the answer is (B)`, `answer: **B**` (not `Answer: Apple`);
+3. a capital letter, bracketed or alone, at the very end: `... so (B).`, `B`.
+Only inside `\\boxed{}` does a lower-case letter count (elsewhere "a" is a word). A response with none
+of these scores 0.0. The ground truth must be one letter A-J (brackets and case are ignored),
+otherwise the call is an error (counted by the manager).
 """
 
 from __future__ import annotations

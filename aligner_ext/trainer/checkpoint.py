@@ -85,7 +85,11 @@ class Checkpointer:
 
     def load(self, path: Path, model: torch.nn.Module) -> dict[str, Any]:
         """Load the weights into `model` and the RNG states; return the rest of the saved state."""
-        missing, unexpected = load_model(model, str(path / "model.safetensors"), device=str(model.device))
+        try:
+            missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False,
+                                             device=str(model.device))
+        except RuntimeError as err:  # a tensor of another shape
+            raise RuntimeError(f"checkpoint {path} does not fit the model: {err}") from err
         if missing or unexpected:
             raise RuntimeError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
         state = torch.load(path / "trainer_state.pt", weights_only=False)

@@ -54,13 +54,24 @@ class MetricsLogger:
 
     def _truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed checkpoint; all of them for a fresh start),
-        so the log reads as one run."""
+        so the log reads as one run. A line that does not parse (the last one, torn by a run killed
+        mid-write) is dropped and counted in a warning."""
         for path in (self.path, self.samples_path):
             if path.exists() and step == 0:
                 path.unlink()
             elif path.exists():
-                kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-                path.write_text("".join(line + "\n" for line in kept))
+                kept, unreadable = [], 0
+                for line in path.read_text(encoding="utf-8").splitlines():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        unreadable += 1
+                        continue
+                    if record["step"] <= step:
+                        kept.append(line)
+                if unreadable:
+                    logger.warning("%s: dropped %d unreadable line(s) on resume", path, unreadable)
+                path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{key: _finite(value) for key, value in sorted(metrics.items())}}

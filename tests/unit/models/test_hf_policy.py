@@ -1,0 +1,101 @@
+"""The HF policy backend: log-probs against a plain forward, gradient independent of the
+micro-batch split, and the learning-rate schedule."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from aligner_ext.batch import ExperienceBatch, SampleInfo
+from aligner_ext.data.types import PromptRow
+from aligner_ext.losses.clipped_pg import ClippedPGLoss
+from aligner_ext.models.base import OptimConfig, PolicyConfig
+from aligner_ext.models.hf import HFPolicy, lr_lambda
+
+
+def ragged_batch(vocab: int, seed: int = 0) -> ExperienceBatch:
+    """5 samples with prompts of 2-4 tokens (left-padded) and responses of 1-4 tokens (right-padded)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lengths, response_lengths = [2, 4, 3, 2, 4], [3, 1, 4, 2, 4]
+    rows = len(prompt_lengths)
+    prompt_ids = torch.zeros(rows, 4, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, 4, dtype=torch.bool)
+    response_ids = torch.zeros(rows, 4, dtype=torch.long)
+    valid = torch.zeros(rows, 4, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
+        prompt_ids[i, 4 - p :] = torch.randint(4, vocab, (p,), generator=gen)
+        prompt_mask[i, 4 - p :] = True
+        response_ids[i, :r] = torch.randint(4, vocab, (r,), generator=gen)
+        valid[i, :r] = True
+    return ExperienceBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_valid=valid,
+        response_mask=valid.clone(), group_ids=torch.tensor([0, 0, 1, 1, 1]),
+        samples=[SampleInfo(row=PromptRow(row_id=f"t:{i}", messages=[], data_source="t")) for i in range(rows)],
+    )
+
+
+def make_policy(model, **overrides) -> HFPolicy:
+    cfg = PolicyConfig(device="cpu", dtype="float64", **overrides)
+    return HFPolicy(model, cfg, total_steps=10)
+
+
+def test_logprobs_match_a_plain_forward_in_float64(tiny_model, tiny_tokenizer):
+    policy = make_policy(tiny_model, micro_batch_size=2, logprob_chunk_size=3)
+    batch = ragged_batch(len(tiny_tokenizer))
+    logprobs, entropy = policy.logprobs(batch, temperature=0.7)
+    with torch.no_grad():
+        logits = policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=batch.position_ids).logits.double()
+    for i in range(len(batch)):
+        for t in range(int(batch.response_lengths[i])):
+            # logits at column P-1+t predict response token t
+            dist = torch.log_softmax(logits[i, 4 - 1 + t] / 0.7, dim=-1)
+            expected = dist[batch.response_ids[i, t]]
+            assert logprobs[i, t].item() == pytest.approx(expected.item(), abs=1e-6)
+            assert entropy[i, t].item() == pytest.approx(-(dist.exp() * dist).sum().item(), abs=1e-6)
+    assert (logprobs[~batch.response_valid] == 0).all()
+
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_gradient_does_not_depend_on_micro_batch_size(tiny_model, tiny_tokenizer, agg_mode):
+    batch = ragged_batch(len(tiny_tokenizer))
+    gen = torch.Generator().manual_seed(1)
+    batch.advantages = torch.randn(batch.response_ids.shape, generator=gen, dtype=torch.float64) * batch.response_mask
+    reference = make_policy(tiny_model)
+    current, _ = reference.logprobs(batch, temperature=1.0)
+    # old log-probs away from the current ones so that some ratios are clipped
+    batch.old_logprobs = (current + 0.3 * torch.randn(current.shape, generator=gen)).double()
+    loss = ClippedPGLoss(ClippedPGLoss.Config(agg_mode=agg_mode))
+    grads = []
+    for micro in (1, 2, 5):
+        policy = make_policy(copy.deepcopy(tiny_model), micro_batch_size=micro)
+        policy._update(batch, loss, temperature=1.0)
+        grads.append(torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None]))
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grads[2], grads[0], rtol=1e-9, atol=1e-12)
+
+
+def test_iterations_and_mini_batches_give_that_many_updates(tiny_model, tiny_tokenizer):
+    batch = ragged_batch(len(tiny_tokenizer))
+    policy = make_policy(tiny_model, num_iterations=2, mini_batch_size=2)
+    batch.advantages = batch.response_mask.double()
+    batch.old_logprobs, _ = policy.logprobs(batch, temperature=1.0)
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    metrics = policy.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), temperature=1.0)
+    assert metrics["actor/num_updates"] == 2 * math.ceil(5 / 2)
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.model.parameters()))
+
+
+def test_lr_schedule_multipliers():
+    # warm-up over 2 steps, then decay over the remaining 8 of 10
+    linear = lr_lambda(OptimConfig(schedule="linear", warmup_steps=2), total_steps=10)
+    assert [linear(s) for s in (0, 1, 2, 6, 10)] == pytest.approx([1 / 3, 2 / 3, 1.0, 0.5, 0.0])
+    cosine = lr_lambda(OptimConfig(schedule="cosine", warmup_steps=2, min_lr_ratio=0.1), total_steps=10)
+    # halfway through the decay: 0.1 + 0.9 * 0.5 * (1 + cos(pi / 2)) = 0.55
+    assert cosine(6) == pytest.approx(0.55)
+    assert cosine(10) == pytest.approx(0.1)
+    assert lr_lambda(OptimConfig(), total_steps=10)(7) == 1.0
+    with pytest.raises(ValueError, match="schedule"):
+        lr_lambda(OptimConfig(schedule="step"), total_steps=10)

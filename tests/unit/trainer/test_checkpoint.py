@@ -1,0 +1,182 @@
+"""Checkpointer: exact round trip (weights, optimizer, RNG), atomic saves, pruning, the `latest` pointer."""
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from aligner_ext.models.tiny import TinyModelConfig, build_tiny_model
+from aligner_ext.trainer import checkpoint as checkpoint_module
+from aligner_ext.trainer.checkpoint import Checkpointer
+
+# the conftest model's size, so a checkpoint of `tiny_model` fits
+TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+
+
+def trained_one_step(model):
+    """An AdamW optimizer after one update of `model`, so its state holds step, exp_avg and exp_avg_sq."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return optimizer
+
+
+def blank_model(tokenizer):
+    """A model of the same shape with every weight 0.123 (no trained weight equals it exactly)."""
+    model = build_tiny_model(tokenizer, TinyModelConfig(**TINY, seed=1)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(0.123)
+    return model
+
+
+def draws():
+    """The next value of each RNG the checkpoint restores."""
+    return torch.rand(3), random.random(), np.random.rand(3)
+
+
+def assert_draws_equal(actual, expected):
+    assert torch.equal(actual[0], expected[0])
+    assert actual[1] == expected[1]
+    np.testing.assert_array_equal(actual[2], expected[2])
+
+
+def assert_nested_equal(actual, expected, where="state"):
+    assert type(actual) is type(expected), where
+    if isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_nested_equal(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for index, (a, e) in enumerate(zip(actual, expected)):
+            assert_nested_equal(a, e, f"{where}[{index}]")
+    elif isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected), where
+    else:
+        assert actual == expected, where
+
+
+def weights(model):
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def test_round_trip_restores_weights_optimizer_and_rng(tmp_path, tiny_model, tiny_tokenizer):
+    optimizer = trained_one_step(tiny_model)
+    saved_optimizer = copy.deepcopy(optimizer.state_dict())
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    path = checkpointer.save(1, tiny_model, tiny_tokenizer, {"optimizer": optimizer.state_dict(), "loader": 17})
+    expected_draws = draws()  # what the RNGs give right after saving
+    saved_weights = weights(tiny_model)
+
+    # perturb everything the checkpoint should restore
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    with torch.no_grad():
+        for parameter in tiny_model.parameters():
+            parameter.add_(1.0)
+    fresh = blank_model(tiny_tokenizer)
+    state = checkpointer.load(path, fresh)
+
+    assert_draws_equal(draws(), expected_draws)
+    loaded = weights(fresh)
+    assert loaded.keys() == saved_weights.keys()
+    for name, tensor in saved_weights.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert state["step"] == 1 and state["loader"] == 17
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_optimizer.load_state_dict(state["optimizer"])
+    assert_nested_equal(fresh_optimizer.state_dict(), saved_optimizer)
+    assert len(saved_optimizer["state"]) > 0  # the comparison covered exp_avg / exp_avg_sq, not an empty state
+
+
+def test_tied_embeddings_stay_tied_after_load(tmp_path, tiny_model, tiny_tokenizer):
+    assert tiny_model.lm_head.weight is tiny_model.model.embed_tokens.weight  # the tiny model ties them
+    trained_one_step(tiny_model)
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    path = checkpointer.save(1, tiny_model, tiny_tokenizer, {})
+    fresh = blank_model(tiny_tokenizer)
+    checkpointer.load(path, fresh)
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    assert torch.equal(fresh.lm_head.weight, tiny_model.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"num_layers": 1}, "unexpected"),  # the checkpoint has a layer the model lacks
+    ({"hidden_size": 64}, "size mismatch"),  # same names, other shapes
+])
+def test_load_into_a_model_of_another_shape_names_the_checkpoint(tmp_path, tiny_model, tiny_tokenizer, change,
+                                                                   reason):
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    path = checkpointer.save(1, tiny_model, tiny_tokenizer, {})
+    other = build_tiny_model(tiny_tokenizer, TinyModelConfig(**{**TINY, **change}))
+    with pytest.raises(RuntimeError, match=f"(?s)checkpoint .*step_1 does not fit the model: .*{reason}"):
+        checkpointer.load(path, other)
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    first = checkpointer.save(1, tiny_model, tiny_tokenizer, {"marker": "first"})
+    first_weights = weights(tiny_model)
+    with torch.no_grad():
+        tiny_model.model.embed_tokens.weight.add_(1.0)
+
+    real_save = torch.save
+
+    def crash(obj, target, *args, **kwargs):  # the weights and tokenizer are already written by now
+        with open(target, "wb") as handle:
+            handle.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        checkpointer.save(2, tiny_model, tiny_tokenizer, {"marker": "second"})
+    monkeypatch.setattr(torch, "save", real_save)
+
+    assert checkpointer.latest() == first
+    assert not (checkpointer.directory / "step_2").exists()
+    assert sorted(p.name for p in checkpointer.directory.glob("step_*")) == ["step_1"]
+    fresh = blank_model(tiny_tokenizer)
+    state = checkpointer.load(checkpointer.latest(), fresh)
+    assert state["marker"] == "first"
+    for name, tensor in weights(fresh).items():
+        assert torch.equal(tensor, first_weights[name]), name
+
+    # the resumed run saves the same step again over the partial directory
+    second = checkpointer.save(2, tiny_model, tiny_tokenizer, {"marker": "second"})
+    assert checkpointer.latest() == second
+    assert checkpointer.load(second, fresh)["marker"] == "second"
+
+
+@pytest.mark.parametrize("keep_last, steps, kept", [
+    (2, [1, 2, 3, 4], ["step_3", "step_4"]),
+    (2, [8, 9, 10], ["step_10", "step_9"]),  # by step number, not by name ("step_10" < "step_8")
+    (1, [1, 2], ["step_2"]),
+    (0, [1, 2, 3], ["step_1", "step_2", "step_3"]),  # 0 keeps all
+])
+def test_keep_last_prunes_all_but_the_newest(tmp_path, tiny_model, tiny_tokenizer, keep_last, steps, kept):
+    checkpointer = Checkpointer(tmp_path, keep_last=keep_last)
+    for step in steps:
+        checkpointer.save(step, tiny_model, tiny_tokenizer, {})
+    assert sorted(p.name for p in checkpointer.directory.glob("step_*")) == kept
+    assert checkpointer.latest() == checkpointer.directory / f"step_{steps[-1]}"
+
+
+def test_latest_is_none_before_any_save(tmp_path):
+    assert Checkpointer(tmp_path, keep_last=2).latest() is None
+
+
+def test_latest_pointing_to_a_missing_checkpoint_is_an_error(tmp_path, tiny_model, tiny_tokenizer):
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    checkpointer.save(1, tiny_model, tiny_tokenizer, {})
+    (checkpointer.directory / checkpoint_module.LATEST).write_text("step_7\n")
+    with pytest.raises(FileNotFoundError, match=r"latest names .*step_7.*not a complete checkpoint"):
+        checkpointer.latest()
