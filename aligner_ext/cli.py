@@ -17,11 +17,12 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
         ("train", "train a policy with the composed config"),
-        ("demo", "the embedded default job (tiny model, arithmetic task); same as train with no overrides"),
+        ("demo", "the embedded default job (tiny model, arithmetic task): train with conf/demo.yaml"),
         ("config", "print the composed, validated config and exit"),
     ):
         command = commands.add_parser(name, help=help_text)
-        command.add_argument("--config-name", default="base", help="YAML file in the config dir (without .yaml)")
+        default_config = "demo" if name == "demo" else "base"
+        command.add_argument("--config-name", default=default_config, help="YAML file in the config dir (without .yaml)")
         command.add_argument("--config-dir", default=None, help="directory of YAML configs (default: conf/)")
         command.add_argument("--log-level", default="INFO", help="python logging level")
         command.add_argument("overrides", nargs="*", help="key=value overrides")

@@ -22,7 +22,7 @@ POLICIES = Registry("policy backend")
 class OptimConfig:
     """AdamW and its learning-rate schedule (one schedule step per RL step)."""
 
-    lr: float = 2e-4  # peak learning rate
+    lr: float = 1e-6  # peak learning rate (typical for billion-parameter policies; conf/demo.yaml sets the tiny model's)
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.999  # AdamW second-moment decay

@@ -62,6 +62,9 @@ class Checkpointer:
         if not pointer.exists():
             return None
         path = self.directory / pointer.read_text(encoding="utf-8").strip()
+        moved_aside = self.directory / f".{path.name}.old"
+        if not path.exists() and (moved_aside / "trainer_state.pt").exists():
+            os.replace(moved_aside, path)  # a crash while re-saving this step: its previous copy is whole
         if not (path / "trainer_state.pt").exists():
             raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint")
         return path
@@ -76,9 +79,15 @@ class Checkpointer:
         save_model(model, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(str(tmp / "tokenizer"))
         torch.save({**state, "step": step, "rng": rng_state()}, tmp / "trainer_state.pt")
-        shutil.rmtree(final, ignore_errors=True)
+        # Re-saving a step (a resumed, finished run) moves the old copy aside first, so some complete
+        # copy of the step exists at every moment.
+        replaced = self.directory / f".step_{step}.old"
+        if final.exists():
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(tmp, final)
         _write_text_atomically(self.directory / LATEST, final.name)
+        shutil.rmtree(replaced, ignore_errors=True)
         self._prune(keep=final)
         logger.info("saved checkpoint %s", final)
         return final

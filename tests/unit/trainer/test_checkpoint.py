@@ -180,3 +180,24 @@ def test_latest_pointing_to_a_missing_checkpoint_is_an_error(tmp_path, tiny_mode
     (checkpointer.directory / checkpoint_module.LATEST).write_text("step_7\n")
     with pytest.raises(FileNotFoundError, match=r"latest names .*step_7.*not a complete checkpoint"):
         checkpointer.latest()
+
+
+def test_crash_while_resaving_a_step_recovers_its_previous_copy(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
+    checkpointer = Checkpointer(tmp_path, keep_last=2)
+    first = checkpointer.save(3, tiny_model, tiny_tokenizer, {"marker": "first"})
+    real_replace = checkpoint_module.os.replace
+    calls = []
+
+    def crash_on_second_replace(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:  # the old copy is aside, the new one not yet in place
+            raise OSError("killed")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", crash_on_second_replace)
+    with pytest.raises(OSError, match="killed"):
+        checkpointer.save(3, tiny_model, tiny_tokenizer, {"marker": "second"})
+    monkeypatch.setattr(checkpoint_module.os, "replace", real_replace)
+    assert not first.exists()
+    assert checkpointer.latest() == first
+    assert checkpointer.load(first, tiny_model)["marker"] == "first"
