@@ -15,7 +15,8 @@ from aligner_ext.batch import ExperienceBatch
 
 logger = logging.getLogger(__name__)
 
-PLOTTED = ("reward/mean", "reward/accuracy", "val/accuracy")
+# (panel title, training metric, held-out metric)
+PLOTTED = (("reward", "reward/mean", "val/reward_mean"), ("accuracy", "reward/accuracy", "val/accuracy"))
 
 
 class StageTimer:
@@ -112,26 +113,40 @@ def read_history(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_history(metrics_path: str | Path, png_path: str | Path, keys: tuple[str, ...] = PLOTTED) -> Path:
-    """A PNG with one line per metric in `keys` against the step."""
+def plot_history(metrics_path: str | Path, png_path: str | Path) -> Path:
+    """A PNG of reward (left) and accuracy (right) per step: training values with a moving average,
+    held-out evaluations as markers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     history = read_history(metrics_path)
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for key in keys:
-        points = [(r["step"], r[key]) for r in history if r.get(key) is not None]
-        if points:
-            steps, values = zip(*points)
-            axis.plot(steps, values, marker="o" if key.startswith("val/") else None, label=key)
-    axis.set_xlabel("step")
-    axis.set_ylabel("value")
-    axis.set_title("reward and accuracy per step")
-    axis.grid(alpha=0.3)
-    axis.legend()
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, (title, train_key, val_key) in zip(axes, PLOTTED):
+        _plot_series(axis, history, train_key, "train (batch)", smooth=True)
+        _plot_series(axis, history, val_key, "held-out (greedy)", smooth=False)
+        axis.set_xlabel("step")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        if axis.lines:
+            axis.legend()
     figure.tight_layout()
     figure.savefig(png_path, dpi=100)
     plt.close(figure)
     return Path(png_path)
+
+
+def _plot_series(axis, history: list[dict], key: str, label: str, smooth: bool) -> None:
+    points = [(r["step"], r[key]) for r in history if r.get(key) is not None]
+    if not points:
+        return
+    steps, values = zip(*points)
+    if not smooth:
+        axis.plot(steps, values, marker="o", label=label)
+        return
+    line = axis.plot(steps, values, alpha=0.3, label=label)[0]
+    window = max(1, len(values) // 15)
+    averaged = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+                for i in range(len(values))]
+    axis.plot(steps, averaged, color=line.get_color(), label=f"{label}, moving average of {window}")

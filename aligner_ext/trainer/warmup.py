@@ -50,7 +50,7 @@ def supervised_warmup(model, tokenizer, rows: list[PromptRow], targets: list[str
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        loss_value = float(loss)
+        loss_value = loss.item()
     logger.info("warm-up: %d steps, final loss %.4f", cfg.steps, loss_value)
     return loss_value
 

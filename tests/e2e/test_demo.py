@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,14 +50,19 @@ def test_demo_run_writes_its_outputs(tmp_path):
             torch.testing.assert_close(tensor, final[name], rtol=0, atol=0)
 
 
-def test_resume_continues_the_same_run(tmp_path):
-    straight = small_config(tmp_path, "trainer.total_steps=4", "trainer.save_every=2", "trainer.run_name=a")
+DENSE_REWARD = "+reward.sources.arithmetic=e2e_rewards.digit_fraction"  # tests/e2e/e2e_rewards.py
+
+
+def test_resume_continues_the_same_run(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the reward workers inherit sys.path
+    run = ["trainer.total_steps=4", "trainer.save_every=2", DENSE_REWARD]
+    straight = small_config(tmp_path, *run, "trainer.run_name=a")
     train(straight)
     # the same run, killed after its step-2 checkpoint: drop step 4 and point `latest` back at step 2
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_4")
     (tmp_path / "b" / "checkpoints" / "latest").write_text("step_2")
-    resumed = small_config(tmp_path, "trainer.total_steps=4", "trainer.save_every=2", "trainer.run_name=b")
+    resumed = small_config(tmp_path, *run, "trainer.run_name=b")
     train(resumed)
 
     weights_a = load_file(str(tmp_path / "a" / "checkpoints" / "step_4" / "model.safetensors"))

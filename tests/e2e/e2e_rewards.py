@@ -1,0 +1,13 @@
+"""A dense reward for the small end-to-end runs, loaded by dotted path `e2e_rewards.digit_fraction`.
+
+A barely trained model almost never answers right, so with the real reward every advantage would be
+0 and a resume test would compare two untouched models. The share of digits in a response varies
+from sample to sample, so every step updates the weights.
+"""
+
+from aligner_ext.rewards.base import RewardResult
+
+
+def digit_fraction(response, row):
+    score = sum(ch.isdigit() for ch in response) / max(1, len(response))
+    return RewardResult(score=score, correct=float(score > 0.5))
