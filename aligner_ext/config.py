@@ -49,6 +49,7 @@ class AlgorithmConfig:
     """Which plug-in fills each stage of the loop (names from the registries)."""
 
     experience_maker: str = "group_sampling"  # how rollouts are produced and scored
+    experience_wrappers: list[str] = field(default_factory=list)  # wrappers around the maker, innermost first
     adv_estimator: str = "grpo"  # how rewards become per-token advantages
     loss: str = "clipped_pg"  # how a batch becomes a gradient
 

@@ -34,6 +34,7 @@ from typing import Protocol
 import torch
 
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.context import BuildContext
 from aligner_ext.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator")
@@ -123,6 +124,10 @@ class GroupAdvantage:
         if cfg.std_floor <= 0:
             raise ValueError(f"advantage.std_floor must be > 0, got {cfg.std_floor}")
         self.cfg = cfg
+
+    @classmethod
+    def from_context(cls, ctx: BuildContext) -> "GroupAdvantage":
+        return cls(ctx.cfg.advantage)
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor:
         """[B, R] float32: A_i on every token where response_mask is True, 0 elsewhere."""

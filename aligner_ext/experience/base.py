@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
+from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import left_pad, right_pad
 from aligner_ext.data.types import PromptDraw
@@ -27,6 +28,7 @@ from aligner_ext.registry import Registry
 from aligner_ext.rewards.manager import RewardManager
 
 EXPERIENCE_MAKERS = Registry("experience maker")
+EXPERIENCE_WRAPPERS = Registry("experience wrapper")  # take the inner maker, add one behaviour
 
 
 @dataclass
@@ -51,7 +53,11 @@ class SampleRequest:
 
 
 class ExperienceMaker(abc.ABC):
-    """Produces one step's scored rollouts from the prompt stream."""
+    """Produces one step's scored rollouts from the prompt stream.
+
+    A registered maker also has `from_context(ctx)`; a registered wrapper `from_context(inner, ctx)`
+    (see aligner_ext/context.py).
+    """
 
     @abc.abstractmethod
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
@@ -78,6 +84,10 @@ class GroupSampling(ExperienceMaker):
         self.rewards = rewards
         self.tokenizer = tokenizer
         self.seed = seed
+
+    @classmethod
+    def from_context(cls, ctx: BuildContext) -> "GroupSampling":
+        return cls(ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed)
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         draws = loader.next_batch()

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.context import BuildContext
 from aligner_ext.losses.aggregation import aggregate, check_agg_mode
 from aligner_ext.losses.base import LOSSES, GlobalCounts, Loss
 from aligner_ext.losses.kl import KL_ESTIMATORS, kl_k3
@@ -69,6 +70,10 @@ class ClippedPGLoss(Loss):
         self.kl_fn = KL_ESTIMATORS.get(cfg.kl_estimator)
         if cfg.kl_coef > 0:
             self.reads = self.reads + ("ref_logprobs",)
+
+    @classmethod
+    def from_context(cls, ctx: BuildContext) -> "ClippedPGLoss":
+        return cls(ctx.cfg.loss)
 
     def __call__(
         self,

@@ -12,7 +12,9 @@ from aligner_ext.algorithms.advantages import ADVANTAGES
 from aligner_ext.config import RunConfig
 from aligner_ext.data import build_loader, builtin_rows, sft_target
 from aligner_ext.data.loader import PromptLoader
-from aligner_ext.experience.base import EXPERIENCE_MAKERS, ExperienceMaker
+import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
+from aligner_ext.context import BuildContext
+from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
 from aligner_ext.generation.base import ENGINES, GenerationEngine
 from aligner_ext.losses.base import LOSSES, Loss
 from aligner_ext.models.base import POLICIES, Policy
@@ -70,15 +72,20 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         reference = FrozenReference(policy.model, cfg.policy.logprob_chunk_size, cfg.policy.micro_batch_size)
     engine_cfg = getattr(cfg.generator, cfg.generator.engine)
     engine = ENGINES.get(cfg.generator.engine)(policy.model, tokenizer, engine_cfg)
-    rewards = RewardManager(cfg.reward)
-    maker = EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker)(
-        cfg.rollout, engine, rewards, tokenizer, seed=cfg.trainer.seed
-    )
-    train_loader = build_loader(cfg.data, tokenizer, "train")
-    val_loader = build_loader(cfg.data, tokenizer, "val")
+    ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=engine, rewards=RewardManager(cfg.reward))
     return Components(
-        tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, rewards=rewards, maker=maker,
-        advantage=ADVANTAGES.get(cfg.algorithm.adv_estimator)(cfg.advantage),
-        loss=LOSSES.get(cfg.algorithm.loss)(cfg.loss),
-        train_loader=train_loader, val_loader=val_loader,
+        tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, rewards=ctx.rewards,
+        maker=build_experience_maker(ctx),
+        advantage=ADVANTAGES.get(cfg.algorithm.adv_estimator).from_context(ctx),
+        loss=LOSSES.get(cfg.algorithm.loss).from_context(ctx),
+        train_loader=build_loader(cfg.data, tokenizer, "train"),
+        val_loader=build_loader(cfg.data, tokenizer, "val"),
     )
+
+
+def build_experience_maker(ctx: BuildContext) -> ExperienceMaker:
+    """The configured maker, wrapped by each of `algorithm.experience_wrappers` in order (innermost first)."""
+    maker = EXPERIENCE_MAKERS.get(ctx.cfg.algorithm.experience_maker).from_context(ctx)
+    for name in ctx.cfg.algorithm.experience_wrappers:
+        maker = EXPERIENCE_WRAPPERS.get(name).from_context(maker, ctx)
+    return maker

@@ -1,0 +1,12 @@
+"""Imports every built-in plug-in module so that its registrations run.
+
+`trainer/build.py` imports this module; a new built-in plug-in adds its module here. User plug-ins
+need no entry: registries import dotted paths on demand.
+"""
+
+import aligner_ext.algorithms.advantages  # noqa: F401
+import aligner_ext.experience.base  # noqa: F401
+import aligner_ext.generation.hf  # noqa: F401
+import aligner_ext.losses.clipped_pg  # noqa: F401
+import aligner_ext.models.hf  # noqa: F401
+import aligner_ext.rewards  # noqa: F401
