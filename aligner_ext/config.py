@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from aligner_ext.algorithms.advantages import GroupAdvantage
 from aligner_ext.data.loader import DataConfig
 from aligner_ext.experience.base import RolloutConfig
+from aligner_ext.experience.dynamic_sampling import DynamicSamplingConfig
 from aligner_ext.generation.hf import HFEngineConfig
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.base import PolicyConfig
@@ -49,7 +50,9 @@ class AlgorithmConfig:
     """Which plug-in fills each stage of the loop (names from the registries)."""
 
     experience_maker: str = "group_sampling"  # how rollouts are produced and scored
-    experience_wrappers: list[str] = field(default_factory=list)  # wrappers around the maker, innermost first
+    experience_wrappers: list[str] = field(default_factory=lambda: ["dynamic_sampling"])  # wrappers around the maker, innermost first; each is active only when its own switch is on
+    use_dynamic_sample: bool = False  # DAPO dynamic sampling: drop groups whose outcomes all agree, refill (docs/variants/dapo.md)
+    dynamic_sample_max_gen_batches: int = 3  # generation batches per step at most; 0 = unbounded
     adv_estimator: str = "grpo"  # how rewards become per-token advantages
     loss: str = "clipped_pg"  # how a batch becomes a gradient
 
@@ -83,6 +86,7 @@ class RunConfig:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     advantage: GroupAdvantage.Config = field(default_factory=GroupAdvantage.Config)
     loss: ClippedPGLoss.Config = field(default_factory=ClippedPGLoss.Config)
     policy: PolicyConfig = field(default_factory=PolicyConfig)

@@ -6,6 +6,7 @@ need no entry: registries import dotted paths on demand.
 
 import aligner_ext.algorithms.advantages  # noqa: F401
 import aligner_ext.experience.base  # noqa: F401
+import aligner_ext.experience.dynamic_sampling  # noqa: F401
 import aligner_ext.generation.hf  # noqa: F401
 import aligner_ext.losses.clipped_pg  # noqa: F401
 import aligner_ext.models.hf  # noqa: F401

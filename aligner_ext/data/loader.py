@@ -121,10 +121,10 @@ class PromptLoader:
         """Position of the next draw within its epoch."""
         return self._draws % len(self._rows)
 
-    def next_batch(self) -> list[PromptDraw]:
-        """The next `batch_size` draws of the stream, crossing epoch boundaries as needed."""
+    def next_batch(self, count: int | None = None) -> list[PromptDraw]:
+        """The next `count` (default `batch_size`) draws of the stream, crossing epoch boundaries."""
         batch = []
-        for _ in range(self.batch_size):
+        for _ in range(self.batch_size if count is None else count):
             epoch, position = divmod(self._draws, len(self._rows))
             index = self._order(epoch)[position]
             batch.append(PromptDraw(self._rows[index], list(self._prompt_ids[index]), draw_id=self._draws))

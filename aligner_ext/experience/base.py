@@ -59,6 +59,8 @@ class ExperienceMaker(abc.ABC):
     (see aligner_ext/context.py).
     """
 
+    summary_metrics: tuple[str, ...] = ()  # metrics whose run mean the end-of-run summary shows
+
     @abc.abstractmethod
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         """Return the step's batch (rewards set, log-probs and advantages not yet) and its metrics."""

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from aligner_ext.batch import ExperienceBatch
 from aligner_ext.config import RunConfig, to_yaml
 from aligner_ext.trainer.build import Components, build_components
 from aligner_ext.trainer.checkpoint import Checkpointer
 from aligner_ext.trainer.evaluate import evaluate
-from aligner_ext.trainer.metrics import MetricsLogger, StageTimer, plot_history
+from aligner_ext.trainer.metrics import MetricsLogger, StageTimer, plot_history, read_history
 from aligner_ext.trainer.step_metrics import batch_metrics
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class RunSummary:
     reward_before: float
     reward_after: float
     train_seconds: float
+    run_means: dict[str, float]  # run mean of each metric the experience maker lists in summary_metrics
 
 
 def train(cfg: RunConfig) -> RunSummary:
@@ -61,26 +63,17 @@ def train(cfg: RunConfig) -> RunSummary:
         timer = StageTimer()
         with timer("rollout"):
             batch, metrics = parts.maker.make_experience(parts.train_loader, step)
-        with timer("logprobs"):
-            batch.old_logprobs, entropy = parts.policy.logprobs(batch, temperature)
-            if parts.reference is not None:
-                batch.ref_logprobs = parts.reference.logprobs(batch, temperature)
-        with timer("advantages"):
-            batch.advantages = parts.advantage(batch)
-        with timer("train"):
-            metrics.update(parts.policy.train(batch, parts.loss, temperature))
-        with timer("weight_sync"):
-            parts.engine.update_weights(parts.policy.model)
-        metrics.update(batch_metrics(batch, entropy))
+        if len(batch):  # a filtering maker may keep nothing: then this step makes no update
+            metrics.update(update_policy(parts, batch, timer, temperature))
         metrics.update(timer.metrics())
         metrics.update(parts.train_loader.metrics())
-        metrics["timing/tokens_per_s"] = metrics["response/num_tokens"] / metrics["timing/step_s"]
+        metrics["timing/tokens_per_s"] = metrics.get("response/num_tokens", 0.0) / metrics["timing/step_s"]
         done = step + 1
         if done == cfg.trainer.total_steps or (cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0):
             after = run_eval(cfg, parts)
             metrics.update(after)
         log.log(done, metrics)
-        if cfg.trainer.log_samples_every and done % cfg.trainer.log_samples_every == 0:
+        if len(batch) and cfg.trainer.log_samples_every and done % cfg.trainer.log_samples_every == 0:
             log.log_samples(done, batch, cfg.trainer.num_log_samples)
         if cfg.trainer.save_every and done % cfg.trainer.save_every == 0 and done < cfg.trainer.total_steps:
             save(parts, checkpointer, done, before)
@@ -98,9 +91,35 @@ def train(cfg: RunConfig) -> RunSummary:
         accuracy_before=before.get("val/accuracy", math.nan), accuracy_after=after.get("val/accuracy", math.nan),
         reward_before=before.get("val/reward_mean", math.nan), reward_after=after.get("val/reward_mean", math.nan),
         train_seconds=time.perf_counter() - started,
+        run_means=run_means(run_dir / "metrics.jsonl", parts.maker.summary_metrics),
     )
     (run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
     return summary
+
+
+def run_means(metrics_path: Path, keys: tuple[str, ...]) -> dict[str, float]:
+    history = read_history(metrics_path)
+    means = {}
+    for key in keys:
+        values = [record[key] for record in history if record.get(key) is not None]
+        means[key] = sum(values) / len(values) if values else math.nan
+    return means
+
+
+def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, temperature: float) -> dict[str, float]:
+    """Old and reference log-probs, advantages, the policy update, and the engine's new weights."""
+    with timer("logprobs"):
+        batch.old_logprobs, entropy = parts.policy.logprobs(batch, temperature)
+        if parts.reference is not None:
+            batch.ref_logprobs = parts.reference.logprobs(batch, temperature)
+    with timer("advantages"):
+        batch.advantages = parts.advantage(batch)
+    with timer("train"):
+        metrics = parts.policy.train(batch, parts.loss, temperature)
+    with timer("weight_sync"):
+        parts.engine.update_weights(parts.policy.model)
+    metrics.update(batch_metrics(batch, entropy))
+    return metrics
 
 
 def run_eval(cfg: RunConfig, parts: Components) -> dict[str, float]:

@@ -22,4 +22,6 @@ def print_summary(summary: RunSummary) -> None:
         table.add_row(name, f"{before * scale:.1f}", f"{after * scale:.1f}", f"{(after - before) * scale:+.1f}{unit}")
     console = Console()
     console.print(table)
+    for key, value in summary.run_means.items():
+        console.print(f"run mean of {key}: {value:.3f}")
     console.print(f"run directory: {summary.run_dir} (metrics.jsonl, reward_accuracy.png, hf_model/, checkpoints/)")

@@ -11,3 +11,8 @@ from aligner_ext.rewards.base import RewardResult
 def digit_fraction(response, row):
     score = sum(ch.isdigit() for ch in response) / max(1, len(response))
     return RewardResult(score=score, correct=float(score > 0.5))
+
+
+def always_wrong(response, row):
+    """Every sample fails, so every group's outcomes agree."""
+    return RewardResult(score=0.0, correct=0.0)
