@@ -7,6 +7,8 @@ command-line overrides (Hydra's override grammar), validated against this schema
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,9 +16,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from aligner_ext.algorithms.advantages import GroupAdvantage
+from aligner_ext.algorithms.cpo import CPOConfig
 from aligner_ext.data.loader import DataConfig
 from aligner_ext.experience.base import RolloutConfig
 from aligner_ext.experience.dynamic_sampling import DynamicSamplingConfig
+from aligner_ext.experience.graded_prompt import GradedPromptConfig
+from aligner_ext.experience.two_round import TwoRoundSampling
 from aligner_ext.generation.hf import HFEngineConfig
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.base import PolicyConfig
@@ -25,6 +30,8 @@ from aligner_ext.rewards.manager import RewardConfig
 from aligner_ext.trainer.warmup import WarmupConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+logger = logging.getLogger(__name__)
+
 SCHEMA_NAME = "run_schema"  # the typed schema every top-level YAML lists first in its defaults
 
 
@@ -50,10 +57,12 @@ class AlgorithmConfig:
     """Which plug-in fills each stage of the loop (names from the registries)."""
 
     experience_maker: str = "group_sampling"  # how rollouts are produced and scored
-    experience_wrappers: list[str] = field(default_factory=lambda: ["dynamic_sampling"])  # wrappers around the maker, innermost first; each is active only when its own switch is on
+    experience_wrappers: list[str] = field(default_factory=lambda: ["dynamic_sampling", "hint_logprobs"])  # wrappers around the maker, innermost first; each is active only when its own switch is on
     use_dynamic_sample: bool = False  # DAPO dynamic sampling: drop groups whose outcomes all agree, refill (docs/variants/dapo.md)
     dynamic_sample_max_gen_batches: int = 3  # generation batches per step at most; 0 = unbounded
     adv_estimator: str = "grpo"  # how rewards become per-token advantages
+    gold_as_hint: bool = True  # CPO hint: extra_info.gold_solution (true) or the ground truth (docs/variants/cpo.md)
+    wrap_method: str = "none"  # CPO advantage wrapper (algorithms/cpo_wrappers.py); none = GRPO advantages
     loss: str = "clipped_pg"  # how a batch becomes a gradient
 
 
@@ -83,21 +92,58 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    graded_prompt: GradedPromptConfig = field(default_factory=GradedPromptConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     advantage: GroupAdvantage.Config = field(default_factory=GroupAdvantage.Config)
+    mtpo: TwoRoundSampling.Config = field(default_factory=TwoRoundSampling.Config)
+    cpo: CPOConfig = field(default_factory=CPOConfig)
     loss: ClippedPGLoss.Config = field(default_factory=ClippedPGLoss.Config)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# Keys of the frameworks the seeds were written for -> our keys. `load_config` rewrites command-line
+# overrides that name one (`apply_aliases`); a variant adds its seed's keys here.
+ALIASES: dict[str, str] = {
+    "actor_rollout_ref.rollout.enable_graded_system_prompt": "graded_prompt.enabled",
+    "actor_rollout_ref.rollout.graded_system_prompt_full_reveal_count": "graded_prompt.full_reveal_count",
+    "actor_rollout_ref.rollout.graded_system_prompt_step_power_n": "graded_prompt.step_power",
+    "actor_rollout_ref.rollout.graded_system_prompt_step_sigmoid_start_point": "graded_prompt.sigmoid_start_point",
+    "actor_rollout_ref.rollout.graded_system_prompt_step_sigmoid_steepness": "graded_prompt.sigmoid_steepness",
+    "actor_rollout_ref.rollout.graded_system_prompt_add_base_when_zero": "graded_prompt.base_when_zero",
+    "actor_rollout_ref.rollout.graded_system_prompt_participate_training": "graded_prompt.keep_in_training",
+    "actor_rollout_ref.rollout.graded_system_prompt_include_evaluation_warning": "graded_prompt.include_evaluation_warning",
+}
+_OVERRIDE_PREFIX = re.compile(r"^(\+\+|\+|~)?")
+
+
+def apply_aliases(overrides: list[str]) -> list[str]:
+    """`overrides` with each key found in ALIASES replaced by ours, values untouched.
+
+    Alias targets are schema keys, so a leading `+` (add a new key) is dropped; `++` and `~` are kept.
+    """
+    rewritten = []
+    for override in overrides:
+        prefix = _OVERRIDE_PREFIX.match(override).group(0)
+        key, sep, value = override[len(prefix):].partition("=")
+        if key in ALIASES:
+            alias = ("" if prefix == "+" else prefix) + ALIASES[key] + sep + value
+            logger.info("override %r is read as %r (alias of a seed key)", override, alias)
+            override = alias
+        rewritten.append(override)
+    return rewritten
 
 
 def load_config(name: str = "base", overrides: list[str] | None = None, config_dir: str | Path | None = None) -> RunConfig:
     """Compose `<config_dir>/<name>.yaml` with `overrides` and validate it against `RunConfig`.
 
     Raises ValueError naming the key for an unknown key, a wrong type or an invalid value.
+    Overrides naming a seed key are first rewritten to ours (`apply_aliases`).
     """
+    overrides = apply_aliases(list(overrides or []))
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from hydra.errors import ConfigCompositionException

@@ -5,9 +5,17 @@ need no entry: registries import dotted paths on demand.
 """
 
 import aligner_ext.algorithms.advantages  # noqa: F401
+import aligner_ext.algorithms.mtpo  # noqa: F401
+import aligner_ext.algorithms.cpo  # noqa: F401
 import aligner_ext.experience.base  # noqa: F401
 import aligner_ext.experience.dynamic_sampling  # noqa: F401
+import aligner_ext.experience.graded_prompt  # noqa: F401
+import aligner_ext.experience.hint_logprobs  # noqa: F401
+import aligner_ext.experience.two_round  # noqa: F401
 import aligner_ext.generation.hf  # noqa: F401
 import aligner_ext.losses.clipped_pg  # noqa: F401
 import aligner_ext.models.hf  # noqa: F401
 import aligner_ext.rewards  # noqa: F401
+import aligner_ext.rewards.calibration  # noqa: F401
+import aligner_ext.data.tasks.mtpo_qa  # noqa: F401
+import aligner_ext.rewards.rubric  # noqa: F401

@@ -6,7 +6,9 @@ group id. Variants override one of its named steps instead of copying the flow:
 
 - `requests(draws)`: what the generator sees for each sample (graded system prompt changes it);
 - `generate(requests)`: how responses are produced (two-round rollouts change it);
-- `score(batch)`: how responses become rewards.
+- `score(batch)`: how responses become rewards;
+- `evaluate(loader, greedy)` (on every maker): held-out metrics; the default is the loop's greedy
+  single-round evaluation (two-round rollouts evaluate both rounds).
 
 The training prompt is always the draw's own prompt tokens, whatever the generator saw.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -64,6 +67,15 @@ class ExperienceMaker(abc.ABC):
     @abc.abstractmethod
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         """Return the step's batch (rewards set, log-probs and advantages not yet) and its metrics."""
+
+    def evaluate(self, loader: PromptLoader, greedy: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
+        """Override point: held-out metrics over one pass of `loader`.
+
+        `greedy` is the loop's single-round greedy evaluation (trainer/evaluate.py), the default. A
+        maker whose samples take another shape (two-round rollouts) evaluates its own way; a
+        wrapper forwards to its inner maker.
+        """
+        return greedy(loader)
 
     def state_dict(self) -> dict:
         """Anything a maker carries between steps (saved in checkpoints)."""

@@ -7,8 +7,11 @@ Decisions:
 - `verify` is asymmetric; the gold goes first, as math-verify requires.
 - A bare ground truth such as `19` or `\\frac{1}{2}` is wrapped in `$...$` so the LaTeX extractor
   finds it; one already holding `$`, `\\(`, `\\[` or `\\boxed` is parsed as it is.
-- The prediction prefers the last `\\boxed{...}` (`boxed_match_priority=0`), then math-verify's
-  "final answer is" patterns and the last expression; a response with no answer scores 0.0.
+- `math_verify` (the default for math data sources) takes the prediction only from LaTeX the
+  response marks as math, the last `\\boxed{...}` first (`boxed_match_priority=0`); a response with
+  no marked answer scores 0.0. Plain-expression extraction is left out on purpose: it evaluates any
+  expression, so answering "12+1=" with "12+1" scored 1.0 (seen in the embedded demo on a GPU).
+  `math_verify_lenient` adds it back, for data whose answers are plain numbers ("#### 42").
 - math-verify's own time limits use `signal.alarm`, which fails outside the main thread; they are
   off (`parsing_timeout=None`, `timeout_seconds=None`) and `RewardManager` enforces the limit by
   killing the worker process. The warning math-verify logs about this is filtered out.
@@ -29,7 +32,8 @@ MATH_DATA_SOURCES = (
     "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo", "aime2024", "aime2025", "amc23",
 )
 _GOLD_CONFIG = (LatexExtractionConfig(), ExprExtractionConfig())
-_PRED_CONFIG = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
+_PRED_CONFIG = (LatexExtractionConfig(boxed_match_priority=0),)
+_LENIENT_PRED_CONFIG = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
 _DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
 
 
@@ -56,10 +60,20 @@ def parse_gold(ground_truth: object) -> list:
     return gold
 
 
-@register_reward("math_verify", data_sources=MATH_DATA_SOURCES)
-def math_verify_reward(response: str, row: PromptRow) -> RewardResult:
-    """1.0 if math-verify finds the response's answer equal to the ground truth, else 0.0."""
+def _verify(response: str, row: PromptRow, pred_config: tuple) -> RewardResult:
     gold = parse_gold(row.ground_truth)
-    pred = parse(response, extraction_config=_PRED_CONFIG, parsing_timeout=None)
+    pred = parse(response, extraction_config=pred_config, parsing_timeout=None)
     ok = bool(pred) and verify(gold, pred, timeout_seconds=None)
     return RewardResult(score=float(ok), correct=float(ok), info={"answer": str(pred[-1]) if pred else None})
+
+
+@register_reward("math_verify", data_sources=MATH_DATA_SOURCES)
+def math_verify_reward(response: str, row: PromptRow) -> RewardResult:
+    """1.0 if the response's marked (boxed / LaTeX) answer equals the ground truth, else 0.0."""
+    return _verify(response, row, _PRED_CONFIG)
+
+
+@register_reward("math_verify_lenient")
+def math_verify_lenient_reward(response: str, row: PromptRow) -> RewardResult:
+    """As `math_verify`, but a plain number or expression in the response also counts as its answer."""
+    return _verify(response, row, _LENIENT_PRED_CONFIG)

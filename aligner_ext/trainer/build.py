@@ -18,7 +18,7 @@ from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, 
 from aligner_ext.generation.base import ENGINES, GenerationEngine
 from aligner_ext.losses.base import LOSSES, Loss
 from aligner_ext.models.base import POLICIES, Policy
-from aligner_ext.models.hf import FrozenReference
+from aligner_ext.models.hf import FrozenReference, resolve_device
 from aligner_ext.models.tiny import build_char_tokenizer, build_tiny_model
 from aligner_ext.rewards.manager import RewardManager
 from aligner_ext.trainer.warmup import supervised_warmup
@@ -48,7 +48,7 @@ def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     if (directory / "config.json").exists():
         return directory
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, cfg.model.tiny)
+    model = build_tiny_model(tokenizer, cfg.model.tiny).to(resolve_device(cfg.policy.device))
     rows = builtin_rows(cfg.data.builtin_task, "train", cfg.data.builtin_train_size, cfg.data.seed)
     logger.info("warming up the embedded model on %d %s rows", len(rows), cfg.data.builtin_task)
     supervised_warmup(model, tokenizer, rows, [sft_target(row) for row in rows], cfg.model.warmup,

@@ -125,8 +125,12 @@ def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, 
 def run_eval(cfg: RunConfig, parts: Components) -> dict[str, float]:
     if parts.val_loader is None:
         return {}
-    return evaluate(parts.engine, parts.rewards, parts.tokenizer, parts.val_loader,
-                    cfg.rollout.max_response_length, cfg.rollout.stop)
+
+    def greedy(loader) -> dict[str, float]:
+        return evaluate(parts.engine, parts.rewards, parts.tokenizer, loader, cfg.rollout.max_response_length,
+                        cfg.rollout.stop)
+
+    return parts.maker.evaluate(parts.val_loader, greedy)
 
 
 def save(parts: Components, checkpointer: Checkpointer, step: int, before: dict[str, float]) -> None:

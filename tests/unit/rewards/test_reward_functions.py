@@ -39,6 +39,17 @@ def test_math_verify(response, gold, expected):
     assert (result.score, result.correct) == (expected, expected)
 
 
+@pytest.mark.parametrize("response, strict, lenient", [
+    ("12+1", 0.0, 1.0),  # the question's own expression: not an answer, but it evaluates to 13
+    ("13", 0.0, 1.0),  # a plain number is an answer only for the lenient variant
+    ("12+1=13\n\\boxed{13}", 1.0, 1.0),
+    ("12+1=13\n\\boxed{12}", 0.0, 0.0),  # the boxed answer decides, not the working before it
+])
+def test_math_verify_takes_only_marked_answers_unless_lenient(response, strict, lenient):
+    assert score("math_verify", response, "13").score == strict
+    assert score("math_verify_lenient", response, "13").score == lenient
+
+
 @pytest.mark.parametrize("gold", [None, "", "  "])
 def test_math_verify_rejects_missing_or_unparseable_ground_truth(gold):
     with pytest.raises(ValueError, match="ground_truth"):

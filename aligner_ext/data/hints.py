@@ -1,0 +1,218 @@
+"""Hint injection (CPO): the same responses, scored under a prompt that also shows a hint.
+
+The hint is the row's gold solution (`extra_info.gold_solution`, with `algorithm.gold_as_hint`) or
+its ground truth. It is written into the row's chat messages, which are rendered by the tokenizer's
+own chat template exactly as the loader renders prompts (`templating.encode_prompt`), so no token id
+is hard-coded and any template works. Three placements:
+
+- `user_prefix` (default, as the seed): `prefix_template` ("{hint}\\n") at the start of the last user
+  turn's content;
+- `reference_prompt` (the public code's current version): the last user turn's content becomes
+  `reference_template` with `{question}` (its old content) and `{hint}`;
+- `assistant_turn` (the public code's older version): after the last user turn, an assistant turn
+  holding the hint and a user turn `followup_template` repeating the question.
+
+`hinted_batch` left-pads the hinted prompts to their own width and keeps the response ids and masks
+unchanged, so positions (`ExperienceBatch.position_ids`, counted over real tokens) continue through
+the hint and shift every later prompt token by the hint's length.
+
+Decisions:
+- A hint longer than the prompt padding widens the batch; it is never cut to fit (the seed cuts it
+  to the padding silently). It is truncated only when `max_hint_length` > 0, and then by
+  `truncate_side`: `left` drops its start and keeps the final answer (as the public code), `right`
+  keeps its start (as the seed). Truncations are counted.
+- For the insertion placements, `check_insertion` requires the hinted prompt's ids to be the
+  original prompt's ids with one contiguous run inserted, so the un-hinted prompt is compared token
+  for token (a tokenizer that merges the hint's last characters with the following text fails with
+  an error naming the row). `reference_prompt` rewrites the turn, so it is not checked.
+- The trained prompt must be the rendering of the row's messages; a prompt cut by
+  `data.overlong_prompt=truncate_left` is an error (its hinted version would not be comparable).
+- A row without a hint is an error naming the row (`missing=error`), or is skipped and counted
+  (`missing=skip`): it gets no hinted pass and the CPO wrappers leave its advantages as GRPO's.
+- Templates substitute `{hint}` and `{question}` literally (no `str.format`), so braces such as
+  `\\boxed{}` in a template or a hint need no escaping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from aligner_ext.batch import ExperienceBatch
+from aligner_ext.data.templating import encode_prompt, left_pad
+from aligner_ext.data.types import PromptRow
+
+PLACEMENTS = ("user_prefix", "reference_prompt", "assistant_turn")
+MISSING_POLICIES = ("error", "skip")
+TRUNCATE_SIDES = ("left", "right")
+
+PREFIX_TEMPLATE = "{hint}\n"
+REFERENCE_TEMPLATE = (  # the public code's prompt, shortened to its instruction
+    "###Question: {question}\n###Reference Answer: {hint}\n"
+    "Given the above question and its reference answer, produce a step-by-step explanation that logically "
+    "leads to the reference answer and put your final answer within \\boxed{}, without mentioning or implying "
+    "any prior access to the reference answer."
+)
+FOLLOWUP_TEMPLATE = "{question}\nPlease refer to the above solution to derive your answer."
+PLACEHOLDER = re.compile(r"\{(hint|question)\}")
+
+
+@dataclass
+class HintConfig:
+    """Where the CPO hint goes in the prompt, and what happens to rows without one."""
+
+    placement: str = "user_prefix"  # user_prefix (the seed) | reference_prompt | assistant_turn
+    prefix_template: str = PREFIX_TEMPLATE  # user_prefix: text put before the last user turn's content
+    reference_template: str = REFERENCE_TEMPLATE  # reference_prompt: the last user turn's new content
+    followup_template: str = FOLLOWUP_TEMPLATE  # assistant_turn: user turn after the assistant turn holding the hint
+    missing: str = "error"  # row without a hint: error (names the row) | skip (GRPO advantages for it; counted)
+    max_hint_length: int = 0  # hint tokens kept; 0 keeps the whole hint (the batch grows wider instead)
+    truncate_side: str = "left"  # end of an overlong hint that is dropped: left (keeps its answer) | right (the seed)
+    check_insertion: bool = True  # user_prefix / assistant_turn: error unless the hint is one contiguous insertion
+
+    def __post_init__(self) -> None:
+        for name, value, choices in (("placement", self.placement, PLACEMENTS),
+                                     ("missing", self.missing, MISSING_POLICIES),
+                                     ("truncate_side", self.truncate_side, TRUNCATE_SIDES)):
+            if value not in choices:
+                raise ValueError(f"cpo.hint.{name} must be one of {', '.join(choices)}; got {value!r}")
+        if self.max_hint_length < 0:
+            raise ValueError(f"cpo.hint.max_hint_length must be >= 0; got {self.max_hint_length}")
+        required = {"prefix_template": ("{hint}",), "reference_template": ("{hint}", "{question}"),
+                    "followup_template": ("{question}",)}
+        for name, placeholders in required.items():
+            for placeholder in placeholders:
+                if placeholder not in getattr(self, name):
+                    raise ValueError(f"cpo.hint.{name} must contain {placeholder}; got {getattr(self, name)!r}")
+
+
+@dataclass
+class HintedPrompts:
+    """Hinted prompt ids of a batch's rows, and what was skipped or cut."""
+
+    prompt_ids: list[list[int] | None]  # [B] hinted prompt ids; None where the row has no hint (missing=skip)
+    hint_tokens: list[int] = field(default_factory=list)  # tokens each hinted row gained over its original prompt
+    num_missing: int = 0  # rows without a hint (skipped)
+    num_truncated: int = 0  # rows whose hint was cut to max_hint_length
+
+
+def hint_text(row: PromptRow, gold_as_hint: bool) -> str | None:
+    """The row's hint: `extra_info.gold_solution` (gold_as_hint) or its ground truth; None if absent or empty."""
+    value = row.extra_info.get("gold_solution") if gold_as_hint else row.ground_truth
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):  # several accepted answers: the first one is the hint
+        value = value[0] if value else None
+        if value is None:
+            return None
+    text = value if isinstance(value, str) else str(value)
+    return text if text.strip() else None
+
+
+def fill(template: str, **values: str) -> str:
+    """`template` with each `{hint}` / `{question}` replaced literally by its value."""
+    return PLACEHOLDER.sub(lambda match: values[match.group(1)], template)
+
+
+def hinted_messages(messages: list[dict[str, str]], hint: str, cfg: HintConfig, row_id: str) -> list[dict[str, str]]:
+    """A copy of `messages` with `hint` placed as `cfg.placement` says."""
+    users = [i for i, message in enumerate(messages) if message.get("role") == "user"]
+    if not users:
+        raise ValueError(f"row {row_id}: no user message to put the CPO hint in")
+    last = users[-1]
+    question = messages[last]["content"]
+    out = [dict(message) for message in messages]
+    if cfg.placement == "user_prefix":
+        out[last]["content"] = fill(cfg.prefix_template, hint=hint) + question
+    elif cfg.placement == "reference_prompt":
+        out[last]["content"] = fill(cfg.reference_template, hint=hint, question=question)
+    else:
+        turns = [{"role": "assistant", "content": hint},
+                 {"role": "user", "content": fill(cfg.followup_template, question=question)}]
+        out[last + 1:last + 1] = turns
+    return out
+
+
+def truncate_hint(tokenizer, hint: str, cfg: HintConfig) -> tuple[str, bool]:
+    """`hint` cut to `cfg.max_hint_length` tokens on `cfg.truncate_side`; (text, whether it was cut)."""
+    if cfg.max_hint_length == 0:
+        return hint, False
+    ids = tokenizer(hint, add_special_tokens=False)["input_ids"]
+    if len(ids) <= cfg.max_hint_length:
+        return hint, False
+    kept = ids[-cfg.max_hint_length:] if cfg.truncate_side == "left" else ids[:cfg.max_hint_length]
+    return tokenizer.decode(kept), True
+
+
+def insertion_point(original: list[int], hinted: list[int]) -> int | None:
+    """Index at which `hinted` is `original` with one contiguous run inserted, or None if it is not."""
+    if len(hinted) <= len(original):
+        return None
+    prefix = 0
+    while prefix < len(original) and original[prefix] == hinted[prefix]:
+        prefix += 1
+    suffix = 0
+    while suffix < len(original) - prefix and original[-1 - suffix] == hinted[-1 - suffix]:
+        suffix += 1
+    return prefix if prefix + suffix == len(original) else None
+
+
+def hinted_prompt_ids(row: PromptRow, original: list[int], tokenizer, cfg: HintConfig,
+                      gold_as_hint: bool) -> tuple[list[int] | None, bool]:
+    """(hinted prompt ids or None when the row has no hint, whether the hint was truncated)."""
+    hint = hint_text(row, gold_as_hint)
+    if hint is None:
+        if cfg.missing == "error":
+            source = "extra_info.gold_solution" if gold_as_hint else "reward_model.ground_truth"
+            raise ValueError(f"row {row.row_id}: no {source} to use as the CPO hint "
+                             f"(algorithm.gold_as_hint={gold_as_hint}); add it or set cpo.hint.missing=skip")
+        return None, False
+    if encode_prompt(tokenizer, row.messages) != original:
+        raise ValueError(f"row {row.row_id}: the trained prompt is not the chat-template rendering of its messages "
+                         "(cut by data.overlong_prompt=truncate_left?); a hinted prompt could not be compared with it")
+    hint, truncated = truncate_hint(tokenizer, hint, cfg)
+    hinted = encode_prompt(tokenizer, hinted_messages(row.messages, hint, cfg, row.row_id))
+    if cfg.check_insertion and cfg.placement != "reference_prompt" and insertion_point(original, hinted) is None:
+        raise ValueError(f"row {row.row_id}: the hinted prompt is not the original prompt's tokens with the hint "
+                         f"inserted (placement {cfg.placement}): the tokenizer or template changed the surrounding "
+                         "tokens; end the hint template with a separator or set cpo.hint.check_insertion=false")
+    return hinted, truncated
+
+
+def hinted_prompts(batch: ExperienceBatch, tokenizer, cfg: HintConfig, gold_as_hint: bool) -> HintedPrompts:
+    """Hinted prompt ids for every row of `batch`; rows of one prompt draw are rendered once."""
+    result = HintedPrompts(prompt_ids=[])
+    cache: dict[tuple[str, tuple[int, ...]], tuple[list[int] | None, bool]] = {}
+    for i, sample in enumerate(batch.samples):
+        original = batch.prompt_ids[i][batch.prompt_mask[i]].tolist()
+        key = (sample.row.row_id, tuple(original))
+        if key not in cache:
+            cache[key] = hinted_prompt_ids(sample.row, original, tokenizer, cfg, gold_as_hint)
+        ids, truncated = cache[key]
+        result.prompt_ids.append(ids)
+        if ids is None:
+            result.num_missing += 1
+            continue
+        result.hint_tokens.append(len(ids) - len(original))
+        result.num_truncated += int(truncated)
+    return result
+
+
+def hinted_batch(batch: ExperienceBatch, prompt_ids: list[list[int]], pad_id: int) -> ExperienceBatch:
+    """`batch` with its prompts replaced by `prompt_ids` (left-padded to their own width).
+
+    Responses (ids, valid and loss masks) are the same tensors, so log-probs of the hinted batch are
+    those of the very same response tokens; positions follow from the new prompt mask.
+    """
+    if len(prompt_ids) != len(batch):
+        raise ValueError(f"{len(prompt_ids)} hinted prompts for a batch of {len(batch)} rows")
+    ids, mask = left_pad(prompt_ids, pad_id)
+    return dataclasses.replace(batch, prompt_ids=ids, prompt_mask=mask)
+
+
+def hint_rows(prompts: HintedPrompts) -> torch.Tensor:
+    """[B] bool: rows that have a hinted prompt."""
+    return torch.tensor([ids is not None for ids in prompts.prompt_ids], dtype=torch.bool)

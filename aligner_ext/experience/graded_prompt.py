@@ -1,0 +1,304 @@
+"""Graded system prompt (RuscaRL): the n samples of one prompt see growing shares of its rubric.
+
+For a prompt whose rubric has N items with non-zero points, and n > 1 samples, sample i (0-based)
+is generated from the prompt plus a system message listing k_i of the N criteria:
+
+    g_i = (n - 1 - i) / (n - 1)                       rule linear: 1, (n-2)/(n-1), ..., 0
+    g_i = 1 if i < full_reveal_count else 0           rule binary
+    r_i = g_i * d(step)                               d: step decay (none: 1), below
+    k_i = floor(N r_i + 1/2)                          rounding half up, clamped to [0, N]
+
+    x = step / (total_steps - 1)  (0 at the first step, 1 at the last; d = 1 if total_steps <= 1)
+    d = 1 - x  (linear)  |  (1 - x)^step_power  (power)  |  1 / (1 + exp(k (x - x0)))  (sigmoid)
+
+Each of the n inputs is sampled once and all n share the draw's group id (explicit: their prompt
+tokens differ). The k_i criteria are a random subset drawn per sample, seeded by (trainer seed,
+draw id, i), listed in rubric order: positive items as points to include with their points,
+negative ones as points to avoid with their penalty; zero-point items are never listed. With
+k_i = 0 there is no system message (or `base_system_prompt` if `base_when_zero`).
+
+The policy trains on the draw's original prompt tokens (GroupSampling.assemble stores
+`draw.prompt_ids`, untouched here), and the loop recomputes old and reference log-probs on them
+with the policy. So the responses are sampled from pi(. | x, s_i) and trained as if from
+pi(. | x): a deliberately off-policy update with no importance correction (as RuscaRL). The
+engine's sampling log-probs (`rollout.return_logprobs`) were computed under s_i: diagnostics only.
+`keep_in_training` instead trains on the prompt the generator saw (system message included).
+
+Decisions (docs/variants/graded_prompt.md; tests/unit/experience/test_graded_prompt_*.py):
+- Active only when `enabled`, sampling (`rollout.temperature` > 0) and `rollout.n` > 1; otherwise
+  this maker samples exactly as GroupSampling. Validation never goes through a maker
+  (trainer/evaluate.py samples the plain prompts greedily).
+- Rounding half up, not Python's round() (RuscaRL's, half to even: 2.5 -> 2), so k grows
+  monotonically with the ratio. N counts only non-zero items, so k_i criteria are really shown.
+- The system message goes through the tokenizer's own chat template (`encode_prompt` on the
+  row's messages with a system message added), never spliced as hard-coded token ids. A row that
+  already starts with a system message keeps it: the criteria are appended after a blank line
+  (`existing_system: prepend` puts them first). RuscaRL instead prepends a second system turn.
+- Draws left without a graded prompt are counted per reason: no rubric item with non-zero points,
+  or a prompt the loader truncated (the messages no longer give its tokens back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from aligner_ext.batch import ExperienceBatch
+from aligner_ext.context import BuildContext
+from aligner_ext.data.loader import PromptLoader
+from aligner_ext.data.templating import encode_prompt
+from aligner_ext.data.types import PromptDraw
+from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, RolloutConfig, SampleRequest
+from aligner_ext.rewards.rubric import judge_metrics
+
+logger = logging.getLogger(__name__)
+
+RULES = ("linear", "binary")
+STEP_DECAYS = ("none", "linear", "power", "sigmoid")
+EXISTING_SYSTEM = ("append", "prepend")
+LOG_TAG = "[graded system prompt]"
+
+
+@dataclass
+class GradedPromptConfig:
+    """Graded system prompt: the share of the rubric each sample of a group sees (docs/variants/graded_prompt.md)."""
+
+    enabled: bool = False  # the switch (seed: actor_rollout_ref.rollout.enable_graded_system_prompt); acts with algorithm.experience_maker=graded_prompt
+    rule: str = "linear"  # per-sample ratio: linear (1, (n-2)/(n-1), ..., 0) | binary (the first full_reveal_count samples 1, the rest 0)
+    full_reveal_count: int = 1  # binary rule: samples per group that see every criterion
+    step_decay: str = "none"  # factor over training steps multiplied into every ratio: none | linear | power | sigmoid
+    step_power: float = 1.0  # power decay exponent p: (1 - x)^p, x = training progress in [0, 1]
+    sigmoid_start_point: float = 0.3  # sigmoid decay midpoint x0, in training progress [0, 1] (RuscaRL's run: 0.2)
+    sigmoid_steepness: float = 10.0  # sigmoid decay steepness k: 1 / (1 + exp(k (x - x0))) (RuscaRL's run: 125)
+    keep_in_training: bool = False  # train on the generator's prompt (system message included) instead of the original
+    existing_system: str = "append"  # a row's own leading system message: append (own text, then criteria) | prepend
+    base_when_zero: bool = False  # samples shown no criterion get base_system_prompt (else no system message)
+    base_system_prompt: str = "You are a helpful assistant."  # the system message when no criterion is shown
+    header: str = "You are a helpful assistant. For this question, please consider the following evaluation criteria:"  # first paragraph; empty: none
+    include_heading: str = "IMPORTANT POINTS TO INCLUDE (you should aim to address these):"  # above the positive items
+    include_item: str = "Criterion {index}: {criterion} (worth {points} points)"  # one positive item; fields index, criterion, points
+    avoid_heading: str = "IMPORTANT POINTS TO AVOID (you should not do these):"  # above the negative items
+    avoid_item: str = "Criterion {index}: {criterion} (penalty: {points} points)"  # one negative item; points is the penalty |p|
+    footer: str = "Please provide a comprehensive and helpful response that addresses the user's concerns while following the above guidelines."  # paragraph after the items; empty: none
+    include_evaluation_warning: bool = True  # end with evaluation_warning (an instruction never to mention the criteria)
+    evaluation_warning: str = (  # the instruction never to mention the criteria (RuscaRL's text)
+        "IMPORTANT: Do not mention or reference these evaluation criteria in your response. Do not indicate that "
+        "you have seen any scoring rubric or evaluation guidelines. Your response should appear natural and "
+        "spontaneous. Revealing that you have access to evaluation criteria would be considered cheating and is "
+        "strictly prohibited.")
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("rule", RULES), ("step_decay", STEP_DECAYS), ("existing_system", EXISTING_SYSTEM)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"graded_prompt.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.full_reveal_count < 0:
+            raise ValueError(f"graded_prompt.full_reveal_count must be >= 0; got {self.full_reveal_count}")
+        if self.step_power <= 0:
+            raise ValueError(f"graded_prompt.step_power must be > 0; got {self.step_power}")
+        for name in ("include_item", "avoid_item"):
+            try:
+                getattr(self, name).format(index=1, criterion="c", points="1")
+            except (KeyError, IndexError, ValueError) as err:
+                raise ValueError(f"graded_prompt.{name} may use only {{index}}, {{criterion}}, {{points}}: {err!r}") from err
+
+
+def group_ratio(index: int, n: int, cfg: GradedPromptConfig) -> float:
+    """g_i of sample `index` of `n` (n = 1 gives 1.0, as RuscaRL)."""
+    if n == 1:
+        return 1.0
+    if cfg.rule == "binary":
+        return 1.0 if index < cfg.full_reveal_count else 0.0
+    return (n - 1 - index) / (n - 1)
+
+
+def step_factor(step: int, total_steps: int, cfg: GradedPromptConfig) -> float:
+    """d(step) for the 0-based `step` of `total_steps`."""
+    if cfg.step_decay == "none" or total_steps <= 1:
+        return 1.0
+    x = min(1.0, max(0.0, step / (total_steps - 1)))
+    if cfg.step_decay == "linear":
+        return 1.0 - x
+    if cfg.step_decay == "power":
+        return (1.0 - x) ** cfg.step_power
+    z = cfg.sigmoid_steepness * (x - cfg.sigmoid_start_point)
+    return 1.0 / (1.0 + math.exp(z)) if z < 0 else math.exp(-z) / (1.0 + math.exp(-z))
+
+
+def num_shown(num_items: int, ratio: float) -> int:
+    """k = floor(N r + 1/2), clamped to [0, N]; N r is first rounded to 9 decimals so float noise cannot flip a half."""
+    return min(num_items, max(0, math.floor(round(num_items * ratio, 9) + 0.5)))
+
+
+def choose_criteria(items: list[dict[str, Any]], k: int, rng: random.Random) -> list[dict[str, Any]]:
+    """A random subset of `k` items, kept in rubric order."""
+    return [items[i] for i in sorted(rng.sample(range(len(items)), k))]
+
+
+def system_message(shown: list[dict[str, Any]], cfg: GradedPromptConfig) -> str | None:
+    """The system message listing `shown`; with none shown, the base prompt or None (no system message)."""
+    if not shown:
+        return cfg.base_system_prompt if cfg.base_when_zero else None
+    positive = [item for item in shown if item["points"] > 0]
+    negative = [item for item in shown if item["points"] < 0]
+    blocks = [cfg.header]
+    for heading, template, group in ((cfg.include_heading, cfg.include_item, positive),
+                                     (cfg.avoid_heading, cfg.avoid_item, negative)):
+        lines = [template.format(index=i, criterion=item["criterion"], points=f"{abs(item['points']):g}")
+                 for i, item in enumerate(group, start=1)]
+        if lines:
+            blocks.append("\n".join(([heading] if heading else []) + lines))
+    blocks.append(cfg.footer)
+    if cfg.include_evaluation_warning:
+        blocks.append(cfg.evaluation_warning)
+    return "\n\n".join(block for block in blocks if block)
+
+
+def generation_messages(messages: list[dict[str, str]], system: str, existing: str) -> list[dict[str, str]]:
+    """`messages` with `system` as the system message, merged into a leading one if the row has it."""
+    if messages and messages[0]["role"] == "system":
+        own = messages[0]["content"]
+        merged = f"{own}\n\n{system}" if existing == "append" else f"{system}\n\n{own}"
+        return [{"role": "system", "content": merged}, *messages[1:]]
+    return [{"role": "system", "content": system}, *messages]
+
+
+def inactive_reason(cfg: GradedPromptConfig, rollout: RolloutConfig) -> str | None:
+    """Why the graded prompt is off for this run (None: it is on)."""
+    if not cfg.enabled:
+        return "graded_prompt.enabled is false"
+    if rollout.temperature <= 0:
+        return "rollout.temperature is 0 (greedy decoding, not sampling)"
+    if rollout.n < 2:
+        return f"rollout.n is {rollout.n} (a graded group needs n > 1)"
+    return None
+
+
+@dataclass
+class SamplePlan:
+    """One sample's request and what its generator prompt disclosed."""
+
+    request: SampleRequest
+    group_ratio: float | None  # g_i; None when the draw is sampled plain (see plain_reason)
+    plain_reason: str = ""  # why the draw is sampled plain: no_rubric | truncated ("" when graded)
+    ratio: float = 0.0  # r_i = g_i * d(step)
+    shown: int = 0  # criteria listed
+    system_tokens: int = 0  # generator prompt tokens minus original prompt tokens
+
+
+@EXPERIENCE_MAKERS.register("graded_prompt", "graded_system_prompt")
+class GradedPromptSampling(GroupSampling):
+    """GroupSampling whose n generator inputs per prompt disclose 1, (n-2)/(n-1), ..., 0 of its rubric."""
+
+    Config = GradedPromptConfig
+
+    def __init__(self, cfg: RolloutConfig, graded: GradedPromptConfig, engine, rewards, tokenizer, seed: int = 0,
+                 total_steps: int = 1):
+        super().__init__(cfg, engine, rewards, tokenizer, seed=seed)
+        self.graded = graded
+        self.total_steps = total_steps
+        self.inactive = inactive_reason(graded, cfg)
+        self.step = 0
+        self.plans: list[SamplePlan] = []  # the last requests() call's plans, aligned with its batch rows
+        self._logged: set[str] = set()  # plain-sampling reasons already logged
+        ratios = sorted({group_ratio(i, cfg.n, graded) for i in range(cfg.n)}, reverse=True)
+        self.summary_metrics = () if self.inactive else tuple(f"graded_prompt/reward_mean_r{g:.2f}" for g in ratios)
+        if self.inactive:
+            logger.info("%s off (%s): sampling the plain prompts", LOG_TAG, self.inactive)
+        else:
+            logger.info("%s on: n=%d, rule=%s, step_decay=%s, keep_in_training=%s", LOG_TAG, cfg.n, graded.rule,
+                        graded.step_decay, graded.keep_in_training)
+
+    @classmethod
+    def from_context(cls, ctx: BuildContext) -> "GradedPromptSampling":
+        return cls(ctx.cfg.rollout, ctx.cfg.graded_prompt, ctx.engine, ctx.rewards, ctx.tokenizer,
+                   seed=ctx.cfg.trainer.seed, total_steps=ctx.cfg.trainer.total_steps)
+
+    def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
+        self.step = step  # requests() reads it for the step decay
+        batch, metrics = super().make_experience(loader, step)
+        metrics.update(self.metrics(batch))
+        return batch, metrics
+
+    def requests(self, draws: list[PromptDraw]) -> list[SampleRequest]:
+        """n requests per draw, sample i disclosing k_i criteria (module docstring); plain when inactive."""
+        if self.inactive:
+            self.plans = []
+            return super().requests(draws)
+        decay = step_factor(self.step, self.total_steps, self.graded)
+        self.plans = [plan for draw in draws for plan in self.plan_draw(draw, decay)]
+        logger.debug("%s step %d: %d draws -> %d single samples (step factor %.4f)", LOG_TAG, self.step,
+                     len(draws), len(self.plans), decay)
+        return [plan.request for plan in self.plans]
+
+    def plan_draw(self, draw: PromptDraw, decay: float) -> list[SamplePlan]:
+        """The n sample plans of one draw."""
+        items = [item for item in (draw.row.rubrics or []) if item["points"] != 0]
+        if not items:
+            return self._plain(draw, "no_rubric")
+        if encode_prompt(self.tokenizer, draw.row.messages) != draw.prompt_ids:
+            return self._plain(draw, "truncated")
+        plans = []
+        for i in range(self.cfg.n):
+            g = group_ratio(i, self.cfg.n, self.graded)
+            k = num_shown(len(items), g * decay)
+            rng = random.Random(f"graded_prompt/{self.seed}/{draw.draw_id}/{i}")
+            system = system_message(choose_criteria(items, k, rng), self.graded)
+            ids = draw.prompt_ids if system is None else self._encode(draw, system)
+            trained = dataclasses.replace(draw, prompt_ids=ids) if self.graded.keep_in_training else draw
+            plans.append(SamplePlan(SampleRequest(trained, ids, draw.draw_id), g, "", g * decay, k,
+                                    len(ids) - len(draw.prompt_ids)))
+            logger.debug("%s draw %d sample %d: ratio %.2f, %d/%d criteria, system prompt %d tokens%s", LOG_TAG,
+                         draw.draw_id, i, g * decay, k, len(items), len(ids) - len(draw.prompt_ids),
+                         f":\n{system}" if system else " (none)")
+        return plans
+
+    def _plain(self, draw: PromptDraw, reason: str) -> list[SamplePlan]:
+        """n plain requests for a draw that gets no graded prompt; logged once per reason, counted in metrics."""
+        if reason not in self._logged:
+            self._logged.add(reason)
+            why = {"no_rubric": "has no rubric item with non-zero points",
+                   "truncated": "was truncated by the loader, so its messages no longer give its prompt tokens"}[reason]
+            logger.warning("%s row %s %s: sampled plain (counted in graded_prompt/num_plain_samples_%s; "
+                           "logged once)", LOG_TAG, draw.row.row_id, why, reason)
+        request = SampleRequest(draw, draw.prompt_ids, draw.draw_id)
+        return [SamplePlan(request, None, reason) for _ in range(self.cfg.n)]
+
+    def _encode(self, draw: PromptDraw, system: str) -> list[int]:
+        messages = generation_messages(draw.row.messages, system, self.graded.existing_system)
+        try:
+            return encode_prompt(self.tokenizer, messages)
+        except Exception as err:  # jinja raises its own error types, e.g. for templates without a system role
+            raise ValueError(f"row {draw.row.row_id}: the tokenizer's chat template cannot render a system "
+                             f"message ({type(err).__name__}: {err}); the graded system prompt needs one") from err
+
+    def metrics(self, batch: ExperienceBatch) -> dict[str, float]:
+        """Reward mean per disclosure ratio, system-prompt tokens, plain draws, and the judge's statistics."""
+        if not self.plans:
+            return {"graded_prompt/active": 0.0}
+        if len(self.plans) != len(batch):
+            raise RuntimeError(f"{len(self.plans)} sample plans for a batch of {len(batch)}")
+        graded = [(plan, float(reward)) for plan, reward in zip(self.plans, batch.rewards) if plan.group_ratio is not None]
+        by_ratio: dict[float, list[float]] = defaultdict(list)
+        for plan, reward in graded:
+            by_ratio[plan.group_ratio].append(reward)
+        metrics = {"graded_prompt/active": 1.0,
+                   "graded_prompt/step_factor": step_factor(self.step, self.total_steps, self.graded)}
+        for reason in ("no_rubric", "truncated"):
+            metrics[f"graded_prompt/num_plain_samples_{reason}"] = float(
+                sum(plan.plain_reason == reason for plan in self.plans))
+        metrics.update({f"graded_prompt/reward_mean_r{g:.2f}": sum(v) / len(v) for g, v in by_ratio.items()})
+        if 1.0 in by_ratio and 0.0 in by_ratio:
+            metrics["graded_prompt/reward_gap_full_minus_none"] = (
+                metrics["graded_prompt/reward_mean_r1.00"] - metrics["graded_prompt/reward_mean_r0.00"])
+        if graded:
+            tokens = [plan.system_tokens for plan, _ in graded]
+            metrics["graded_prompt/system_prompt_tokens_mean"] = sum(tokens) / len(tokens)
+            metrics["graded_prompt/system_prompt_tokens_max"] = float(max(tokens))
+            metrics["graded_prompt/criteria_shown_mean"] = sum(plan.shown for plan, _ in graded) / len(graded)
+        metrics.update(judge_metrics([sample.reward_info for sample in batch.samples]))
+        return metrics

@@ -1,0 +1,229 @@
+"""A client for OpenAI-compatible chat-completions judges, on the standard library only.
+
+One request is `POST <base_url>/chat/completions` with `{"model", "messages", "temperature",
+"max_tokens"}`; the reply text is `choices[0].message.content`, which the caller's `parse` turns
+into a value (a rubric verdict). `JudgeClient.complete(messages, parse)` adds:
+
+- a concurrency limit: at most `max_concurrency` requests of one client in flight (a semaphore);
+  `JudgeClient.map` fans calls out over a thread pool of the same size;
+- a time limit of `timeout_s` per HTTP request (connect and each read);
+- retries: a refused or timed-out connection, HTTP 408/409/429/5xx, a malformed body, and a reply
+  that `parse` rejects (ValueError) are tried again, up to `max_retries` more times, waiting
+  `backoff_s`, then twice as long each time. Other HTTP errors (400, 401, 403, 404, ...) are
+  configuration errors and fail at once;
+- a cache of identical requests (same URL, model, messages, temperature, max_tokens): a parsed
+  value is kept (up to `cache_size`, least recently used dropped first) and returned without a
+  request. Failures are never cached;
+- the API key is read from the environment variable named by `api_key_env` when the client is
+  built and sent as a Bearer token; it is never logged and never put in an error message or repr.
+  An unset variable sends no Authorization header (local servers such as vLLM need none);
+- clear errors: `JudgeUnavailable` when the endpoint could not be reached (down, refusing,
+  timing out) after every attempt, naming the URL and what to check; `JudgeError` for every other
+  failure (an HTTP error status, replies that never parse).
+
+Decisions:
+- urllib rather than `requests`/`httpx`: neither is installed in the project environment, and
+  one JSON POST needs nothing more.
+- The cache and the limit are per client, and a client lives in one process: reward workers each
+  build their own (aligner_ext/rewards/rubric.py says why the judge runs there).
+- `JudgeConfig.from_env` reads each field from `ALIGNER_EXT_JUDGE_<FIELD>` (e.g.
+  `ALIGNER_EXT_JUDGE_BASE_URL`), so the judge of the built-in `rubric_judge` reward is configured
+  by the environment of the training command, which the reward workers inherit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import http.client
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, TypeVar
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "ALIGNER_EXT_JUDGE_"  # JudgeConfig.from_env reads field `x` from ALIGNER_EXT_JUDGE_X
+RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})  # HTTP statuses worth another attempt
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class JudgeError(RuntimeError):
+    """The judge gave no usable answer (an HTTP error status, replies that never parse)."""
+
+
+class JudgeUnavailable(JudgeError):
+    """The judge endpoint could not be reached (down, refusing connections, or timing out)."""
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """An OpenAI-compatible chat-completions judge: endpoint, model and limits."""
+
+    base_url: str = "http://127.0.0.1:8000/v1"  # endpoint root; requests go to <base_url>/chat/completions
+    model: str = "judge"  # model name sent with every request
+    api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the API key (never logged); unset: no key sent
+    template: str = "judge/rubric_grader.txt"  # grader prompt: a path, absolute or relative to conf/
+    temperature: float = 0.0  # judge sampling temperature
+    max_tokens: int = 1024  # cap on the judge's reply, in tokens
+    timeout_s: float = 60.0  # limit per HTTP request (connect and each read), seconds
+    max_retries: int = 3  # further attempts after a failed request or an unparseable reply
+    backoff_s: float = 1.0  # wait before the first retry, seconds; doubled before each later one
+    max_concurrency: int = 8  # requests in flight at once per client (per reward worker process)
+    cache_size: int = 10000  # parsed replies kept for identical requests; 0 disables the cache
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"judge base_url must start with http:// or https://, got {self.base_url!r}")
+        for name in ("timeout_s", "max_concurrency"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"judge {name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_retries", "backoff_s", "cache_size", "max_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"judge {name} must be >= 0, got {getattr(self, name)}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "JudgeConfig":
+        """Defaults overridden by `ALIGNER_EXT_JUDGE_<FIELD>` variables; a bad value names its variable."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            name = ENV_PREFIX + f.name.upper()
+            if name in environ:
+                kind = type(f.default)
+                try:
+                    values[f.name] = kind(environ[name])
+                except ValueError as err:
+                    raise ValueError(f"environment variable {name}={environ[name]!r} is not a {kind.__name__}") from err
+        return cls(**values)
+
+    def worst_case_s(self) -> float:
+        """Longest one `complete` call can take: every attempt timing out, plus the backoff waits."""
+        waits = sum(self.backoff_s * 2**k for k in range(self.max_retries))
+        return self.timeout_s * (self.max_retries + 1) + waits
+
+
+@dataclass
+class JudgeOutcome:
+    """The parsed reply of one `complete` call and how it was obtained."""
+
+    value: Any  # what `parse` returned
+    attempts: int  # HTTP requests made (0 when cached)
+    latency_s: float  # wall time of the call, retries and waits included
+    cached: bool  # answered from the cache, no request made
+
+
+class _Retry(Exception):
+    """One failed attempt that is worth repeating; `unreachable` when no HTTP reply came back."""
+
+    def __init__(self, reason: str, unreachable: bool):
+        super().__init__(reason)
+        self.unreachable = unreachable
+
+
+class JudgeClient:
+    """Sends chat-completions requests with a concurrency limit, retries and a cache (module docstring)."""
+
+    def __init__(self, cfg: JudgeConfig, environ: Mapping[str, str] | None = None):
+        self.cfg = cfg
+        self.url = cfg.base_url.rstrip("/") + "/chat/completions"
+        environ = os.environ if environ is None else environ
+        self._api_key = environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        self._slots = threading.BoundedSemaphore(cfg.max_concurrency)
+        self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="judge")
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache_lock = threading.Lock()
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"JudgeClient(url={self.url!r}, model={self.cfg.model!r}, api_key={'set' if self._api_key else 'unset'})"
+
+    def complete(self, messages: list[dict[str, str]], parse: Callable[[str], T]) -> JudgeOutcome:
+        """The parsed reply to `messages`; raises JudgeUnavailable or JudgeError after the last attempt."""
+        key = self._cache_key(messages)
+        with self._cache_lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return JudgeOutcome(self._cache[key], attempts=0, latency_s=0.0, cached=True)
+        started = time.monotonic()
+        failures: list[_Retry] = []
+        for attempt in range(self.cfg.max_retries + 1):
+            if attempt:
+                time.sleep(self.cfg.backoff_s * 2 ** (attempt - 1))
+            try:
+                value = self._parse(self._post(messages), parse)
+            except _Retry as failure:
+                failures.append(failure)
+                logger.debug("judge attempt %d/%d failed: %s", attempt + 1, self.cfg.max_retries + 1, failure)
+                continue
+            self._remember(key, value)
+            return JudgeOutcome(value, attempts=attempt + 1, latency_s=time.monotonic() - started, cached=False)
+        raise self._final_error(failures)
+
+    def map(self, fn: Callable[[U], T], items: Iterable[U]) -> list[T]:
+        """`[fn(item) for item in items]`, run on the client's thread pool; the first exception propagates."""
+        return list(self._pool.map(fn, items))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _post(self, messages: list[dict[str, str]]) -> str:
+        """The reply text of one request; raises _Retry for a retryable failure, JudgeError otherwise."""
+        body = json.dumps({"model": self.cfg.model, "messages": messages, "temperature": self.cfg.temperature,
+                           "max_tokens": self.cfg.max_tokens}).encode("utf-8")
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        with self._slots:
+            try:
+                with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as response:
+                    payload = response.read()
+            except urllib.error.HTTPError as err:
+                detail = err.read(300).decode("utf-8", "replace").strip()
+                if err.code in RETRY_STATUS:
+                    raise _Retry(f"HTTP {err.code}: {detail}", unreachable=False) from None
+                hint = f"; check the API key in ${self.cfg.api_key_env}" if err.code in (401, 403) else ""
+                raise JudgeError(f"judge endpoint {self.url} answered HTTP {err.code}: {detail}{hint}") from None
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+                reason = getattr(err, "reason", err)
+                raise _Retry(f"{type(reason).__name__}: {reason}", unreachable=True) from None
+        try:
+            return json.loads(payload)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise _Retry(f"malformed chat-completions body: {payload[:200]!r}", unreachable=False) from None
+
+    @staticmethod
+    def _parse(text: str, parse: Callable[[str], T]) -> T:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise _Retry(f"unusable reply ({err}): {text[:200]!r}", unreachable=False) from None
+
+    def _final_error(self, failures: list[_Retry]) -> JudgeError:
+        attempts = len(failures)
+        if all(f.unreachable for f in failures):
+            return JudgeUnavailable(
+                f"judge endpoint {self.url} unreachable after {attempts} attempts ({failures[-1]}); is the server "
+                f"running and is {ENV_PREFIX}BASE_URL right? (timeout {self.cfg.timeout_s:g} s per request)")
+        return JudgeError(f"judge at {self.url} gave no usable reply after {attempts} attempts; last: {failures[-1]}")
+
+    def _cache_key(self, messages: list[dict[str, str]]) -> str:
+        request = [self.url, self.cfg.model, self.cfg.temperature, self.cfg.max_tokens, messages]
+        return hashlib.sha256(json.dumps(request, sort_keys=True).encode("utf-8")).hexdigest()
+
+    def _remember(self, key: str, value: Any) -> None:
+        if self.cfg.cache_size == 0:
+            return
+        with self._cache_lock:
+            self._cache[key] = value
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cfg.cache_size:
+                self._cache.popitem(last=False)
