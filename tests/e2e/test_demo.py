@@ -49,6 +49,12 @@ def test_demo_run_writes_its_outputs(tmp_path):
         if name in final:
             torch.testing.assert_close(tensor, final[name], rtol=0, atol=0)
 
+    # the same command trains a given HF checkpoint instead of building the embedded model
+    again = train(small_config(tmp_path, "trainer.total_steps=1", "trainer.run_name=from_path",
+                               f"model.path={run / 'hf_model'}"))
+    assert not (tmp_path / "from_path" / "base_model").exists()
+    assert again.accuracy_before == summary.accuracy_after  # it starts from the exported weights
+
 
 DENSE_REWARD = "+reward.sources.arithmetic=e2e_rewards.digit_fraction"  # tests/e2e/e2e_rewards.py
 
@@ -79,3 +85,14 @@ def test_resume_continues_the_same_run(tmp_path, monkeypatch):
     # the weights did move during training (the comparison above is not between two untouched models)
     base = load_file(str(tmp_path / "a" / "checkpoints" / "step_2" / "model.safetensors"))
     assert any(not torch.equal(base[name], weights_a[name]) for name in base)
+
+
+def test_kl_to_the_reference_policy_is_computed_and_reported(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    train(small_config(tmp_path, "trainer.total_steps=2", "trainer.run_name=kl", "loss.kl_coef=0.1",
+                       "loss.kl_estimator=k3", DENSE_REWARD))
+    records = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
+    # step 1 starts from the reference weights, so KL is 0; after one update the policy has moved
+    assert records[1]["actor/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert records[2]["actor/kl"] > 0.0
+    assert records[2]["loss/kl"] == pytest.approx(0.1 * records[2]["actor/kl"], rel=1e-5)
