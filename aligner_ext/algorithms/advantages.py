@@ -45,6 +45,9 @@ class AdvantageFn(Protocol):
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor: ...
 
+    def metrics(self) -> dict[str, float]:
+        """What the last call wants logged for the step (may be empty)."""
+
 
 @dataclass(frozen=True)
 class GroupStats:
@@ -138,3 +141,7 @@ class GroupAdvantage:
             raise ValueError(f"non-finite rewards for rows {[batch.samples[i].row.row_id for i in rows]}")
         per_sample = group_baseline_normalize(batch.rewards, batch.group_ids, self.cfg.use_std, self.cfg.std_floor)
         return per_sample.to(torch.float32)[:, None] * batch.response_mask.to(torch.float32)
+
+
+    def metrics(self) -> dict[str, float]:
+        return {}

@@ -207,13 +207,16 @@ class CPOAdvantage:
         inputs = shaping_inputs(batch, correct, self.cfg, self.vocab_size)
         shaped = torch.where(inputs.mask, self.wrap(base.clone(), inputs), base)
         change = (shaped - base)[inputs.mask]
-        self._metrics = {
+        hinted = batch.response_mask & batch.has_hint[:, None]
+        self._metrics = mi_metrics(mutual_information(batch.hint_logprobs.double(), batch.old_logprobs.double()), hinted)
+        self._metrics.update({
             "cpo/advantage_change_mean": float(change.mean()) if change.numel() else 0.0,
             "cpo/advantage_change_abs_mean": float(change.abs().mean()) if change.numel() else 0.0,
             "cpo/shaped_token_fraction": float((change != 0).double().mean()) if change.numel() else 0.0,
-        }
+        })
         return shaped.to(torch.float32) * batch.response_mask.to(torch.float32)
 
     def metrics(self) -> dict[str, float]:
-        """Metrics of the last call: mean (signed and absolute) advantage change, share of tokens changed."""
+        """Metrics of the last call: MI mean / std / positive fraction over hinted response tokens, mean
+        (signed and absolute) advantage change, share of tokens changed."""
         return dict(self._metrics)

@@ -25,7 +25,8 @@ MI = exp(lp_hint)·Δ; ratio = clamp(exp(Δ), 1/λ, λ); kl_mean and Ū are row 
 | addition_mi3 (_qwen3) | mi3 without the MI<0 term |
 | mi2 (_qwen3) | c: A += pos·U; wrong: A += neg·MI |
 | negonly_seq_kl (_qwen3) | c: A += pos·kl_mean; wrong, D < 0: A += neg·kl_mean |
-| seq_kl (_qwen3) | c, D>0: A += pos·Ū; c, D<=0: A += max(pos·Ū, -abs(A)/2); wrong, D<0: A += neg·kl_mean; wrong, D>=0: A += min(neg·kl_mean, abs(A)/2) |
+| seq_kl (_qwen3) | c, D>0: A += pos·Ū; c, D<=0: A += max(pos·Ū, -abs(A)/2); |
+|                 | wrong, D<0: A += neg·kl_mean; wrong, D>=0: A += min(neg·kl_mean, abs(A)/2) |
 | negonly_tok_kl (_qwen3) | Δc = clamp(Δ, -10, 10); c: A += pos·U; wrong, D < 0: A += neg·Δc |
 | tok_kl (_qwen3) | negonly_tok_kl plus wrong, D >= 0: A += min(neg·Δc, abs(A)/2) |
 
@@ -241,7 +242,7 @@ def negonly_seq_kl(adv: torch.Tensor, s: Shaping) -> torch.Tensor:
 
 @CPO_WRAPPERS.register("seq_kl", "seq_kl_qwen3")
 def seq_kl(adv: torch.Tensor, s: Shaping) -> torch.Tensor:
-    """Bounded terms outside the settled groups: at most half of |A| against A's own sign."""
+    """Outside the settled groups a term may move A toward zero by at most half of |A|."""
     adv = add(adv, s.mask & s.correct & s.easy, s.pos_alpha * s.entropy_mean)
     adv = add(adv, s.mask & s.correct & ~s.easy, torch.maximum(s.pos_alpha * s.entropy_mean, -adv.abs() / 2))
     adv = add(adv, s.mask & s.wrong & s.hard, s.neg_alpha * s.kl_mean)

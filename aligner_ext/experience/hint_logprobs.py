@@ -1,16 +1,15 @@
 """HintLogprobs: an experience wrapper that adds what CPO's advantage reads to the inner maker's batch.
 
-After the inner maker returns its scored batch, two no-grad passes of the policy run on it:
-
-- the hinted pass: every response is scored under its prompt with the row's hint injected
-  (`data/hints.py`), giving `batch.hint_logprobs` [B, R] = log p(y_t | x, hint, y_<t) on the very
-  same response tokens (`batch.has_hint` marks the rows that got a hint);
-- the plain pass, for `batch.entropy` [B, R]: the loop computes the same pass for `old_logprobs`
-  but does not keep its entropy, which CPO's uncertainty needs.
+After the inner maker returns its scored batch, one no-grad pass of the policy scores every
+response under its prompt with the row's hint injected (`data/hints.py`), giving
+`batch.hint_logprobs` [B, R] = log p(y_t | x, hint, y_<t) on the very same response tokens
+(`batch.has_hint` marks the rows that got a hint). The plain log-probs and entropy come from the
+loop's old-log-prob pass (`batch.old_logprobs`, `batch.entropy`), so no pass is run twice; the MI
+metrics are therefore reported by the estimator (`algorithms/cpo.py`).
 
 It also stores each group's `batch.difficulty` (`algorithms/cpo.py::difficulty`) and reports per
-step: MI mean / std / positive fraction over hinted response tokens (`cpo/mi_*`), the difficulty
-distribution over groups (`cpo/difficulty_*`), and hint counts and lengths (`cpo/hint_*`).
+step the difficulty distribution over groups (`cpo/difficulty_*`) and hint counts and lengths
+(`cpo/hint_*`).
 
 It is listed in `algorithm.experience_wrappers` and turns itself on only when the advantage
 estimator reads hint log-probs (`algorithm.adv_estimator=cpo`); otherwise it returns the inner maker
@@ -22,8 +21,7 @@ from __future__ import annotations
 import torch
 
 from aligner_ext.algorithms.advantages import ADVANTAGES
-from aligner_ext.algorithms.cpo import (CPOConfig, difficulty, difficulty_metrics, mi_metrics, mutual_information,
-                                        outcomes)
+from aligner_ext.algorithms.cpo import CPOConfig, difficulty, difficulty_metrics, outcomes
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
 from aligner_ext.data.hints import hint_rows, hinted_batch, hinted_prompts
@@ -34,7 +32,7 @@ from aligner_ext.models.base import Policy
 
 @EXPERIENCE_WRAPPERS.register("hint_logprobs")
 class HintLogprobs(ExperienceMaker):
-    """The inner maker's batch plus hint log-probs, entropy and group difficulty (CPO)."""
+    """The inner maker's batch plus hint log-probs and group difficulty (CPO)."""
 
     def __init__(self, inner: ExperienceMaker, cfg: CPOConfig, gold_as_hint: bool, policy: Policy, tokenizer,
                  temperature: float):
@@ -44,7 +42,7 @@ class HintLogprobs(ExperienceMaker):
         self.policy = policy
         self.tokenizer = tokenizer
         self.temperature = temperature
-        self.summary_metrics = (*inner.summary_metrics, "cpo/mi_mean", "cpo/mi_positive_fraction")
+        self.summary_metrics = (*inner.summary_metrics, "cpo/mi_mean", "cpo/mi_positive_fraction")  # from the estimator
 
     @classmethod
     def from_context(cls, inner: ExperienceMaker, ctx: BuildContext) -> ExperienceMaker:
@@ -67,26 +65,22 @@ class HintLogprobs(ExperienceMaker):
         return batch, metrics
 
     def add_hint_pass(self, batch: ExperienceBatch) -> dict[str, float]:
-        """Set hint_logprobs, has_hint and entropy on `batch`; return the hint and MI metrics."""
+        """Set hint_logprobs and has_hint on `batch`; return the hint metrics."""
         prompts = hinted_prompts(batch, self.tokenizer, self.cfg.hint, self.gold_as_hint)
         batch.has_hint = hint_rows(prompts)
         rows = torch.nonzero(batch.has_hint).flatten()
-        logprobs, batch.entropy = self.policy.logprobs(batch, self.temperature)
-        batch.hint_logprobs = torch.zeros_like(logprobs)
+        batch.hint_logprobs = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
         if len(rows):
             hinted = hinted_batch(batch.select(rows), [prompts.prompt_ids[i] for i in rows.tolist()],
                                   self.tokenizer.pad_token_id)
             batch.hint_logprobs[rows] = self.policy.logprobs(hinted, self.temperature)[0]
-        mask = batch.response_mask & batch.has_hint[:, None]
-        metrics = mi_metrics(mutual_information(batch.hint_logprobs.double(), logprobs.double()), mask)
         lengths = prompts.hint_tokens
-        metrics.update({
+        return {
             "cpo/hint_rows": float(len(rows)),
             "cpo/hint_missing": float(prompts.num_missing),
             "cpo/hint_truncated": float(prompts.num_truncated),
             "cpo/hint_tokens_mean": sum(lengths) / len(lengths) if lengths else 0.0,
-        })
-        return metrics
+        }
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

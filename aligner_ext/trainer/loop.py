@@ -109,7 +109,7 @@ def run_means(metrics_path: Path, keys: tuple[str, ...]) -> dict[str, float]:
 def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, temperature: float) -> dict[str, float]:
     """Old and reference log-probs, advantages, the policy update, and the engine's new weights."""
     with timer("logprobs"):
-        batch.old_logprobs, entropy = parts.policy.logprobs(batch, temperature)
+        batch.old_logprobs, batch.entropy = parts.policy.logprobs(batch, temperature)
         if parts.reference is not None:
             batch.ref_logprobs = parts.reference.logprobs(batch, temperature)
     with timer("advantages"):
@@ -118,7 +118,8 @@ def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, 
         metrics = parts.policy.train(batch, parts.loss, temperature)
     with timer("weight_sync"):
         parts.engine.update_weights(parts.policy.model)
-    metrics.update(batch_metrics(batch, entropy))
+    metrics.update(parts.advantage.metrics())
+    metrics.update(batch_metrics(batch))
     return metrics
 
 

@@ -10,7 +10,7 @@ from aligner_ext.batch import ExperienceBatch
 ZERO_STD_EPS = 1e-6  # reward std at or below this counts as "all samples agree"
 
 
-def batch_metrics(batch: ExperienceBatch, entropy: torch.Tensor) -> dict[str, float]:
+def batch_metrics(batch: ExperienceBatch) -> dict[str, float]:
     """Reward, accuracy, lengths, zero-std groups, advantage range, entropy, finish reasons."""
     lengths = batch.response_lengths.float()
     valid = batch.response_valid
@@ -29,7 +29,7 @@ def batch_metrics(batch: ExperienceBatch, entropy: torch.Tensor) -> dict[str, fl
         "response/stop_fraction": finish.count("stop") / len(finish),
         "advantage/min": float(advantages.min()) if advantages.numel() else 0.0,
         "advantage/max": float(advantages.max()) if advantages.numel() else 0.0,
-        "actor/entropy": float((entropy * valid).sum() / valid.sum().clamp(min=1)),
+        "actor/entropy": float((batch.entropy * valid).sum() / valid.sum().clamp(min=1)),
         "batch/num_samples": float(len(batch)),
         "batch/num_groups": float(len(agree)),
     }

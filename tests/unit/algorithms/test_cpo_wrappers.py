@@ -18,7 +18,8 @@ CORRECT = [True, True, False, False]
 P_OLD = [[0.2, 0.5, 0.9, 0.3], [0.3, 0.6, 1e-5, 0.4], [0.25, 0.8, 0.5, 1e-5], [0.1, 0.7, 0.4, 0.2]]
 P_HINT = [[0.6, 0.2, 0.95, 0.3], [0.9, 0.2, 0.9, 0.4], [0.75, 0.3, 0.5, 0.9], [0.5, 0.3, 1e-6, 0.2]]
 ENTROPY = [[1.0, 2.0, 0.5, 9.0], [0.2, 1.5, 3.0, 2.5], [2.0, 1.0, 0.4, 0.1], [0.3, 0.9, 2.4, 7.0]]  # 9, 7: padding
-ADV = [[0.0, 0.0, 0.0, 0.0], [0.8, 0.02, 0.8, 0.8], [-0.6, -0.01, -0.6, -0.6], [0.0, 0.0, 0.0, 0.0]]
+# GRPO advantages, with one token of a correct row below 0 and one of a wrong row above 0, so sign-clamps bind
+ADV = [[0.0, 0.0, 0.0, 0.0], [0.8, 0.02, 0.8, -0.05], [-0.6, -0.01, 0.04, -0.6], [0.0, 0.0, 0.0, 0.0]]
 SEVENTEEN = ["naive", "naive_qwen3", "noaccmask_qwen3", "mi_qwen3", "mi_accmask_qwen3", "mi_unify_qwen3",
              "mi_clamp_unify_qwen3", "mi_clamp_unify_difficulty_qwen3", "mi3_qwen3", "negonly_mi3_qwen3",
              "negonly_mi_qwen3", "reverse_mi3_qwen3", "addition_mi3_qwen3", "mi2_qwen3", "negonly_seq_kl_qwen3",
@@ -150,6 +151,8 @@ def test_the_data_makes_every_branch_fire():
     assert not torch.equal(reference("mi_clamp_unify", "minmax", levels), reference("mi_unify", "minmax", levels))
     assert not torch.equal(reference("tok_kl", "minmax", levels), reference("negonly_tok_kl", "minmax", levels))
     assert not torch.equal(reference("naive", "minmax", levels), reference("noaccmask", "minmax", levels))
+    clamped = reference("mi", "minmax", levels)  # MI = 0 there: only the sign-clamp moves these two tokens
+    assert clamped[1, 3] == 0.0 and clamped[2, 2] == 0.0
 
 
 def test_the_seventeen_seed_names_and_aliases_resolve():

@@ -13,7 +13,8 @@ from aligner_ext.models.tiny import build_char_tokenizer
 
 GOLD_A = "12+7=19\n\\boxed{19}"
 GOLD_B = "3+4=7\n7+5=12\n\\boxed{12}"
-ROW_A = PromptRow("t:0", [{"role": "user", "content": "12+7="}], "arithmetic", "19", extra_info={"gold_solution": GOLD_A})
+ROW_A = PromptRow("t:0", [{"role": "user", "content": "12+7="}], "arithmetic", "19",
+                  extra_info={"gold_solution": GOLD_A})
 ROW_B = PromptRow("t:1", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+4+5="}],
                   "arithmetic", "12", extra_info={"gold_solution": GOLD_B})
 PLAIN_TEMPLATE = (  # "User: ...\nAssistant:" with no special tokens at all
@@ -75,7 +76,8 @@ def test_positions_continue_through_the_hint_and_shift_later_tokens(tiny_tokeniz
     hint_len = prompts.hint_tokens[row]
     # right after "<|im_start|>user\n" (1 + 5 tokens); row B first has "<|im_start|>system\nBe brief.<|im_end|>\n"
     insert = 6 if row == 0 else 1 + 7 + 9 + 1 + 1 + 6
-    assert tiny_tokenizer.decode(prompts.prompt_ids[row][insert:insert + hint_len]) == (GOLD_A if row == 0 else GOLD_B) + "\n"
+    hint_text = tiny_tokenizer.decode(prompts.prompt_ids[row][insert:insert + hint_len])
+    assert hint_text == (GOLD_A if row == 0 else GOLD_B) + "\n"
     positions = hinted.position_ids[row]
     real = hinted.prompt_mask[row]
     length = len(original_ids) + hint_len
