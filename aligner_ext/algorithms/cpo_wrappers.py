@@ -30,8 +30,8 @@ MI = exp(lp_hint)·Δ; ratio = clamp(exp(Δ), 1/λ, λ); kl_mean and Ū are row 
 | negonly_tok_kl (_qwen3) | Δc = clamp(Δ, -10, 10); c: A += pos·U; wrong, D < 0: A += neg·Δc |
 | tok_kl (_qwen3) | negonly_tok_kl plus wrong, D >= 0: A += min(neg·Δc, abs(A)/2) |
 
-Formulas are those of the public implementation (26hzhang/verl `verl/cpo/cpo_advantage_wrapper.py`,
-/work/shared/reference/algorithms.md §3.3). Decisions (docs/variants/cpo.md has all of them):
+Formulas are those of the public implementation (26hzhang/verl `verl/cpo/cpo_advantage_wrapper.py`).
+Decisions (docs/variants/cpo.md has all of them):
 - `_qwen3` names are aliases, except `naive_qwen3`, which differs from `naive` (correctness gating
   and sign-clamp) and is also `naive_accmask`.
 - c and "wrong" come from the raw outcome (`batch.correct`), so 0/1 rewards work like the public
