@@ -18,5 +18,4 @@ import aligner_ext.models.hf  # noqa: F401
 import aligner_ext.models.megatron  # noqa: F401 - registers the name only; megatron-core loads on use
 import aligner_ext.rewards  # noqa: F401
 import aligner_ext.rewards.calibration  # noqa: F401
-import aligner_ext.data.tasks.mtpo_qa  # noqa: F401
 import aligner_ext.rewards.rubric  # noqa: F401

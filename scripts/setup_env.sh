@@ -10,4 +10,4 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install --quiet torch==2.13.0
 fi
-.venv/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
+.venv/bin/pip install --quiet --disable-pip-version-check -e '.[dev,megatron]'

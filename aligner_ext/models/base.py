@@ -44,6 +44,10 @@ class PolicyConfig:
     mini_batch_size: int = 0  # sequences per optimizer update; 0 = the whole step batch (one update)
     num_iterations: int = 1  # passes over each step batch against the stored old log-probs
     logprob_chunk_size: int = 128  # sequence positions per log-softmax chunk (bounds [b, T, V] memory)
+    tensor_model_parallel_size: int = 1  # megatron backend: GPUs each layer is split across (TP)
+    pipeline_model_parallel_size: int = 1  # megatron backend: pipeline stages the layers are split into (PP)
+    sequence_parallel: bool = False  # megatron backend: shard norm/dropout activations over TP ranks (TP > 1)
+    use_distributed_optimizer: bool = False  # megatron backend: shard optimizer state over data-parallel ranks
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 

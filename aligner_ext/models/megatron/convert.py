@@ -1,0 +1,210 @@
+"""HF <-> Megatron-core state dicts for Llama / Qwen2 / Qwen3, sharded by (pipeline stage, tensor rank).
+
+Layouts (megatron-core local spec, `model.layer_spec`):
+- `embedding.word_embeddings.weight`, `output_layer.weight`: vocabulary rows padded with zeros to
+  `model.padded_vocab_size` and split in TP contiguous blocks (vocab-parallel).
+- `self_attention.linear_qkv`: one fused column-parallel matrix in megatron's per-query-group
+  layout: for each KV group g, the rows of its q heads, then k_g, then v_g
+  ([groups * (heads/groups + 2) * head_dim, H]); TP rank r holds groups r*G/TP .. (r+1)*G/TP - 1
+  (and so q heads r*N/TP ..), so the split is contiguous. Qwen2's biases follow the same layout.
+- `self_attention.linear_proj` (o_proj) and `mlp.linear_fc2` (down_proj): row-parallel, split
+  along the input dimension.
+- `mlp.linear_fc1`: gate and up fused per rank: rank r holds [gate rows of r; up rows of r], since
+  megatron splits the rank's output in two halves for SwiGLU.
+- Norm weights (input, pre-MLP, final, Qwen3's q/k norms): replicated on every TP rank.
+- Pipeline: stage p holds layers p*L/PP .. (p+1)*L/PP - 1, renumbered from 0; the first stage holds
+  the embedding, the last the final norm and output layer. With tied embeddings and PP > 1 the last
+  stage holds its own copy of the embedding as `output_layer.weight` (megatron-core keeps the two
+  in sync by all-reducing their gradients); with PP = 1 there is no `output_layer.weight`.
+
+Round trip: `megatron_to_hf(hf_to_megatron(sd))` returns every tensor of `sd` bit for bit (only
+slicing and concatenation, no arithmetic). For tied models the HF side has no `lm_head.weight`
+(as `save_pretrained` writes it); one given is checked equal to the embedding and dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aligner_ext.models.megatron.model import check_hf_config, head_dim, padded_vocab_size, qkv_bias
+
+Shards = dict[tuple[int, int], dict[str, torch.Tensor]]  # (pipeline stage, tensor rank) -> state dict
+
+# (HF suffix, megatron suffix, how it is split over TP) of each per-layer tensor that maps one to one.
+LAYER_TENSORS = (
+    ("input_layernorm.weight", "input_layernorm.weight", "replicated"),
+    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", "replicated"),
+    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", "row"),
+    ("mlp.down_proj.weight", "mlp.linear_fc2.weight", "row"),
+)
+QK_NORM_TENSORS = (
+    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", "replicated"),
+    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", "replicated"),
+)
+
+
+def layer_tensors(hf_config) -> tuple[tuple[str, str, str], ...]:
+    return LAYER_TENSORS + (QK_NORM_TENSORS if hf_config.model_type == "qwen3" else ())
+
+
+def expected_hf_keys(hf_config) -> set[str]:
+    """Every key of the HF state dict of this architecture (without lm_head when tied)."""
+    keys = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not hf_config.tie_word_embeddings:
+        keys.add("lm_head.weight")
+    kinds = ("weight", "bias") if qkv_bias(hf_config) else ("weight",)
+    for layer in range(hf_config.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        keys.update(prefix + hf_name for hf_name, _, _ in layer_tensors(hf_config))
+        keys.update(f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv" for kind in kinds)
+        keys.update(f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up"))
+    return keys
+
+
+def check_hf_keys(hf: dict[str, torch.Tensor], hf_config) -> None:
+    """Raise naming the missing and unexpected keys of an HF state dict."""
+    given = set(hf) - {"lm_head.weight"} if hf_config.tie_word_embeddings else set(hf)
+    expected = expected_hf_keys(hf_config)
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        raise ValueError(f"HF state dict for {hf_config.model_type}: missing {missing[:8]}, unexpected {unexpected[:8]}")
+
+
+def _split(tensor: torch.Tensor, how: str, tp: int, rank: int) -> torch.Tensor:
+    if how == "replicated":
+        return tensor.clone()
+    dim = 0 if how == "column" else 1
+    return tensor.chunk(tp, dim=dim)[rank].clone()
+
+
+def _join(parts: list[torch.Tensor], how: str) -> torch.Tensor:
+    if how == "replicated":
+        for part in parts[1:]:
+            if not torch.equal(part, parts[0]):
+                raise ValueError("a replicated tensor differs between tensor-parallel ranks")
+        return parts[0].clone()
+    return torch.cat(parts, dim=0 if how == "column" else 1)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf_config) -> torch.Tensor:
+    """[N*d, ...], [G*d, ...], [G*d, ...] -> megatron's per-group [G*(N/G+2)*d, ...] (weights or biases)."""
+    groups, dim = hf_config.num_key_value_heads, head_dim(hf_config)
+    per_group = hf_config.num_attention_heads // groups
+    tail = q.shape[1:]
+    q = q.reshape(groups, per_group * dim, *tail)
+    k = k.reshape(groups, dim, *tail)
+    v = v.reshape(groups, dim, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def unfuse_qkv(fused: torch.Tensor, hf_config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`."""
+    groups, dim = hf_config.num_key_value_heads, head_dim(hf_config)
+    per_group = hf_config.num_attention_heads // groups
+    tail = fused.shape[1:]
+    grouped = fused.reshape(groups, (per_group + 2) * dim, *tail)
+    q, k, v = grouped.split([per_group * dim, dim, dim], dim=1)
+    return q.reshape(-1, *tail).clone(), k.reshape(-1, *tail).clone(), v.reshape(-1, *tail).clone()
+
+
+def _pad_vocab(weight: torch.Tensor, hf_config, tp: int) -> torch.Tensor:
+    padded = padded_vocab_size(hf_config.vocab_size, tp)
+    if weight.shape[0] != hf_config.vocab_size:
+        raise ValueError(f"vocabulary matrix has {weight.shape[0]} rows, config.vocab_size is {hf_config.vocab_size}")
+    return torch.cat([weight, weight.new_zeros(padded - weight.shape[0], weight.shape[1])])
+
+
+def _stage_layers(hf_config, pp: int, stage: int) -> range:
+    per_stage = hf_config.num_hidden_layers // pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def _check_layout(hf_config, tp: int, pp: int) -> None:
+    check_hf_config(hf_config)
+    if hf_config.num_key_value_heads % tp or hf_config.num_hidden_layers % pp or hf_config.intermediate_size % tp:
+        raise ValueError(
+            f"TP={tp} must divide num_key_value_heads={hf_config.num_key_value_heads} and intermediate_size="
+            f"{hf_config.intermediate_size}; PP={pp} must divide num_hidden_layers={hf_config.num_hidden_layers}"
+        )
+
+
+def hf_to_megatron_shard(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: int, tp_rank: int, stage: int
+                         ) -> dict[str, torch.Tensor]:
+    """The megatron state dict of one (stage, tensor rank) from a full HF state dict."""
+    _check_layout(hf_config, tp, pp)
+    check_hf_keys(hf, hf_config)
+    tied = bool(hf_config.tie_word_embeddings)
+    if tied and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
+        raise ValueError("tie_word_embeddings is set but lm_head.weight differs from model.embed_tokens.weight")
+    out: dict[str, torch.Tensor] = {}
+    if stage == 0:
+        out["embedding.word_embeddings.weight"] = _split(_pad_vocab(hf["model.embed_tokens.weight"], hf_config, tp), "column", tp, tp_rank)
+    for local, layer in enumerate(_stage_layers(hf_config, pp, stage)):
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        for hf_name, mc_name, how in layer_tensors(hf_config):
+            out[dst + mc_name] = _split(hf[src + hf_name], how, tp, tp_rank)
+        attn = src + "self_attn."
+        for kind in ("weight", "bias") if qkv_bias(hf_config) else ("weight",):
+            fused = fuse_qkv(*(hf[f"{attn}{p}_proj.{kind}"] for p in "qkv"), hf_config)
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = _split(fused, "column", tp, tp_rank)
+        gate = _split(hf[src + "mlp.gate_proj.weight"], "column", tp, tp_rank)
+        up = _split(hf[src + "mlp.up_proj.weight"], "column", tp, tp_rank)
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
+    if stage == pp - 1:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+        if not tied or pp > 1:
+            head = hf["model.embed_tokens.weight"] if tied else hf["lm_head.weight"]
+            out["output_layer.weight"] = _split(_pad_vocab(head, hf_config, tp), "column", tp, tp_rank)
+    return out
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: int) -> Shards:
+    """Every (stage, tensor rank) shard of a full HF state dict."""
+    return {(s, r): hf_to_megatron_shard(hf, hf_config, tp, pp, r, s) for s in range(pp) for r in range(tp)}
+
+
+def megatron_to_hf(shards: Shards, hf_config, tp: int, pp: int) -> dict[str, torch.Tensor]:
+    """The full HF state dict from every (stage, tensor rank) shard."""
+    _check_layout(hf_config, tp, pp)
+    if set(shards) != {(s, r) for s in range(pp) for r in range(tp)}:
+        raise ValueError(f"expected shards for every (stage, rank) of PP={pp} x TP={tp}, got {sorted(shards)}")
+
+    def gather(stage: int, name: str, how: str) -> torch.Tensor:
+        return _join([shards[(stage, r)][name] for r in range(tp)], how)
+
+    vocab = hf_config.vocab_size
+    hf: dict[str, torch.Tensor] = {"model.embed_tokens.weight": gather(0, "embedding.word_embeddings.weight", "column")[:vocab].clone()}
+    for stage in range(pp):
+        for local, layer in enumerate(_stage_layers(hf_config, pp, stage)):
+            src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
+            for hf_name, mc_name, how in layer_tensors(hf_config):
+                hf[dst + hf_name] = gather(stage, src + mc_name, how)
+            for kind in ("weight", "bias") if qkv_bias(hf_config) else ("weight",):
+                q, k, v = unfuse_qkv(gather(stage, f"{src}self_attention.linear_qkv.{kind}", "column"), hf_config)
+                hf.update({f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k,
+                           f"{dst}self_attn.v_proj.{kind}": v})
+            halves = [shards[(stage, r)][src + "mlp.linear_fc1.weight"].chunk(2) for r in range(tp)]
+            hf[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
+            hf[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
+    hf["model.norm.weight"] = shards[(pp - 1, 0)]["decoder.final_layernorm.weight"].clone()
+    if not hf_config.tie_word_embeddings:
+        hf["lm_head.weight"] = gather(pp - 1, "output_layer.weight", "column")[:vocab].clone()
+    return hf
+
+
+def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
+    """Copy a shard into this rank's GPTModel; its parameter names must match the shard's keys exactly."""
+    params = dict(model.named_parameters())
+    missing, unexpected = sorted(set(params) - set(shard)), sorted(set(shard) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"megatron shard does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            if param.shape != shard[name].shape:
+                raise ValueError(f"{name}: model shape {tuple(param.shape)}, shard shape {tuple(shard[name].shape)}")
+            param.copy_(shard[name])
+
+
+def model_shard(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's parameters as a shard (detached CPU copies)."""
+    return {name: param.detach().cpu().clone() for name, param in model.named_parameters()}

@@ -1,0 +1,63 @@
+"""Process groups for the Megatron backend: torch.distributed from the torchrun environment, then
+megatron-core's tensor / pipeline / data-parallel groups.
+
+One process per GPU (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); NCCL on
+GPUs, gloo on CPU (with `cpu_shims`). Without torchrun variables a single-process world is created
+on a free local port, so conversion tools and single-process tests use the same code path.
+Data-parallel size = world size / (TP x PP), as megatron-core derives it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from aligner_ext.models.megatron.cpu_shims import apply_cpu_shims
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed() -> torch.device:
+    """Initialise torch.distributed once (torchrun variables, else a world of one); return this rank's device."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        apply_cpu_shims()
+        device, backend = torch.device("cpu"), "gloo"
+    if dist.is_initialized():
+        return device
+    if "RANK" in os.environ:
+        dist.init_process_group(backend=backend)
+    else:
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    return device
+
+
+def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int = 0) -> None:
+    """(Re)create megatron-core's model-parallel groups for a TP x PP layout; the rest of the world is DP."""
+    from megatron.core import parallel_state, tensor_parallel as mcore_tp
+
+    world = dist.get_world_size()
+    if tensor_parallel < 1 or pipeline_parallel < 1 or world % (tensor_parallel * pipeline_parallel):
+        raise ValueError(
+            f"policy.tensor_model_parallel_size={tensor_parallel} x pipeline_model_parallel_size="
+            f"{pipeline_parallel} must be >= 1 and divide the world size {world}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+    )
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        mcore_tp.model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,176 @@
+"""Policy backend on megatron-core: TP, PP (1F1B schedules over micro-batches), DP, optional sequence
+parallelism and distributed optimizer, bf16 on GPUs. One process per GPU, launched by torchrun.
+
+Every rank holds the whole step batch (the loop is replicated); each operation takes this DP rank's
+contiguous share of rows, split into equal micro-batches (the last ones filled with rows whose
+masks are False, `forward.pad_rows`).
+
+- `logprobs`: forward-only schedule; results are all-gathered over DP, so every rank returns [B, R].
+- `train`: per mini-batch, the loss's global counts are taken over the *whole* mini-batch (all DP
+  ranks), each micro-batch loss divides by them, DDP sums gradients over DP (optimizer.py), so the
+  update does not depend on the DP size or the micro-batch split (tests/megatron).
+- Weights for generation and checkpoints: `self.model` is an HF model on this rank's device;
+  after each `train` call the Megatron weights are gathered into it in memory (`weights.py`), so the
+  HF generation engine and `save_pretrained` see the current policy without a disk round trip.
+
+Metrics are summed over micro-batches on the last pipeline stage, broadcast over PP and summed over
+DP (each loss value is already divided by the global counts), then averaged over updates as in
+the HF backend.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from transformers import PreTrainedModel
+
+from aligner_ext.batch import ExperienceBatch
+from aligner_ext.losses.base import Loss
+from aligner_ext.models.base import Policy, PolicyConfig
+from aligner_ext.models.hf import lr_lambda, resolve_dtype, split_rows
+from aligner_ext.models.megatron import convert
+from aligner_ext.models.megatron.forward import (
+    Packed, filler_rows, forward_backward, forward_logprobs, pack, pad_rows,
+)
+from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
+from aligner_ext.models.megatron.optimizer import build_optimizer, clipped_step, set_lr, wrap_ddp
+from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
+from aligner_ext.models.megatron.weights import gather_hf_state_dict
+
+PACK_PAD_ID = 0  # fills the columns after each row's real tokens; never attended to by a real token
+
+
+class MegatronPolicy(Policy):
+    """A megatron-core GPTModel built from an HF model, trained with megatron-core's DDP and AdamW."""
+
+    def __init__(self, model: PreTrainedModel, cfg: PolicyConfig, total_steps: int):
+        self.cfg = cfg
+        self.device = init_distributed()
+        init_model_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+        self.hf_config = model.config
+        dtype = resolve_dtype(cfg.dtype, self.device)
+        self.model = model.to(device=self.device, dtype=dtype)
+        config = transformer_config(model.config, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                                    dtype, cfg.sequence_parallel)
+        self.core = build_gpt_model(model.config, config, self.device)
+        self._load_core_from_hf()
+        self.ddp = wrap_ddp(self.core, cfg.use_distributed_optimizer)
+        self.optimizer = build_optimizer(self.ddp, cfg.optim, cfg.use_distributed_optimizer)
+        self.lr_at = lr_lambda(cfg.optim, total_steps)
+        self.rl_step = 0
+        set_lr(self.optimizer, cfg.optim.lr * self.lr_at(0))
+
+    def _load_core_from_hf(self) -> None:
+        tp, pp = self.cfg.tensor_model_parallel_size, self.cfg.pipeline_model_parallel_size
+        shard = convert.hf_to_megatron_shard(
+            self.model.state_dict(), self.hf_config, tp, pp,
+            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+        )
+        convert.load_shard(self.core, shard)
+
+    def _sync_hf_from_core(self) -> None:
+        """Copy the current Megatron weights into `self.model` (in memory)."""
+        state = gather_hf_state_dict(self.core, self.hf_config)
+        result = self.model.load_state_dict(state, strict=False)
+        tied_head = {"lm_head.weight"} if self.hf_config.tie_word_embeddings else set()
+        if result.unexpected_keys or set(result.missing_keys) - tied_head:
+            raise RuntimeError(f"HF sync: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+
+    def _micro_batches(self, batch: ExperienceBatch) -> tuple[list[Packed], int, int]:
+        """This DP rank's rows as equal micro-batches; also (rows per rank, this rank's real rows)."""
+        dp = parallel_state.get_data_parallel_world_size()
+        per_rank = math.ceil(len(batch) / dp)
+        start = parallel_state.get_data_parallel_rank() * per_rank
+        rows = list(range(start, min(len(batch), start + per_rank)))
+        local = batch.select(rows) if rows else filler_rows(batch, 1)  # fewer rows than DP ranks
+        size = per_rank if self.cfg.micro_batch_size <= 0 else min(self.cfg.micro_batch_size, per_rank)
+        count = math.ceil(per_rank / size)
+        local = pad_rows(local, count * size)
+        multiple = self.cfg.tensor_model_parallel_size if self.core.config.sequence_parallel else 1
+        packed = [pack(local.select(list(range(i * size, (i + 1) * size))), PACK_PAD_ID, self.device, multiple)
+                  for i in range(count)]
+        return packed, per_rank, len(rows)
+
+    @torch.no_grad()
+    def logprobs(self, batch: ExperienceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ddp.eval()
+        packed, per_rank, _ = self._micro_batches(batch)
+        lp, ent = forward_logprobs(self.ddp, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
+                                   temperature)
+        both = torch.stack([lp[:per_rank], ent[:per_rank]])
+        dp = parallel_state.get_data_parallel_world_size()
+        parts = [torch.empty_like(both) for _ in range(dp)]
+        dist.all_gather(parts, both.contiguous(), group=parallel_state.get_data_parallel_group())
+        result = torch.cat(parts, dim=1)[:, : len(batch)].float().cpu()
+        mask = batch.response_valid
+        return result[0] * mask, result[1] * mask
+
+    def train(self, batch: ExperienceBatch, loss: Loss, temperature: float) -> dict[str, float]:
+        self.ddp.train()
+        totals: dict[str, float] = defaultdict(float)
+        grad_norms = []
+        for _ in range(self.cfg.num_iterations):
+            for mini_rows in split_rows(len(batch), self.cfg.mini_batch_size):
+                update_metrics, grad_norm = self._update(batch.select(list(mini_rows)), loss, temperature)
+                grad_norms.append(grad_norm)
+                for key, value in update_metrics.items():
+                    totals[key] += value
+        self.rl_step += 1
+        set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
+        self._sync_hf_from_core()
+        metrics = {key: value / len(grad_norms) for key, value in totals.items()}
+        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["actor/grad_norm_max"] = max(grad_norms)
+        metrics["actor/num_updates"] = float(len(grad_norms))
+        metrics["actor/lr"] = self.cfg.optim.lr * self.lr_at(self.rl_step)
+        return metrics
+
+    def _update(self, mini: ExperienceBatch, loss: Loss, temperature: float) -> tuple[dict[str, float], float]:
+        """One optimizer update on a mini-batch (global counts over all of it), over micro-batches."""
+        counts = loss.global_counts(mini)
+        packed, _, _ = self._micro_batches(mini)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = forward_backward(self.ddp, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
+                                   temperature, lambda logprobs, micro: loss(logprobs, micro, counts))
+        grad_norm = clipped_step(self.optimizer, self.cfg.optim.grad_clip)
+        return self._reduce_metrics(outputs), grad_norm
+
+    def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
+        """Sum metric dicts over micro-batches (last stage), share over PP, sum over DP."""
+        summed: dict[str, float] = defaultdict(float)
+        for metrics in outputs:
+            for key, value in metrics.items():
+                summed[key] += float(value)
+        shared = [dict(summed)]
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast_object_list(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                       group=parallel_state.get_pipeline_model_parallel_group())
+        keys = sorted(shared[0])
+        values = torch.tensor([shared[0][k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+        return dict(zip(keys, values.tolist()))
+
+    def state_dict(self) -> dict:
+        if self.cfg.use_distributed_optimizer:
+            raise NotImplementedError("saving the distributed optimizer's state needs megatron's dist checkpointing (not implemented yet)")
+        return {"optimizer": self.optimizer.state_dict(), "rl_step": self.rl_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Optimizer state and step; the weights are taken from `self.model` (loaded by the checkpointer)."""
+        self._load_core_from_hf()
+        self.optimizer.reload_model_params()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rl_step = state["rl_step"]
+        set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write the current weights as an HF checkpoint (rank 0 writes; every rank waits)."""
+        self._sync_hf_from_core()
+        if dist.get_rank() == 0:
+            self.model.save_pretrained(directory, safe_serialization=True)
+        dist.barrier()

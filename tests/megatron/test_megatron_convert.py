@@ -1,0 +1,97 @@
+"""HF <-> Megatron conversion (single process, no distributed): the fused layouts worked by hand on
+tiny tensors, and the exact round trip through safetensors at several TP x PP layouts."""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from aligner_ext.models.megatron import convert  # noqa: E402
+from aligner_ext.models.megatron.model import padded_vocab_size, rope_theta, transformer_config  # noqa: E402
+from megatron_cases import build_model, hf_configs  # noqa: E402
+
+
+def test_fused_qkv_is_grouped_per_kv_head():
+    config = hf_configs()["llama"]  # 4 query heads, 2 KV groups
+    config.head_dim = 1
+    q = torch.tensor([[10.0], [11.0], [12.0], [13.0]])  # heads q0..q3
+    k = torch.tensor([[20.0], [21.0]])
+    v = torch.tensor([[30.0], [31.0]])
+    fused = convert.fuse_qkv(q, k, v, config)
+    # group 0: q0 q1 k0 v0, group 1: q2 q3 k1 v1
+    assert fused.flatten().tolist() == [10, 11, 20, 30, 12, 13, 21, 31]
+    back = convert.unfuse_qkv(fused, config)
+    assert [t.flatten().tolist() for t in back] == [[10, 11, 12, 13], [20, 21], [30, 31]]
+
+
+def test_tp_shards_split_qkv_by_group_fc1_as_gate_then_up_and_pad_the_vocabulary():
+    config = hf_configs()["qwen2"]
+    hf = build_model(config).state_dict()
+    shards = convert.hf_to_megatron(hf, config, tp=2, pp=1)
+    a = "model.layers.1.self_attn."
+    d = 8  # head_dim = 32 / 4
+    rank1 = shards[(0, 1)]
+    # rank 1 holds KV group 1: q heads 2 and 3, then k1, then v1 (weights and biases)
+    expected = torch.cat([hf[a + "q_proj.weight"][2 * d : 4 * d], hf[a + "k_proj.weight"][d:], hf[a + "v_proj.weight"][d:]])
+    assert torch.equal(rank1["decoder.layers.1.self_attention.linear_qkv.weight"], expected)
+    expected_bias = torch.cat([hf[a + "q_proj.bias"][2 * d :], hf[a + "k_proj.bias"][d:], hf[a + "v_proj.bias"][d:]])
+    assert torch.equal(rank1["decoder.layers.1.self_attention.linear_qkv.bias"], expected_bias)
+    # o_proj is row-parallel: rank 1 holds input columns 16..31 (heads 2, 3)
+    assert torch.equal(rank1["decoder.layers.1.self_attention.linear_proj.weight"], hf[a + "o_proj.weight"][:, 16:])
+    m = "model.layers.0.mlp."
+    fc1 = rank1["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1, torch.cat([hf[m + "gate_proj.weight"][32:], hf[m + "up_proj.weight"][32:]]))
+    assert torch.equal(rank1["decoder.layers.0.mlp.linear_fc2.weight"], hf[m + "down_proj.weight"][:, 32:])
+    # vocabulary 100 -> 128 rows, 64 per rank: rank 1 holds rows 64..99 then 28 zero rows
+    head = rank1["output_layer.weight"]
+    assert padded_vocab_size(100, 2) == 128 and head.shape == (64, 32)
+    assert torch.equal(head[:36], hf["lm_head.weight"][64:]) and not head[36:].any()
+
+
+def test_pipeline_stages_hold_their_layers_and_the_tied_head_copy():
+    config = hf_configs()["llama"]  # tied embeddings
+    hf = build_model(config).state_dict()
+    hf.pop("lm_head.weight", None)
+    stage0, stage1 = convert.hf_to_megatron_shard(hf, config, 1, 2, 0, 0), convert.hf_to_megatron_shard(hf, config, 1, 2, 0, 1)
+    assert "embedding.word_embeddings.weight" in stage0 and "output_layer.weight" not in stage0
+    assert torch.equal(stage1["decoder.layers.0.input_layernorm.weight"], hf["model.layers.1.input_layernorm.weight"])
+    assert torch.equal(stage1["output_layer.weight"][:104], hf["model.embed_tokens.weight"])
+    single = convert.hf_to_megatron_shard(hf, config, 1, 1, 0, 0)
+    assert "output_layer.weight" not in single  # PP=1: the head is the embedding itself
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_hf_megatron_hf_round_trip_is_exact(tmp_path, name, tp, pp):
+    config = hf_configs()[name]
+    build_model(config).save_pretrained(tmp_path)
+    hf = load_file(tmp_path / "model.safetensors")
+    back = convert.megatron_to_hf(convert.hf_to_megatron(hf, config, tp, pp), config, tp, pp)
+    assert set(back) == set(hf)
+    for key, tensor in hf.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+
+
+def test_resharding_through_hf_changes_layout_not_values():
+    config = hf_configs()["qwen3"]
+    hf = build_model(config).state_dict()
+    tp2 = convert.hf_to_megatron(hf, config, 2, 1)
+    pp2 = convert.hf_to_megatron(convert.megatron_to_hf(tp2, config, 2, 1), config, 1, 2)
+    assert torch.equal(convert.megatron_to_hf(pp2, config, 1, 2)["model.layers.1.self_attn.q_norm.weight"],
+                       hf["model.layers.1.self_attn.q_norm.weight"])
+
+
+def test_bad_inputs_are_named():
+    config = hf_configs()["qwen2"]
+    hf = build_model(config).state_dict()
+    del hf["model.layers.0.self_attn.k_proj.bias"]
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.k_proj.bias"):
+        convert.hf_to_megatron_shard(hf, config, 1, 1, 0, 0)
+    with pytest.raises(ValueError, match="num_key_value_heads=2 must be divisible by tensor_model_parallel_size=4"):
+        transformer_config(config, 4, 1, torch.float32)
+    scaled = hf_configs()["llama"]
+    scaled.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="RoPE scaling"):
+        rope_theta(scaled)

@@ -1,0 +1,134 @@
+"""TP=2, PP=2, DP=2 and TP=2 with sequence parallelism on CPU under torchrun (gloo) against the HF
+backend on the same weights.
+
+One torchrun launch (tests/megatron/worker.py, 2 processes) runs every case and layout:
+- log-probs, entropy and the gradient of the summed valid log-probs at TP=2, PP=2 and TP=2 + SP, against a
+  float64 HF reference computed here. Tolerance: the Megatron side runs in float32, so 1e-5
+  absolute on log-probs and entropy (values of order 1-5; float32 reduction-order differences
+  measured ~5e-7), and 1e-5 relative to the largest gradient entry of each tensor.
+- one `MegatronPolicy.train` call (two optimizer updates, clipped PG loss, gradient clipping
+  active) at TP=2, PP=2, DP=2 and TP=2 + SP with micro-batches of 1 row, against `HFPolicy` (float32) with
+  the whole mini-batch in one micro-batch: the same loss, gradient norm and updated weights, so the
+  update depends neither on the layout, the DP size nor the micro-batch split. Tolerance: 1e-5
+  relative on loss and norm, 2e-5 absolute on weights (which move by up to 2e-2; measured <= 4e-6).
+"""
+
+import dataclasses
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from aligner_ext.batch import ExperienceBatch, SampleInfo  # noqa: E402
+from aligner_ext.losses.clipped_pg import ClippedPGLoss  # noqa: E402
+from aligner_ext.models.base import OptimConfig, PolicyConfig  # noqa: E402
+from aligner_ext.models.hf import HFPolicy  # noqa: E402
+from aligner_ext.models.megatron.parallel import free_port  # noqa: E402
+from megatron_cases import batch_tensors, build_model, hf_configs  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("worker.py")
+LAYOUTS = ["tp2_pp1", "tp1_pp2", "tp2_pp1_sp"]  # _sp: sequence parallel
+TRAIN_CASES = ["llama", "qwen3"]
+TRAIN_LAYOUTS = ["tp2_pp1", "tp1_pp2", "tp1_pp1", "tp2_pp1_sp"]  # tp1_pp1 is DP=2 on two processes
+POLICY_CFG = PolicyConfig(backend="megatron", dtype="float32", device="cpu", micro_batch_size=1, mini_batch_size=2,
+                          logprob_chunk_size=3, optim=OptimConfig(lr=1e-2, eps=1e-4, grad_clip=1.0))
+OLD_OFFSET = torch.tensor([[0.3, -0.3, 0.0, 0.1], [-0.4, 0.0, 0.0, 0.0], [0.05, 0.2, -0.25, 0.0]])
+
+
+def train_setup(vocab_size: int) -> dict:
+    """A batch with advantages [1, -0.5, 0.25] per row, and old log-probs offset so both clips fire."""
+    tensors = batch_tensors(vocab_size)
+    batch = ExperienceBatch(samples=[SampleInfo(row=None) for _ in range(3)], response_mask=tensors["response_valid"],
+                            group_ids=torch.tensor([0, 0, 1]), **tensors)
+    batch.advantages = torch.tensor([[1.0], [-0.5], [0.25]]).expand(3, 4).clone()
+    return {"batch": batch, "old_offset": OLD_OFFSET, "policy_cfg": POLICY_CFG}
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_cases")
+    for name, config in hf_configs().items():
+        build_model(config).save_pretrained(root / name)
+        torch.save(batch_tensors(config.vocab_size), root / name / "batch.pt")
+        torch.save(train_setup(config.vocab_size), root / name / "train_setup.pt")
+    (root / "train_cases.txt").write_text(" ".join(TRAIN_CASES))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               str(WORKER), str(root)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return root
+
+
+def hf_reference(case: Path):
+    """Float64 HF log-probs [B, R], entropy [B, R], and gradients of sum(valid log-probs)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float64)
+    batch = torch.load(case / "batch.pt")
+    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["response_valid"]], dim=1).long()
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+    width, response_width = batch["prompt_ids"].shape[1], batch["response_ids"].shape[1]
+    logp = torch.log_softmax(logits[:, width - 1 : width - 1 + response_width], dim=-1)
+    logprobs = logp.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    valid = batch["response_valid"]
+    (logprobs * valid).sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return logprobs.detach(), entropy.detach(), grads, valid
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_logprobs_entropy_and_gradient_match_hf(cases, name, layout):
+    logprobs, entropy, grads, valid = hf_reference(cases / name)
+    result = torch.load(cases / name / f"{layout}.pt")
+    assert torch.allclose(result["logprobs"].double() * valid, logprobs * valid, atol=1e-5, rtol=0)
+    assert torch.allclose(result["entropy"].double() * valid, entropy * valid, atol=1e-5, rtol=0)
+    if hf_configs()[name].tie_word_embeddings:
+        grads.pop("lm_head.weight", None)  # the same tensor as the embedding
+    assert set(result["grads"]) == set(grads)
+    for key, expected in grads.items():
+        scale = expected.abs().max().clamp(min=1e-12)
+        assert ((result["grads"][key].double() - expected).abs().max() / scale) < 1e-5, key
+
+
+def hf_policy_step(case: Path) -> dict:
+    """The HF backend's old log-probs, train metrics, new log-probs and weights on the same setup."""
+    from transformers import AutoModelForCausalLM
+
+    setup = torch.load(case / "train_setup.pt", weights_only=False)
+    cfg = dataclasses.replace(setup["policy_cfg"], backend="hf", micro_batch_size=64)
+    policy = HFPolicy(AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32), cfg, total_steps=4)
+    batch = setup["batch"]
+    logprobs, _ = policy.logprobs(batch, 1.0)
+    batch.old_logprobs = logprobs + setup["old_offset"]
+    metrics = policy.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), 1.0)
+    new_logprobs, _ = policy.logprobs(batch, 1.0)
+    return {"logprobs": logprobs, "metrics": metrics, "new_logprobs": new_logprobs, "state": policy.model.state_dict()}
+
+
+@pytest.mark.parametrize("layout", TRAIN_LAYOUTS)
+@pytest.mark.parametrize("name", TRAIN_CASES)
+def test_one_train_call_matches_the_hf_backend(cases, name, layout):
+    expected = hf_policy_step(cases / name)
+    result = torch.load(cases / name / f"train_{layout}.pt", weights_only=False)
+    assert torch.allclose(result["logprobs"], expected["logprobs"], atol=1e-5, rtol=0)
+    for key in ("loss/total", "loss/pg", "actor/grad_norm", "actor/grad_norm_max", "actor/ratio_mean",
+                "actor/clip_frac_high", "actor/clip_frac_low", "actor/num_updates", "actor/lr"):
+        assert result["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5, abs=1e-7), key
+    assert expected["metrics"]["actor/grad_norm"] > POLICY_CFG.optim.grad_clip  # clipping was active
+    assert expected["metrics"]["actor/clip_frac_high"] > 0  # and so was the PPO clip
+    for key, weight in expected["state"].items():
+        assert torch.allclose(result["state"][key], weight, atol=2e-5, rtol=0), key
+    assert torch.allclose(result["new_logprobs"], expected["new_logprobs"], atol=1e-5, rtol=0)

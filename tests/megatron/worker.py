@@ -1,0 +1,104 @@
+"""Runs under `torchrun --nproc_per_node=2` (gloo, CPU), launched by test_tp_pp.py.
+
+For every case directory under the work directory (an HF checkpoint + `batch.pt`) and every layout
+TP=2 / PP=2: build this rank's GPTModel from the HF weights (convert.py), compute the response
+log-probs and entropy (forward.py), and (through megatron-core's DDP) the gradient of the sum of valid response log-probs,
+converted back to HF names. Rank 0 writes `<case>/tp{T}_pp{P}.pt`; the test compares with HF.
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from aligner_ext.batch import ExperienceBatch
+from aligner_ext.models.megatron import convert, forward
+from aligner_ext.losses.clipped_pg import ClippedPGLoss
+from aligner_ext.models.megatron.optimizer import wrap_ddp
+from aligner_ext.models.megatron.policy import MegatronPolicy
+from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
+from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
+from megatron.core import parallel_state
+
+MICRO_BATCH = 2
+CHUNK = 3
+
+
+def micro_batches(batch: ExperienceBatch, device, multiple_of: int) -> list[forward.Packed]:
+    parts = [batch.select(list(range(start, min(len(batch), start + MICRO_BATCH))))
+             for start in range(0, len(batch), MICRO_BATCH)]
+    return [forward.pack(forward.pad_rows(part, MICRO_BATCH), 0, device, multiple_of) for part in parts]
+
+
+def gathered_shards(shard: dict) -> dict:
+    """Every rank's shard keyed by (stage, tensor rank), on every rank."""
+    key = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, (key, shard))
+    return dict(everything)
+
+
+def run_case(case: Path, tp: int, pp: int, sp: bool, device) -> None:
+    hf_config = AutoConfig.from_pretrained(case)
+    hf_state = load_file(case / "model.safetensors")
+    tensors = torch.load(case / "batch.pt")
+    mask = tensors["response_valid"]
+    batch = ExperienceBatch(samples=[None] * len(mask), response_mask=mask, group_ids=torch.arange(len(mask)), **tensors)
+    init_model_parallel(tp, pp)
+    model = build_gpt_model(hf_config, transformer_config(hf_config, tp, pp, torch.float32, sp), device)
+    stage, rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    convert.load_shard(model, convert.hf_to_megatron_shard(hf_state, hf_config, tp, pp, rank, stage))
+    packed = micro_batches(batch, device, tp if sp else 1)
+    lp, ent = forward.forward_logprobs(model, packed, hf_config.vocab_size, CHUNK, 1.0)
+    result = {"logprobs": lp[: len(batch)], "entropy": ent[: len(batch)]}
+    ddp = wrap_ddp(model, use_distributed_optimizer=False)
+    ddp.zero_grad_buffer()
+    forward.forward_backward(ddp, packed, hf_config.vocab_size, CHUNK, 1.0,
+                             lambda lp, micro: ((lp * micro.response_valid).sum(), {}))
+    grads = gathered_shards({name: p.main_grad.detach().clone() for name, p in model.named_parameters()})
+    result["grads"] = convert.megatron_to_hf(grads, hf_config, tp, pp)
+    if dist.get_rank() == 0:
+        torch.save(result, case / layout_name(tp, pp, sp))
+
+
+def layout_name(tp: int, pp: int, sp: bool, prefix: str = "") -> str:
+    return f"{prefix}tp{tp}_pp{pp}{'_sp' if sp else ''}.pt"
+
+
+def train_case(case: Path, tp: int, pp: int, sp: bool) -> None:
+    model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32)
+    setup = torch.load(case / "train_setup.pt", weights_only=False)
+    cfg = dataclasses.replace(setup["policy_cfg"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              sequence_parallel=sp)
+    policy = MegatronPolicy(model, cfg, total_steps=4)
+    batch = setup["batch"]
+    lp, ent = policy.logprobs(batch, 1.0)
+    batch.old_logprobs = lp + setup["old_offset"]
+    metrics = policy.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), 1.0)
+    new_lp, _ = policy.logprobs(batch, 1.0)
+    if dist.get_rank() == 0:
+        state = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        torch.save({"logprobs": lp, "entropy": ent, "metrics": metrics, "new_logprobs": new_lp, "state": state},
+                   case / layout_name(tp, pp, sp, "train_"))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    device = init_distributed()
+    root = Path(sys.argv[1])
+    for case in sorted(p for p in root.iterdir() if p.is_dir()):
+        for tp, pp, sp in ((2, 1, False), (1, 2, False), (2, 1, True)):
+            run_case(case, tp, pp, sp, device)
+    for name in (root / "train_cases.txt").read_text().split():
+        for tp, pp, sp in ((2, 1, False), (1, 2, False), (1, 1, False), (2, 1, True)):  # (1, 1): DP=2
+            train_case(root / name, tp, pp, sp)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
