@@ -43,10 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(to_yaml(cfg))
         return 0
+    from aligner_ext.distributed import is_main_process
     from aligner_ext.trainer.loop import train
     from aligner_ext.trainer.summary import print_summary
 
-    print_summary(train(cfg))
+    summary = train(cfg)
+    if is_main_process():  # under torchrun every process trains; one prints
+        print_summary(summary)
     return 0
 
 

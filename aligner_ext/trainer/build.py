@@ -14,6 +14,7 @@ from aligner_ext.data import build_loader, builtin_rows, sft_target
 from aligner_ext.data.loader import PromptLoader
 import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 from aligner_ext.context import BuildContext
+from aligner_ext.distributed import main_process_first
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
 from aligner_ext.generation.base import ENGINES, GenerationEngine
 from aligner_ext.losses.base import LOSSES, Loss
@@ -61,7 +62,11 @@ def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
 
 
 def build_components(cfg: RunConfig, run_dir: Path) -> Components:
-    model_dir = Path(cfg.model.path) if cfg.model.path else embedded_model_dir(cfg, run_dir)
+    if cfg.model.path:
+        model_dir = Path(cfg.model.path)
+    else:
+        with main_process_first():  # the main process warms up and writes it; the others read it
+            model_dir = embedded_model_dir(cfg, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

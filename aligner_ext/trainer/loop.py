@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.config import RunConfig, to_yaml
+from aligner_ext.distributed import init_from_env, is_main_process
 from aligner_ext.trainer.build import Components, build_components
 from aligner_ext.trainer.checkpoint import Checkpointer
 from aligner_ext.trainer.evaluate import evaluate
@@ -42,9 +43,11 @@ class RunSummary:
 
 
 def train(cfg: RunConfig) -> RunSummary:
+    init_from_env()  # under torchrun: every process runs this loop; only the main one writes files
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if is_main_process():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
     torch.manual_seed(cfg.trainer.seed)
     parts = build_components(cfg, run_dir)
     checkpointer = Checkpointer(run_dir, cfg.trainer.keep_last)
@@ -82,10 +85,12 @@ def train(cfg: RunConfig) -> RunSummary:
     log.close()
     save(parts, checkpointer, cfg.trainer.total_steps, before)
     if cfg.trainer.export_hf:
-        parts.policy.save_pretrained(str(run_dir / "hf_model"))
-        parts.tokenizer.save_pretrained(str(run_dir / "hf_model"))
+        parts.policy.save_pretrained(str(run_dir / "hf_model"))  # collective for sharded policies
+        if is_main_process():
+            parts.tokenizer.save_pretrained(str(run_dir / "hf_model"))
     parts.rewards.close()
-    plot_history(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png")
+    if is_main_process():
+        plot_history(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png")
     summary = RunSummary(
         run_dir=str(run_dir), steps=cfg.trainer.total_steps,
         accuracy_before=before.get("val/accuracy", math.nan), accuracy_after=after.get("val/accuracy", math.nan),
@@ -93,7 +98,8 @@ def train(cfg: RunConfig) -> RunSummary:
         train_seconds=time.perf_counter() - started,
         run_means=run_means(run_dir / "metrics.jsonl", parts.maker.summary_metrics),
     )
-    (run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+    if is_main_process():
+        (run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
     return summary
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.distributed import is_main_process
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +41,18 @@ class StageTimer:
 
 
 class MetricsLogger:
-    """Appends one json line per step to `metrics.jsonl` and mirrors scalars to TensorBoard."""
+    """Appends one json line per step to `metrics.jsonl` and mirrors scalars to TensorBoard.
+    In a multi-process run only the main process writes; the others' calls do nothing."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool, start_step: int):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "samples.jsonl"
-        self._truncate_after(start_step)
+        self.enabled = is_main_process()
         self.writer = None
+        if not self.enabled:
+            return
+        self._truncate_after(start_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -75,6 +80,8 @@ class MetricsLogger:
                 path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
         record = {"step": step, **{key: _finite(value) for key, value in sorted(metrics.items())}}
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
@@ -84,6 +91,8 @@ class MetricsLogger:
 
     def log_samples(self, step: int, batch: ExperienceBatch, count: int) -> None:
         """Write `count` completions (prompt, response, reward) to samples.jsonl and the log."""
+        if not self.enabled:
+            return
         with open(self.samples_path, "a", encoding="utf-8") as handle:
             for index in range(min(count, len(batch))):
                 sample = batch.samples[index]

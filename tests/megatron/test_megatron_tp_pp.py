@@ -11,6 +11,8 @@ One torchrun launch (tests/megatron/worker.py, 2 processes) runs every case and 
   the whole mini-batch in one micro-batch: the same loss, gradient norm and updated weights, so the
   update depends neither on the layout, the DP size nor the micro-batch split. Tolerance: 1e-5
   relative on loss and norm, 2e-5 absolute on weights (which move by up to 2e-2; measured <= 4e-6).
+- the guards of the replicated loop: a batch that differs on one rank, and a checkpoint state saved
+  at another layout, raise with the reason (on both ranks, so nothing hangs).
 """
 
 import dataclasses
@@ -132,3 +134,9 @@ def test_one_train_call_matches_the_hf_backend(cases, name, layout):
     for key, weight in expected["state"].items():
         assert torch.allclose(result["state"][key], weight, atol=2e-5, rtol=0), key
     assert torch.allclose(result["new_logprobs"], expected["new_logprobs"], atol=1e-5, rtol=0)
+
+
+def test_a_batch_differing_between_ranks_and_a_state_of_another_layout_are_refused(cases):
+    errors = torch.load(cases / "llama" / "guards.pt")
+    assert "rank 1 holds a different batch than rank 0" in errors["batch"]
+    assert "'tensor_model_parallel_size': 1" in errors["layout"] and "'tensor_model_parallel_size': 2" in errors["layout"]

@@ -86,6 +86,29 @@ def train_case(case: Path, tp: int, pp: int, sp: bool) -> None:
                    case / layout_name(tp, pp, sp, "train_"))
 
 
+def guard_case(case: Path) -> None:
+    """At TP=2: a batch that differs on rank 1, and a checkpoint state of another layout, are refused."""
+    model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32)
+    setup = torch.load(case / "train_setup.pt", weights_only=False)
+    policy = MegatronPolicy(model, dataclasses.replace(setup["policy_cfg"], tensor_model_parallel_size=2), total_steps=4)
+    batch = setup["batch"]
+    if dist.get_rank() == 1:
+        batch = batch.select([0, 2, 1])
+    errors = {}
+    try:
+        policy.logprobs(batch, 1.0)
+    except RuntimeError as err:
+        errors["batch"] = str(err)
+    state = policy.state_dict()
+    state["layout"] = {**state["layout"], "tensor_model_parallel_size": 1}
+    try:
+        policy.load_state_dict(state)
+    except ValueError as err:
+        errors["layout"] = str(err)
+    if dist.get_rank() == 0:
+        torch.save(errors, case / "guards.pt")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     device = init_distributed()
@@ -96,6 +119,7 @@ def main() -> None:
     for name in (root / "train_cases.txt").read_text().split():
         for tp, pp, sp in ((2, 1, False), (1, 2, False), (1, 1, False), (2, 1, True)):  # (1, 1): DP=2
             train_case(root / name, tp, pp, sp)
+    guard_case(root / "llama")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -6,6 +6,8 @@ Modules (docs/megatron.md):
 - `cpu_shims`: the three patches megatron-core needs to run on CPU under gloo (tests, CI).
 - `model`: TransformerConfig + GPTModel (local layer spec, attention through torch SDPA).
 - `convert`: HF <-> Megatron state dicts, per (pipeline stage, tensor rank) shard.
+- `shard_files`: those shards as directories on disk, and the conversion command line
+  (`scripts/convert_checkpoint.py`).
 - `logprobs`: log-probs and entropy of response tokens over vocab-sharded logits.
 
 - `forward`: micro-batches through megatron-core's schedules (`get_forward_backward_func`).

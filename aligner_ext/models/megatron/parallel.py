@@ -2,7 +2,8 @@
 megatron-core's tensor / pipeline / data-parallel groups.
 
 One process per GPU (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); NCCL on
-GPUs, gloo on CPU (with `cpu_shims`). Without torchrun variables a single-process world is created
+GPUs, gloo on CPU (with `cpu_shims`); the process group itself comes from `aligner_ext.distributed.init_from_env`,
+which the training loop calls first. Without torchrun variables a single-process world is created
 on a free local port, so conversion tools and single-process tests use the same code path.
 Data-parallel size = world size / (TP x PP), as megatron-core derives it.
 """
@@ -15,6 +16,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from aligner_ext.distributed import init_from_env
 from aligner_ext.models.megatron.cpu_shims import apply_cpu_shims
 
 
@@ -34,11 +36,9 @@ def init_distributed() -> torch.device:
     else:
         apply_cpu_shims()
         device, backend = torch.device("cpu"), "gloo"
-    if dist.is_initialized():
-        return device
     if "RANK" in os.environ:
-        dist.init_process_group(backend=backend)
-    else:
+        init_from_env()  # the trainer may have created it already (aligner_ext/distributed.py)
+    elif not dist.is_initialized():
         dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return device
 

@@ -13,6 +13,14 @@ masks are False, `forward.pad_rows`).
   after each `train` call the Megatron weights are gathered into it in memory (`weights.py`), so the
   HF generation engine and `save_pretrained` see the current policy without a disk round trip.
 
+Under the training loop every process runs the same loop on the same seeds, so every rank samples
+the same batch; `_check_replicated` verifies this (a fingerprint all-gathered per call) and raises
+naming the rank that differs, instead of hanging in a collective or mixing different batches.
+
+Checkpoints (`state_dict`): this rank's optimizer state, the RL step, the layout, and this rank's
+weight shard, so a resume at the same layout restores each rank exactly; the trainer writes one
+state file per rank (trainer/checkpoint.py). A different layout is refused (docs/megatron.md).
+
 Metrics are summed over micro-batches on the last pipeline stage, broadcast over PP and summed over
 DP (each loss value is already divided by the global counts), then averaged over updates as in
 the HF backend.
@@ -95,8 +103,33 @@ class MegatronPolicy(Policy):
                   for i in range(count)]
         return packed, per_rank, len(rows)
 
+    def _layout(self) -> dict[str, int]:
+        return {"tensor_model_parallel_size": self.cfg.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": self.cfg.pipeline_model_parallel_size,
+                "data_parallel_size": parallel_state.get_data_parallel_world_size()}
+
+    def _check_replicated(self, batch: ExperienceBatch) -> None:
+        """Raise if any rank holds a different batch than rank 0 (sizes and a checksum of ids and advantages)."""
+        def checksum(tensor: torch.Tensor | None) -> float:
+            if tensor is None:
+                return 0.0
+            flat = tensor.double().flatten()
+            return float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum())
+
+        fingerprint = torch.tensor([len(batch), batch.prompt_ids.shape[1], batch.response_ids.shape[1],
+                                    checksum(batch.prompt_ids * batch.prompt_mask),
+                                    checksum(batch.response_ids * batch.response_valid),
+                                    checksum(batch.advantages)], dtype=torch.float64, device=self.device)
+        everyone = [torch.empty_like(fingerprint) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, fingerprint)
+        for index, other in enumerate(everyone):
+            if not torch.equal(other, everyone[0]):
+                raise RuntimeError(f"rank {index} holds a different batch than rank 0 (sizes and checksums "
+                                   f"{other.tolist()} vs {everyone[0].tolist()}): every rank must sample the same rollouts")
+
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_replicated(batch)
         self.ddp.eval()
         packed, per_rank, _ = self._micro_batches(batch)
         lp, ent = forward_logprobs(self.ddp, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
@@ -110,6 +143,7 @@ class MegatronPolicy(Policy):
         return result[0] * mask, result[1] * mask
 
     def train(self, batch: ExperienceBatch, loss: Loss, temperature: float) -> dict[str, float]:
+        self._check_replicated(batch)
         self.ddp.train()
         totals: dict[str, float] = defaultdict(float)
         grad_norms = []
@@ -158,11 +192,16 @@ class MegatronPolicy(Policy):
     def state_dict(self) -> dict:
         if self.cfg.use_distributed_optimizer:
             raise NotImplementedError("saving the distributed optimizer's state needs megatron's dist checkpointing (not implemented yet)")
-        return {"optimizer": self.optimizer.state_dict(), "rl_step": self.rl_step}
+        return {"optimizer": self.optimizer.state_dict(), "rl_step": self.rl_step, "layout": self._layout(),
+                "weights": convert.model_shard(self.core)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Optimizer state and step; the weights are taken from `self.model` (loaded by the checkpointer)."""
-        self._load_core_from_hf()
+        """This rank's weight shard, optimizer state and step, saved at the same layout."""
+        if state["layout"] != self._layout():
+            raise ValueError(f"the checkpoint was written at layout {state['layout']}, this run is {self._layout()}; "
+                             "convert its HF weights instead (docs/megatron.md)")
+        convert.load_shard(self.core, state["weights"])
+        self._sync_hf_from_core()
         self.optimizer.reload_model_params()
         self.optimizer.load_state_dict(state["optimizer"])
         self.rl_step = state["rl_step"]

@@ -1,0 +1,69 @@
+"""Which process of a multi-process run this is, and the few synchronisation points the trainer needs.
+
+A run launched by torchrun (`torchrun --nproc_per_node=N -m aligner_ext train ...`) runs the same
+loop in every process with the same seeds; a policy backend that shards the model (megatron) splits
+its own work over the processes. Files are written by the main process (rank 0) only; the others
+wait at a barrier where they must read what it wrote (the embedded model's warm-up output).
+
+Decisions: the rank is read from torch.distributed once it is initialised, else from torchrun's
+`RANK` variable, so `is_main_process` is right before any process group exists. `init_from_env`
+creates the process group from torchrun's variables (NCCL on GPUs, this rank's GPU selected first;
+gloo on CPU); a process without torchrun's variables is a world of one and every helper is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def launched_world_size() -> int:
+    """Processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    """This process's global rank (0 without torchrun)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else launched_world_size()
+
+
+def is_main_process() -> bool:
+    """True in the process that writes the run's files."""
+    return rank() == 0
+
+
+def init_from_env() -> None:
+    """Create the default process group from torchrun's variables, once; nothing in a world of one."""
+    if dist.is_initialized() or "RANK" not in os.environ:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl")
+    else:
+        dist.init_process_group(backend="gloo")
+
+
+def barrier() -> None:
+    """Wait for every process (no-op in a world of one)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+@contextmanager
+def main_process_first() -> Iterator[None]:
+    """The main process runs the block first; the others run it after it finished (and can read its files)."""
+    if not is_main_process():
+        barrier()
+    try:
+        yield
+    finally:
+        if is_main_process():
+            barrier()
