@@ -48,6 +48,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
+
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
@@ -95,7 +97,8 @@ class GradedPromptConfig:
     def __post_init__(self) -> None:
         for name, allowed in (("rule", RULES), ("step_decay", STEP_DECAYS), ("existing_system", EXISTING_SYSTEM)):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"graded_prompt.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+                raise ValueError(f"graded_prompt.{name} must be one of {', '.join(allowed)}; "
+                                 f"got {getattr(self, name)!r}")
         if self.full_reveal_count < 0:
             raise ValueError(f"graded_prompt.full_reveal_count must be >= 0; got {self.full_reveal_count}")
         if self.step_power <= 0:
@@ -104,7 +107,8 @@ class GradedPromptConfig:
             try:
                 getattr(self, name).format(index=1, criterion="c", points="1")
             except (KeyError, IndexError, ValueError) as err:
-                raise ValueError(f"graded_prompt.{name} may use only {{index}}, {{criterion}}, {{points}}: {err!r}") from err
+                raise ValueError(f"graded_prompt.{name} may use only {{index}}, {{criterion}}, {{points}}: "
+                                 f"{err!r}") from err
 
 
 def group_ratio(index: int, n: int, cfg: GradedPromptConfig) -> float:
@@ -185,7 +189,6 @@ class SamplePlan:
     request: SampleRequest
     group_ratio: float | None  # g_i; None when the draw is sampled plain (see plain_reason)
     plain_reason: str = ""  # why the draw is sampled plain: no_rubric | truncated ("" when graded)
-    ratio: float = 0.0  # r_i = g_i * d(step)
     shown: int = 0  # criteria listed
     system_tokens: int = 0  # generator prompt tokens minus original prompt tokens
 
@@ -250,8 +253,8 @@ class GradedPromptSampling(GroupSampling):
             system = system_message(choose_criteria(items, k, rng), self.graded)
             ids = draw.prompt_ids if system is None else self._encode(draw, system)
             trained = dataclasses.replace(draw, prompt_ids=ids) if self.graded.keep_in_training else draw
-            plans.append(SamplePlan(SampleRequest(trained, ids, draw.draw_id), g, "", g * decay, k,
-                                    len(ids) - len(draw.prompt_ids)))
+            request = SampleRequest(trained, ids, draw.draw_id)
+            plans.append(SamplePlan(request, g, "", k, len(ids) - len(draw.prompt_ids)))
             logger.debug("%s draw %d sample %d: ratio %.2f, %d/%d criteria, system prompt %d tokens%s", LOG_TAG,
                          draw.draw_id, i, g * decay, k, len(items), len(ids) - len(draw.prompt_ids),
                          f":\n{system}" if system else " (none)")
@@ -272,7 +275,7 @@ class GradedPromptSampling(GroupSampling):
         messages = generation_messages(draw.row.messages, system, self.graded.existing_system)
         try:
             return encode_prompt(self.tokenizer, messages)
-        except Exception as err:  # jinja raises its own error types, e.g. for templates without a system role
+        except TemplateError as err:  # e.g. templates that raise on a system role
             raise ValueError(f"row {draw.row.row_id}: the tokenizer's chat template cannot render a system "
                              f"message ({type(err).__name__}: {err}); the graded system prompt needs one") from err
 
@@ -282,7 +285,8 @@ class GradedPromptSampling(GroupSampling):
             return {"graded_prompt/active": 0.0}
         if len(self.plans) != len(batch):
             raise RuntimeError(f"{len(self.plans)} sample plans for a batch of {len(batch)}")
-        graded = [(plan, float(reward)) for plan, reward in zip(self.plans, batch.rewards) if plan.group_ratio is not None]
+        graded = [(plan, float(reward)) for plan, reward in zip(self.plans, batch.rewards)
+                  if plan.group_ratio is not None]
         by_ratio: dict[float, list[float]] = defaultdict(list)
         for plan, reward in graded:
             by_ratio[plan.group_ratio].append(reward)

@@ -1,0 +1,43 @@
+"""Seed-key aliases: `load_config` rewrites command-line overrides naming a seed key (ALIASES) to ours."""
+
+import dataclasses
+
+import pytest
+
+from aligner_ext.config import ALIASES, RunConfig, apply_aliases, load_config
+
+SEED_SWITCH = "actor_rollout_ref.rollout.enable_graded_system_prompt"
+
+
+def test_overrides_are_rewritten_key_only():
+    assert apply_aliases([f"{SEED_SWITCH}=True", "rollout.n=4"]) == ["graded_prompt.enabled=True", "rollout.n=4"]
+    assert apply_aliases([f"+{SEED_SWITCH}=true"]) == ["graded_prompt.enabled=true"]  # the target key exists: no `+`
+    assert apply_aliases([f"++{SEED_SWITCH}=1"]) == ["++graded_prompt.enabled=1"]
+    assert apply_aliases([f"~{SEED_SWITCH}"]) == ["~graded_prompt.enabled"]
+    assert apply_aliases(["+variant=graded_prompt", "trainer.run_name=a=b"]) == [
+        "+variant=graded_prompt", "trainer.run_name=a=b"]
+    # a key that merely starts like a seed key is not rewritten
+    assert apply_aliases([f"{SEED_SWITCH}_x=1"]) == [f"{SEED_SWITCH}_x=1"]
+
+
+def test_the_seed_switch_sets_ours():
+    cfg = load_config("base", ["+variant=graded_prompt", f"{SEED_SWITCH}=False",
+                               "actor_rollout_ref.rollout.graded_system_prompt_participate_training=True",
+                               "actor_rollout_ref.rollout.graded_system_prompt_step_sigmoid_steepness=125"])
+    assert cfg.graded_prompt.enabled is False  # the variant file turned it on; the seed key turned it off
+    assert cfg.graded_prompt.keep_in_training is True
+    assert cfg.graded_prompt.sigmoid_steepness == 125.0
+    assert load_config("base", [f"{SEED_SWITCH}=true"]).graded_prompt.enabled is True
+
+
+def test_unaliased_seed_keys_still_fail_naming_the_key():
+    with pytest.raises(ValueError, match="actor_rollout_ref"):
+        load_config("base", ["actor_rollout_ref.rollout.graded_system_prompt_rule=step_sigmoid"])
+
+
+@pytest.mark.parametrize("seed_key, ours", sorted(ALIASES.items()))
+def test_every_alias_targets_a_schema_key(seed_key, ours):
+    section = RunConfig()
+    for part in ours.split("."):
+        assert part in {f.name for f in dataclasses.fields(section)}, f"{seed_key} -> {ours}: no {part!r}"
+        section = getattr(section, part)
