@@ -1,5 +1,5 @@
 """Every CPO wrapper against a per-token float64 reference written here from the formula table
-(/work/shared/reference/algorithms.md §3.3), on 4 rows x 4 tokens chosen so every branch fires."""
+(the table in docs/variants/cpo.md), on 4 rows x 4 tokens chosen so every branch fires."""
 
 import math
 
