@@ -66,10 +66,18 @@ def token_logprobs(
     def chunk_fn(hidden_chunk: torch.Tensor, weight: torch.Tensor, target_chunk: torch.Tensor):
         return logprobs_from_logits(hidden_chunk @ weight.T, target_chunk, with_entropy, temperature)
 
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
+    return over_chunks(chunk_fn, hidden, lm_head_weight, targets, chunk_size, with_entropy)
+
+
+def over_chunks(chunk_fn, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Apply `chunk_fn(hidden_chunk, weight, target_chunk) -> (logprobs, entropy)` to `chunk_size`
+    positions at a time and concatenate; under autograd each chunk is recomputed in the backward
+    (activation checkpointing) instead of keeping its logits."""
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     parts_lp, parts_ent = [], []
     for start in range(0, hidden.shape[1], chunk_size):
-        args = (hidden[:, start : start + chunk_size], lm_head_weight, targets[:, start : start + chunk_size])
+        args = (hidden[:, start : start + chunk_size], weight, targets[:, start : start + chunk_size])
         lp, ent = checkpoint(chunk_fn, *args, use_reentrant=False) if recompute else chunk_fn(*args)
         parts_lp.append(lp)
         parts_ent.append(ent)

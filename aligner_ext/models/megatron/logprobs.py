@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, vocab_parallel_cross_entropy
-from torch.utils.checkpoint import checkpoint
+
+from aligner_ext.models.logprobs import over_chunks
 
 
 def _mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -120,12 +121,4 @@ def vocab_parallel_logprobs(
         # vocab_parallel_cross_entropy shifts its input in place: entropy is computed first
         return -vocab_parallel_cross_entropy(logits, target_chunk), entropy
 
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    parts_lp, parts_ent = [], []
-    for start in range(0, hidden.shape[1], chunk_size):
-        args = (hidden[:, start : start + chunk_size], weight, targets[:, start : start + chunk_size])
-        lp, ent = checkpoint(chunk_fn, *args, use_reentrant=False) if recompute else chunk_fn(*args)
-        parts_lp.append(lp)
-        parts_ent.append(ent)
-    entropy = torch.cat(parts_ent, dim=1) if with_entropy else None
-    return torch.cat(parts_lp, dim=1), entropy
+    return over_chunks(chunk_fn, hidden, weight, targets, chunk_size, with_entropy)
