@@ -116,6 +116,11 @@ ALIASES: dict[str, str] = {
     "actor_rollout_ref.rollout.graded_system_prompt_add_base_when_zero": "graded_prompt.base_when_zero",
     "actor_rollout_ref.rollout.graded_system_prompt_participate_training": "graded_prompt.keep_in_training",
     "actor_rollout_ref.rollout.graded_system_prompt_include_evaluation_warning": "graded_prompt.include_evaluation_warning",
+    "actor_rollout_ref.actor.cpo_lambda": "cpo.cpo_lambda",
+    "actor_rollout_ref.actor.pos_alpha": "cpo.pos_alpha",
+    "actor_rollout_ref.actor.neg_alpha": "cpo.neg_alpha",
+    "actor_rollout_ref.actor.mi_alpha": "cpo.mi_alpha",
+    "actor_rollout_ref.rollout.n": "rollout.n",
 }
 _OVERRIDE_PREFIX = re.compile(r"^(\+\+|\+|~)?")
 

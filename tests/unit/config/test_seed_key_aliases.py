@@ -1,4 +1,4 @@
-"""Seed-key aliases: `load_config` rewrites command-line overrides naming a seed key (ALIASES) to ours."""
+"""Seed keys (verl-style names from the design notes) are accepted as documented aliases of ours."""
 
 import dataclasses
 
@@ -41,3 +41,11 @@ def test_every_alias_targets_a_schema_key(seed_key, ours):
     for part in ours.split("."):
         assert part in {f.name for f in dataclasses.fields(section)}, f"{seed_key} -> {ours}: no {part!r}"
         section = getattr(section, part)
+
+
+def test_cpo_seed_keys_set_ours():
+    cfg = load_config("base", ["+variant=cpo", "actor_rollout_ref.actor.cpo_lambda=3.0",
+                               "actor_rollout_ref.actor.pos_alpha=0.2", "actor_rollout_ref.actor.neg_alpha=0.3",
+                               "actor_rollout_ref.rollout.n=4", "algorithm.wrap_method=mi3"])
+    assert (cfg.cpo.cpo_lambda, cfg.cpo.pos_alpha, cfg.cpo.neg_alpha) == (3.0, 0.2, 0.3)
+    assert cfg.rollout.n == 4 and cfg.algorithm.wrap_method == "mi3"
