@@ -16,10 +16,10 @@ Decisions (docs/variants/mtpo.md; tests/unit/algorithms/test_mtpo_advantages.py 
 - The answer baseline is over the G answers, one value per answer, not over the G * H rows that
   repeat it (reference notes 7.6: the public description says the G answers). Its mean is the
   same either way when every answer has H rows, but the unbiased std is not: over G * H copies
-  it is sqrt(H (G - 1) / (G H - 1)) times the std over the G answers. The reward of an answer is read from its rows, which must all
-  agree (an error names the answer otherwise).
-- All G answers form the baseline, format-invalid ones included (they carry reward 0); the fork's
-  STPO code centres over format-valid answers only, which we do not follow.
+  it is sqrt(H (G - 1) / (G H - 1)) times the std over the G answers. The reward of an answer is
+  read from its rows, which must all agree (an error names the answer otherwise).
+- All G answers form the baseline, unclosed ones included (they carry reward 0); the fork's STPO
+  code centres over format-valid answers only, which we do not follow.
 - Group statistics are those of GRPO (`group_baseline_normalize`): unbiased std, floor applied as
   max(std, floor), float64, groups whose rewards all agree get exactly 0.
 - Which round-1 tokens count at all (the first-confidence-only rule) is decided by the experience
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from aligner_ext.algorithms.advantages import ADVANTAGES, GroupAdvantage, group_baseline_normalize
+from aligner_ext.algorithms.advantages import ADVANTAGES, GroupAdvantage, group_baseline_normalize, group_stats
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
 
@@ -73,6 +73,7 @@ class MTPOAdvantage:
         if cfg.std_floor <= 0:
             raise ValueError(f"advantage.std_floor must be > 0, got {cfg.std_floor}")
         self.cfg = cfg
+        self._metrics: dict[str, float] = {}
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "MTPOAdvantage":
@@ -89,4 +90,15 @@ class MTPOAdvantage:
         a_ans = answer_advantages(batch.answer_rewards, batch.group_ids, batch.answer_group_ids, use_std, floor)
         a_conf = group_baseline_normalize(batch.confidence_rewards, batch.answer_group_ids, use_std, floor)
         per_token = torch.where(batch.segment_ids == ANSWER_SEGMENT, a_ans[:, None], a_conf[:, None])
+        _, first = first_rows(batch.answer_group_ids)
+        answers = group_stats(batch.answer_rewards[first], batch.group_ids[first])
+        confidences = group_stats(batch.confidence_rewards, batch.answer_group_ids)
+        self._metrics = {  # groups whose rewards all agree carry no signal for their segment
+            "mtpo/answer_zero_std_fraction": float(answers.all_agree(0.0).double().mean()),
+            "mtpo/confidence_zero_std_fraction": float(confidences.all_agree(0.0).double().mean()),
+        }
         return (per_token * batch.response_mask).to(torch.float32)
+
+    def metrics(self) -> dict[str, float]:
+        """Of the last call: fractions of prompt groups (answers) and answer groups (confidences) with no spread."""
+        return dict(self._metrics)

@@ -85,6 +85,23 @@ class ExperienceMaker(abc.ABC):
         """Restore what `state_dict` returned."""
 
 
+class ExperienceWrapper(ExperienceMaker):
+    """A maker around another: by default everything but `make_experience` goes to the inner maker."""
+
+    def __init__(self, inner: ExperienceMaker):
+        self.inner = inner
+        self.summary_metrics = inner.summary_metrics
+
+    def evaluate(self, loader: PromptLoader, greedy: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
+        return self.inner.evaluate(loader, greedy)
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["inner"])
+
+
 @EXPERIENCE_MAKERS.register("group_sampling", "grpo")
 class GroupSampling(ExperienceMaker):
     """GRPO: `n` samples per prompt draw, one group each."""

@@ -43,7 +43,7 @@ from aligner_ext.algorithms.advantages import groups_all_agree
 from aligner_ext.batch import ExperienceBatch, concat_batches
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
-from aligner_ext.experience.base import EXPERIENCE_WRAPPERS, ExperienceMaker
+from aligner_ext.experience.base import EXPERIENCE_WRAPPERS, ExperienceMaker, ExperienceWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +89,13 @@ class _PromptQuota:
 
 
 @EXPERIENCE_WRAPPERS.register("dynamic_sampling")
-class DynamicSampling(ExperienceMaker):
+class DynamicSampling(ExperienceWrapper):
     """Wraps an experience maker; returns batches of exactly `target` groups with mixed outcomes."""
 
     def __init__(self, inner: ExperienceMaker, cfg: DynamicSamplingConfig, max_gen_batches: int, pad_token_id: int):
         if max_gen_batches < 0:
             raise ValueError(f"algorithm.dynamic_sample_max_gen_batches must be >= 0 (0 = unbounded), got {max_gen_batches}")
-        self.inner = inner
+        super().__init__(inner)
         self.summary_metrics = inner.summary_metrics + (
             "dynamic_sampling/filtered_fraction", "dynamic_sampling/num_gen_batches")
         self.cfg = cfg
@@ -219,10 +219,10 @@ class DynamicSampling(ExperienceMaker):
         return metrics
 
     def state_dict(self) -> dict:
-        return {"inner": self.inner.state_dict(), "surplus": self.surplus, "born": dict(self.born)}
+        return {**super().state_dict(), "surplus": self.surplus, "born": dict(self.born)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state["inner"])
+        super().load_state_dict(state)
         self.surplus, self.born = state["surplus"], dict(state["born"])
 
 

@@ -26,17 +26,17 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
 from aligner_ext.data.hints import hint_rows, hinted_batch, hinted_prompts
 from aligner_ext.data.loader import PromptLoader
-from aligner_ext.experience.base import EXPERIENCE_WRAPPERS, ExperienceMaker
+from aligner_ext.experience.base import EXPERIENCE_WRAPPERS, ExperienceMaker, ExperienceWrapper
 from aligner_ext.models.base import Policy
 
 
 @EXPERIENCE_WRAPPERS.register("hint_logprobs")
-class HintLogprobs(ExperienceMaker):
+class HintLogprobs(ExperienceWrapper):
     """The inner maker's batch plus hint log-probs and group difficulty (CPO)."""
 
     def __init__(self, inner: ExperienceMaker, cfg: CPOConfig, gold_as_hint: bool, policy: Policy, tokenizer,
                  temperature: float):
-        self.inner = inner
+        super().__init__(inner)
         self.cfg = cfg
         self.gold_as_hint = gold_as_hint
         self.policy = policy
@@ -81,9 +81,3 @@ class HintLogprobs(ExperienceMaker):
             "cpo/hint_truncated": float(prompts.num_truncated),
             "cpo/hint_tokens_mean": sum(lengths) / len(lengths) if lengths else 0.0,
         }
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)

@@ -28,8 +28,9 @@ Decisions (docs/variants/mtpo.md; tests/unit/experience/test_mtpo_two_round.py p
 - No EOS is appended after the confidence stop string: the samples hold what the engine
   sampled, as in single-round GRPO with `rollout.stop`.
 - Round 1 and round 2 are seeded by (seed, step, round), so a resumed run repeats both rounds.
-- Round-2 cost: the HF engine has no prefix reuse, so round 2 re-reads prompt + answer for each
-  of the H continuations; `timing/mtpo_round{1,2}_s` and `mtpo/round2_time_ratio` measure it.
+- Round 2 sends each prompt + answer H times; with `generator.hf.reuse_prompt_prefill` the HF
+  engine prefills it once and copies its KV cache. `timing/mtpo_round{1,2}_s` and
+  `mtpo/round2_time_ratio` measure both rounds every step.
 """
 
 from __future__ import annotations
@@ -263,7 +264,8 @@ def segment_token_rewards(answer_rewards: torch.Tensor, confidence_rewards: torc
     return token_rewards
 
 
-def rollout_metrics(samples: list[TwoRoundSample], scored: list[ScoredSample], batch: ExperienceBatch) -> dict[str, float]:
+def rollout_metrics(samples: list[TwoRoundSample], scored: list[ScoredSample],
+                    batch: ExperienceBatch) -> dict[str, float]:
     """Round shapes, reward parts and training-batch calibration of one step."""
     firsts = [(s, x) for s, x in zip(samples, scored) if s.copy == 0]  # one per answer
     continued = [(s, x) for s, x in zip(samples, scored) if s.confidence is not None]

@@ -29,6 +29,12 @@ Decisions:
     list its id as EOS instead.
   - The prompt forward asks for last-column logits only (`logits_to_keep=1`) when the model
     accepts it: full prompt logits would take B * P * vocab floats.
+  - `reuse_prompt_prefill` (off by default): the prompt forward runs once per distinct prompt of
+    a chunk and the duplicates get copies of its last logits and KV-cache rows
+    (`Cache.batch_select_indices`). GRPO groups and MTPO's round 2 (H continuations of one
+    prompt + answer) repeat prompts, and on a CPU the prompt forward is most of a round's cost.
+    Off by default because batched float arithmetic is not bitwise independent of the batch
+    size, so a run's samples may differ in rare near-ties from a run without it.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class HFEngineConfig:
     """Settings of the in-process transformers engine."""
 
     batch_size: int = 256  # sequences per forward pass; larger calls are split into chunks of this size
+    reuse_prompt_prefill: bool = False  # run the prompt forward once per distinct prompt of a chunk and copy its KV cache to the duplicates
 
 
 @ENGINES.register("hf")
@@ -114,11 +121,9 @@ class HFGenerationEngine(GenerationEngine):
         tokens: list[list[int]] = [[] for _ in range(batch)]
         logprobs: list[list[float]] = [[] for _ in range(batch)]
         reasons: list[str | None] = [None] * batch
-        extra = {"logits_to_keep": 1} if self._keeps_last_logits else {}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=None, use_cache=True, **extra)
+        logits, cache = self._prefill(prompts, input_ids, attention_mask, position_ids)
         for step in range(params.max_new_tokens):
-            next_ids, next_logprobs = sample_next(out.logits[:, -1, :].float(), params, generator)
+            next_ids, next_logprobs = sample_next(logits, params, generator)
             for row, (token, logprob) in enumerate(zip(next_ids.tolist(), next_logprobs.tolist())):
                 if reasons[row] is None:
                     tokens[row].append(token)
@@ -131,12 +136,39 @@ class HFGenerationEngine(GenerationEngine):
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
             position_ids = position_ids[:, -1:] + 1  # [B, 1]
             out = self.model(input_ids=next_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=out.past_key_values, use_cache=True)
+                             past_key_values=cache, use_cache=True)
+            logits, cache = out.logits[:, -1, :].float(), out.past_key_values
         return [
             GenerationOutput(token_ids=tokens[row], finish_reason=reasons[row] or "length",
                              logprobs=logprobs[row] if params.return_logprobs else None)
             for row in range(batch)
         ]
+
+    def _prefill(self, prompts, input_ids, attention_mask, position_ids):
+        """The prompt forward: (last-column logits [B, V] float32, KV cache of the B rows).
+
+        With `reuse_prompt_prefill`, only the first occurrence of each distinct prompt is run and
+        its logits and cache rows are copied to the rows that repeat it.
+        """
+        extra = {"logits_to_keep": 1} if self._keeps_last_logits else {}
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(prompt), row) for row, prompt in enumerate(prompts)]
+        if not self.cfg.reuse_prompt_prefill or len(first) == len(prompts):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=None, use_cache=True, **extra)
+            return out.logits[:, -1, :].float(), out.past_key_values
+        distinct = list(first.values())  # rows run, in order of first occurrence
+        rank = {row: index for index, row in enumerate(distinct)}
+        expand = torch.tensor([rank[row] for row in source], device=input_ids.device)  # [B] into the distinct rows
+        run = torch.tensor(distinct, device=input_ids.device)
+        out = self.model(input_ids=input_ids[run], attention_mask=attention_mask[run], position_ids=position_ids[run],
+                         past_key_values=None, use_cache=True, **extra)
+        cache = out.past_key_values
+        if not hasattr(cache, "batch_select_indices"):
+            raise TypeError(f"generator.hf.reuse_prompt_prefill needs a KV cache with batch_select_indices; "
+                            f"{type(self.model).__name__} returned {type(cache).__name__}")
+        cache.batch_select_indices(expand)
+        return out.logits[:, -1, :].float()[expand], cache
 
     def _finish_reason(self, generated: list[int], matcher: StopStringMatcher) -> str | None:
         """The finish reason ("eos" or "stop") if the newest token ends the sequence, else None."""

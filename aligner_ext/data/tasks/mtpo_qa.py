@@ -1,8 +1,12 @@
 """`mtpo_short_qa`: the `short_qa` task in MTPO's answer-then-confidence format (the MTPO demo).
 
+Not registered by name (the built-in task list stays the generic tasks'): select it with the dotted
+path `data.builtin_task=aligner_ext.data.tasks.mtpo_qa:mtpo_short_qa`, as conf/variant/mtpo.yaml does.
+
 The rows are `short_qa`'s (same problems, train/val split, ground truth and reward function:
-data_source `short_qa`, SQuAD exact match) with a system message asking for the two rounds, and a
-gold solution that spans both, e.g.
+data_source `short_qa`, SQuAD exact match) with a line asking for the two rounds' tags appended to
+the user message (kept short: the character tokenizer makes every character a token), and a gold
+solution that spans both, e.g.
 
     <think>Tom has a red ball.</think><answer>red</answer><analysis>ok</analysis><confidence>0.9</confidence>
 
@@ -21,14 +25,13 @@ from __future__ import annotations
 import re
 
 from aligner_ext.data.readers import parse_row
-from aligner_ext.data.tasks.base import TASKS, split_rng
+from aligner_ext.data.tasks.base import split_rng
 from aligner_ext.data.tasks.short_qa import short_qa
 from aligner_ext.data.types import PromptRow
 
-INSTRUCTION = ("Think in <think></think>, answer in <answer></answer>, then judge it in <analysis></analysis> "
-               "and give P(correct) in <confidence></confidence>.")
+INSTRUCTION = "Tags: think, answer, then analysis, confidence (0-1)."  # the last line of every user message
 MODE_CONFIDENCE = "0.9"  # the gold solutions' most frequent confidence
-MODE_PROBABILITY = 0.36  # its share; the rest is spread evenly over 0.1 .. 0.8
+MODE_PROBABILITY = 0.2  # its share; the rest is spread evenly over 0.1 .. 0.8 (0.1 each)
 OTHER_CONFIDENCES = tuple(f"0.{d}" for d in range(1, 9))
 ANALYSIS = "ok"  # the gold analysis: the same for every row, so it carries no information
 
@@ -48,19 +51,17 @@ def thought(context: str, question: str) -> str:
     return "none"
 
 
-@TASKS.register("mtpo_short_qa")
 def mtpo_short_qa(split: str, size: int, seed: int) -> list[PromptRow]:
     """`size` short_qa rows of `split` with the MTPO instruction and a two-round gold solution."""
     rng = split_rng("mtpo_short_qa", split, seed)
     records = []
     for row in short_qa(split, size, seed):
-        user = row.messages[-1]["content"]
-        context, question = user.split("\n", 1)
+        context, question = row.messages[-1]["content"].split("\n", 1)
         confidence = MODE_CONFIDENCE if rng.random() < MODE_PROBABILITY else rng.choice(OTHER_CONFIDENCES)
         gold = (f"<think>{thought(context, question)}</think><answer>{row.ground_truth}</answer>"
                 f"<analysis>{ANALYSIS}</analysis><confidence>{confidence}</confidence>")
         records.append({
-            "prompt": [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": user}],
+            "prompt": [{"role": "user", "content": f"{context}\n{question}\n{INSTRUCTION}"}],
             "data_source": row.data_source,
             "reward_model": {"ground_truth": row.ground_truth},
             "extra_info": {**row.extra_info, "gold_solution": gold},

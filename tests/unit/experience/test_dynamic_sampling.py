@@ -218,3 +218,22 @@ def test_composes_with_group_sampling_and_real_rewards(tiny_tokenizer):
     assert batch.correct.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert [s.row.row_id for s in batch.samples] == ["t:0", "t:0", "t:2", "t:2"]
     assert metrics["dynamic_sampling/dropped_all_wrong"] == 1
+
+
+def test_evaluation_and_state_go_through_to_the_wrapped_maker():
+    class OwnEvaluation(ScriptedMaker):
+        def evaluate(self, loader, greedy):
+            return {"val/own": 1.0}
+
+        def state_dict(self):
+            return {"cursor": 7}
+
+        def load_state_dict(self, state):
+            self.loaded = state
+
+    maker = wrap(OwnEvaluation([]))
+    assert maker.evaluate(None, greedy=lambda loader: {"val/greedy": 0.0}) == {"val/own": 1.0}
+    state = maker.state_dict()
+    assert state["inner"] == {"cursor": 7}
+    maker.load_state_dict(state)
+    assert maker.inner.loaded == {"cursor": 7}
