@@ -1,8 +1,11 @@
-"""Shared fixtures: the built-in character tokenizer and a very small Llama-architecture model."""
+"""Shared fixtures: the built-in character tokenizer, a very small Llama-architecture model, and a
+factory of minimal experience batches."""
 
 import pytest
 import torch
 
+from aligner_ext.batch import ExperienceBatch, SampleInfo
+from aligner_ext.data.types import PromptRow
 from aligner_ext.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 
@@ -22,3 +25,29 @@ def tiny_model(tiny_tokenizer):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def make_batch():
+    """A factory for ExperienceBatch objects carrying only a response mask and the fields a test sets:
+    make(response_mask, advantages=None, old_logprobs=None, ref_logprobs=None, group_ids=None, rewards=None)."""
+
+    def make(response_mask, advantages=None, old_logprobs=None, ref_logprobs=None, group_ids=None, rewards=None):
+        mask = torch.as_tensor(response_mask, dtype=torch.bool)
+        rows, width = mask.shape
+        return ExperienceBatch(
+            prompt_ids=torch.ones(rows, 1, dtype=torch.long),
+            prompt_mask=torch.ones(rows, 1, dtype=torch.bool),
+            response_ids=torch.ones(rows, width, dtype=torch.long),
+            response_valid=mask.clone(),
+            response_mask=mask,
+            group_ids=torch.arange(rows) if group_ids is None else torch.as_tensor(group_ids),
+            samples=[SampleInfo(row=PromptRow(row_id=f"test:{i}", messages=[], data_source="test"))
+                     for i in range(rows)],
+            rewards=None if rewards is None else torch.as_tensor(rewards, dtype=torch.float32),
+            advantages=advantages,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+        )
+
+    return make

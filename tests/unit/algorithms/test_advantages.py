@@ -13,28 +13,10 @@ from aligner_ext.algorithms.advantages import (
     groups_all_agree,
     zero_std_group_fraction,
 )
-from aligner_ext.batch import ExperienceBatch, SampleInfo
-from aligner_ext.data.types import PromptRow
 
 # Three groups spread over the batch: id 7 -> rewards 1,0,0,1; id 2 -> 1,1,1; id 5 -> 0.35,0.35.
 REWARDS = torch.tensor([1.0, 1.0, 0.35, 0.0, 1.0, 0.0, 1.0, 0.35, 1.0])
 GROUPS = torch.tensor([7, 2, 5, 7, 2, 7, 2, 5, 7])
-
-
-def batch_of(rewards, group_ids, response_mask):
-    mask = torch.as_tensor(response_mask, dtype=torch.bool)
-    rows, width = mask.shape
-    return ExperienceBatch(
-        prompt_ids=torch.ones(rows, 1, dtype=torch.long),
-        prompt_mask=torch.ones(rows, 1, dtype=torch.bool),
-        response_ids=torch.ones(rows, width, dtype=torch.long),
-        response_valid=mask.clone(),
-        response_mask=mask,
-        group_ids=torch.as_tensor(group_ids),
-        samples=[SampleInfo(row=PromptRow(row_id=f"data.jsonl:{i}", messages=[], data_source="t"))
-                 for i in range(rows)],
-        rewards=None if rewards is None else torch.as_tensor(rewards, dtype=torch.float32),
-    )
 
 
 def test_non_contiguous_groups_with_bessel_std():
@@ -95,8 +77,9 @@ def test_agreement_tolerance():
     assert groups_all_agree(scores, ids, eps=0.0) == {0: False, 1: False}
 
 
-def test_grpo_broadcasts_over_masked_response_tokens():
-    batch = batch_of([1.0, 0.0, 0.5, 0.5], [0, 0, 1, 1], [[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 1, 1]])
+def test_grpo_broadcasts_over_masked_response_tokens(make_batch):
+    batch = make_batch([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 1, 1]], group_ids=[0, 0, 1, 1],
+                       rewards=[1.0, 0.0, 0.5, 0.5])
     adv = GroupAdvantage(GroupAdvantage.Config())(batch)
     a = 1 / math.sqrt(2)  # group 0: mean 1/2, std 1/sqrt(2), A = +-(1/2) * sqrt(2)
     assert adv.dtype == torch.float32
@@ -107,12 +90,12 @@ def test_grpo_broadcasts_over_masked_response_tokens():
     assert ADVANTAGES.get("grpo") is GroupAdvantage
 
 
-def test_bad_input_is_named():
+def test_bad_input_is_named(make_batch):
     advantage = GroupAdvantage(GroupAdvantage.Config())
     with pytest.raises(ValueError, match="rewards"):
-        advantage(batch_of(None, [0, 0], [[1], [1]]))
-    with pytest.raises(ValueError, match="data.jsonl:1"):
-        advantage(batch_of([0.0, float("nan")], [0, 0], [[1], [1]]))
+        advantage(make_batch([[1], [1]], group_ids=[0, 0], rewards=None))
+    with pytest.raises(ValueError, match="test:1"):
+        advantage(make_batch([[1], [1]], group_ids=[0, 0], rewards=[0.0, float("nan")]))
     with pytest.raises(ValueError, match="must both be"):
         group_stats(torch.zeros(3), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="std_floor"):
