@@ -40,6 +40,8 @@ class RunSummary:
     reward_after: float
     train_seconds: float
     run_means: dict[str, float]  # run mean of each metric the experience maker lists in summary_metrics
+    held_out_before: dict[str, float]  # every val/* metric of the evaluation before RL
+    held_out_after: dict[str, float]  # and of the last evaluation
 
 
 def train(cfg: RunConfig) -> RunSummary:
@@ -97,6 +99,7 @@ def train(cfg: RunConfig) -> RunSummary:
         reward_before=before.get("val/reward_mean", math.nan), reward_after=after.get("val/reward_mean", math.nan),
         train_seconds=time.perf_counter() - started,
         run_means=run_means(run_dir / "metrics.jsonl", parts.maker.summary_metrics),
+        held_out_before=dict(before), held_out_after=dict(after),
     )
     if is_main_process():
         (run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))

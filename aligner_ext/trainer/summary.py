@@ -20,6 +20,11 @@ def print_summary(summary: RunSummary) -> None:
     ):
         unit = " pts" if scale == 100.0 else ""
         table.add_row(name, f"{before * scale:.1f}", f"{after * scale:.1f}", f"{(after - before) * scale:+.1f}{unit}")
+    shown = {"val/accuracy", "val/reward_mean", "val/num_prompts"}
+    for key in sorted(set(summary.held_out_before) & set(summary.held_out_after) - shown):
+        before, after = summary.held_out_before[key], summary.held_out_after[key]
+        if before is not None and after is not None:
+            table.add_row(key.removeprefix("val/"), f"{before:.3f}", f"{after:.3f}", f"{after - before:+.3f}")
     console = Console()
     console.print(table)
     for key, value in summary.run_means.items():
