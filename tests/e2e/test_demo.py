@@ -11,15 +11,13 @@ from transformers import AutoModelForCausalLM
 
 from aligner_ext.config import load_config
 from aligner_ext.trainer.loop import train
+from small_run import SMALL_MODEL
 
 pytestmark = pytest.mark.slow
 
-SMALL = [
-    "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
-    "model.tiny.intermediate_size=64", "model.warmup.steps=30", "model.warmup.batch_size=16",
-    "data.builtin_train_size=64", "data.builtin_val_size=8", "data.train_batch_size=4", "data.val_batch_size=8",
-    "rollout.n=4", "rollout.max_response_length=12", "trainer.progress_bar=false", "trainer.tensorboard=true",
-    "trainer.log_samples_every=1", "trainer.num_log_samples=2", "reward.num_workers=1",
+SMALL = SMALL_MODEL + [
+    "rollout.max_response_length=12", "trainer.tensorboard=true", "trainer.log_samples_every=1",
+    "trainer.num_log_samples=2",
 ]
 
 
