@@ -28,7 +28,7 @@ import json
 import sys
 from typing import Any
 
-from aligner_ext.data.readers import DataError, parse_row
+from aligner_ext.data.readers import DataError, parse_row, read_records
 from aligner_ext.data.types import PromptRow
 
 DATA_SOURCE = "hotpotqa"
@@ -95,35 +95,8 @@ def hotpotqa_record(raw: Any, path: str, index: int) -> dict[str, Any]:
     }
 
 
-def read_raw(path: str) -> list[Any]:
-    """The rows of a `.jsonl`, `.json` (a list) or `.parquet` file, unparsed."""
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    with open(path, encoding="utf-8") as handle:
-        if path.endswith(".jsonl"):
-            rows = []
-            for number, line in enumerate(handle, start=1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as err:
-                        raise DataError(f"{path} line {number}: invalid JSON: {err}") from err
-            return rows
-        if path.endswith(".json"):
-            rows = json.load(handle)
-            if not isinstance(rows, list):
-                raise DataError(f"{path}: a .json file must hold a list of rows")
-            return rows
-    raise DataError(f"{path}: unsupported file type; expected .jsonl, .json or .parquet")
-
-
 def _records(path: str) -> list[dict[str, Any]]:
-    rows = read_raw(path)
-    if not rows:
-        raise DataError(f"{path}: the file holds no rows")
-    return [hotpotqa_record(raw, path, index) for index, raw in enumerate(rows)]
+    return [hotpotqa_record(raw, path, index) for index, (_, raw) in enumerate(read_records(path))]
 
 
 def load_hotpotqa(path: str) -> list[PromptRow]:

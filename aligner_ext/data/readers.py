@@ -1,4 +1,4 @@
-"""Read dataset rows (verl-style parquet or jsonl) into `PromptRow`s, checking every field.
+"""Read dataset rows (verl-style parquet, jsonl, or json holding a list) into `PromptRow`s, checking every field.
 
 Row format, as in the seeds:
 
@@ -45,18 +45,26 @@ def load_files(paths: list[str]) -> list[PromptRow]:
 
 
 def load_rows(path: str) -> list[PromptRow]:
-    """Rows of one `.parquet` or `.jsonl` file; raises `DataError` on the first malformed row."""
+    """Rows of one `.parquet`, `.jsonl` or `.json` file; raises `DataError` on the first malformed row."""
+    return [parse_row(record, path, index, where) for index, (where, record) in enumerate(read_records(path))]
+
+
+def read_records(path: str) -> list[tuple[str, Any]]:
+    """The raw records of a `.parquet`, `.jsonl` or `.json` (a list) file, each with where it stood
+    (`" (line N)"` for jsonl, else ""); an empty file, bad JSON or another file type is a `DataError`."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file not found: {path}")
     if path.endswith(".parquet"):
         records = _read_parquet(path)
     elif path.endswith(".jsonl"):
         records = _read_jsonl(path)
+    elif path.endswith(".json"):
+        records = _read_json(path)
     else:
-        raise DataError(f"{path}: unsupported file type; expected .parquet or .jsonl")
+        raise DataError(f"{path}: unsupported file type; expected .parquet, .jsonl or .json")
     if not records:
         raise DataError(f"{path}: the file holds no rows")
-    return [parse_row(record, path, index, where) for index, (where, record) in enumerate(records)]
+    return records
 
 
 def _read_parquet(path: str) -> list[tuple[str, Any]]:
@@ -81,6 +89,17 @@ def _read_jsonl(path: str) -> list[tuple[str, Any]]:
             except json.JSONDecodeError as err:
                 raise DataError(f"{path} row {len(records)}{where}: invalid JSON: {err}") from err
     return records
+
+
+def _read_json(path: str) -> list[tuple[str, Any]]:
+    with open(path, encoding="utf-8") as handle:
+        try:
+            rows = json.load(handle)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}: invalid JSON: {err}") from err
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: a .json file must hold a list of rows")
+    return [("", row) for row in rows]
 
 
 def parse_row(record: Any, path: str, index: int, where: str = "") -> PromptRow:

@@ -35,24 +35,24 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return _pad(seqs, pad_id, left=True)
 
 
-def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def right_pad(seqs: list[list[int]], pad_id: int, dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad on the right to the longest sequence (width 0 when all are empty).
 
     Returns:
-        ids: [B, R] int64, the sequence then pads.
-        mask: [B, R] bool, True on real tokens.
+        ids: [B, R] `dtype` (int64 for token ids; float32 for per-token values), the sequence then pads.
+        mask: [B, R] bool, True on real entries.
     """
-    return _pad(seqs, pad_id, left=False)
+    return _pad(seqs, pad_id, left=False, dtype=dtype)
 
 
-def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _pad(seqs: list[list[int]], pad_id: int, left: bool, dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:
     width = max((len(seq) for seq in seqs), default=0)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    ids = torch.full((len(seqs), width), pad_id, dtype=dtype)
     mask = torch.zeros((len(seqs), width), dtype=torch.bool)
     for row, seq in enumerate(seqs):
         if not seq:
             continue
         columns = slice(width - len(seq), width) if left else slice(0, len(seq))
-        ids[row, columns] = torch.as_tensor(seq, dtype=torch.long)
+        ids[row, columns] = torch.as_tensor(seq, dtype=dtype)
         mask[row, columns] = True
     return ids, mask

@@ -159,7 +159,7 @@ class GroupSampling(ExperienceMaker):
         ]
         generation_logprobs = None
         if self.cfg.return_logprobs:
-            generation_logprobs, _ = right_pad_float([output.logprobs or [] for output in outputs])
+            generation_logprobs, _ = right_pad([output.logprobs or [] for output in outputs], 0.0, torch.float32)
         return ExperienceBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
             response_valid=response_valid, response_mask=response_valid.clone(),
@@ -186,14 +186,3 @@ def sparse_token_rewards(rewards: torch.Tensor, lengths: torch.Tensor, width: in
     rows = torch.nonzero(has_tokens).squeeze(1)
     token_rewards[rows, lengths[has_tokens] - 1] = rewards[has_tokens]
     return token_rewards
-
-
-def right_pad_float(values: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad float lists to [B, R] with zeros; returns (values, mask)."""
-    width = max((len(v) for v in values), default=0)
-    out = torch.zeros(len(values), width, dtype=torch.float32)
-    mask = torch.zeros(len(values), width, dtype=torch.bool)
-    for i, row in enumerate(values):
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-        mask[i, : len(row)] = True
-    return out, mask

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aligner_ext.data.templating import left_pad
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.stopping import StopStringMatcher
 
@@ -115,7 +116,8 @@ class HFGenerationEngine(GenerationEngine):
 
     def _generate_chunk(self, prompts, params, matcher, generator, device) -> list[GenerationOutput]:
         """The cached sampling loop for at most `batch_size` prompts."""
-        input_ids, attention_mask = _left_pad(prompts, self.pad_id, device)  # [B, P] each
+        input_ids, attention_mask = (t.to(device) for t in left_pad(prompts, self.pad_id))  # [B, P] each
+        attention_mask = attention_mask.long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
         batch = len(prompts)
         tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -213,17 +215,6 @@ def nucleus(log_probs: torch.Tensor, top_p: float) -> torch.Tensor:
     drop = drop_sorted.scatter(-1, order, drop_sorted)
     kept = log_probs.masked_fill(drop, float("-inf"))
     return kept - kept.logsumexp(dim=-1, keepdim=True)
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts -> (input_ids [B, P] int64, attention_mask [B, P] int64), padded on the left."""
-    width = max(len(prompt) for prompt in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[row, width - len(prompt):] = 1
-    return input_ids.to(device), attention_mask.to(device)
 
 
 def _eos_ids(tokenizer, model) -> set[int]:

@@ -122,5 +122,5 @@ def test_hotpotqa_bad_files(tmp_path):
     with pytest.raises(DataError, match="must hold a list"):
         load_hotpotqa(str(tmp_path / "d.json"))
     (tmp_path / "j.jsonl").write_text('{"answer": "a"}\n{oops\n')
-    with pytest.raises(DataError, match="line 2: invalid JSON"):
+    with pytest.raises(DataError, match=r"line 2\): invalid JSON"):
         load_hotpotqa(str(tmp_path / "j.jsonl"))

@@ -47,3 +47,10 @@ def test_all_empty_gives_width_zero():
     ids, mask = right_pad([[], []], pad_id=0)
     assert ids.shape == (2, 0) and mask.shape == (2, 0)
     assert ids.dtype == torch.long and mask.dtype == torch.bool
+
+
+def test_right_pad_of_per_token_values_keeps_them_as_floats():
+    values, mask = right_pad([[-0.5, -1.25], [], [-2.0]], 0.0, torch.float32)
+    assert values.dtype == torch.float32
+    assert values.tolist() == [[-0.5, -1.25], [0.0, 0.0], [-2.0, 0.0]]
+    assert mask.tolist() == [[True, True], [False, False], [True, False]]
