@@ -11,6 +11,8 @@ One torchrun launch (tests/megatron/worker.py, 2 processes) runs every case and 
   the whole mini-batch in one micro-batch: the same loss, gradient norm and updated weights, so the
   update depends neither on the layout, the DP size nor the micro-batch split. Tolerance: 1e-5
   relative on loss and norm, 2e-5 absolute on weights (which move by up to 2e-2; measured <= 4e-6).
+- the in-place refit of an HF model from the GPTModel at TP=2, PP=2 and TP=2 + SP (`weights.py`): every
+  HF parameter, zeroed first, equals the weights the GPTModel was loaded from, bit for bit.
 - the guards of the replicated loop: a batch that differs on one rank, and a checkpoint state saved
   at another layout, raise with the reason (on both ranks, so nothing hangs).
 """
@@ -103,6 +105,22 @@ def test_logprobs_entropy_and_gradient_match_hf(cases, name, layout):
     for key, expected in grads.items():
         scale = expected.abs().max().clamp(min=1e-12)
         assert ((result["grads"][key].double() - expected).abs().max() / scale) < 1e-5, key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_refit_writes_every_hf_parameter_bit_for_bit(cases, name, layout):
+    """The GPTModel was loaded from these HF weights; refitting it into a zeroed HF model gives them back."""
+    from safetensors.torch import load_file
+
+    expected = load_file(cases / name / "model.safetensors")  # save_pretrained: no lm_head when tied
+    refit = torch.load(cases / name / f"{layout}.pt")["refit"]
+    for key, weight in expected.items():
+        assert torch.equal(refit[key], weight), key
+    if hf_configs()[name].tie_word_embeddings:
+        assert torch.equal(refit["lm_head.weight"], expected["model.embed_tokens.weight"])
+    else:
+        assert set(refit) == set(expected)
 
 
 def hf_policy_step(case: Path) -> dict:

@@ -2,8 +2,9 @@
 
 For every case directory under the work directory (an HF checkpoint + `batch.pt`) and every layout
 TP=2 / PP=2: build this rank's GPTModel from the HF weights (convert.py), compute the response
-log-probs and entropy (forward.py), and (through megatron-core's DDP) the gradient of the sum of valid response log-probs,
-converted back to HF names. Rank 0 writes `<case>/tp{T}_pp{P}.pt`; the test compares with HF.
+log-probs and entropy (forward.py), a zeroed HF model refitted from it (weights.py), and (through
+megatron-core's DDP) the gradient of the sum of valid response log-probs, converted back to HF names.
+Rank 0 writes `<case>/tp{T}_pp{P}.pt`; the test compares with HF.
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from aligner_ext.batch import ExperienceBatch
-from aligner_ext.models.megatron import convert, forward
+from aligner_ext.models.megatron import convert, forward, weights
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.megatron.optimizer import wrap_ddp
 from aligner_ext.models.megatron.policy import MegatronPolicy
@@ -54,7 +55,7 @@ def run_case(case: Path, tp: int, pp: int, sp: bool, device) -> None:
     convert.load_shard(model, convert.hf_to_megatron_shard(hf_state, hf_config, tp, pp, rank, stage))
     packed = micro_batches(batch, device, tp if sp else 1)
     lp, ent = forward.forward_logprobs(model, packed, hf_config.vocab_size, CHUNK, 1.0)
-    result = {"logprobs": lp[: len(batch)], "entropy": ent[: len(batch)]}
+    result = {"logprobs": lp[: len(batch)], "entropy": ent[: len(batch)], "refit": refit_into_zeros(model, hf_config)}
     ddp = wrap_ddp(model, use_distributed_optimizer=False)
     ddp.zero_grad_buffer()
     forward.forward_backward(ddp, packed, hf_config.vocab_size, CHUNK, 1.0,
@@ -63,6 +64,16 @@ def run_case(case: Path, tp: int, pp: int, sp: bool, device) -> None:
     result["grads"] = convert.megatron_to_hf(grads, hf_config, tp, pp)
     if dist.get_rank() == 0:
         torch.save(result, case / layout_name(tp, pp, sp))
+
+
+def refit_into_zeros(model, hf_config) -> dict:
+    """An HF model with every parameter zeroed, after `weights.refit_hf_model` from this rank's GPTModel."""
+    target = AutoModelForCausalLM.from_config(hf_config)
+    with torch.no_grad():
+        for param in target.parameters():
+            param.zero_()
+    weights.refit_hf_model(model, target, hf_config)
+    return target.state_dict()
 
 
 def layout_name(tp: int, pp: int, sp: bool, prefix: str = "") -> str:

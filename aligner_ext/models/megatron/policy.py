@@ -47,7 +47,7 @@ from aligner_ext.models.megatron.forward import (
 from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
 from aligner_ext.models.megatron.optimizer import build_optimizer, clipped_step, set_lr, wrap_ddp
 from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
-from aligner_ext.models.megatron.weights import gather_hf_state_dict
+from aligner_ext.models.megatron.weights import refit_hf_model
 
 PACK_PAD_ID = 0  # fills the columns after each row's real tokens; never attended to by a real token
 
@@ -81,12 +81,8 @@ class MegatronPolicy(Policy):
         convert.load_shard(self.core, shard)
 
     def _sync_hf_from_core(self) -> None:
-        """Copy the current Megatron weights into `self.model` (in memory)."""
-        state = gather_hf_state_dict(self.core, self.hf_config)
-        result = self.model.load_state_dict(state, strict=False)
-        tied_head = {"lm_head.weight"} if self.hf_config.tie_word_embeddings else set()
-        if result.unexpected_keys or set(result.missing_keys) - tied_head:
-            raise RuntimeError(f"HF sync: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+        """Copy the current Megatron weights into `self.model`, in place on the device (`weights.py`)."""
+        refit_hf_model(self.core, self.model, self.hf_config)
 
     def _micro_batches(self, batch: ExperienceBatch) -> tuple[list[Packed], int, int]:
         """This DP rank's rows as equal micro-batches; also (rows per rank, this rank's real rows)."""
