@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Every variant through the whole training loop with the Megatron backend on the lent 2-GPU machine:
+# the embedded demo job (conf/demo.yaml) as plain GRPO and with +variant=dapo, cpo, mtpo and
+# graded_prompt, each at TP=2 and at DP=2 (bf16, NCCL), a few steps each. mtpo and graded_prompt
+# train on their own built-in tasks; their embedded-model warm-up is cut to --warmup steps so the
+# ten runs fit in about 8 minutes. megatron-core travels as its cp312 wheel in .whl/, the
+# pure-Python packages the machine lacks in .devsite/ (see megatron_gpu.sh). Usage there:
+#   bash scripts/bench/megatron_variants_gpu.sh [steps (default 8)] [warm-up steps (default 200)] [extra overrides...]
+#   VARIANTS="grpo dapo" LAYOUTS=tp2 bash scripts/bench/megatron_variants_gpu.sh   (a subset)
+# Writes under $OUT (or ./megatron_variants_out): variants.md (one row per run: exit status, steps
+# done, mean step time and response tokens/s after the first step (metrics.jsonl timing/*), held-out
+# greedy accuracy and mean reward before -> after, wall time), variants.jsonl, and per run its log,
+# metrics.jsonl and summary.json.
+set -uo pipefail  # not -e: a failing run is recorded in the table and the next one starts
+out=${OUT:-megatron_variants_out}
+steps=${1:-8}
+warmup=${2:-200}
+shift 2 || shift $#
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core-*.whl
+export PYTHONPATH=/tmp/site:$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS=ignore
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+runs=/tmp/megatron_variants
+rm -rf "$runs"
+: > "$out/exits.jsonl"
+declare -A variant=(
+  [grpo]=""
+  [dapo]="+variant=dapo"
+  [cpo]="+variant=cpo"
+  [mtpo]="+variant=mtpo model.warmup.steps=$warmup"
+  [graded_prompt]="+variant=graded_prompt model.warmup.steps=$warmup"
+)
+declare -A layout=(
+  [tp2]="policy.tensor_model_parallel_size=2"
+  [dp2]="policy.tensor_model_parallel_size=1"
+)
+port=29551
+for name in ${VARIANTS:-grpo dapo cpo mtpo graded_prompt}; do
+  for par in ${LAYOUTS:-tp2 dp2}; do
+    run=${name}_$par
+    SECONDS=0
+    # shellcheck disable=SC2086  # the override lists split on spaces
+    torchrun --nproc_per_node=2 --master_port=$port -m aligner_ext train --config-name demo ${variant[$name]} \
+      policy.backend=megatron ${layout[$par]} trainer.total_steps="$steps" trainer.save_every=0 \
+      trainer.eval_every=0 trainer.progress_bar=false trainer.output_dir=$runs trainer.run_name=$run "$@" \
+      > "$out/$run.log" 2>&1
+    status=$?
+    echo "{\"run\": \"$run\", \"exit_status\": $status, \"wall_s\": $SECONDS}" >> "$out/exits.jsonl"
+    echo "$run: exit $status, $SECONDS s"
+    mkdir -p "$out/$run"
+    cp $runs/$run/metrics.jsonl $runs/$run/summary.json "$out/$run/" 2>/dev/null
+    port=$((port + 1))
+  done
+done
+python3 - "$out" "$steps" <<'PY' | tee "$out/variants.md"
+import json, sys
+from pathlib import Path
+
+out, steps = Path(sys.argv[1]), int(sys.argv[2])
+
+
+def mean(values):
+    return sum(values) / len(values) if values else None
+
+
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+print(f"| run | exit | steps done / {steps} | mean step s | tokens/s | held-out accuracy | held-out reward | wall s |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+rows = []
+for line in (out / "exits.jsonl").read_text().splitlines():
+    row = json.loads(line)
+    path = out / row["run"] / "metrics.jsonl"
+    records = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    trained = [r for r in records if "timing/step_s" in r]
+    timed = trained[1:] or trained  # the first step includes one-off start-up work
+    row["steps_done"] = len(trained)
+    row["mean_step_s"] = mean([r["timing/step_s"] for r in timed])
+    row["tokens_per_s"] = mean([r["timing/tokens_per_s"] for r in timed])
+    for key in ("accuracy", "reward_mean"):
+        evals = [r[f"val/{key}"] for r in records if f"val/{key}" in r]
+        row[f"{key}_before"], row[f"{key}_after"] = (evals[0], evals[-1]) if len(evals) > 1 else (None, None)
+    rows.append(row)
+    print(f"| {row['run']} | {row['exit_status']} | {row['steps_done']} | {fmt(row['mean_step_s'], '.3f')} | "
+          f"{fmt(row['tokens_per_s'], '.0f')} | {fmt(row['accuracy_before'], '.1%')} -> {fmt(row['accuracy_after'], '.1%')} | "
+          f"{fmt(row['reward_mean_before'], '.3f')} -> {fmt(row['reward_mean_after'], '.3f')} | {row['wall_s']} |")
+(out / "variants.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+PY
