@@ -49,6 +49,7 @@ class GeneratorConfig:
     """The engine that samples rollouts."""
 
     engine: str = "hf"  # registered generation engine
+    split_across_ranks: bool = True  # under torchrun each process generates a contiguous share of every engine call and the outputs are all-gathered (aligner_ext/generation/sharded.py); false: every process generates everything
     hf: HFEngineConfig = field(default_factory=HFEngineConfig)  # settings of the HF engine
 
 

@@ -4,6 +4,9 @@ A run launched by torchrun (`torchrun --nproc_per_node=N -m aligner_ext train ..
 loop in every process with the same seeds; a policy backend that shards the model (megatron) splits
 its own work over the processes. Files are written by the main process (rank 0) only; the others
 wait at a barrier where they must read what it wrote (the embedded model's warm-up output).
+Work that every process could do on its own (generation, reward calls) is split by `map_split`:
+each process takes a contiguous share of the items and the results are all-gathered, so every
+process ends with the same full list and the loop stays replicated.
 
 Decisions: the rank is read from torch.distributed once it is initialised, else from torchrun's
 `RANK` variable, so `is_main_process` is right before any process group exists. `init_from_env`
@@ -15,10 +18,13 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 
 def launched_world_size() -> int:
@@ -67,3 +73,43 @@ def main_process_first() -> Iterator[None]:
     finally:
         if is_main_process():
             barrier()
+
+
+def share(count: int, rank_index: int, world: int) -> range:
+    """The indices of the contiguous share of `count` items that rank `rank_index` of `world` takes.
+
+    The first `count % world` ranks take one item more; with fewer items than ranks the last ranks take none.
+    """
+    base, extra = divmod(count, world)
+    begin = rank_index * base + min(rank_index, extra)
+    return range(begin, begin + base + (rank_index < extra))
+
+
+def map_split(fn: Callable[[list[Item]], list[Result]], items: list[Item]) -> list[Result]:
+    """`fn` over this rank's `share` of `items`; every rank returns the results of all items, in order.
+
+    `fn` maps a list to a list of the same length. Collective: every rank must call it with the same
+    number of items. Without a process group of several ranks this is `fn(items)`. If `fn` raises on
+    some rank, every rank raises (that rank its own exception, the others an error naming it) rather
+    than waiting forever in the gather.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn(items)
+    world, me = dist.get_world_size(), dist.get_rank()
+    mine = share(len(items), me, world)
+    failure = None
+    try:
+        local = ("ok", fn(items[mine.start : mine.stop]))
+    except Exception as err:  # re-raised below, after the other ranks have heard of it
+        failure, local = err, ("error", f"{type(err).__name__}: {err}")
+    parts: list = [None] * world
+    dist.all_gather_object(parts, local)
+    if failure is not None:
+        raise failure
+    failed = [f"rank {index}: {value}" for index, (status, value) in enumerate(parts) if status == "error"]
+    if failed:
+        raise RuntimeError(f"a split call failed on another rank ({'; '.join(failed)})")
+    results = [result for _, values in parts for result in values]
+    if len(results) != len(items):
+        raise RuntimeError(f"a split call returned {len(results)} results for {len(items)} items")
+    return results

@@ -37,6 +37,12 @@ Decisions:
   calls on short responses take 0.22-0.30 s through the pool (about 1 ms each, of which the pool's
   messaging is about 0.08 ms), well under the ~1 s a training step can spend on rewards.
 - `metrics()` returns the counts since the previous `metrics()` call, i.e. per training step.
+- Under torchrun (`split_across_ranks`, on by default) each process runs a contiguous share of a
+  `score` call's calls in its own pool and the raw outcomes are all-gathered
+  (`distributed.map_split`) before fallbacks are counted, so every process returns the same results
+  and the same `metrics()`, and each response is scored once per run instead of once per process
+  (an LLM judge gets one request per item, not one per process). A reward that is not deterministic
+  (a sampling judge) would otherwise even give the processes different batches.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from aligner_ext.data.types import PromptRow
+from aligner_ext.distributed import map_split
 from aligner_ext.rewards.base import DATA_SOURCES, REWARDS, RewardResult, as_result
 
 logger = logging.getLogger(__name__)
@@ -69,6 +76,7 @@ class RewardConfig:
     timeout_s: float = 10.0  # wall-clock limit per call, seconds; then its worker is killed, score fallback_score
     fallback_score: float = 0.0  # score of a call that raised, timed out or returned a bad value
     num_workers: int = 2  # worker processes
+    split_across_ranks: bool = True  # under torchrun each process scores a contiguous share of every score() call and the results are all-gathered; false: every process scores everything
 
 
 def _worker_main(conn: Connection) -> None:
@@ -209,17 +217,23 @@ class RewardManager:
         functions = [self._resolve(row) for row in rows]  # config errors surface before any call runs
         if not rows:
             return []
-        if self._pool is None:
-            self._pool = _WorkerPool(self.cfg.num_workers)
-        payloads = [pickle.dumps((fn, text, row)) for (_, fn), text, row in zip(functions, responses, rows)]
-        try:
-            outcomes = self._pool.run(payloads, self.cfg.timeout_s)
-        except BaseException:  # e.g. Ctrl-C: replies still in flight must not reach the next score()
-            self.close()
-            raise
+        calls = [(fn, text, row) for (_, fn), text, row in zip(functions, responses, rows)]
+        outcomes = map_split(self._run, calls) if self.cfg.split_across_ranks else self._run(calls)
         self._counts["calls"] += len(rows)
         return [value if status == "ok" else self._fallback(status, value, row, name)
                 for (status, value), row, (name, _) in zip(outcomes, rows, functions)]
+
+    def _run(self, calls: list[tuple[Callable[..., Any], str, PromptRow]]) -> list[tuple[str, Any]]:
+        """The outcomes (see `_WorkerPool.run`) of (function, response, row) calls, in this process's pool."""
+        if not calls:
+            return []
+        if self._pool is None:
+            self._pool = _WorkerPool(self.cfg.num_workers)
+        try:
+            return self._pool.run([pickle.dumps(call) for call in calls], self.cfg.timeout_s)
+        except BaseException:  # e.g. Ctrl-C: replies still in flight must not reach the next score()
+            self.close()
+            raise
 
     def metrics(self) -> dict[str, float]:
         """Counts since the previous metrics() call: errors, timeouts and the fraction of calls that fell back."""

@@ -17,6 +17,7 @@ from aligner_ext.context import BuildContext
 from aligner_ext.distributed import main_process_first
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
 from aligner_ext.generation.base import ENGINES, GenerationEngine
+from aligner_ext.generation.sharded import split_across_ranks
 from aligner_ext.losses.base import LOSSES, Loss
 from aligner_ext.models.base import POLICIES, Policy
 from aligner_ext.models.hf import FrozenReference, resolve_device
@@ -76,7 +77,8 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     if cfg.loss.kl_coef > 0:
         reference = FrozenReference(policy.model, cfg.policy.logprob_chunk_size, cfg.policy.micro_batch_size)
     engine_cfg = getattr(cfg.generator, cfg.generator.engine)
-    engine = ENGINES.get(cfg.generator.engine)(policy.model, tokenizer, engine_cfg)
+    engine = split_across_ranks(ENGINES.get(cfg.generator.engine)(policy.model, tokenizer, engine_cfg),
+                                cfg.generator.split_across_ranks)
     ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=engine, rewards=RewardManager(cfg.reward))
     return Components(
         tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, rewards=ctx.rewards,

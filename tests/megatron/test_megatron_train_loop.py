@@ -43,11 +43,11 @@ OVERRIDES = [
 ]
 
 
-def launch(output_dir: Path, run_name: str) -> None:
+def launch(output_dir: Path, run_name: str, overrides: list[str] = OVERRIDES) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(E2E), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "-m", "aligner_ext", "train", *OVERRIDES, f"trainer.output_dir={output_dir}",
+               "-m", "aligner_ext", "train", *overrides, f"trainer.output_dir={output_dir}",
                f"trainer.run_name={run_name}"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]

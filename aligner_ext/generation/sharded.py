@@ -1,0 +1,67 @@
+"""Generation split across the processes of a torchrun run: each rank samples a share of every call.
+
+Every rank holds a full copy of the model the engine samples from (the policy's HF module; the
+megatron backend gathers its shards into it after each update), so any rank can serve any request.
+`RankSplitEngine` wraps the configured engine: for each `generate` call, rank r of W continues its
+contiguous share of the prompts (`distributed.share`: the first `len % W` ranks take one more),
+then the outputs are all-gathered (`distributed.map_split`), so every rank returns the same full
+list in request order and the rest of the loop stays replicated. Training rollouts, MTPO's two
+rounds and the greedy held-out evaluation all call the engine, so all of them are split. Each rank
+generates 1/W of a call's requests, plus one all-gather of token ids and log-probs; what that saves
+depends on whether generation time grows with the rows (on a CPU; not in the HF engine's token loop
+on a GPU at small sizes: docs/megatron.md measures both).
+
+Sampling randomness: rank r draws its share from its own stream, seeded `seed * W + r` where
+`seed` is the call's `SamplingParams.seed` (the experience makers derive it from the trainer seed
+and the step, and MTPO also from the round). The map (seed, r) -> seed * W + r is one-to-one, so no
+two (call, rank) pairs share a stream, and with W = 1 it is the unsplit engine's seed. A call
+without a seed takes one number from the global torch RNG as its `seed` (every rank draws one, so
+the ranks' RNGs advance alike; checkpoints restore it, trainer/checkpoint.py). Either way a resumed
+run samples the same responses, provided it runs with the same number of processes: the shares and
+seeds depend on W. Greedy calls (temperature 0) draw nothing and keep their seed. Splitting changes
+which stream samples a request, so a run of W processes samples different (equally distributed)
+responses than a run of one; a run of one never builds this wrapper (`split_across_ranks`) and is
+unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from aligner_ext import distributed
+from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
+
+
+class RankSplitEngine(GenerationEngine):
+    """`inner` on this rank's share of each call's prompts; every rank returns all outputs, in order.
+
+    A collective: every rank must call `generate` with the same number of prompts and the same params.
+    """
+
+    def __init__(self, inner: GenerationEngine):
+        self.inner = inner
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        share_params = replace(params, seed=rank_seed(params, distributed.rank(), distributed.world_size()))
+        return distributed.map_split(lambda share: self.inner.generate(share, share_params), prompts)
+
+    def update_weights(self, policy_model) -> None:
+        self.inner.update_weights(policy_model)
+
+
+def rank_seed(params: SamplingParams, rank_index: int, world: int) -> int | None:
+    """The seed of rank `rank_index`'s share of a call: `seed * world + rank_index` (module docstring)."""
+    if params.temperature == 0:
+        return params.seed
+    seed = params.seed if params.seed is not None else int(torch.randint(2**31, ()))
+    return seed * world + rank_index
+
+
+def split_across_ranks(engine: GenerationEngine, enabled: bool) -> GenerationEngine:
+    """`engine` wrapped in a RankSplitEngine if `enabled` and the process group has several ranks."""
+    if enabled and dist.is_initialized() and dist.get_world_size() > 1:
+        return RankSplitEngine(engine)
+    return engine
