@@ -2,9 +2,10 @@
 # Every variant through the whole training loop with the Megatron backend on the lent 2-GPU machine:
 # the embedded demo job (conf/demo.yaml) as plain GRPO and with +variant=dapo, cpo, mtpo and
 # graded_prompt, each at TP=2 and at DP=2 (bf16, NCCL), a few steps each. mtpo and graded_prompt
-# train on their own built-in tasks; their embedded-model warm-up is cut to --warmup steps so the
-# ten runs fit in about 8 minutes. megatron-core travels as its cp312 wheel in .whl/, the
-# pure-Python packages the machine lacks in .devsite/ (see megatron_gpu.sh). Usage there:
+# train on their own built-in tasks; their embedded-model warm-up (mtpo's is 400 steps) is cut to
+# the second argument so the ten runs fit in about 8 minutes. megatron-core travels as its cp312
+# wheel in .whl/ with psutil (the distributed checkpoint writer needs it), the pure-Python
+# packages the machine lacks in .devsite/ (see megatron_gpu.sh). Usage there:
 #   bash scripts/bench/megatron_variants_gpu.sh [steps (default 8)] [warm-up steps (default 200)] [extra overrides...]
 #   VARIANTS="grpo dapo" LAYOUTS=tp2 bash scripts/bench/megatron_variants_gpu.sh   (a subset)
 # Writes under $OUT (or ./megatron_variants_out): variants.md (one row per run: exit status, steps
@@ -17,7 +18,8 @@ steps=${1:-8}
 warmup=${2:-200}
 shift 2 || shift $#
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core-*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/megatron_core-*.whl .whl/psutil-*.whl
 export PYTHONPATH=/tmp/site:$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
