@@ -24,7 +24,7 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "megatron": ["megatron-core>=0.16,<0.17"],
+        "megatron": ["megatron-core>=0.16,<0.17", "psutil>=5.9"],  # psutil: dist_checkpointing's file writer
         "vllm": ["vllm>=0.8"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3"],
     },

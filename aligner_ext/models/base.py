@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -66,10 +67,20 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def state_dict(self) -> dict:
-        """Optimizer and LR-schedule state (the weights are saved by `save_pretrained`)."""
+        """Training state that is the same on every process (optimizer, LR schedule); the trainer saves
+        rank 0's. The weights are saved from `model`; state split over processes by `save_sharded`."""
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
+
+    def save_sharded(self, directory: Path) -> None:
+        """Write the state that differs between processes (a sharded model and optimizer) under the
+        checkpoint `directory`, in a subdirectory of the backend's own. Called on every process,
+        collectively, while the checkpoint is written. Default: nothing (`state_dict` holds it all)."""
+
+    def load_sharded(self, directory: Path) -> None:
+        """Restore what `save_sharded` wrote under the checkpoint `directory` (every process, before
+        `load_state_dict`). Default: nothing."""
 
     @abc.abstractmethod
     def save_pretrained(self, directory: str) -> None:

@@ -6,11 +6,14 @@ RNG states). It is written under a temporary name and renamed into place only wh
 `checkpoints/latest` (a one-line file, itself replaced atomically) names the newest one, so a run
 killed mid-save keeps its previous checkpoint.
 
-Multi-process runs (torchrun, aligner_ext/distributed.py): every process writes its own state
-(`trainer_state.pt` on rank 0, `trainer_state.rank<r>.pt` on rank r: a sharded policy's optimizer
-state differs per rank) into the temporary directory, which the main process created; after a
-barrier the main process writes the weights and the tokenizer and renames the directory into place.
-A checkpoint resumes only with the world size that wrote it (checked, named in the error).
+Multi-process runs (torchrun, aligner_ext/distributed.py): every process runs the same loop, so the
+loader, experience-maker and RNG states are the same on every rank, and the main process alone
+writes `trainer_state.pt`. What differs between ranks, a sharded policy's weights and optimizer
+state, the policy writes itself (`Policy.save_sharded`, every process collectively) into a
+subdirectory of the temporary directory, which the main process created; after a barrier the main
+process writes its state, the weights and the tokenizer and renames the directory into place.
+Every process resumes from `trainer_state.pt`, so the number of processes may change between save
+and resume (the Megatron backend reshards its own state: docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -20,23 +23,25 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
-from aligner_ext.distributed import barrier, is_main_process, rank, world_size
+from aligner_ext.distributed import barrier, is_main_process
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
+STATE_FILE = "trainer_state.pt"
 
 
 def rng_state() -> dict[str, Any]:
+    """The RNG states; on a GPU the current device's (under torchrun each rank's GPU draws as rank 0's)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -45,12 +50,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def state_file(rank_index: int) -> str:
-    """The file holding rank `rank_index`'s trainer state inside a checkpoint."""
-    return "trainer_state.pt" if rank_index == 0 else f"trainer_state.rank{rank_index}.pt"
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _write_text_atomically(path: Path, text: str) -> None:
@@ -76,16 +76,18 @@ class Checkpointer:
             return None
         path = self.directory / pointer.read_text(encoding="utf-8").strip()
         moved_aside = self.directory / f".{path.name}.old"
-        if is_main_process() and not path.exists() and (moved_aside / "trainer_state.pt").exists():
+        if is_main_process() and not path.exists() and (moved_aside / STATE_FILE).exists():
             os.replace(moved_aside, path)  # a crash while re-saving this step: its previous copy is whole
         barrier()
-        if not (path / "trainer_state.pt").exists():
+        if not (path / STATE_FILE).exists():
             raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint")
         return path
 
-    def save(self, step: int, model: torch.nn.Module, tokenizer, state: dict[str, Any]) -> Path:
+    def save(self, step: int, model: torch.nn.Module, tokenizer, state: dict[str, Any],
+             save_sharded: Callable[[Path], None] | None = None) -> Path:
         """Write step `step`; `state` holds everything but the weights (optimizer, loader, ...).
-        Every process calls this with its own `state`; `model` must hold the same weights on all."""
+        Every process calls this; the main process's `state` and `model` are written (they must be
+        the same on all), and `save_sharded(directory)` runs on every process inside the new checkpoint."""
         final = self.directory / f"step_{step}"
         tmp = self.directory / f".step_{step}.tmp"
         if is_main_process():
@@ -93,10 +95,11 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier()
-        record = {**state, "step": step, "rng": rng_state(), "world_size": world_size()}
-        torch.save(record, tmp / state_file(rank()))
+        if save_sharded is not None:
+            save_sharded(tmp)
         barrier()
         if is_main_process():
+            torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
             save_model(model, str(tmp / "model.safetensors"))
             tokenizer.save_pretrained(str(tmp / "tokenizer"))
             self._publish(tmp, final)
@@ -126,14 +129,7 @@ class Checkpointer:
             raise RuntimeError(f"checkpoint {path} does not fit the model: {err}") from err
         if missing or unexpected:
             raise RuntimeError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
-        own = path / state_file(rank())
-        if not own.exists():
-            raise FileNotFoundError(f"checkpoint {path} has no {own.name}: it was written by fewer processes "
-                                    f"than this run's {world_size()}")
-        state = torch.load(own, weights_only=False)
-        saved_world = state.get("world_size", 1)  # checkpoints of single-process runs before this field
-        if saved_world != world_size():
-            raise RuntimeError(f"checkpoint {path} was written by {saved_world} process(es); this run has {world_size()}")
+        state = torch.load(path / STATE_FILE, weights_only=False)
         set_rng_state(state["rng"])
         logger.info("resumed from %s (step %d)", path, state["step"])
         return state

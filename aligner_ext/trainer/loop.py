@@ -150,7 +150,7 @@ def save(parts: Components, checkpointer: Checkpointer, step: int, before: dict[
         "maker": parts.maker.state_dict(),
         "eval_before": before,
     }
-    checkpointer.save(step, parts.policy.model, parts.tokenizer, state)
+    checkpointer.save(step, parts.policy.model, parts.tokenizer, state, parts.policy.save_sharded)
 
 
 def resume(cfg: RunConfig, parts: Components, checkpointer: Checkpointer) -> tuple[int, dict[str, float]]:
@@ -159,6 +159,7 @@ def resume(cfg: RunConfig, parts: Components, checkpointer: Checkpointer) -> tup
     if latest is None:
         return 0, {}
     state = checkpointer.load(latest, parts.policy.model)
+    parts.policy.load_sharded(latest)
     parts.policy.load_state_dict(state["policy"])
     parts.train_loader.load_state_dict(state["loader"])
     parts.maker.load_state_dict(state["maker"])

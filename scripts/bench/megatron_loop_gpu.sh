@@ -2,8 +2,8 @@
 # The whole training loop with the Megatron backend on the lent 2-GPU machine: the embedded demo job
 # (conf/demo.yaml) at TP=2 under torchrun (bf16 where supported), then the same run cut back to its
 # middle checkpoint and resumed, and the largest weight difference between the two final checkpoints.
-# megatron-core travels as its cp312 wheel in .whl/, the pure-Python packages the machine lacks in
-# .devsite/ (see megatron_gpu.sh). Usage there:
+# megatron-core travels as its cp312 wheel in .whl/ with psutil (the distributed checkpoint writer
+# needs it), the pure-Python packages the machine lacks in .devsite/ (see megatron_gpu.sh). Usage there:
 #   bash scripts/bench/megatron_loop_gpu.sh [steps (default 30)] [extra overrides...]
 # Writes metrics, summaries and the logs under $OUT (or ./megatron_loop_out).
 set -euo pipefail
@@ -11,7 +11,8 @@ out=${OUT:-megatron_loop_out}
 steps=${1:-30}
 shift || true
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core-*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/megatron_core-*.whl .whl/psutil-*.whl
 export PYTHONPATH=/tmp/site:$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"

@@ -13,8 +13,8 @@ One torchrun launch (tests/megatron/worker.py, 2 processes) runs every case and 
   relative on loss and norm, 2e-5 absolute on weights (which move by up to 2e-2; measured <= 4e-6).
 - the in-place refit of an HF model from the GPTModel at TP=2, PP=2 and TP=2 + SP (`weights.py`): every
   HF parameter, zeroed first, equals the weights the GPTModel was loaded from, bit for bit.
-- the guards of the replicated loop: a batch that differs on one rank, and a checkpoint state saved
-  at another layout, raise with the reason (on both ranks, so nothing hangs).
+- the guard of the replicated loop: a batch that differs on one rank raises with the reason (on both
+  ranks, so nothing hangs). (Checkpoints resume at another layout: test_dist_checkpoint.py.)
 """
 
 import dataclasses
@@ -154,7 +154,6 @@ def test_one_train_call_matches_the_hf_backend(cases, name, layout):
     assert torch.allclose(result["new_logprobs"], expected["new_logprobs"], atol=1e-5, rtol=0)
 
 
-def test_a_batch_differing_between_ranks_and_a_state_of_another_layout_are_refused(cases):
+def test_a_batch_differing_between_ranks_is_refused(cases):
     errors = torch.load(cases / "llama" / "guards.pt")
     assert "rank 1 holds a different batch than rank 0" in errors["batch"]
-    assert "'tensor_model_parallel_size': 1" in errors["layout"] and "'tensor_model_parallel_size': 2" in errors["layout"]

@@ -13,6 +13,7 @@ Modules (docs/megatron.md):
 - `forward`: micro-batches through megatron-core's schedules (`get_forward_backward_func`).
 - `optimizer`: megatron-core DDP (sum over DP) and AdamW.
 - `weights`: the full HF state dict gathered from the shards, in memory.
+- `dist_checkpoint`: weights and optimizer state in megatron-core's distributed checkpoint format.
 - `policy`: `MegatronPolicy`, the `Policy` interface on all of the above.
 
 This package file imports nothing from megatron-core: it only registers the backend name, and

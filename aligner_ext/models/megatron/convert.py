@@ -203,8 +203,3 @@ def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:
             if param.shape != shard[name].shape:
                 raise ValueError(f"{name}: model shape {tuple(param.shape)}, shard shape {tuple(shard[name].shape)}")
             param.copy_(shard[name])
-
-
-def model_shard(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's parameters as a shard (detached CPU copies)."""
-    return {name: param.detach().cpu().clone() for name, param in model.named_parameters()}

@@ -17,9 +17,10 @@ Under the training loop every process runs the same loop on the same seeds, so e
 the same batch; `_check_replicated` verifies this (a fingerprint all-gathered per call) and raises
 naming the rank that differs, instead of hanging in a collective or mixing different batches.
 
-Checkpoints (`state_dict`): this rank's optimizer state, the RL step, the layout, and this rank's
-weight shard, so a resume at the same layout restores each rank exactly; the trainer writes one
-state file per rank (trainer/checkpoint.py). A different layout is refused (docs/megatron.md).
+Checkpoints: `save_sharded` writes the GPTModel and the optimizer (plain or distributed) as a
+megatron-core distributed checkpoint (`dist_checkpoint.py`), collectively, into the trainer's
+checkpoint directory; `load_sharded` reads it at this run's TP / PP / DP layout, which may differ
+from the saved one. `state_dict` holds only the RL step, the same on every rank.
 
 Metrics are summed over micro-batches on the last pipeline stage, broadcast over PP and summed over
 DP (each loss value is already divided by the global counts), then averaged over updates as in
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,7 +42,7 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.losses.base import Loss
 from aligner_ext.models.base import Policy, PolicyConfig
 from aligner_ext.models.hf import lr_lambda, resolve_dtype, split_rows
-from aligner_ext.models.megatron import convert
+from aligner_ext.models.megatron import convert, dist_checkpoint
 from aligner_ext.models.megatron.forward import (
     Packed, filler_rows, forward_backward, forward_logprobs, pack, pad_rows,
 )
@@ -98,11 +100,6 @@ class MegatronPolicy(Policy):
         packed = [pack(local.select(list(range(i * size, (i + 1) * size))), PACK_PAD_ID, self.device, multiple)
                   for i in range(count)]
         return packed, per_rank, len(rows)
-
-    def _layout(self) -> dict[str, int]:
-        return {"tensor_model_parallel_size": self.cfg.tensor_model_parallel_size,
-                "pipeline_model_parallel_size": self.cfg.pipeline_model_parallel_size,
-                "data_parallel_size": parallel_state.get_data_parallel_world_size()}
 
     def _check_replicated(self, batch: ExperienceBatch) -> None:
         """Raise if any rank holds a different batch than rank 0 (sizes and a checksum of ids and advantages)."""
@@ -186,22 +183,21 @@ class MegatronPolicy(Policy):
         return dict(zip(keys, values.tolist()))
 
     def state_dict(self) -> dict:
-        if self.cfg.use_distributed_optimizer:
-            raise NotImplementedError("saving the distributed optimizer's state needs megatron's dist checkpointing (not implemented yet)")
-        return {"optimizer": self.optimizer.state_dict(), "rl_step": self.rl_step, "layout": self._layout(),
-                "weights": convert.model_shard(self.core)}
+        """The RL step (it sets the learning rate); weights and optimizer are in `save_sharded`."""
+        return {"rl_step": self.rl_step}
 
     def load_state_dict(self, state: dict) -> None:
-        """This rank's weight shard, optimizer state and step, saved at the same layout."""
-        if state["layout"] != self._layout():
-            raise ValueError(f"the checkpoint was written at layout {state['layout']}, this run is {self._layout()}; "
-                             "convert its HF weights instead (docs/megatron.md)")
-        convert.load_shard(self.core, state["weights"])
-        self._sync_hf_from_core()
-        self.optimizer.reload_model_params()
-        self.optimizer.load_state_dict(state["optimizer"])
         self.rl_step = state["rl_step"]
         set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
+
+    def save_sharded(self, directory: Path) -> None:
+        """Write the weights and optimizer state into `directory/megatron` (collective)."""
+        dist_checkpoint.save(directory / dist_checkpoint.DIRECTORY, self.core, self.optimizer)
+
+    def load_sharded(self, directory: Path) -> None:
+        """Load `directory/megatron` at this run's layout (collective), then refresh the HF copy."""
+        dist_checkpoint.load(directory / dist_checkpoint.DIRECTORY, self.core, self.optimizer)
+        self._sync_hf_from_core()
 
     def save_pretrained(self, directory: str) -> None:
         """Write the current weights as an HF checkpoint (rank 0 writes; every rank waits)."""

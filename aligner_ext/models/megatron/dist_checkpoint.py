@@ -1,0 +1,83 @@
+"""The Megatron backend's weights and optimizer state in megatron-core's distributed checkpoint format
+(`megatron.core.dist_checkpointing`, torch_dist backend), so a run resumes at another TP / PP / DP
+layout.
+
+Every tensor is saved as its part of one *global* tensor (`ShardedTensor`: key, global shape, this
+rank's offset, and a replica id so that one copy is written), and loading asks for the parts the
+new layout needs. The global tensors do not depend on TP or PP:
+- linear layers are split along the axis megatron-core splits them (fused QKV in its per-group
+  order along the rows, o_proj and down_proj along the columns); `linear_fc1` (SwiGLU) is saved as
+  its gate and up halves, so the per-rank [gate rows; up rows] layout reshards correctly;
+- layers are stacked along a leading axis at their global number, so PP only moves offsets;
+- the vocabulary is padded to a multiple of 128 whatever TP is (model.py), so embedding and output
+  layer keep one global shape;
+- `model.RMSNorm` (a plain module) is saved by megatron-core's default for non-Megatron modules:
+  replicated over TP and DP, which it is; `SDPAttention` has no state;
+- tied embeddings with PP > 1: the last stage's copy of the embedding is saved under the
+  embedding's key as a replica (megatron-core's `LanguageModule`), so it loads from the first
+  stage's at any PP, and at PP = 1 the copy does not exist.
+
+Optimizer state follows the parameter it belongs to (`optimizer.state.exp_avg.<parameter key>`,
+...), through `optimizer.sharded_state_dict(model_sharded_state_dict)`: the plain optimizer maps
+its per-parameter state directly; the distributed optimizer (state sharded over DP) uses the
+'fully_reshardable' format, which gathers each parameter's state on save and slices it on load,
+so it too reshards over TP, PP and DP. (megatron-core's default, 'fully_sharded_model_space', cannot
+be saved in 0.16: it produces flattened ShardedTensors, which 0.16's ShardedTensor refuses.) The
+plain and the distributed optimizer write different keys (float32 master weights: none under float32
+training, `optimizer.state.fp32_param.*` from the plain bf16 optimizer, `optimizer.state.param.*`
+from the distributed one), so switching `use_distributed_optimizer` between save and resume is
+refused by the strict load, the keys named (read from megatron-core 0.16's code, not run).
+
+Loading into a distributed optimizer that has not stepped yet: with torch's Adam (no Transformer
+Engine or Apex) its `state_dict` needs Adam's per-parameter state to exist, so `load` first takes a
+zero-gradient step on its float32 shards, as megatron-core does before loading its FSDP format
+(`_init_optimizer_states_with_dummy_values`); everything that step touches (Adam's moments and step,
+the master weights) is then overwritten from the checkpoint, and the model's weights are not touched.
+
+Every rank calls `save` and `load` (collectives inside); rank 0 writes the non-tensor state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+DIRECTORY = "megatron"  # the subdirectory of a trainer checkpoint (trainer/checkpoint.py) holding it
+OPTIMIZER_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",  # reshards over TP, PP and DP (see above)
+    "chained_optim_avoid_prefix": True,  # the same keys whether megatron-core chains optimizers or not
+}
+
+
+def sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool) -> dict:
+    """The model's and the optimizer's sharded state dicts (the optimizer's keyed by the model's)."""
+    model_state = model.sharded_state_dict()
+    return {"model": model_state,
+            "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)}
+
+
+def save(directory: Path, model: torch.nn.Module, optimizer) -> None:
+    """Write `model` (this rank's GPTModel) and `optimizer` into `directory`, which must not exist yet."""
+    if dist.get_rank() == 0:
+        directory.mkdir()
+    dist.barrier()
+    dist_checkpointing.save(sharded_state_dict(model, optimizer, is_loading=False), str(directory))
+
+
+def load(directory: Path, model: torch.nn.Module, optimizer) -> None:
+    """Load what `save` wrote, at this run's layout, into `model` and `optimizer`."""
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
+        raise FileNotFoundError(f"{directory} is not a megatron-core distributed checkpoint "
+                                "(a checkpoint of another policy backend?)")
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()  # see the module docstring
+    state = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True), str(directory),
+                                    strict=StrictHandling.RAISE_ALL)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])

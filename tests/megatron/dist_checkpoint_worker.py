@@ -1,0 +1,119 @@
+"""Runs under `torchrun --nproc_per_node=2` (gloo, CPU), launched by test_dist_checkpoint.py.
+
+For each case (an HF checkpoint + `train_setup.pt` under the work directory) and each saving layout
+(TP=2, PP=2): a `MegatronPolicy` trains 2 steps, writes its distributed checkpoint
+(`save_sharded`), then trains a third step ("straight"). For each of the other layouts with two
+processes (TP=2, PP=2, DP=2), a fresh policy built from the *starting* weights loads that
+checkpoint (`load_sharded` + `load_state_dict`) and trains the same third step ("resumed").
+Everything is gathered over all ranks into HF names with `convert.megatron_to_hf`, independently
+of the checkpoint code: weights, Adam's exp_avg / exp_avg_sq and step. Rank 0 writes
+`<case>/results.pt`; the test compares.
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from transformers import AutoModelForCausalLM
+
+from aligner_ext.losses.clipped_pg import ClippedPGLoss
+from aligner_ext.models.megatron import convert
+from aligner_ext.models.megatron.parallel import init_distributed
+from aligner_ext.models.megatron.policy import MegatronPolicy
+
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (TP, PP) on two processes
+SAVED_AT = ("tp2", "pp2")
+ADAM = ("exp_avg", "exp_avg_sq")
+
+
+def build_policy(case: Path, layout: str) -> MegatronPolicy:
+    setup = torch.load(case / "train_setup.pt", weights_only=False)
+    tp, pp = LAYOUTS[layout]
+    cfg = dataclasses.replace(setup["policy_cfg"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    return MegatronPolicy(AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32), cfg, total_steps=8)
+
+
+def train_step(policy: MegatronPolicy, case: Path) -> None:
+    """One RL step on the case's batch, old log-probs offset from the current ones so the PPO clip fires."""
+    setup = torch.load(case / "train_setup.pt", weights_only=False)
+    batch = setup["batch"]
+    logprobs, _ = policy.logprobs(batch, 1.0)
+    batch.old_logprobs = logprobs + setup["old_offset"]
+    policy.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), 1.0)
+
+
+def gathered(policy: MegatronPolicy) -> dict:
+    """Weights, Adam state and step of the whole model in HF names, and the tied output copy (PP > 1)."""
+    state = {}
+    for inner in policy.optimizer.chained_optimizers:
+        state.update(inner.optimizer.state)
+    params = dict(policy.core.named_parameters())
+    local = {"weight": {name: p.detach().clone() for name, p in params.items()}}
+    for key in ADAM:
+        local[key] = {name: state[p][key].clone() for name, p in params.items()}
+    steps = {float(state[p]["step"]) for p in params.values()}
+    key = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (key, local, steps))
+    shards = {k: v for k, v, _ in everyone}  # DP replicas overwrite each other
+    tp, pp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()
+    result = {field: convert.megatron_to_hf({k: shard[field] for k, shard in shards.items()}, policy.hf_config, tp, pp)
+              for field in ("weight", *ADAM)}
+    result["steps"] = set().union(*(s for _, _, s in everyone))
+    if policy.hf_config.tie_word_embeddings and pp > 1:  # the last stage's copy of the embedding
+        vocab = policy.hf_config.vocab_size
+        result["tied_copy"] = {field: torch.cat([shards[(pp - 1, r)][field]["output_layer.weight"]
+                                                 for r in range(tp)])[:vocab] for field in ("weight", *ADAM)}
+    return result
+
+
+def run_case(case: Path) -> dict:
+    results = {}
+    for saved_at in SAVED_AT:
+        directory = case / f"ckpt_{saved_at}"
+        if dist.get_rank() == 0:
+            directory.mkdir()
+        dist.barrier()
+        policy = build_policy(case, saved_at)
+        for _ in range(2):
+            train_step(policy, case)
+        policy.save_sharded(directory)
+        state = policy.state_dict()
+        results[saved_at] = {"saved": gathered(policy), "state": state}
+        train_step(policy, case)
+        results[saved_at]["straight"] = gathered(policy)
+        for loaded_at in LAYOUTS:
+            if loaded_at == saved_at:
+                continue
+            policy = build_policy(case, loaded_at)
+            policy.load_sharded(directory)
+            policy.load_state_dict(state)
+            loaded = gathered(policy)
+            train_step(policy, case)
+            results[saved_at][loaded_at] = {"loaded": loaded, "resumed": gathered(policy)}
+    return results
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    init_distributed()
+    root = Path(sys.argv[1])
+    for name in (root / "cases.txt").read_text().split():
+        results = run_case(root / name)
+        if dist.get_rank() == 0:
+            torch.save(results, root / name / "results.pt")
+    policy = build_policy(root / name, "tp2")
+    try:
+        policy.load_sharded(root / name)  # a directory without a `megatron/` checkpoint
+    except FileNotFoundError as err:
+        if dist.get_rank() == 0:
+            torch.save(str(err), root / "missing_error.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
