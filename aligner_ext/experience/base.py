@@ -8,7 +8,10 @@ group id. Variants override one of its named steps instead of copying the flow:
 - `generate(requests)`: how responses are produced (two-round rollouts change it);
 - `score(batch)`: how responses become rewards;
 - `evaluate(loader, greedy)` (on every maker): held-out metrics; the default is the loop's greedy
-  single-round evaluation (two-round rollouts evaluate both rounds).
+  single-round evaluation (two-round rollouts evaluate both rounds);
+- `warmup_examples(cfg, rows)` (a class method): the (messages, target) pairs the embedded model's
+  supervised warm-up trains on; the default is each row's prompt and gold solution (the graded
+  system prompt also shows its system messages, so the tiny model learns to read them).
 
 The training prompt is always the draw's own prompt tokens, whatever the generator saw.
 """
@@ -24,8 +27,9 @@ import torch
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
+from aligner_ext.data.tasks import sft_target
 from aligner_ext.data.templating import left_pad, right_pad
-from aligner_ext.data.types import PromptDraw
+from aligner_ext.data.types import PromptDraw, PromptRow
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.registry import Registry
 from aligner_ext.rewards.manager import RewardManager
@@ -76,6 +80,15 @@ class ExperienceMaker(abc.ABC):
         wrapper forwards to its inner maker.
         """
         return greedy(loader)
+
+    @classmethod
+    def warmup_examples(cls, cfg, rows: list[PromptRow]) -> list[tuple[list[dict[str, str]], str]]:
+        """(messages, target) pairs for the embedded model's supervised warm-up on built-in `rows`.
+
+        `cfg` is the RunConfig. The default teaches each row's gold solution on its own prompt; a
+        maker whose generator sees other prompts than the rows' overrides this to show them.
+        """
+        return [(row.messages, sft_target(row)) for row in rows]
 
     def state_dict(self) -> dict:
         """Anything a maker carries between steps (saved in checkpoints)."""

@@ -36,6 +36,11 @@ Decisions (docs/variants/graded_prompt.md; tests/unit/experience/test_graded_pro
   (`existing_system: prepend` puts them first). RuscaRL instead prepends a second system turn.
 - Draws left without a graded prompt are counted per reason: no rubric item with non-zero points,
   or a prompt the loader truncated (the messages no longer give its tokens back).
+- The embedded tiny model has never seen a system message (a real LLM has). Its supervised warm-up
+  (`warmup_examples`) therefore shows it the n graded prompts of every row, each with a target that
+  meets every criterion shown and each criterion not shown with probability `warmup_unshown_share`
+  (never a negative one), built from the items' `example` sentences. So it learns to follow the
+  criteria it is shown, and answers without them only partly: the gap RL on the plain prompt closes.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import encode_prompt
-from aligner_ext.data.types import PromptDraw
+from aligner_ext.data.types import PromptDraw, PromptRow
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, RolloutConfig, SampleRequest
 from aligner_ext.rewards.rubric import judge_metrics
 
@@ -88,6 +93,7 @@ class GradedPromptConfig:
     avoid_item: str = "Criterion {index}: {criterion} (penalty: {points} points)"  # one negative item; points is the penalty |p|
     footer: str = "Please provide a comprehensive and helpful response that addresses the user's concerns while following the above guidelines."  # paragraph after the items; empty: none
     include_evaluation_warning: bool = True  # end with evaluation_warning (an instruction never to mention the criteria)
+    warmup_unshown_share: float = 0.5  # embedded-model warm-up only: chance that its target meets a positive criterion not shown
     evaluation_warning: str = (  # the instruction never to mention the criteria (RuscaRL's text)
         "IMPORTANT: Do not mention or reference these evaluation criteria in your response. Do not indicate that "
         "you have seen any scoring rubric or evaluation guidelines. Your response should appear natural and "
@@ -101,6 +107,8 @@ class GradedPromptConfig:
                                  f"got {getattr(self, name)!r}")
         if self.full_reveal_count < 0:
             raise ValueError(f"graded_prompt.full_reveal_count must be >= 0; got {self.full_reveal_count}")
+        if not 0.0 <= self.warmup_unshown_share <= 1.0:
+            raise ValueError(f"graded_prompt.warmup_unshown_share must be in [0, 1]; got {self.warmup_unshown_share}")
         if self.step_power <= 0:
             raise ValueError(f"graded_prompt.step_power must be > 0; got {self.step_power}")
         for name in ("include_item", "avoid_item"):
@@ -171,6 +179,21 @@ def generation_messages(messages: list[dict[str, str]], system: str, existing: s
     return [{"role": "system", "content": system}, *messages]
 
 
+def warmup_target(items: list[dict[str, Any]], shown: list[dict[str, Any]], unshown_share: float,
+                  rng: random.Random) -> str:
+    """A response meeting every positive item of `shown` and each other positive item with probability
+    `unshown_share`: their `example` sentences in rubric order."""
+    chosen = []
+    for item in items:
+        if item["points"] <= 0 or (item not in shown and rng.random() >= unshown_share):
+            continue
+        if not isinstance(item.get("example"), str):
+            raise ValueError(f"rubric item {item['criterion']!r} has no `example` sentence; the graded system "
+                             "prompt's warm-up of the embedded model builds its targets from them")
+        chosen.append(item["example"])
+    return " ".join(chosen)
+
+
 def inactive_reason(cfg: GradedPromptConfig, rollout: RolloutConfig) -> str | None:
     """Why the graded prompt is off for this run (None: it is on)."""
     if not cfg.enabled:
@@ -220,6 +243,24 @@ class GradedPromptSampling(GroupSampling):
     def from_context(cls, ctx: BuildContext) -> "GradedPromptSampling":
         return cls(ctx.cfg.rollout, ctx.cfg.graded_prompt, ctx.engine, ctx.rewards, ctx.tokenizer,
                    seed=ctx.cfg.trainer.seed, total_steps=ctx.cfg.trainer.total_steps)
+
+    @classmethod
+    def warmup_examples(cls, cfg, rows: list[PromptRow]) -> list[tuple[list[dict[str, str]], str]]:
+        """Each row's n graded prompts (no step decay) with `warmup_target` responses (module docstring)."""
+        graded, n = cfg.graded_prompt, cfg.rollout.n
+        if inactive_reason(graded, cfg.rollout):
+            return super().warmup_examples(cfg, rows)
+        examples = []
+        for row in rows:
+            items = [item for item in (row.rubrics or []) if item["points"] != 0]
+            for i in range(n):
+                rng = random.Random(f"graded_prompt/warmup/{cfg.trainer.seed}/{row.row_id}/{i}")
+                shown = choose_criteria(items, num_shown(len(items), group_ratio(i, n, graded)), rng)
+                system = system_message(shown, graded)
+                messages = row.messages if system is None else generation_messages(
+                    row.messages, system, graded.existing_system)
+                examples.append((messages, warmup_target(items, shown, graded.warmup_unshown_share, rng)))
+        return examples
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         self.step = step  # requests() reads it for the step decay

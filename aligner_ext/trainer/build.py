@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from aligner_ext.algorithms.advantages import ADVANTAGES
 from aligner_ext.config import RunConfig
-from aligner_ext.data import build_loader, builtin_rows, sft_target
+from aligner_ext.data import build_loader, builtin_rows
 from aligner_ext.data.loader import PromptLoader
 import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 from aligner_ext.context import BuildContext
@@ -52,9 +52,10 @@ def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, cfg.model.tiny).to(resolve_device(cfg.policy.device))
     rows = builtin_rows(cfg.data.builtin_task, "train", cfg.data.builtin_train_size, cfg.data.seed)
-    logger.info("warming up the embedded model on %d %s rows", len(rows), cfg.data.builtin_task)
-    supervised_warmup(model, tokenizer, rows, [sft_target(row) for row in rows], cfg.model.warmup,
-                      progress=cfg.trainer.progress_bar)
+    examples = EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker).warmup_examples(cfg, rows)
+    logger.info("warming up the embedded model on %d examples from %d %s rows", len(examples), len(rows),
+                cfg.data.builtin_task)
+    supervised_warmup(model, tokenizer, examples, cfg.model.warmup, progress=cfg.trainer.progress_bar)
     tmp = directory.with_name(directory.name + ".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)

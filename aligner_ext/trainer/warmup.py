@@ -15,7 +15,6 @@ import torch
 from tqdm import tqdm
 
 from aligner_ext.data.templating import encode_prompt
-from aligner_ext.data.types import PromptRow
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +29,12 @@ class WarmupConfig:
     seed: int = 0  # order of the examples
 
 
-def supervised_warmup(model, tokenizer, rows: list[PromptRow], targets: list[str], cfg: WarmupConfig,
+def supervised_warmup(model, tokenizer, pairs: list[tuple[list[dict[str, str]], str]], cfg: WarmupConfig,
                       progress: bool = True) -> float:
-    """Train `model` on (prompt, target + end token); loss only on target tokens. Returns the last loss."""
+    """Train `model` on (chat messages, target + end token) pairs; loss only on target tokens. Returns the last loss."""
     examples = []
-    for row, target in zip(rows, targets):
-        prompt = encode_prompt(tokenizer, row.messages)
+    for messages, target in pairs:
+        prompt = encode_prompt(tokenizer, messages)
         answer = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         examples.append((prompt, answer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)

@@ -9,6 +9,10 @@ For N in [MIN_NUMBER, MAX_NUMBER] the rubric holds (points in brackets):
                       prime:     "claims that N is not prime"     (-4)  check "N is not prime"
 ground_truth is absent (the rubric grades the row); the gold solution meets every positive
 criterion and no negative one, e.g. "12 is even. It has 2 digits. 12 = 2*2*3, so 12 is not prime."
+Each item also carries an `example`: one sentence that meets it ("12 is even."); the gold solution is
+the positive items' examples joined by spaces, and the graded system prompt's warm-up of the embedded
+model builds responses meeting a chosen subset of criteria from them
+(experience/graded_prompt.py::warmup_target).
 
 Each rubric item carries a machine-checkable `check` spec for a deterministic rule-based grader,
 beside the criterion text a judge model would read. The one check type is
@@ -48,8 +52,9 @@ def prime_factors(n: int) -> list[int]:
     return factors + ([n] if n > 1 else [])
 
 
-def _item(criterion: str, points: int, tag: str, value: str) -> dict[str, Any]:
-    return {"criterion": criterion, "points": points, "tags": [tag], "check": {"type": "contains", "value": value}}
+def _item(criterion: str, points: int, tag: str, value: str, example: str) -> dict[str, Any]:
+    return {"criterion": criterion, "points": points, "tags": [tag], "check": {"type": "contains", "value": value},
+            "example": example}
 
 
 def rubric_and_gold(n: int) -> tuple[list[dict[str, Any]], str]:
@@ -59,18 +64,18 @@ def rubric_and_gold(n: int) -> tuple[list[dict[str, Any]], str]:
     digit_words = f"{digits} digit" + ("s" if digits > 1 else "")
     factors = "*".join(str(p) for p in prime_factors(n))
     rubric = [
-        _item(f"states that {n} is {parity}", 3, "parity", f"{n} is {parity}"),
-        _item(f"gives the number of digits ({digits})", 2, "digits", digit_words),
+        _item(f"states that {n} is {parity}", 3, "parity", f"{n} is {parity}", f"{n} is {parity}."),
+        _item(f"gives the number of digits ({digits})", 2, "digits", digit_words, f"It has {digit_words}."),
     ]
-    gold = f"{n} is {parity}. It has {digit_words}. "
     if len(prime_factors(n)) == 1:
-        rubric.append(_item(f"states that {n} is prime", 2, "primality", f"{n} is prime"))
-        rubric.append(_item(f"claims that {n} is not prime", -4, "wrong_claim", f"{n} is not prime"))
-        gold += f"{n} is prime."
+        rubric.append(_item(f"states that {n} is prime", 2, "primality", f"{n} is prime", f"{n} is prime."))
+        rubric.append(_item(f"claims that {n} is not prime", -4, "wrong_claim", f"{n} is not prime",
+                            f"{n} is not prime."))
     else:
-        rubric.append(_item(f"gives the prime factorisation {factors}", 2, "factorisation", factors))
-        rubric.append(_item(f"claims that {n} is prime", -4, "wrong_claim", f"{n} is prime"))
-        gold += f"{n} = {factors}, so {n} is not prime."
+        rubric.append(_item(f"gives the prime factorisation {factors}", 2, "factorisation", factors,
+                            f"{n} = {factors}, so {n} is not prime."))
+        rubric.append(_item(f"claims that {n} is prime", -4, "wrong_claim", f"{n} is prime", f"{n} is prime."))
+    gold = " ".join(item["example"] for item in rubric if item["points"] > 0)
     return rubric, gold
 
 

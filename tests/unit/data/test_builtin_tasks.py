@@ -121,6 +121,9 @@ def test_rubric_rows_are_well_formed_and_gold_earns_all_positive_points():
             assert isinstance(item["criterion"], str) and item["criterion"]
             assert isinstance(item["points"], int) and item["tags"]
             assert item["check"]["type"] == "contains"
+            # the example meets its own item and no other item (so warm-up targets meet exactly the chosen ones)
+            assert [check_passes(other["check"], item["example"]) for other in row.rubrics] == [
+                other is item for other in row.rubrics]
         earned = sum(i["points"] for i in row.rubrics if check_passes(i["check"], sft_target(row)))
         assert earned == 3 + 2 + 2  # every positive criterion, no negative one
         assert sum(i["points"] < 0 for i in row.rubrics) == 1
