@@ -12,7 +12,7 @@
 # same rollouts as `a`, whose reward is printed for comparison).
 # megatron-core and psutil (its checkpoint writer needs it) travel as wheels in .whl/, the
 # pure-Python packages the machine lacks in .devsite/ (see megatron_gpu.sh). Usage there:
-#   bash scripts/bench/megatron_ckpt_gpu.sh [steps (default 10)]
+#   [CASES="distopt bf16"] bash scripts/bench/megatron_ckpt_gpu.sh [steps (default 10)]
 # Writes logs, metrics and ckpt_check.txt (one PASS/FAIL line per check, then RESULT) under $OUT.
 set -uo pipefail
 out=${OUT:-megatron_ckpt_out}
@@ -28,7 +28,7 @@ runs=/tmp/megatron_ckpt
 rm -rf $runs
 check="$out/ckpt_check.txt"
 : > "$check"
-port=29550
+port=29600  # above the variants script's ports, so both can run at once
 
 run() {  # run NAME CASE OVERRIDES...: one torchrun launch; the log goes to $out/CASE_NAME.log
   local name=$1 case=$2
@@ -108,9 +108,11 @@ PY
 }
 
 SECONDS=0
-one_case distopt "policy.tensor_model_parallel_size=2 policy.use_distributed_optimizer=true" \
+cases=" ${CASES:-distopt bf16} "  # CASES="distopt" runs one
+[[ $cases == *" distopt "* ]] && one_case distopt "policy.tensor_model_parallel_size=2 policy.use_distributed_optimizer=true" \
   "policy.tensor_model_parallel_size=1 policy.use_distributed_optimizer=true"
-one_case bf16 "policy.tensor_model_parallel_size=2" "policy.tensor_model_parallel_size=1 policy.pipeline_model_parallel_size=2"
+[[ $cases == *" bf16 "* ]] && one_case bf16 "policy.tensor_model_parallel_size=2" \
+  "policy.tensor_model_parallel_size=1 policy.pipeline_model_parallel_size=2"
 echo "total $SECONDS s" >> "$out/gpu.txt"
 if grep -q '^PASS' "$check" && ! grep -q '^FAIL' "$check"; then
   echo "RESULT: PASS" | tee -a "$check"

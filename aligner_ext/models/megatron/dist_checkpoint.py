@@ -33,6 +33,10 @@ Engine or Apex) its `state_dict` needs Adam's per-parameter state to exist, so `
 zero-gradient step on its float32 shards, as megatron-core does before loading its FSDP format
 (`_init_optimizer_states_with_dummy_values`); everything that step touches (Adam's moments and step,
 the master weights) is then overwritten from the checkpoint, and the model's weights are not touched.
+megatron-core 0.16 cannot load 'fully_reshardable' state into torch's Adam either: it restores
+Adam's step into every parameter's state, then copies the checkpoint's tensors into *every* key of
+that state, 'step' included, which the checkpoint keeps apart (KeyError 'step', seen on 2x H200).
+`_load_distributed` therefore sets the step aside while the tensors load and puts it back after.
 
 Every rank calls `save` and `load` (collectives inside); rank 0 writes the non-tensor state.
 """
@@ -80,4 +84,20 @@ def load(directory: Path, model: torch.nn.Module, optimizer) -> None:
     state = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True), str(directory),
                                     strict=StrictHandling.RAISE_ALL)
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(inner) == 1 and isinstance(inner[0], DistributedOptimizer):
+        _load_distributed(inner[0], state["optimizer"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def _load_distributed(optimizer: DistributedOptimizer, state: dict) -> None:
+    """`optimizer.load_state_dict(state)` with torch Adam's per-parameter step set aside (module docstring)."""
+    param_state = state.pop("param_state")
+    if state.pop("param_state_sharding_type") != OPTIMIZER_METADATA["distrib_optim_sharding_type"]:
+        raise ValueError("the checkpoint's distributed optimizer state is not in the fully_reshardable format")
+    optimizer.load_state_dict(state)  # param groups, and Adam's step into each parameter's state
+    steps = {param: entry.pop("step") for param, entry in optimizer.optimizer.state.items() if "step" in entry}
+    optimizer.load_parameter_state_from_fully_reshardable(param_state)
+    for param, step in steps.items():
+        optimizer.optimizer.state[param]["step"] = step
