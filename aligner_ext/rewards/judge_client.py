@@ -26,9 +26,8 @@ Decisions:
   one JSON POST needs nothing more.
 - The cache and the limit are per client, and a client lives in one process: reward workers each
   build their own (aligner_ext/rewards/rubric.py says why the judge runs there).
-- `JudgeConfig.from_env` reads each field from `ALIGNER_EXT_JUDGE_<FIELD>` (e.g.
-  `ALIGNER_EXT_JUDGE_BASE_URL`), so the judge of the built-in `rubric_judge` reward is configured
-  by the environment of the training command, which the reward workers inherit.
+- `JudgeConfig` is a plain (mutable) dataclass so it can be the run config's `reward.judge`
+  section; clients are cached per field values (`JudgeConfig.key`), not per object.
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 logger = logging.getLogger(__name__)
 
-ENV_PREFIX = "ALIGNER_EXT_JUDGE_"  # JudgeConfig.from_env reads field `x` from ALIGNER_EXT_JUDGE_X
 RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})  # HTTP statuses worth another attempt
 
 T = TypeVar("T")
@@ -65,7 +63,7 @@ class JudgeUnavailable(JudgeError):
     """The judge endpoint could not be reached (down, refusing connections, or timing out)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class JudgeConfig:
     """An OpenAI-compatible chat-completions judge: endpoint, model and limits."""
 
@@ -91,19 +89,9 @@ class JudgeConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"judge {name} must be >= 0, got {getattr(self, name)}")
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> "JudgeConfig":
-        """Defaults overridden by `ALIGNER_EXT_JUDGE_<FIELD>` variables; a bad value names its variable."""
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            name = ENV_PREFIX + f.name.upper()
-            if name in environ:
-                kind = type(f.default)
-                try:
-                    values[f.name] = kind(environ[name])
-                except ValueError as err:
-                    raise ValueError(f"environment variable {name}={environ[name]!r} is not a {kind.__name__}") from err
-        return cls(**values)
+    def key(self) -> tuple:
+        """The field values: equal configs share one client (its cache and limit) in a process."""
+        return dataclasses.astuple(self)
 
     def worst_case_s(self) -> float:
         """Longest one `complete` call can take: every attempt timing out, plus the backoff waits."""
@@ -212,7 +200,7 @@ class JudgeClient:
         if all(f.unreachable for f in failures):
             return JudgeUnavailable(
                 f"judge endpoint {self.url} unreachable after {attempts} attempts ({failures[-1]}); is the server "
-                f"running and is {ENV_PREFIX}BASE_URL right? (timeout {self.cfg.timeout_s:g} s per request)")
+                f"running and is the judge's base_url (reward.judge.base_url) right? (timeout {self.cfg.timeout_s:g} s per request)")
         return JudgeError(f"judge at {self.url} gave no usable reply after {attempts} attempts; last: {failures[-1]}")
 
     def _cache_key(self, messages: list[dict[str, str]]) -> str:

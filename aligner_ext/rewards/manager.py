@@ -37,6 +37,9 @@ Decisions:
   calls on short responses take 0.22-0.30 s through the pool (about 1 ms each, of which the pool's
   messaging is about 0.08 ms), well under the ~1 s a training step can spend on rewards.
 - `metrics()` returns the counts since the previous `metrics()` call, i.e. per training step.
+- Run-level reward settings (the LLM judge, `judge`) reach a reward object through one hook: a
+  resolved reward that has `with_reward_config(cfg)` is replaced by what that returns, once per
+  data_source. Plain functions are used as they are.
 - Under torchrun (`split_across_ranks`, on by default) each process runs a contiguous share of a
   `score` call's calls in its own pool and the raw outcomes are all-gathered
   (`distributed.map_split`) before fallbacks are counted, so every process returns the same results
@@ -60,6 +63,7 @@ from typing import Any, Callable
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import map_split
 from aligner_ext.rewards.base import DATA_SOURCES, REWARDS, RewardResult, as_result
+from aligner_ext.rewards.judge_client import JudgeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,7 @@ class RewardConfig:
     timeout_s: float = 10.0  # wall-clock limit per call, seconds; then its worker is killed, score fallback_score
     fallback_score: float = 0.0  # score of a call that raised, timed out or returned a bad value
     num_workers: int = 2  # worker processes
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the LLM judge of judge-graded rewards (rubric_judge)
     split_across_ranks: bool = True  # under torchrun each process scores a contiguous share of every score() call and the results are all-gathered; false: every process scores everything
 
 
@@ -264,6 +269,8 @@ class RewardManager:
             name = self._reward_name(source, row.row_id)
             try:
                 fn = REWARDS.get(name)
+                if hasattr(fn, "with_reward_config"):
+                    fn = fn.with_reward_config(self.cfg)
                 pickle.dumps(fn)  # workers receive it by reference: a lambda or nested function cannot go
             except (KeyError, ImportError, AttributeError, ValueError, TypeError, pickle.PicklingError) as err:
                 raise ValueError(f"reward {name!r} for data_source {source!r} (row {row.row_id}): {err}") from err

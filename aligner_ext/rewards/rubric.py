@@ -22,9 +22,10 @@ Graders (who decides m_j):
 Registered rewards (none is bound to a data_source; map one with `reward.sources.<source>=<name>`,
 as conf/variant/graded_prompt.yaml does for `rubric_qa`):
 `rubric` (rule), `rubric_clipped` (rule, score clipped to [0, 1]), `rubric_judge` (judge),
-`rubric_judge_clipped` (judge, clipped). A differently configured reward is one line of user code,
-`my_judge = RubricReward(RubricConfig(grader="judge", judge=JudgeConfig(base_url=..., model=...)))`,
-given as `reward.sources.<source>=my_pkg.module:my_judge`.
+`rubric_judge_clipped` (judge, clipped). Their judge is the run config's `reward.judge`
+(`with_reward_config`, called by the reward manager); a reward built in user code with its own
+JudgeConfig keeps it: `my_judge = RubricReward(RubricConfig(grader="judge", judge=JudgeConfig(...)))`,
+given as `reward.sources.<source>=my_pkg.module:my_judge` (two judges in one run, say).
 
 Decisions:
 - Unclipped by default, as RuscaRL trains; HealthBench clips only the dataset mean. Clipping per
@@ -36,9 +37,7 @@ Decisions:
 - Where the judge runs: inside the reward worker processes, like every reward
   (aligner_ext/rewards/manager.py), so the manager's per-call time limit, fallbacks and metrics
   apply unchanged and nothing new runs in the trainer. The reward object carries its config by
-  value (it is pickled to the worker); the built-in `rubric_judge` takes its JudgeConfig from the
-  `ALIGNER_EXT_JUDGE_*` environment variables, read in the worker, which inherits the training
-  command's environment. Each worker keeps one client per JudgeConfig (its cache and concurrency
+  value (it is pickled to the worker, the run's judge config bound in). Each worker keeps one client per JudgeConfig (its cache and concurrency
   limit), and a response's items are judged concurrently on that client's threads. So at most
   `reward.num_workers * max_concurrency` requests are in flight, and `reward.timeout_s` must cover
   a response's grading (JudgeConfig.worst_case_s() per item in the worst case).
@@ -49,9 +48,9 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +66,7 @@ GRADERS = ("rule", "judge")
 PLACEHOLDERS = ("<<conversation>>", "<<rubric_item>>")
 JUDGE_ERRORS = ("JudgeError", "JudgeUnavailable")  # exception names the reward manager reports for judge failures
 _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
-_CLIENTS: dict[JudgeConfig, JudgeClient] = {}  # one client per config in each process (cache, limit)
+_CLIENTS: dict[tuple, JudgeClient] = {}  # one client per judge config (JudgeConfig.key) in each process
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ class RubricConfig:
 
     grader: str = "rule"  # rule (the items' `check` specs) | judge (an LLM judge per item)
     clip: bool = False  # clip each score to [0, 1]; False keeps HealthBench's raw score (<= 1, may be negative)
-    judge: JudgeConfig | None = None  # the judge; None: JudgeConfig.from_env() in the process that grades
+    judge: JudgeConfig | None = None  # the judge; None: the run's reward.judge (JudgeConfig() outside a run)
 
     def __post_init__(self) -> None:
         if self.grader not in GRADERS:
@@ -114,6 +113,12 @@ class RubricReward:
         score = min(1.0, max(0.0, raw)) if self.cfg.clip else raw
         return RewardResult(score=score, correct=float(perfect), info=info)
 
+    def with_reward_config(self, reward_cfg) -> "RubricReward":
+        """This reward with the run's judge (`reward.judge`) when it grades with a judge of its own unset."""
+        if self.cfg.grader != "judge" or self.cfg.judge is not None:
+            return self
+        return RubricReward(dataclasses.replace(self.cfg, judge=reward_cfg.judge))
+
     def __repr__(self) -> str:
         return f"RubricReward({self.cfg!r})"
 
@@ -132,7 +137,7 @@ def rule_verdicts(items: list[dict[str, Any]], response: str, row_id: str) -> li
 def judge_verdicts(items: list[dict[str, Any]], messages: list[dict[str, str]], response: str,
                    judge: JudgeConfig | None) -> tuple[list[bool], dict[str, float]]:
     """One judge request per item, run concurrently; the verdicts and request statistics."""
-    cfg = judge if judge is not None else JudgeConfig.from_env(os.environ)
+    cfg = judge if judge is not None else JudgeConfig()
     client = _client(cfg)
     template = load_template(cfg.template)
     conversation = render_conversation(messages, response)
@@ -219,9 +224,9 @@ def judge_metrics(infos: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _client(cfg: JudgeConfig) -> JudgeClient:
-    if cfg not in _CLIENTS:
-        _CLIENTS[cfg] = JudgeClient(cfg)
-    return _CLIENTS[cfg]
+    if cfg.key() not in _CLIENTS:
+        _CLIENTS[cfg.key()] = JudgeClient(cfg)
+    return _CLIENTS[cfg.key()]
 
 
 for _name, _cfg in (

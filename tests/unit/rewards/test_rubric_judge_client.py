@@ -1,6 +1,6 @@
 """The OpenAI-compatible judge client and the judge grader, against a local HTTP server started here on
 127.0.0.1: requests, caching, retries, no retry on 401, the API key never leaking, a down endpoint,
-a slow endpoint, the concurrency limit, configuration from the environment, and a reward worker."""
+a slow endpoint, the concurrency limit, configuration from the run config, and a reward worker."""
 
 import json
 import socket
@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from aligner_ext.config import load_config
 from aligner_ext.data.tasks.rubric_qa import rubric_and_gold
 from aligner_ext.data.types import PromptRow
 from aligner_ext.rewards.base import REWARDS
@@ -159,7 +160,7 @@ def test_a_down_endpoint_is_a_clear_error():
         port = probe.getsockname()[1]
     client = JudgeClient(config(f"http://127.0.0.1:{port}/v1", max_retries=1))
     with pytest.raises(JudgeUnavailable, match=rf"judge endpoint http://127.0.0.1:{port}/v1/chat/completions "
-                                               r"unreachable after 2 attempts.*ALIGNER_EXT_JUDGE_BASE_URL"):
+                                               r"unreachable after 2 attempts.*reward.judge.base_url"):
         client.complete(ASK, parse_verdict)
 
 
@@ -182,24 +183,24 @@ def test_concurrency_limit(serve, limit):
         assert server.max_in_flight > 2
 
 
-def test_config_from_the_environment():
-    cfg = JudgeConfig.from_env({"ALIGNER_EXT_JUDGE_BASE_URL": "https://judge.example/v1",
-                                "ALIGNER_EXT_JUDGE_MAX_RETRIES": "5", "ALIGNER_EXT_JUDGE_TIMEOUT_S": "2.5",
-                                "UNRELATED": "x"})
-    assert (cfg.base_url, cfg.max_retries, cfg.timeout_s, cfg.model) == ("https://judge.example/v1", 5, 2.5, "judge")
-    with pytest.raises(ValueError, match=r"ALIGNER_EXT_JUDGE_MAX_RETRIES='many' is not a int"):
-        JudgeConfig.from_env({"ALIGNER_EXT_JUDGE_MAX_RETRIES": "many"})
+def test_config_checks_and_worst_case():
     with pytest.raises(ValueError, match="base_url must start with http"):
         JudgeConfig(base_url="judge:8000")
     # worst case of one call: 2 attempts of 3 s, plus one backoff of 1 s
     assert JudgeConfig(timeout_s=3.0, max_retries=1, backoff_s=1.0).worst_case_s() == 7.0
 
 
-def test_builtin_rubric_judge_reads_the_environment(serve, monkeypatch):
+def test_builtin_rubric_judge_uses_the_run_configs_judge(serve):
     server = serve(met_if_parity_or_false_claim)
-    monkeypatch.setenv("ALIGNER_EXT_JUDGE_BASE_URL", server.url)
-    result = REWARDS.get("rubric_judge")("12 is even.", rubric_row())
+    cfg = load_config("base", [f"reward.judge.base_url={server.url}", "reward.judge.max_retries=0",
+                               "+reward.sources.healthbench=rubric_judge", "reward.num_workers=1"])
+    assert cfg.reward.judge == JudgeConfig(base_url=server.url, max_retries=0)
+    with RewardManager(cfg.reward) as manager:
+        result = manager.score(["12 is even."], [rubric_row()])[0]
     assert result.score == pytest.approx((3 - 4) / 7) and len(server.requests) == 4
+    # a reward built with its own judge keeps it
+    own = RubricReward(RubricConfig(grader="judge", judge=config("http://elsewhere:1/v1")))
+    assert own.with_reward_config(cfg.reward) is own
 
 
 def test_judge_in_a_reward_worker_and_its_failure_counted(serve):
