@@ -8,9 +8,6 @@
 set -euo pipefail
 export OUT=${OUT:-generation_engines_out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core-*.whl
-export PYTHONPATH=/tmp/site:$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh" "$OUT/gpu.txt"
 python3 -c "import torch, transformers, megatron.core; print('torch', torch.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__)" | tee -a "$OUT/gpu.txt"
 torchrun --nproc_per_node=1 --master_port=29561 scripts/bench/generation_engines.py "$@" 2>&1 | tee "$OUT/generation_engines.log"

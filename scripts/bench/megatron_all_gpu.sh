@@ -12,13 +12,11 @@ set -uo pipefail
 out=${OUT:-megatron_all_out}
 work=/tmp/megatron_all
 mkdir -p "$out" "$work"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/megatron_core-*.whl .whl/psutil-*.whl
+source "$(dirname "$0")/gpu_env.sh" "$out/gpu.txt"
 OUT=$work/variants timeout 300 bash scripts/bench/megatron_variants_gpu.sh "${1:-4}" "${2:-200}" > $work/variants.txt 2>&1 &
-sleep 20  # both scripts install into /tmp/site: let the first finish
+sleep 20  # both scripts reinstall into /tmp/site (gpu_env.sh): let the first finish
 OUT=$work/ckpt timeout 300 bash scripts/bench/megatron_ckpt_gpu.sh "${3:-6}" > $work/ckpt.txt 2>&1 &
 wait
-export PYTHONPATH=/tmp/site:$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONWARNINGS=ignore
 timeout 70 torchrun --nproc_per_node=2 --master_port=29650 scripts/bench/refit_bench.py --model qwen2-0.5b-shape \
   --repeats 5 tp2 pp2 dp2 > $work/refit.txt 2>&1
 OUT=$work/engines timeout 120 bash scripts/bench/generation_engines_gpu.sh > $work/engines.txt 2>&1

@@ -19,11 +19,7 @@ out=${OUT:-megatron_ckpt_out}
 steps=${1:-10}
 half=$((steps / 2))
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/megatron_core-*.whl .whl/psutil-*.whl
-export PYTHONPATH=/tmp/site:$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS=ignore
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh" "$out/gpu.txt"
 runs=/tmp/megatron_ckpt
 rm -rf $runs
 check="$out/ckpt_check.txt"

@@ -8,10 +8,7 @@
 set -euo pipefail
 out=${OUT:-megatron_bench_out}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core-*.whl
-export PYTHONPATH=/tmp/site:$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS=ignore
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh" "$out/gpu.txt"
 python3 -c "import torch, transformers, megatron.core; print('torch', torch.__version__, 'transformers', transformers.__version__, 'megatron-core', megatron.core.__version__)" | tee -a "$out/gpu.txt"
 args=${*:-tp2 tp2_sp dp2 dp2_distopt}
 torchrun --nproc_per_node=2 --master_port=29533 scripts/bench/megatron_bench.py $args --out "$out/megatron_bench.jsonl" 2>&1 | tee "$out/bench.log"

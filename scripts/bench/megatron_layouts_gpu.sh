@@ -11,10 +11,7 @@ out=${OUT:-megatron_layouts_out}
 steps=${1:-20}
 shift || true
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/megatron_core-*.whl
-export PYTHONPATH=/tmp/site:$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS=ignore
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh" "$out/gpu.txt"
 runs=/tmp/megatron_layouts
 run() {
   SECONDS=0

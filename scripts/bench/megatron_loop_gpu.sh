@@ -11,11 +11,7 @@ out=${OUT:-megatron_loop_out}
 steps=${1:-30}
 shift || true
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/megatron_core-*.whl .whl/psutil-*.whl
-export PYTHONPATH=/tmp/site:$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS=ignore
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh" "$out/gpu.txt"
 runs=/tmp/megatron_loop
 run() {
   torchrun --nproc_per_node=2 --master_port="$2" -m aligner_ext train --config-name demo \

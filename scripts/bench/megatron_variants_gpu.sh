@@ -18,11 +18,7 @@ steps=${1:-8}
 warmup=${2:-200}
 shift 2 || shift $#
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/megatron_core-*.whl .whl/psutil-*.whl
-export PYTHONPATH=/tmp/site:$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS=ignore
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh" "$out/gpu.txt"
 runs=/tmp/megatron_variants
 rm -rf "$runs"
 : > "$out/exits.jsonl"
