@@ -1,6 +1,10 @@
-"""Tiny HF models of each supported architecture and a left/right-padded batch, shared by the
-Megatron tests. Norm weights and biases are perturbed away from their 1/0 initialisation so a
-mis-mapped norm or bias changes the results."""
+"""Tiny HF models of each supported architecture, a left/right-padded batch, and the torchrun launch,
+shared by the Megatron tests. Norm weights and biases are perturbed away from their 1/0
+initialisation so a mis-mapped norm or bias changes the results."""
+
+import os
+import subprocess
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
@@ -37,3 +41,16 @@ def batch_tensors(vocab_size: int) -> dict:
     prompt_ids = torch.randint(1, vocab_size, (3, 5), generator=generator) * prompt_mask
     response_ids = torch.randint(1, vocab_size, (3, 4), generator=generator) * response_valid
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_valid=response_valid)
+
+
+def torchrun(args: list[str], processes: int = 2, timeout: int = 300, pythonpath: tuple[str, ...] = ()) -> None:
+    """`python -m torch.distributed.run --nproc_per_node=<processes> <args>` on a free port, one OpenMP
+    thread per process; fails the test with the end of its output if it exits non-zero."""
+    from aligner_ext.models.megatron.parallel import free_port  # imports megatron-core: tests skip without it
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+               f"--master_port={free_port()}", *args]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]

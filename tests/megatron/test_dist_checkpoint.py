@@ -16,9 +16,6 @@ The distributed optimizer runs on GPUs only (docs/megatron.md, CPU shims): scrip
 """
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,8 +23,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from aligner_ext.models.megatron.parallel import free_port  # noqa: E402
-from megatron_cases import build_model, hf_configs  # noqa: E402
+from megatron_cases import build_model, hf_configs, torchrun  # noqa: E402
 from test_megatron_tp_pp import train_setup  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -48,11 +44,7 @@ def results(tmp_path_factory):
         setup["policy_cfg"] = dataclasses.replace(setup["policy_cfg"], optim=optim)
         torch.save(setup, root / name / "train_setup.pt")
     (root / "cases.txt").write_text(" ".join(CASES))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               str(WORKER), str(root)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    torchrun([str(WORKER), str(root)])
     return root
 
 

@@ -19,9 +19,6 @@ One torchrun launch (tests/megatron/worker.py, 2 processes) runs every case and 
 
 import dataclasses
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,8 +30,7 @@ from aligner_ext.batch import ExperienceBatch, SampleInfo  # noqa: E402
 from aligner_ext.losses.clipped_pg import ClippedPGLoss  # noqa: E402
 from aligner_ext.models.base import OptimConfig, PolicyConfig  # noqa: E402
 from aligner_ext.models.hf import HFPolicy  # noqa: E402
-from aligner_ext.models.megatron.parallel import free_port  # noqa: E402
-from megatron_cases import batch_tensors, build_model, hf_configs  # noqa: E402
+from megatron_cases import batch_tensors, build_model, hf_configs, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -64,11 +60,7 @@ def cases(tmp_path_factory):
         torch.save(batch_tensors(config.vocab_size), root / name / "batch.pt")
         torch.save(train_setup(config.vocab_size), root / name / "train_setup.pt")
     (root / "train_cases.txt").write_text(" ".join(TRAIN_CASES))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               str(WORKER), str(root)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    torchrun([str(WORKER), str(root)], timeout=240)
     return root
 
 

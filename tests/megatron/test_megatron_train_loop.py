@@ -18,10 +18,7 @@ train (total_steps=2), so it only loads, re-saves step 2 and exports.
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa:
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from aligner_ext.models.megatron import convert  # noqa: E402
-from aligner_ext.models.megatron.parallel import free_port  # noqa: E402
+from megatron_cases import torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -53,13 +50,8 @@ OVERRIDES = [
 
 
 def launch(output_dir: Path, run_name: str, overrides: list[str] = OVERRIDES, processes: int = 2) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(E2E), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", f"--master_port={free_port()}",
-               "-m", "aligner_ext", "train", *overrides, f"trainer.output_dir={output_dir}",
-               f"trainer.run_name={run_name}"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    torchrun(["-m", "aligner_ext", "train", *overrides, f"trainer.output_dir={output_dir}",
+              f"trainer.run_name={run_name}"], processes=processes, pythonpath=(str(E2E),))
 
 
 @pytest.fixture(scope="module")
