@@ -246,13 +246,17 @@ class GradedPromptSampling(GroupSampling):
 
     @classmethod
     def warmup_examples(cls, cfg, rows: list[PromptRow]) -> list[tuple[list[dict[str, str]], str]]:
-        """Each row's n graded prompts (no step decay) with `warmup_target` responses (module docstring)."""
+        """Each row's n graded prompts (no step decay) with `warmup_target` responses (module docstring);
+        a row without scored rubric items gets its plain prompt and gold solution, as in training."""
         graded, n = cfg.graded_prompt, cfg.rollout.n
         if inactive_reason(graded, cfg.rollout):
             return super().warmup_examples(cfg, rows)
         examples = []
         for row in rows:
             items = [item for item in (row.rubrics or []) if item["points"] != 0]
+            if not items:  # sampled plain in training (plan_draw), so warmed up plain
+                examples += super().warmup_examples(cfg, [row])
+                continue
             for i in range(n):
                 rng = random.Random(f"graded_prompt/warmup/{cfg.trainer.seed}/{row.row_id}/{i}")
                 shown = choose_criteria(items, num_shown(len(items), group_ratio(i, n, graded)), rng)

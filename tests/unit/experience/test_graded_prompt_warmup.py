@@ -71,3 +71,9 @@ def test_inactive_graded_prompt_warms_up_on_the_gold_solutions():
     rows = builtin_rows("rubric_qa", "train", 3, 0)
     plain = [(row.messages, row.extra_info["gold_solution"]) for row in rows]
     assert GradedPromptSampling.warmup_examples(cfg, rows) == plain == GroupSampling.warmup_examples(cfg, rows)
+
+
+def test_a_row_without_rubric_is_warmed_up_on_its_gold_solution():
+    cfg = config()
+    row = builtin_rows("arithmetic", "train", 1, 0)[0]  # no rubric: training samples it plain
+    assert GradedPromptSampling.warmup_examples(cfg, [row]) == [(row.messages, row.extra_info["gold_solution"])]
