@@ -24,11 +24,14 @@ slicing and concatenation, no arithmetic). For tied models the HF side has no `l
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from aligner_ext.models.megatron.model import check_hf_config, head_dim, padded_vocab_size, qkv_bias
 
 Shards = dict[tuple[int, int], dict[str, torch.Tensor]]  # (pipeline stage, tensor rank) -> state dict
+LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")  # a stage's layer parameter: local layer, suffix
 
 # (HF suffix, megatron suffix, how it is split over TP) of each per-layer tensor that maps one to one.
 LAYER_TENSORS = (
@@ -163,32 +166,57 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: int) -> 
     return {(s, r): hf_to_megatron_shard(hf, hf_config, tp, pp, r, s) for s in range(pp) for r in range(tp)}
 
 
+def is_replicated(name: str) -> bool:
+    """Whether a Megatron parameter is the same on every TP rank (the norm weights)."""
+    return name.endswith("layernorm.weight")  # input, pre-MLP, final and Qwen3's q/k norms
+
+
+def hf_tensors(name: str, full: torch.Tensor, tp: int, hf_config, first_layer: int) -> list[tuple[str, torch.Tensor]]:
+    """The HF (name, tensor) pairs of one Megatron parameter of a stage whose first layer is
+    `first_layer`; `full` is its TP shards concatenated along dim 0 (a replicated one: one copy).
+    Tensors may be views of `full`. A tied model's `output_layer.weight` (the last stage's copy of
+    the embedding) maps to nothing. The one place that knows the layouts in this direction:
+    `megatron_to_hf` and the in-memory refit (weights.py) both go through it."""
+    vocab = hf_config.vocab_size
+    if name == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", full[:vocab])]
+    if name == "output_layer.weight":
+        return [] if hf_config.tie_word_embeddings else [("lm_head.weight", full[:vocab])]
+    if name == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", full)]
+    match = LAYER_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"no HF tensor for the Megatron parameter {name}")
+    prefix, suffix = f"model.layers.{first_layer + int(match.group(1))}.", match.group(2)
+    for hf_name, mc_name, how in layer_tensors(hf_config):
+        if suffix == mc_name and how == "row":  # TP shards are column blocks: [tp * out, in/tp] -> [out, in]
+            return [(prefix + hf_name, full.unflatten(0, (tp, -1)).transpose(0, 1).flatten(1))]
+        if suffix == mc_name:
+            return [(prefix + hf_name, full)]
+    if suffix.startswith("self_attention.linear_qkv."):
+        kind = suffix.rsplit(".", 1)[1]
+        names = [f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"]
+        return list(zip(names, unfuse_qkv(full, hf_config)))
+    if suffix == "mlp.linear_fc1.weight":  # per TP rank: [gate rows of the rank; up rows of the rank]
+        halves = full.unflatten(0, (tp, 2, -1))
+        return [(f"{prefix}mlp.gate_proj.weight", halves[:, 0].flatten(0, 1)),
+                (f"{prefix}mlp.up_proj.weight", halves[:, 1].flatten(0, 1))]
+    raise ValueError(f"no HF tensor for the Megatron parameter {name}")
+
+
 def megatron_to_hf(shards: Shards, hf_config, tp: int, pp: int) -> dict[str, torch.Tensor]:
     """The full HF state dict from every (stage, tensor rank) shard."""
     _check_layout(hf_config, tp, pp)
     if set(shards) != {(s, r) for s in range(pp) for r in range(tp)}:
         raise ValueError(f"expected shards for every (stage, rank) of PP={pp} x TP={tp}, got {sorted(shards)}")
-
-    def gather(stage: int, name: str, how: str) -> torch.Tensor:
-        return _join([shards[(stage, r)][name] for r in range(tp)], how)
-
-    vocab = hf_config.vocab_size
-    hf: dict[str, torch.Tensor] = {"model.embed_tokens.weight": gather(0, "embedding.word_embeddings.weight", "column")[:vocab].clone()}
+    hf: dict[str, torch.Tensor] = {}
     for stage in range(pp):
-        for local, layer in enumerate(_stage_layers(hf_config, pp, stage)):
-            src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
-            for hf_name, mc_name, how in layer_tensors(hf_config):
-                hf[dst + hf_name] = gather(stage, src + mc_name, how)
-            for kind in ("weight", "bias") if qkv_bias(hf_config) else ("weight",):
-                q, k, v = unfuse_qkv(gather(stage, f"{src}self_attention.linear_qkv.{kind}", "column"), hf_config)
-                hf.update({f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k,
-                           f"{dst}self_attn.v_proj.{kind}": v})
-            halves = [shards[(stage, r)][src + "mlp.linear_fc1.weight"].chunk(2) for r in range(tp)]
-            hf[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
-            hf[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
-    hf["model.norm.weight"] = shards[(pp - 1, 0)]["decoder.final_layernorm.weight"].clone()
-    if not hf_config.tie_word_embeddings:
-        hf["lm_head.weight"] = gather(pp - 1, "output_layer.weight", "column")[:vocab].clone()
+        first = _stage_layers(hf_config, pp, stage).start
+        for name in shards[(stage, 0)]:
+            parts = [shards[(stage, r)][name] for r in range(tp)]
+            full = _join(parts, "replicated") if is_replicated(name) else torch.cat(parts)
+            hf.update((key, value.clone()) for key, value in hf_tensors(name, full, tp, hf_config, first))
+    check_hf_keys(hf, hf_config)
     return hf
 
 
