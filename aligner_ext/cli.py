@@ -24,16 +24,33 @@ def _parser() -> argparse.ArgumentParser:
         default_config = "demo" if name == "demo" else "base"
         command.add_argument("--config-name", default=default_config, help="YAML file in the config dir (without .yaml)")
         command.add_argument("--config-dir", default=None, help="directory of YAML configs (default: conf/)")
-        command.add_argument("--log-level", default="INFO", help="python logging level")
+        command.add_argument("--log-level", default="INFO",
+                             help="python logging level (under torchrun, ranks other than 0 log warnings only)")
         command.add_argument("overrides", nargs="*", help="key=value overrides")
         if name == "config":
             command.add_argument("--reference", action="store_true", help="print the configuration reference (markdown)")
     return parser
 
 
+def configure_logging(level: str) -> None:
+    """Under torchrun every process runs the same loop and would print every line once per rank: rank 0
+    logs at `level`, the others only warnings and errors, each line tagged with its rank."""
+    from aligner_ext.distributed import launched_world_size, rank
+
+    level_number = logging.getLevelName(level.upper())
+    if not isinstance(level_number, int):
+        raise SystemExit(f"unknown --log-level {level!r}: use DEBUG, INFO, WARNING or ERROR")
+    tag = ""
+    if launched_world_size() > 1:
+        tag = f"[rank {rank()}] "
+        if rank() != 0:
+            level_number = max(level_number, logging.WARNING)
+    logging.basicConfig(level=level_number, format=f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     cfg = load_config(args.config_name, args.overrides, args.config_dir)
     if args.command == "config":
         if args.reference:

@@ -19,6 +19,9 @@ from aligner_ext.data.templating import encode_prompt
 logger = logging.getLogger(__name__)
 
 
+AUTOCAST_CHOICES = ("auto", "bfloat16", "none")
+
+
 @dataclass
 class WarmupConfig:
     """Supervised warm-up of the embedded model (only when `model.path` is not set)."""
@@ -27,6 +30,18 @@ class WarmupConfig:
     batch_size: int = 64  # sequences per step
     lr: float = 1e-3  # AdamW learning rate
     seed: int = 0  # order of the examples
+    autocast: str = "auto"  # auto (bfloat16 autocast on a GPU, none on the CPU) | bfloat16 | none
+
+    def __post_init__(self):
+        if self.autocast not in AUTOCAST_CHOICES:
+            raise ValueError(f"model.warmup.autocast must be one of {AUTOCAST_CHOICES}, got {self.autocast!r}")
+
+
+def uses_bfloat16(device: torch.device, setting: str) -> bool:
+    """Whether the warm-up runs under bfloat16 autocast. On a GPU it cuts the time and the activation
+    memory of a larger embedded model (weights and optimizer stay float32); the CPU default keeps the
+    float32 warm-up the demo was tuned with."""
+    return setting == "bfloat16" or (setting == "auto" and device.type == "cuda")
 
 
 def supervised_warmup(model, tokenizer, pairs: list[tuple[list[dict[str, str]], str]], cfg: WarmupConfig,
@@ -39,13 +54,15 @@ def supervised_warmup(model, tokenizer, pairs: list[tuple[list[dict[str, str]], 
         examples.append((prompt, answer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     order = random.Random(cfg.seed)
+    bf16 = uses_bfloat16(model.device, cfg.autocast)
     model.train()
     loss_value = float("nan")
     for _ in tqdm(range(cfg.steps), desc="warm-up", disable=not progress):
         batch = order.sample(examples, k=min(cfg.batch_size, len(examples)))
         input_ids, labels, attention = _right_padded(batch, tokenizer.pad_token_id)
-        loss = model(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
-                     labels=labels.to(model.device)).loss
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
+                         labels=labels.to(model.device)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

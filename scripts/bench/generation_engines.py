@@ -268,7 +268,7 @@ def check_greedy(engines: dict, prompts: list[list[int]], new_tokens: int) -> di
 def measure(generate, prompts: list[list[int]], new_tokens: int, repeats: int, vocab_size: int) -> dict:
     """Sampled generation at temperature 1: warm-up, prefill time (1 token), `repeats` timed calls."""
     try:
-        generate(prompts, False, min(new_tokens, 8))
+        generate(prompts, False, new_tokens)  # full length: the timed calls find the memory already grown
         _, prefill_s = timed(lambda: generate(prompts, False, 1))
         base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         if torch.cuda.is_available():

@@ -8,6 +8,10 @@
 # packages the machine lacks in .devsite/ (see megatron_gpu.sh). Usage there:
 #   bash scripts/bench/megatron_variants_gpu.sh [steps (default 8)] [warm-up steps (default 200)] [extra overrides...]
 #   VARIANTS="grpo dapo" LAYOUTS=tp2 bash scripts/bench/megatron_variants_gpu.sh   (a subset)
+#   PARALLEL=5 bash scripts/bench/megatron_variants_gpu.sh ...   (up to 5 runs at once on the same two
+#   GPUs: for larger models, whose runs are dominated by start-up and warm-up; step times then
+#   include the other runs' load and only show that the runs work)
+#   RUN_TIMEOUT=240 ...   (each run stopped after that many seconds, exit status 124 in the table)
 # Writes under $OUT (or ./megatron_variants_out): variants.md (one row per run: exit status, steps
 # done, mean step time and response tokens/s after the first step (metrics.jsonl timing/*), held-out
 # greedy accuracy and mean reward before -> after, wall time), variants.jsonl, and per run its log,
@@ -34,23 +38,31 @@ declare -A layout=(
   [dp2]="policy.tensor_model_parallel_size=1"
 )
 port=29551
+# One run: its log, exit status and wall time, its metrics copied under $out.
+run_one() {
+  local run=$1 port=$2 start=$SECONDS status
+  shift 2
+  # Every run's rank 0 warms the embedded model up: runs alternate which GPU holds their rank 0.
+  CUDA_VISIBLE_DEVICES=$([ $((port % 2)) = 0 ] && echo 0,1 || echo 1,0) timeout "${RUN_TIMEOUT:-0}" torchrun --nproc_per_node=2 --master_port="$port" -m aligner_ext train --config-name demo "$@" \
+    > "$out/$run.log" 2>&1
+  status=$?
+  echo "{\"run\": \"$run\", \"exit_status\": $status, \"wall_s\": $((SECONDS - start))}" >> "$out/exits.jsonl"
+  echo "$run: exit $status, $((SECONDS - start)) s"
+  mkdir -p "$out/$run"
+  cp $runs/$run/metrics.jsonl $runs/$run/summary.json "$out/$run/" 2>/dev/null
+}
 for name in ${VARIANTS:-grpo dapo cpo mtpo graded_prompt}; do
   for par in ${LAYOUTS:-tp2 dp2}; do
+    while [ "$(jobs -rp | wc -l)" -ge "${PARALLEL:-1}" ]; do wait -n; done
     run=${name}_$par
-    SECONDS=0
     # shellcheck disable=SC2086  # the override lists split on spaces
-    torchrun --nproc_per_node=2 --master_port=$port -m aligner_ext train --config-name demo ${variant[$name]} \
-      policy.backend=megatron ${layout[$par]} trainer.total_steps="$steps" trainer.save_every=0 \
-      trainer.eval_every=0 trainer.progress_bar=false trainer.output_dir=$runs trainer.run_name=$run "$@" \
-      > "$out/$run.log" 2>&1
-    status=$?
-    echo "{\"run\": \"$run\", \"exit_status\": $status, \"wall_s\": $SECONDS}" >> "$out/exits.jsonl"
-    echo "$run: exit $status, $SECONDS s"
-    mkdir -p "$out/$run"
-    cp $runs/$run/metrics.jsonl $runs/$run/summary.json "$out/$run/" 2>/dev/null
+    run_one "$run" $port ${variant[$name]} policy.backend=megatron ${layout[$par]} trainer.total_steps="$steps" \
+      trainer.save_every=0 trainer.eval_every=0 trainer.progress_bar=false trainer.output_dir=$runs \
+      trainer.run_name=$run "$@" &
     port=$((port + 1))
   done
 done
+wait
 python3 - "$out" "$steps" <<'PY' | tee "$out/variants.md"
 import json, sys
 from pathlib import Path
