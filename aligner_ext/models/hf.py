@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
 from aligner_ext.models.base import POLICIES, OptimConfig, Policy, PolicyConfig
 from aligner_ext.models.logprobs import token_logprobs
@@ -155,7 +156,12 @@ class HFPolicy(Policy):
 
 
 class FrozenReference:
-    """A frozen copy of the starting policy, for the KL penalty's reference log-probs."""
+    """A frozen copy of the starting policy, for the KL penalty's reference log-probs.
+
+    Under torchrun every rank holds the same step batch and the same copy, so each rank scores its
+    share of the rows (`distributed.map_split`) and the log-probs are all-gathered: the reference
+    forward costs 1/W of the batch per rank instead of all of it.
+    """
 
     def __init__(self, model: PreTrainedModel, chunk_size: int, micro_batch_size: int):
         import copy
@@ -164,10 +170,19 @@ class FrozenReference:
         self.chunk_size = chunk_size
         self.micro_batch_size = micro_batch_size
 
-    @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> torch.Tensor:
+        """Log-probs [B, R] of the response tokens, float32 on the CPU, zero past each response."""
+        rows = map_split(lambda mine: list(self._score(batch, mine, temperature)), list(range(len(batch))))
+        return torch.stack(rows) * batch.response_valid
+
+    @torch.no_grad()
+    def _score(self, batch: ExperienceBatch, rows: list[int], temperature: float) -> torch.Tensor:
+        """Log-probs of `rows` of the batch [len(rows), R], in micro-batches."""
+        if not rows:
+            return batch.response_ids.new_zeros((0, batch.response_ids.shape[1]), dtype=torch.float32)
         parts = [
-            response_logprobs(self.model, batch.select(list(rows)), self.chunk_size, False, temperature)[0].float().cpu()
-            for rows in split_rows(len(batch), self.micro_batch_size)
+            response_logprobs(self.model, batch.select([rows[i] for i in part]), self.chunk_size, False,
+                              temperature)[0].float().cpu()
+            for part in split_rows(len(rows), self.micro_batch_size)
         ]
-        return torch.cat(parts) * batch.response_valid
+        return torch.cat(parts)

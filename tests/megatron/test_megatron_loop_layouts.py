@@ -7,7 +7,9 @@ each DP rank 2). Each layout is one launch (~20 s). Asserted:
 - the run finishes: the ranks' batches stayed identical after every split generation and scoring
   (MegatronPolicy._check_replicated would raise otherwise);
 - rank 0 alone wrote: one metrics line per step, one TensorBoard event file, 2 samples per step;
-- it trained: every metric finite, a gradient at every step, exported weights moved from the start.
+- it trained: every metric finite, a gradient at every step, exported weights moved from the start;
+- with the KL term (DP=2): the KL to the reference is ~0 at step 1 (the policy starts as the
+  reference) and positive after the first update.
 The numerics of each layout are pinned against HF by test_megatron_tp_pp.py.
 """
 
@@ -30,7 +32,8 @@ REPLACED = ("policy.tensor_model_parallel_size", "trainer.total_steps", "trainer
 COMMON = [o for o in OVERRIDES if o.split("=")[0] not in REPLACED] + [
     "policy.tensor_model_parallel_size=1", "trainer.total_steps=2", "trainer.save_every=0", "policy.micro_batch_size=4",
 ]
-LAYOUTS = {"pp2": ["policy.pipeline_model_parallel_size=2"], "dp2": []}
+# DP=2 also runs a KL term: the reference log-probs are split across the ranks (FrozenReference).
+LAYOUTS = {"pp2": ["policy.pipeline_model_parallel_size=2"], "dp2": ["loss.kl_coef=0.01"]}
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -52,6 +55,15 @@ def test_rank_0_alone_logs_finite_metrics_of_every_step(run):
     assert len(list((run_dir / "tensorboard").iterdir())) == 1
     assert len((run_dir / "samples.jsonl").read_text().splitlines()) == 2 * 2
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+
+
+def test_the_kl_term_sees_the_policy_leave_the_reference(run):
+    layout, run_dir = run
+    if layout != "dp2":
+        pytest.skip("the KL term runs at DP=2")
+    history = records(run_dir)
+    assert abs(history[1]["loss/kl"]) < 1e-6  # Megatron and HF float32 log-probs of the same weights
+    assert history[2]["loss/kl"] > 1e-6
 
 
 def test_the_exported_policy_trained_away_from_the_start(run):
