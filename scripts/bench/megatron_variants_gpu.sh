@@ -78,8 +78,9 @@ def fmt(value, spec):
     return "-" if value is None else format(value, spec)
 
 
-print(f"| run | exit | steps done / {steps} | mean step s | tokens/s | held-out accuracy | held-out reward | wall s |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+print(f"| run | exit | steps done / {steps} | steps with a gradient | mean step s | tokens/s | held-out accuracy | "
+      "held-out reward | wall s |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 rows = []
 for line in (out / "exits.jsonl").read_text().splitlines():
     row = json.loads(line)
@@ -88,13 +89,15 @@ for line in (out / "exits.jsonl").read_text().splitlines():
     trained = [r for r in records if "timing/step_s" in r]
     timed = trained[1:] or trained  # the first step includes one-off start-up work
     row["steps_done"] = len(trained)
+    row["steps_with_gradient"] = sum(r.get("actor/grad_norm", 0) > 0 for r in trained)  # 0: every advantage was 0
     row["mean_step_s"] = mean([r["timing/step_s"] for r in timed])
     row["tokens_per_s"] = mean([r["timing/tokens_per_s"] for r in timed])
     for key in ("accuracy", "reward_mean"):
         evals = [r[f"val/{key}"] for r in records if f"val/{key}" in r]
         row[f"{key}_before"], row[f"{key}_after"] = (evals[0], evals[-1]) if len(evals) > 1 else (None, None)
     rows.append(row)
-    print(f"| {row['run']} | {row['exit_status']} | {row['steps_done']} | {fmt(row['mean_step_s'], '.3f')} | "
+    print(f"| {row['run']} | {row['exit_status']} | {row['steps_done']} | {row['steps_with_gradient']} | "
+          f"{fmt(row['mean_step_s'], '.3f')} | "
           f"{fmt(row['tokens_per_s'], '.0f')} | {fmt(row['accuracy_before'], '.1%')} -> {fmt(row['accuracy_after'], '.1%')} | "
           f"{fmt(row['reward_mean_before'], '.3f')} -> {fmt(row['reward_mean_after'], '.3f')} | {row['wall_s']} |")
 (out / "variants.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
