@@ -30,6 +30,7 @@ the HF backend.
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -148,8 +149,12 @@ class MegatronPolicy(Policy):
                     totals[key] += value
         self.rl_step += 1
         set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
+        refit_start = time.perf_counter()
         self._sync_hf_from_core()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies are queued: time them, not their launch
         metrics = {key: value / len(grad_norms) for key, value in totals.items()}
+        metrics["timing/refit_s"] = time.perf_counter() - refit_start  # part of timing/train_s
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/grad_norm_max"] = max(grad_norms)
         metrics["actor/num_updates"] = float(len(grad_norms))
