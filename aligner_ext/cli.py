@@ -51,7 +51,10 @@ def configure_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
-    cfg = load_config(args.config_name, args.overrides, args.config_dir)
+    try:
+        cfg = load_config(args.config_name, args.overrides, args.config_dir)
+    except (ValueError, FileNotFoundError) as err:  # the message names the key or file: no traceback
+        _parser().exit(2, f"aligner-ext: config error: {err}\n")
     if args.command == "config":
         if args.reference:
             from aligner_ext.config_reference import render_reference

@@ -151,3 +151,24 @@ def test_cli_config_prints_the_composed_yaml(capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["rollout"]["n"] == 5
     assert printed["data"]["train_batch_size"] == 16  # base.yaml's value, not the dataclass default
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("model.warmup.autocast=fp8", "model.warmup.autocast must be one of"),
+     ("rollout.nn=3", "nn"),
+     ("data.overlong_prompt=xx", "data.overlong_prompt must be one of")],
+)
+def test_cli_reports_a_config_error_in_one_line(capsys, override, named):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["config", override])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("aligner-ext: config error: ") and named in error
+    assert "Traceback" not in error
+
+
+def test_cli_names_a_missing_config_file(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--config-name", "no_such_config"])
+    assert "no config 'no_such_config'" in capsys.readouterr().err
