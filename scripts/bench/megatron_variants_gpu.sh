@@ -13,7 +13,7 @@
 #   include the other runs' load and only show that the runs work)
 #   RUN_TIMEOUT=240 ...   (each run stopped after that many seconds, exit status 124 in the table)
 # Writes under $OUT (or ./megatron_variants_out): variants.md (one row per run: exit status, steps
-# done, mean step time and response tokens/s after the first step (metrics.jsonl timing/*), held-out
+# done, steps with a gradient (0 when every group's rewards agreed at every step), mean step time and response tokens/s after the first step (metrics.jsonl timing/*), held-out
 # greedy accuracy and mean reward before -> after, wall time), variants.jsonl, and per run its log,
 # metrics.jsonl and summary.json.
 set -uo pipefail  # not -e: a failing run is recorded in the table and the next one starts
