@@ -73,6 +73,11 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
 
+    def sync_weights(self) -> None:
+        """Bring `model` (what the generation engine samples and checkpoints save) up to date after
+        `train`; the loop calls it in its weight-sync stage. Default: nothing (the backend trains
+        `model` itself)."""
+
     def save_sharded(self, directory: Path) -> None:
         """Write the state that differs between processes (a sharded model and optimizer) under the
         checkpoint `directory`, in a subdirectory of the backend's own. Called on every process,

@@ -126,6 +126,7 @@ def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, 
     with timer("train"):
         metrics = parts.policy.train(batch, parts.loss, temperature)
     with timer("weight_sync"):
+        parts.policy.sync_weights()
         parts.engine.update_weights(parts.policy.model)
     metrics.update(parts.advantage.metrics())
     metrics.update(batch_metrics(batch))

@@ -91,6 +91,7 @@ def train_case(case: Path, tp: int, pp: int, sp: bool) -> None:
     batch.old_logprobs = lp + setup["old_offset"]
     metrics = policy.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), 1.0)
     new_lp, _ = policy.logprobs(batch, 1.0)
+    policy.sync_weights()  # the HF copy compared below
     if dist.get_rank() == 0:
         state = {k: v.clone() for k, v in policy.model.state_dict().items()}
         torch.save({"logprobs": lp, "entropy": ent, "metrics": metrics, "new_logprobs": new_lp, "state": state},

@@ -10,8 +10,9 @@ masks are False, `forward.pad_rows`).
   ranks), each micro-batch loss divides by them, DDP sums gradients over DP (optimizer.py), so the
   update does not depend on the DP size or the micro-batch split (tests/megatron).
 - Weights for generation and checkpoints: `self.model` is an HF model on this rank's device;
-  after each `train` call the Megatron weights are gathered into it in memory (`weights.py`), so the
-  HF generation engine and `save_pretrained` see the current policy without a disk round trip.
+  `sync_weights` (called by the loop after each `train`, in its weight-sync stage) copies the
+  Megatron weights into it in memory (`weights.py`), so the HF generation engine and the
+  checkpoint see the current policy without a disk round trip; `save_pretrained` syncs itself.
 
 Under the training loop every process runs the same loop on the same seeds, so every rank samples
 the same batch; `_check_replicated` verifies this (a fingerprint all-gathered per call) and raises
@@ -30,7 +31,6 @@ the HF backend.
 from __future__ import annotations
 
 import math
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -83,9 +83,11 @@ class MegatronPolicy(Policy):
         )
         convert.load_shard(self.core, shard)
 
-    def _sync_hf_from_core(self) -> None:
+    def sync_weights(self) -> None:
         """Copy the current Megatron weights into `self.model`, in place on the device (`weights.py`)."""
         refit_hf_model(self.core, self.model, self.hf_config)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies are queued: the loop's timer should see them
 
     def _micro_batches(self, batch: ExperienceBatch) -> tuple[list[Packed], int, int]:
         """This DP rank's rows as equal micro-batches; also (rows per rank, this rank's real rows)."""
@@ -149,12 +151,7 @@ class MegatronPolicy(Policy):
                     totals[key] += value
         self.rl_step += 1
         set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
-        refit_start = time.perf_counter()
-        self._sync_hf_from_core()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the copies are queued: time them, not their launch
         metrics = {key: value / len(grad_norms) for key, value in totals.items()}
-        metrics["timing/refit_s"] = time.perf_counter() - refit_start  # part of timing/train_s
         metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics["actor/grad_norm_max"] = max(grad_norms)
         metrics["actor/num_updates"] = float(len(grad_norms))
@@ -202,11 +199,11 @@ class MegatronPolicy(Policy):
     def load_sharded(self, directory: Path) -> None:
         """Load `directory/megatron` at this run's layout (collective), then refresh the HF copy."""
         dist_checkpoint.load(directory / dist_checkpoint.DIRECTORY, self.core, self.optimizer)
-        self._sync_hf_from_core()
+        self.sync_weights()
 
     def save_pretrained(self, directory: str) -> None:
         """Write the current weights as an HF checkpoint (rank 0 writes; every rank waits)."""
-        self._sync_hf_from_core()
+        self.sync_weights()
         if dist.get_rank() == 0:
             self.model.save_pretrained(directory, safe_serialization=True)
         dist.barrier()

@@ -1,0 +1,62 @@
+"""The loop's policy stage: the generation engine receives the weights only after the policy synced
+them, and that sync is timed as the weight-sync stage (a backend whose generation model is a copy,
+the Megatron one, would otherwise sample the next rollouts from stale weights)."""
+
+from types import SimpleNamespace
+
+import torch
+
+from aligner_ext.batch import ExperienceBatch, SampleInfo
+from aligner_ext.data.types import PromptRow
+from aligner_ext.trainer.loop import update_policy
+from aligner_ext.trainer.metrics import StageTimer
+
+
+class Recorder:
+    """Fake policy, advantage estimator and engine, writing what is called, in order, into one list."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.model = object()
+
+    def logprobs(self, batch, temperature):
+        self.calls.append("policy.logprobs")
+        return torch.zeros(batch.response_ids.shape), torch.zeros(batch.response_ids.shape)
+
+    def train(self, batch, loss, temperature):
+        self.calls.append("policy.train")
+        return {}
+
+    def sync_weights(self):
+        self.calls.append("policy.sync_weights")
+
+    def __call__(self, batch):  # the advantage estimator
+        self.calls.append("advantage")
+        return torch.zeros(batch.response_ids.shape)
+
+    def metrics(self):
+        return {}
+
+    def update_weights(self, model):
+        self.calls.append(f"engine.update_weights({'policy.model' if model is self.model else 'other'})")
+
+
+def two_sample_batch() -> ExperienceBatch:
+    valid = torch.tensor([[True, True], [True, False]])
+    return ExperienceBatch(
+        prompt_ids=torch.ones(2, 2, dtype=torch.long), prompt_mask=torch.ones(2, 2, dtype=torch.bool),
+        response_ids=torch.ones(2, 2, dtype=torch.long), response_valid=valid, response_mask=valid.clone(),
+        group_ids=torch.tensor([0, 0]), rewards=torch.tensor([1.0, 0.0]), correct=torch.tensor([1.0, 0.0]),
+        samples=[SampleInfo(row=PromptRow(row_id=f"r{i}", messages=[], data_source="t"), finish_reason="eos")
+                 for i in range(2)],
+    )
+
+
+def test_engine_gets_the_weights_after_the_policy_synced_them():
+    recorder = Recorder()
+    parts = SimpleNamespace(policy=recorder, reference=None, advantage=recorder, engine=recorder, loss=None)
+    timer = StageTimer()
+    update_policy(parts, two_sample_batch(), timer, temperature=1.0)
+    assert recorder.calls == ["policy.logprobs", "advantage", "policy.train", "policy.sync_weights",
+                              "engine.update_weights(policy.model)"]
+    assert set(timer.metrics()) >= {"timing/train_s", "timing/weight_sync_s"}
