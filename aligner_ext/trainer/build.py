@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from aligner_ext.algorithms.advantages import ADVANTAGES
@@ -60,6 +61,11 @@ def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     tmp.rename(directory)
+    del model  # the policy backend loads its own copy from `directory`
+    if torch.cuda.is_available():
+        # Hand the warm-up's cached blocks back: other processes on this GPU (the run's other ranks,
+        # or other runs) need them, and the caching allocator would otherwise keep them all run long.
+        torch.cuda.empty_cache()
     return directory
 
 

@@ -6,4 +6,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   .whl/megatron_core-*.whl .whl/psutil-*.whl
 export PYTHONPATH=/tmp/site:$PWD/.devsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS=ignore
+# Runs that share a GPU grow and shrink their batches step by step: segments that can grow keep the
+# caching allocator from fragmenting the memory they all draw on.
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$1"
