@@ -37,6 +37,10 @@ megatron-core 0.16 cannot load 'fully_reshardable' state into torch's Adam eithe
 Adam's step into every parameter's state, then copies the checkpoint's tensors into *every* key of
 that state, 'step' included, which the checkpoint keeps apart (KeyError 'step', seen on 2x H200).
 `_load_distributed` therefore sets the step aside while the tensors load and puts it back after.
+It also hands every parameter its own copy of the step: megatron-core gives them all one shared step
+tensor, and torch's Adam increments a step tensor once per parameter holding it, so after a resume
+the step count grew by the number of parameters per update and Adam's bias correction went wrong
+(a run resumed at step 15 of 30 drifted from the straight run from step 17 on, 2x H200).
 
 Every rank calls `save` and `load` (collectives inside); rank 0 writes the non-tensor state.
 """
@@ -99,5 +103,10 @@ def _load_distributed(optimizer: DistributedOptimizer, state: dict) -> None:
     optimizer.load_state_dict(state)  # param groups, and Adam's step into each parameter's state
     steps = {param: entry.pop("step") for param, entry in optimizer.optimizer.state.items() if "step" in entry}
     optimizer.load_parameter_state_from_fully_reshardable(param_state)
+    restore_steps(optimizer.optimizer, steps)
+
+
+def restore_steps(torch_optimizer: torch.optim.Optimizer, steps: dict) -> None:
+    """Put each parameter's Adam step back as a tensor of its own (module docstring)."""
     for param, step in steps.items():
-        optimizer.optimizer.state[param]["step"] = step
+        torch_optimizer.state[param]["step"] = step.clone()
