@@ -175,3 +175,23 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
 
 def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def changed_settings(saved_yaml: str, cfg: RunConfig) -> list[str]:
+    """`key: saved -> current` for every setting of `cfg` that differs from a saved `to_yaml` text, so a
+    resume can say what it changed (a new layout is expected; a new learning rate may not be)."""
+    saved = _flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
+    current = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    missing = "(absent)"
+    return [f"{key}: {saved.get(key, missing)} -> {current.get(key, missing)}"
+            for key in sorted(saved.keys() | current.keys()) if saved.get(key, missing) != current.get(key, missing)]
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else
+                    {f"{prefix}{key}": value})
+    return flat

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from aligner_ext.batch import ExperienceBatch
-from aligner_ext.config import RunConfig, to_yaml
+from aligner_ext.config import RunConfig, changed_settings, to_yaml
 from aligner_ext.distributed import init_from_env, is_main_process
 from aligner_ext.trainer.build import Components, build_components
 from aligner_ext.trainer.checkpoint import Checkpointer
@@ -81,11 +81,11 @@ def train(cfg: RunConfig) -> RunSummary:
         if len(batch) and cfg.trainer.log_samples_every and done % cfg.trainer.log_samples_every == 0:
             log.log_samples(done, batch, cfg.trainer.num_log_samples)
         if cfg.trainer.save_every and done % cfg.trainer.save_every == 0 and done < cfg.trainer.total_steps:
-            save(parts, checkpointer, done, before)
+            save(cfg, parts, checkpointer, done, before)
     if start_step >= cfg.trainer.total_steps:  # resumed a finished run: nothing trained, evaluate again
         after = run_eval(cfg, parts)
     log.close()
-    save(parts, checkpointer, cfg.trainer.total_steps, before)
+    save(cfg, parts, checkpointer, cfg.trainer.total_steps, before)
     if cfg.trainer.export_hf:
         parts.policy.save_pretrained(str(run_dir / "hf_model"))  # collective for sharded policies
         if is_main_process():
@@ -144,12 +144,13 @@ def run_eval(cfg: RunConfig, parts: Components) -> dict[str, float]:
     return parts.maker.evaluate(parts.val_loader, greedy)
 
 
-def save(parts: Components, checkpointer: Checkpointer, step: int, before: dict[str, float]) -> None:
+def save(cfg: RunConfig, parts: Components, checkpointer: Checkpointer, step: int, before: dict[str, float]) -> None:
     state = {
         "policy": parts.policy.state_dict(),
         "loader": parts.train_loader.state_dict(),
         "maker": parts.maker.state_dict(),
         "eval_before": before,
+        "config": to_yaml(cfg),
     }
     checkpointer.save(step, parts.policy.model, parts.tokenizer, state, parts.policy.save_sharded)
 
@@ -160,6 +161,10 @@ def resume(cfg: RunConfig, parts: Components, checkpointer: Checkpointer) -> tup
     if latest is None:
         return 0, {}
     state = checkpointer.load(latest, parts.policy.model)
+    changes = changed_settings(state["config"], cfg) if "config" in state else []  # older checkpoints lack it
+    if changes:
+        logger.warning("resuming %s with %d setting(s) changed since it was saved: %s", latest, len(changes),
+                       "; ".join(changes))
     parts.policy.load_sharded(latest)
     parts.policy.load_state_dict(state["policy"])
     parts.train_loader.load_state_dict(state["loader"])

@@ -1,6 +1,7 @@
 """Small end-to-end runs of the embedded default job: outputs of a run, and exact resume."""
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def test_demo_run_writes_its_outputs(tmp_path):
 DENSE_REWARD = "+reward.sources.arithmetic=e2e_rewards.digit_fraction"  # tests/e2e/e2e_rewards.py
 
 
-def test_resume_continues_the_same_run(tmp_path, monkeypatch):
+def test_resume_continues_the_same_run(tmp_path, monkeypatch, caplog):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the reward workers inherit sys.path
     run = ["trainer.total_steps=4", "trainer.save_every=2", DENSE_REWARD]
     straight = small_config(tmp_path, *run, "trainer.run_name=a")
@@ -67,7 +68,12 @@ def test_resume_continues_the_same_run(tmp_path, monkeypatch):
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_4")
     (tmp_path / "b" / "checkpoints" / "latest").write_text("step_2")
     resumed = small_config(tmp_path, *run, "trainer.run_name=b")
-    train(resumed)
+    with caplog.at_level(logging.WARNING, logger="aligner_ext.trainer.loop"):
+        train(resumed)
+    # the copied checkpoint was saved under the name `a`: the resume names that, and nothing else, as changed
+    changed = [r.getMessage() for r in caplog.records if "changed since it was saved" in r.getMessage()]
+    assert len(changed) == 1
+    assert changed[0].endswith("with 1 setting(s) changed since it was saved: trainer.run_name: a -> b")
 
     weights_a = load_file(str(tmp_path / "a" / "checkpoints" / "step_4" / "model.safetensors"))
     weights_b = load_file(str(tmp_path / "b" / "checkpoints" / "step_4" / "model.safetensors"))
