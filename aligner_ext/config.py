@@ -188,6 +188,7 @@ def changed_settings(saved_yaml: str, cfg: RunConfig) -> list[str]:
 
 
 def _flatten(tree, prefix: str = "") -> dict:
+    """A nested config container as {dotted key: leaf value}; an empty section is one leaf."""
     if not isinstance(tree, dict):
         return {prefix: tree}
     flat = {}
