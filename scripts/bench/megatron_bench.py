@@ -138,10 +138,10 @@ def run_layout(name: str, args, peak: float) -> dict:
         (old, _), t_lp = timed(lambda: policy.logprobs(batch, 1.0))
         batch.old_logprobs = old
         metrics, t_train = timed(lambda: policy.train(batch, loss, 1.0))
-        _, t_sync = timed(policy._sync_hf_from_core)
+        _, t_sync = timed(policy.sync_weights)  # the loop's weight-sync stage: refit of the HF copy
         if step:
             times["logprobs_s"].append(t_lp)
-            times["train_s"].append(t_train - t_sync)  # train() syncs the HF copy once; reported apart
+            times["train_s"].append(t_train)
             times["sync_s"].append(t_sync)
     mean = {key: sum(v) / len(v) for key, v in times.items()}
     tokens = int(batch.attention_mask.sum())

@@ -80,13 +80,12 @@ def _split(tensor: torch.Tensor, how: str, tp: int, rank: int) -> torch.Tensor:
     return tensor.chunk(tp, dim=dim)[rank].clone()
 
 
-def _join(parts: list[torch.Tensor], how: str) -> torch.Tensor:
-    if how == "replicated":
-        for part in parts[1:]:
-            if not torch.equal(part, parts[0]):
-                raise ValueError("a replicated tensor differs between tensor-parallel ranks")
-        return parts[0].clone()
-    return torch.cat(parts, dim=0 if how == "column" else 1)
+def _replicated_copy(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The one value of a replicated tensor's TP copies, which must agree."""
+    for part in parts[1:]:
+        if not torch.equal(part, parts[0]):
+            raise ValueError("a replicated tensor differs between tensor-parallel ranks")
+    return parts[0]
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf_config) -> torch.Tensor:
@@ -214,7 +213,7 @@ def megatron_to_hf(shards: Shards, hf_config, tp: int, pp: int) -> dict[str, tor
         first = _stage_layers(hf_config, pp, stage).start
         for name in shards[(stage, 0)]:
             parts = [shards[(stage, r)][name] for r in range(tp)]
-            full = _join(parts, "replicated") if is_replicated(name) else torch.cat(parts)
+            full = _replicated_copy(parts) if is_replicated(name) else torch.cat(parts)
             hf.update((key, value.clone()) for key, value in hf_tensors(name, full, tp, hf_config, first))
     check_hf_keys(hf, hf_config)
     return hf

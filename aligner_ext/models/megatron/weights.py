@@ -10,8 +10,8 @@ must hold the current weights after each `MegatronPolicy.train` call. Per Megatr
 3. with PP > 1, broadcast each HF parameter over the PP group from the stage that holds it, straight
    into the other stages' HF parameters.
 No host copy, no pickled objects, no full-model allocation (temporaries: the gathered tensor and,
-for row-parallel, q/k/v and gate/up tensors, one rearranged copy of it). Only slicing and copying, so the HF copy equals `convert.megatron_to_hf` of the shards
-bit for bit (tests/megatron/test_megatron_tp_pp.py); scripts/bench/refit_bench.py times it.
+for row-parallel, q/k/v and gate/up tensors, one rearranged copy of it). Only slicing and copying,
+so the HF copy equals `convert.megatron_to_hf` of the shards bit for bit (tests/megatron/test_megatron_tp_pp.py); scripts/bench/refit_bench.py times it.
 """
 
 from __future__ import annotations
