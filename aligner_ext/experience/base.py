@@ -48,6 +48,7 @@ class RolloutConfig:
     max_response_length: int = 32  # response cap, in tokens
     stop: list[str] = field(default_factory=list)  # stop strings, kept in the response
     return_logprobs: bool = False  # keep the engine's sampling log-probs (diagnostics only)
+    ignore_eos: bool = False  # sampled EOS ids do not end a response, so each runs to max_response_length (benchmarks: equal work on every system; stop strings still end one)
 
 
 @dataclass
@@ -146,7 +147,7 @@ class GroupSampling(ExperienceMaker):
         return SamplingParams(
             max_new_tokens=self.cfg.max_response_length, temperature=self.cfg.temperature,
             top_p=self.cfg.top_p, stop=list(self.cfg.stop), return_logprobs=self.cfg.return_logprobs,
-            seed=self.seed * 1_000_003 + step,
+            seed=self.seed * 1_000_003 + step, ignore_eos=self.cfg.ignore_eos,
         )
 
     def requests(self, draws: list[PromptDraw]) -> list[SampleRequest]:

@@ -141,7 +141,7 @@ class TwoRoundSampling(GroupSampling):
             else:
                 rounds.append(SamplingParams(max_new_tokens=length, temperature=base.temperature, top_p=base.top_p,
                                              stop=[stop], return_logprobs=base.return_logprobs,
-                                             seed=2 * base.seed + index))
+                                             seed=2 * base.seed + index, ignore_eos=base.ignore_eos))
         return rounds[0], rounds[1]
 
     def two_rounds(self, draws: list[PromptDraw], g: int, h: int, answer_params: SamplingParams,

@@ -25,6 +25,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, kept in the output
     return_logprobs: bool = False  # return the sampling log-prob of every generated token
     seed: int | None = None  # seeds this call's sampling; None draws from the global torch RNG
+    ignore_eos: bool = False  # an EOS id does not end a sequence (benchmarks: every response runs to max_new_tokens unless a stop string ends it)
 
 
 @dataclass

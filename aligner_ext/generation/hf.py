@@ -12,7 +12,7 @@ Per chunk of at most `cfg.batch_size` prompts:
        temperature 0:  x = argmax(z)
        otherwise:      p = softmax(z / T); top-p keeps the smallest set of most likely tokens whose
                        mass reaches top_p (always at least one), renormalised; x ~ p
-  4. a row finishes on an EOS id ("eos", EOS kept), on a token that completes a stop string
+  4. a row finishes on an EOS id ("eos", EOS kept; unless `params.ignore_eos`), on a token that completes a stop string
      ("stop", kept, see stopping.py), or at max_new_tokens ("length"). Finished rows are fed pad
      tokens that are never returned; the loop ends when every row has finished.
 
@@ -130,7 +130,7 @@ class HFGenerationEngine(GenerationEngine):
                 if reasons[row] is None:
                     tokens[row].append(token)
                     logprobs[row].append(logprob)
-                    reasons[row] = self._finish_reason(tokens[row], matcher)
+                    reasons[row] = self._finish_reason(tokens[row], matcher, params.ignore_eos)
             if all(reason is not None for reason in reasons) or step + 1 == params.max_new_tokens:
                 break
             finished = torch.tensor([reason is not None for reason in reasons], device=device)
@@ -172,9 +172,9 @@ class HFGenerationEngine(GenerationEngine):
         cache.batch_select_indices(expand)
         return out.logits[:, -1, :].float()[expand], cache
 
-    def _finish_reason(self, generated: list[int], matcher: StopStringMatcher) -> str | None:
+    def _finish_reason(self, generated: list[int], matcher: StopStringMatcher, ignore_eos: bool) -> str | None:
         """The finish reason ("eos" or "stop") if the newest token ends the sequence, else None."""
-        if generated[-1] in self.eos_ids:
+        if not ignore_eos and generated[-1] in self.eos_ids:
             return "eos"
         if matcher and matcher.completed_by_last_token(generated):
             return "stop"

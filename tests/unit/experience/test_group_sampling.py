@@ -67,6 +67,15 @@ def test_groups_prompts_rewards_and_sparse_placement(tiny_tokenizer, rewards):
     assert batch.samples[0].response_text == "\\boxed{5}"
     # sampling is seeded by (seed, step) so a resumed run repeats it
     assert params.seed == 7 * 1_000_003 + 4 and params.max_new_tokens == 16
+    assert params.ignore_eos is False
+
+
+def test_ignore_eos_reaches_the_engine(tiny_tokenizer, rewards):
+    loader = PromptLoader([arithmetic_row(0, 2, 3)], tiny_tokenizer, DataConfig(), batch_size=1, shuffle=False)
+    engine = ScriptedEngine(tiny_tokenizer, ["x"])
+    maker = GroupSampling(RolloutConfig(n=2, ignore_eos=True), engine, rewards, tiny_tokenizer)
+    maker.make_experience(loader, step=0)
+    assert engine.calls[0][1].ignore_eos is True
 
 
 def test_sparse_token_rewards_by_hand():

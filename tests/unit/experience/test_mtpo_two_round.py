@@ -130,6 +130,14 @@ def test_two_rounds_stop_strings_exact_continuation_and_layout(tiny_tokenizer, r
     assert metrics["mtpo/answer_length_mean"] == pytest.approx((37 + 37 + 24 + 40) / 4)
 
 
+def test_both_rounds_carry_rollout_ignore_eos(tiny_tokenizer, rewards):
+    maker, _ = make_maker(tiny_tokenizer, rewards, ignore_eos=True)
+    answer_params, confidence_params = maker.round_params(step=1)
+    assert answer_params.ignore_eos and confidence_params.ignore_eos
+    plain, _ = make_maker(tiny_tokenizer, rewards)
+    assert not any(params.ignore_eos for params in plain.round_params(step=1))
+
+
 def test_first_confidence_only_mask_and_denominators(tiny_tokenizer, rewards):
     tok = tiny_tokenizer
     round1 = [37, 37, 24, 40]  # tokens of the four round-1 answers (one character or special token each)

@@ -80,6 +80,18 @@ def test_stop_eos_and_length_rows_finish_each_their_own_way(tiny_tokenizer):
         assert len(output.logprobs) == len(output.token_ids)
 
 
+def test_ignore_eos_runs_past_eos_to_the_cap_but_stop_strings_still_end(tiny_tokenizer):
+    tok, eos = tiny_tokenizer, tiny_tokenizer.eos_token_id
+    scripts = [ids(tok, "ab") + [eos] + ids(tok, "cd"), ids(tok, "x") + [eos] + ids(tok, "STOPzz")]
+    model = scripted(scripts, len(tok), filler=ids(tok, "q")[0])
+    engine = HFGenerationEngine(model, tok, HFEngineConfig())
+    params = SamplingParams(max_new_tokens=8, stop=["STOP"], ignore_eos=True)
+    outputs = engine.generate([ids(tok, "p"), ids(tok, "p")], params)
+    assert [o.finish_reason for o in outputs] == ["length", "stop"]
+    assert outputs[0].token_ids == ids(tok, "ab") + [eos] + ids(tok, "cd") + ids(tok, "qqq")  # 8 tokens, EOS inside
+    assert outputs[1].token_ids == ids(tok, "x") + [eos] + ids(tok, "STOP")
+
+
 def test_loop_ends_when_every_row_has_finished(tiny_tokenizer):
     tok, eos = tiny_tokenizer, tiny_tokenizer.eos_token_id
     model = scripted([ids(tok, "ab") + [eos], ids(tok, "abcd") + [eos]], len(tok), filler=ids(tok, "q")[0])
