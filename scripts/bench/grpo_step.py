@@ -1,0 +1,334 @@
+"""The whole GRPO step, ours against TRL's GRPOTrainer, on identical work, against the hardware limits.
+
+    python scripts/bench/grpo_step.py --preset embedded            # one GPU (scripts/bench/grpo_step_gpu.sh)
+    python scripts/bench/grpo_step.py --preset tiny                # the 2-core CPU run
+
+One call runs, each in its own process and one after another (the device otherwise idle):
+  1. the reference worker: writes the workspace (random-weight model from a config, tokenizer, prompt
+     rows, log-prob probe), measures the matrix rate and the copy bandwidth, and the float32
+     log-probs of the probe;
+  2. every system of --systems (ours: scripts/bench/grpo_step_ours.py; trl_default, trl_fast, trl_cb:
+     scripts/bench/grpo_step_trl.py): `--warmup` steps, then `--steps` measured steps;
+  3. every variant of --variants on our loop (`--variant-steps` measured steps each);
+then prints and writes `grpo_step.md` and `grpo_step.json` under --out.
+
+Identical work: the same weights and prompts (every prompt exactly P tokens), n samples each,
+every response exactly R tokens (EOS ignored; checked from each system's own counts), bf16
+weights on the GPU (TRL's default mode keeps float32 weights under bf16 autocast, as it ships),
+the same learning rate, constant schedule, KL off, one optimizer update per step. The benchmark
+reward (grpo_step_lib.bench_score) costs next to nothing.
+
+Formulas (stated in the report too), with W = bytes of the matrix weights (body + head, bf16 on the
+GPU, float32 on the CPU), k = K+V bytes per token, B sequences, P prompt and R response tokens:
+  decode bound       sum over t = 1..R of (W + B * (P + t) * k) / copy bandwidth
+  share of it        decode bound / measured generation time (= generated tokens/s over the bound's)
+  train FLOPs        per sequence 6 * body * (P + R) + 6 * head * R + 12 * L * hidden * (P + R)^2
+  MFU                train FLOPs / train phase time / measured bf16 (CPU: float32) matrix rate
+  step floor         decode bound + prefill (2 * body * P per distinct prompt + 4 * L * hidden * P^2)
+                     / rate + (train FLOPs + one log-prob forward, a third of them) / rate
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+from grpo_step_lib import PRESETS, Preset, write_json, write_workspace  # noqa: E402
+
+SYSTEMS = ("ours", "trl_default", "trl_fast", "trl_cb")
+VARIANTS = ("dapo", "cpo", "mtpo", "graded_prompt")
+PHASES = ("generation", "logprobs", "train", "weight_sync", "rewards", "other")
+
+
+# ---------------------------------------------------------------- the reference worker
+
+def measure_hardware(device: str) -> dict:
+    """Matrix rate (bf16 8192^3 on a GPU, float32 2048^3 on the CPU) and copy bandwidth (read + write)."""
+    import torch
+
+    def best_of(fn, repeats: int) -> float:
+        times = []
+        for _ in range(repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    size, dtype = (8192, torch.bfloat16) if device == "cuda" else (2048, torch.float32)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    best_of(lambda: a @ b, 3)
+    matmul_s = best_of(lambda: [a @ b for _ in range(10)], 5) / 10
+    elements = 2**28 if device == "cuda" else 2**26  # 1 GiB / 256 MiB of float32
+    source = torch.randn(elements, device=device)
+    target = torch.empty_like(source)
+    best_of(lambda: target.copy_(source), 3)
+    copy_s = best_of(lambda: [target.copy_(source) for _ in range(10)], 5) / 10
+    info = {"matmul_flops_per_s": 2 * size**3 / matmul_s, "matmul": f"{size}^3 {dtype}".replace("torch.", ""),
+            "copy_bytes_per_s": 2 * source.numel() * source.element_size() / copy_s}
+    if device == "cuda":
+        info["device_name"] = torch.cuda.get_device_name()
+        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                        capture_output=True, text=True).stdout.strip()
+    else:
+        info["device_name"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    return info
+
+
+def reference_logprobs(workspace: Path, device: str):
+    """Log-probs of the probe responses under float32 weights, log-softmax in float64."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(workspace / "model", dtype=torch.float32).to(device).eval()
+    probe = torch.load(workspace / "probe.pt")
+    prompt_width = probe["prompt_ids"].shape[1]
+    ids = torch.cat([probe["prompt_ids"], probe["response_ids"]], dim=1).to(device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, prompt_width - 1 : -1].double()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, prompt_width:, None]).squeeze(-1).cpu()
+
+
+def reference_worker(args) -> None:
+    import torch
+
+    preset = PRESETS[args.preset]
+    rows_needed = preset.prompts * (args.warmup + max(args.steps, args.variant_steps)) * 3  # dynamic sampling's refills
+    started = time.perf_counter()
+    counts = write_workspace(preset, rows_needed, args.out / "work")
+    workspace_s = time.perf_counter() - started
+    torch.save(reference_logprobs(args.out / "work", preset.device), args.out / "reference.probe.pt")
+    write_json(args.out / "reference.json", {**measure_hardware(preset.device), "model": counts,
+                                             "workspace_s": workspace_s})
+
+
+# ---------------------------------------------------------------- the driver
+
+def run_worker(name: str, command: list[str], out: Path, timeout: float) -> dict | None:
+    """Run one worker in its own process (and process group); its result JSON, or None if it failed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    print(f"== {name}: {' '.join(command)}", flush=True)
+    with open(out / f"{name}.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                   start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = f"timeout after {timeout:.0f} s"
+    result = out / f"{name}.json"
+    if code != 0 or not result.exists():
+        tail = (out / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
+        print(f"   {name} failed ({code}):\n     " + "\n     ".join(tail), flush=True)
+        return None
+    print(f"   {name} done", flush=True)
+    return json.loads(result.read_text())
+
+
+def median_range(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def floors(preset: Preset, hardware: dict) -> dict:
+    """The physical floor of one step of `preset` on the measured hardware (module docstring)."""
+    model = hardware["model"]
+    word = 2 if preset.device == "cuda" else 4
+    sequences, prompt, response = preset.prompts * preset.n, preset.prompt_length, preset.response_length
+    weight_bytes = (model["body_matmul_params"] + model["head_params"]) * word
+    kv_bytes = model["kv_values_per_token"] * word
+    contexts = response * prompt + response * (response + 1) // 2  # sum of P + t over the R decoding steps
+    decode_s = (response * weight_bytes + sequences * kv_bytes * contexts) / hardware["copy_bytes_per_s"]
+    layers_hidden = model["layers"] * model["hidden"]
+    length = prompt + response
+    train_flops = sequences * (6 * model["body_matmul_params"] * length + 6 * model["head_params"] * response
+                               + 12 * layers_hidden * length**2)
+    prefill_flops = preset.prompts * (2 * model["body_matmul_params"] * prompt + 4 * layers_hidden * prompt**2)
+    rate = hardware["matmul_flops_per_s"]
+    return {"decode_bound_s": decode_s, "prefill_floor_s": prefill_flops / rate, "train_flops": train_flops,
+            "train_floor_s": train_flops / rate, "logprob_floor_s": train_flops / 3 / rate,
+            "step_floor_s": decode_s + prefill_flops / rate + train_flops * 4 / 3 / rate,
+            "generated_tokens": sequences * response}
+
+
+def relative_error(values, reference) -> dict:
+    values, reference = values.double(), reference.double()
+    return {"relative_l2": float((values - reference).norm() / reference.norm()),
+            "max_abs": float((values - reference).abs().max())}
+
+
+def summarise(result: dict, preset: Preset, floor: dict, hardware: dict) -> dict:
+    """Medians over the measured steps, the response-length check, rates against the bounds, the first step."""
+    measured = result["steps"][result["warmup_steps"]:]
+    step_s = median_range([step["step_s"] for step in measured])
+    phases = {phase: statistics.median(step["phases_s"].get(phase, 0.0) for step in measured) for phase in PHASES}
+    peaks = {phase: max(step["peak_gib"].get(phase, 0.0) for step in measured) for phase in PHASES}
+    if result["system"] == "ours":
+        calls = [call for step in measured for call in step["generate_calls"]]
+        lengths = (min(c["min_length"] for c in calls), max(c["max_length"] for c in calls))
+        generated = statistics.median(sum(c["tokens"] for c in step["generate_calls"]) for step in measured)
+    else:
+        lengths = (min(step["metrics"].get("completions/min_length", -1) for step in measured),
+                   max(step["metrics"].get("completions/max_length", -1) for step in measured))
+        generated = statistics.median(step["metrics"].get("completions/mean_length", 0.0) * preset.prompts * preset.n
+                                      for step in measured)
+    generation_s = phases["generation"]
+    first = result["steps"][0]
+    summary = {
+        "step_s": step_s, "phases_s": phases, "peak_gib": peaks, "response_lengths": lengths,
+        "generated_tokens": generated, "generated_tokens_per_s": generated / generation_s if generation_s else None,
+        "startup_s": result["startup_s"], "first_step_s": first["step_s"], "first_step_done_at_s": first["ended_at_s"],
+        "first_step_phases_s": first["phases_s"], "settings": result["settings"],
+    }
+    if result["variant"] == "none":
+        summary["decode_bound_share"] = floor["decode_bound_s"] / generation_s
+        summary["train_mfu"] = floor["train_flops"] / phases["train"] / hardware["matmul_flops_per_s"]
+        summary["step_over_floor"] = step_s[0] / floor["step_floor_s"]
+    return summary
+
+
+def render(report: dict) -> str:
+    """The markdown tables of a report."""
+    preset, hardware, floor = report["preset"], report["hardware"], report["floor"]
+    systems = report["systems"]
+    ours = systems.get("ours")
+    lines = [
+        f"GRPO step, preset `{preset['name']}` ({report['date']}, {hardware['device_name']}): "
+        f"{preset['prompts']} prompts x n={preset['n']}, P={preset['prompt_length']}, R={preset['response_length']}; "
+        f"{hardware['matmul']} matrix rate {hardware['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s, "
+        f"copy {hardware['copy_bytes_per_s'] / 1e9:.0f} GB/s; step floor {floor['step_floor_s']:.3f} s "
+        f"(decode bound {floor['decode_bound_s']:.3f} s, prefill {floor['prefill_floor_s']:.3f} s, "
+        f"train {floor['train_floor_s']:.3f} s, log-prob forward {floor['logprob_floor_s']:.3f} s).",
+        "",
+        "| system | step s, median [min, max] | vs ours | generation s | log-probs s | train s | weight sync s "
+        "| rewards s | other s | gen tokens/s | decode bound | train MFU | x floor | peak GiB gen / train "
+        "| response lengths | first step s (done at) |",
+        "| --- " * 16 + "|",
+    ]
+    for name, s in systems.items():
+        ratio = f"{s['step_s'][0] / ours['step_s'][0]:.2f}x" if ours else "-"
+        p = s["phases_s"]
+        lines.append(
+            f"| {name} | {s['step_s'][0]:.2f} [{s['step_s'][1]:.2f}, {s['step_s'][2]:.2f}] | {ratio} "
+            f"| {p['generation']:.2f} | {p['logprobs']:.2f} | {p['train']:.2f} | {p['weight_sync']:.3f} "
+            f"| {p['rewards']:.3f} | {p['other']:.2f} | {s['generated_tokens_per_s']:,.0f} "
+            f"| {100 * s['decode_bound_share']:.1f}% | {100 * s['train_mfu']:.1f}% | {s['step_over_floor']:.1f} "
+            f"| {s['peak_gib']['generation']:.1f} / {s['peak_gib']['train']:.1f} "
+            f"| {s['response_lengths'][0]}-{s['response_lengths'][1]} "
+            f"| {s['first_step_s']:.1f} ({s['first_step_done_at_s']:.1f}) |")
+    lines += ["", "Step-0 log-probs of the probe (4 x R tokens) against float32 weights with a float64 log-softmax:", ""]
+    lines += [f"- {name}: relative L2 {e['relative_l2']:.2e}, max abs {e['max_abs']:.3f}"
+              for name, e in report["logprob_check"].items()]
+    if report["variants"]:
+        lines += ["", "| variant (ours) | step s, median [min, max] | vs plain GRPO | generation s | log-probs s "
+                  "| train s | rewards s | generated tokens | what the variant adds |", "| --- " * 9 + "|"]
+        for name, s in report["variants"].items():
+            ratio = f"{s['step_s'][0] / ours['step_s'][0]:.2f}x" if ours else "-"
+            p = s["phases_s"]
+            lines.append(f"| {name} | {s['step_s'][0]:.2f} [{s['step_s'][1]:.2f}, {s['step_s'][2]:.2f}] | {ratio} "
+                         f"| {p['generation']:.2f} | {p['logprobs']:.2f} | {p['train']:.2f} | {p['rewards']:.3f} "
+                         f"| {s['generated_tokens']:,.0f} | {s['note']} |")
+    for name, error in report["failures"].items():
+        lines.append(f"\n{name} did not finish: {error}")
+    return "\n".join(lines)
+
+
+def variant_note(name: str, result: dict) -> str:
+    measured = result["steps"][result["warmup_steps"]:]
+
+    def mean(key):
+        values = [step["metrics"][key] for step in measured if key in step["metrics"]]
+        return sum(values) / len(values) if values else float("nan")
+
+    if name == "dapo":
+        return (f"{mean('dynamic_sampling/num_gen_batches'):.1f} generation batches per step, "
+                f"{100 * mean('dynamic_sampling/filtered_fraction'):.0f}% of groups filtered")
+    if name == "mtpo":
+        return (f"round 2 / round 1 time {mean('mtpo/round2_time_ratio'):.2f}; "
+                f"rounds {mean('timing/mtpo_round1_s'):.2f} s + {mean('timing/mtpo_round2_s'):.2f} s")
+    if name == "cpo":
+        return "hinted log-prob pass (in log-probs)"
+    if name == "graded_prompt":
+        return "per-sample rubric system prompts (longer prefill)"
+    return ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from " + ", ".join(SYSTEMS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (empty: none), from "
+                        + ", ".join(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per system")
+    parser.add_argument("--variant-steps", type=int, default=None, help="measured steps per variant (preset's)")
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per worker process")
+    parser.add_argument("--out", type=Path, default=None, help="default: bench_out/grpo_step_<preset>")
+    parser.add_argument("--reference-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    args.variant_steps = args.variant_steps or preset.variant_steps
+    args.out = (args.out or ROOT / "bench_out" / f"grpo_step_{args.preset}").resolve()
+    if args.reference_worker:
+        return reference_worker(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    common = ["--workspace", str(args.out / "work"), "--warmup", str(args.warmup), "--lr", str(args.lr)]
+    if run_worker("reference", [sys.executable, __file__, "--reference-worker", "--preset", args.preset,
+                                "--out", str(args.out), "--steps", str(args.steps),
+                                "--variant-steps", str(args.variant_steps)], args.out, args.timeout) is None:
+        sys.exit("the reference worker failed: nothing to compare against")
+    hardware = json.loads((args.out / "reference.json").read_text())
+    floor = floors(preset, hardware)
+    import torch
+
+    reference = torch.load(args.out / "reference.probe.pt")
+    report = {"preset": preset.__dict__, "hardware": hardware, "floor": floor, "systems": {}, "variants": {},
+              "logprob_check": {}, "failures": {},
+              "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    for system in [s for s in args.systems.split(",") if s]:
+        script = "grpo_step_ours.py" if system == "ours" else "grpo_step_trl.py"
+        extra = [] if system == "ours" else ["--mode", system.removeprefix("trl_")]
+        result = run_worker(system, [sys.executable, str(HERE / script), *common, *extra, "--steps", str(args.steps),
+                                     "--out", str(args.out / f"{system}.json")], args.out, args.timeout)
+        if result is None:
+            report["failures"][system] = f"see {system}.log"
+            continue
+        report["systems"][system] = summarise(result, preset, floor, hardware)
+        report["logprob_check"][system] = relative_error(torch.load(args.out / f"{system}.probe.pt"), reference)
+    for variant in [v for v in args.variants.split(",") if v]:
+        name = f"ours_{variant}"
+        result = run_worker(name, [sys.executable, str(HERE / "grpo_step_ours.py"), *common, "--variant", variant,
+                                   "--steps", str(args.variant_steps), "--out", str(args.out / f"{name}.json")],
+                            args.out, args.timeout)
+        if result is None:
+            report["failures"][name] = f"see {name}.log"
+            continue
+        report["variants"][variant] = {**summarise(result, preset, floor, hardware), "note": variant_note(variant, result)}
+    report["wall_s"] = time.perf_counter() - started
+    write_json(args.out / "grpo_step.json", report)
+    table = render(report)
+    (args.out / "grpo_step.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

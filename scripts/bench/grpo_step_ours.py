@@ -1,0 +1,149 @@
+"""One system of the GRPO-step benchmark: our loop, plain GRPO or one variant, in its own process.
+
+Builds the run's components from conf/ exactly as `aligner-ext train` does (the workspace's model
+and rows, `rollout.ignore_eos`), then runs the loop's own step (`make_experience` + `update_policy`)
+under a phase clock. Called by scripts/bench/grpo_step.py; writes one JSON file.
+
+    python scripts/bench/grpo_step_ours.py --workspace DIR --out FILE [--variant dapo] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from grpo_step_lib import DATA_SOURCE, Preset, PhaseClock, write_json  # noqa: E402
+
+VARIANT_OVERRIDES = {  # what each variant overlay needs beyond the shared workload
+    "none": [],
+    "dapo": ["+variant=dapo"],
+    "cpo": ["+variant=cpo"],
+    "graded_prompt": ["+variant=graded_prompt"],
+    "mtpo": ["+variant=mtpo"],  # lengths set below from the preset
+}
+
+
+def overrides(preset: Preset, workspace: Path, variant: str, lr: float) -> list[str]:
+    sequences = preset.prompts * preset.n
+    common = [
+        f"model.path={workspace / 'model'}", f"data.train_files=[{workspace / 'rows.jsonl'}]",
+        f"data.train_batch_size={preset.prompts}", "data.max_prompt_length=4096", "data.shuffle=false",
+        f"rollout.n={preset.n}", f"rollout.max_response_length={preset.response_length}", "rollout.ignore_eos=true",
+        f"+reward.sources.{DATA_SOURCE}=grpo_step_lib:score", "loss.kl_coef=0.0",
+        f"policy.device={preset.device}", f"policy.micro_batch_size={preset.micro_batch}", f"policy.optim.lr={lr}",
+        f"generator.hf.batch_size={max(sequences, 1)}",
+        f"trainer.output_dir={workspace / 'runs'}", f"trainer.run_name=ours_{variant}", "trainer.progress_bar=false",
+        "trainer.tensorboard=false",
+    ]
+    if variant == "mtpo":  # G = 2 answers of the full length, H = 4 confidences of half of it
+        common += [f"mtpo.max_answer_length={preset.response_length}",
+                   f"mtpo.max_confidence_length={preset.response_length // 2}"]
+    return VARIANT_OVERRIDES[variant] + common
+
+
+def probe_logprobs(policy, probe_path: Path) -> torch.Tensor:
+    """Our policy's log-probs of the workspace's probe responses (no padding: every prompt is P tokens)."""
+    from aligner_ext.batch import ExperienceBatch, SampleInfo
+    from aligner_ext.data.types import PromptRow
+
+    probe = torch.load(probe_path)
+    prompts, responses = probe["prompt_ids"], probe["response_ids"]
+    row = PromptRow(row_id="probe", messages=[], data_source=DATA_SOURCE)
+    batch = ExperienceBatch(
+        prompt_ids=prompts, prompt_mask=torch.ones_like(prompts, dtype=torch.bool), response_ids=responses,
+        response_valid=torch.ones_like(responses, dtype=torch.bool),
+        response_mask=torch.ones_like(responses, dtype=torch.bool), group_ids=torch.arange(len(prompts)),
+        samples=[SampleInfo(row=row) for _ in range(len(prompts))])
+    return policy.logprobs(batch, 1.0)[0]
+
+
+class GenerationLedger:
+    """Counts what every engine call produced (sequences, tokens, shortest and longest response)."""
+
+    def __init__(self, engine, close_answers_on: str | None):
+        self.generate = engine.generate
+        self.close_answers_on = close_answers_on
+        self.calls: list[dict] = []
+        engine.generate = self
+
+    def __call__(self, prompts, params):
+        outputs = self.generate(prompts, params)
+        lengths = [len(output.token_ids) for output in outputs]
+        self.calls.append({"sequences": len(outputs), "tokens": sum(lengths), "min_length": min(lengths, default=0),
+                           "max_length": max(lengths, default=0), "max_new_tokens": params.max_new_tokens})
+        if self.close_answers_on is not None and params.stop == [self.close_answers_on]:
+            # MTPO on random weights: no answer ever closes, so round 2 would never run. Count every
+            # full-length round-1 answer as closed, as a trained policy's mostly are.
+            for output in outputs:
+                if output.finish_reason == "length":
+                    output.finish_reason = "stop"
+        return outputs
+
+    def take(self) -> list[dict]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workspace", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variant", default="none", choices=sorted(VARIANT_OVERRIDES))
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    args = parser.parse_args()
+
+    from aligner_ext.config import load_config
+    from aligner_ext.trainer.build import build_components
+    from aligner_ext.trainer.loop import update_policy
+    from aligner_ext.trainer.metrics import StageTimer
+
+    preset = Preset(**json.loads((args.workspace / "preset.json").read_text())["preset"])
+    cfg = load_config("base", overrides(preset, args.workspace, args.variant, args.lr))
+    torch.manual_seed(cfg.trainer.seed)
+    parts = build_components(cfg, args.workspace / "runs" / cfg.trainer.run_name)
+    probe = probe_logprobs(parts.policy, args.workspace / "probe.pt")
+    torch.save(probe, args.out.with_suffix(".probe.pt"))
+    ledger = GenerationLedger(parts.engine, cfg.mtpo.answer_stop_str if args.variant == "mtpo" else None)
+    startup_s = time.perf_counter() - STARTED
+
+    clock = PhaseClock(preset.device)
+    clock.wrap(parts.engine, "generate", "generation")
+    clock.wrap(parts.rewards, "score", "rewards")
+    clock.wrap(parts.policy, "logprobs", "logprobs")
+    clock.wrap(parts.policy, "train", "train")
+    clock.wrap(parts.policy, "sync_weights", "weight_sync")
+    clock.wrap(parts.engine, "update_weights", "weight_sync")
+    steps = []
+    for step in range(args.warmup + args.steps):
+        batch, metrics = parts.maker.make_experience(parts.train_loader, step)
+        if len(batch):
+            metrics.update(update_policy(parts, batch, StageTimer(), cfg.rollout.temperature))
+        record = clock.take_step()
+        record["ended_at_s"] = time.perf_counter() - STARTED
+        record["generate_calls"] = ledger.take()
+        record["trained_sequences"] = len(batch)
+        record["trained_tokens"] = int((batch.prompt_mask.sum() + batch.response_valid.sum()).item()) if len(batch) else 0
+        record["metrics"] = {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
+        steps.append(record)
+        print(f"[ours {args.variant}] step {step}: {record['step_s']:.2f} s "
+              + " ".join(f"{k}={v:.2f}" for k, v in sorted(record["phases_s"].items())), flush=True)
+    parts.rewards.close()
+    write_json(args.out, {
+        "system": "ours", "variant": args.variant, "startup_s": startup_s, "warmup_steps": args.warmup,
+        "steps": steps, "settings": {"overrides": overrides(preset, args.workspace, args.variant, args.lr),
+                                     "policy_dtype": str(parts.policy.model.dtype),
+                                     "forward_passes_per_step": "1 log-prob forward + 1 training forward/backward"},
+    })
+
+
+if __name__ == "__main__":
+    main()
