@@ -180,19 +180,23 @@ def summarise(result: dict, preset: Preset, floor: dict, hardware: dict) -> dict
     step_s = median_range([step["step_s"] for step in measured])
     phases = {phase: statistics.median(step["phases_s"].get(phase, 0.0) for step in measured) for phase in PHASES}
     peaks = {phase: max(step["peak_gib"].get(phase, 0.0) for step in measured) for phase in PHASES}
+    sequences = preset.prompts * preset.n
     if result["system"] == "ours":
         calls = [call for step in measured for call in step["generate_calls"]]
         lengths = (min(c["min_length"] for c in calls), max(c["max_length"] for c in calls))
         generated = statistics.median(sum(c["tokens"] for c in step["generate_calls"]) for step in measured)
+        trained_tokens = [step["trained_tokens"] / max(step["trained_sequences"], 1) for step in measured]
     else:
-        lengths = (min(step["metrics"].get("completions/min_length", -1) for step in measured),
-                   max(step["metrics"].get("completions/max_length", -1) for step in measured))
-        generated = statistics.median(step["metrics"].get("completions/mean_length", 0.0) * preset.prompts * preset.n
-                                      for step in measured)
+        lengths = (int(min(step["metrics"]["completions/min_length"] for step in measured)),
+                   int(max(step["metrics"]["completions/max_length"] for step in measured)))
+        generated = statistics.median(step["metrics"]["completions/mean_length"] * sequences for step in measured)
+        seen = [step["metrics"]["num_tokens"] for step in result["steps"]]  # TRL's running count of trained tokens
+        trained_tokens = [(later - earlier) / sequences for earlier, later in zip(seen, seen[1:])]
     generation_s = phases["generation"]
     first = result["steps"][0]
     summary = {
         "step_s": step_s, "phases_s": phases, "peak_gib": peaks, "response_lengths": lengths,
+        "tokens_per_sequence": (min(trained_tokens), max(trained_tokens)),  # P + R as the trainer saw it
         "generated_tokens": generated, "generated_tokens_per_s": generated / generation_s if generation_s else None,
         "startup_s": result["startup_s"], "first_step_s": first["step_s"], "first_step_done_at_s": first["ended_at_s"],
         "first_step_phases_s": first["phases_s"], "settings": result["settings"],
@@ -219,8 +223,8 @@ def render(report: dict) -> str:
         "",
         "| system | step s, median [min, max] | vs ours | generation s | log-probs s | train s | weight sync s "
         "| rewards s | other s | gen tokens/s | decode bound | train MFU | x floor | peak GiB gen / train "
-        "| response lengths | first step s (done at) |",
-        "| --- " * 16 + "|",
+        "| response lengths | P + R trained | first step s (done at) |",
+        "| --- " * 17 + "|",
     ]
     for name, s in systems.items():
         ratio = f"{s['step_s'][0] / ours['step_s'][0]:.2f}x" if ours else "-"
@@ -232,6 +236,7 @@ def render(report: dict) -> str:
             f"| {100 * s['decode_bound_share']:.1f}% | {100 * s['train_mfu']:.1f}% | {s['step_over_floor']:.1f} "
             f"| {s['peak_gib']['generation']:.1f} / {s['peak_gib']['train']:.1f} "
             f"| {s['response_lengths'][0]}-{s['response_lengths'][1]} "
+            f"| {s['tokens_per_sequence'][0]:.0f}-{s['tokens_per_sequence'][1]:.0f} "
             f"| {s['first_step_s']:.1f} ({s['first_step_done_at_s']:.1f}) |")
     lines += ["", "Step-0 log-probs of the probe (4 x R tokens) against float32 weights with a float64 log-softmax:", ""]
     lines += [f"- {name}: relative L2 {e['relative_l2']:.2e}, max abs {e['max_abs']:.3f}"
