@@ -120,8 +120,11 @@ def reference_worker(args) -> None:
 
 # ---------------------------------------------------------------- the driver
 
-def run_worker(name: str, command: list[str], out: Path, timeout: float) -> dict | None:
-    """Run one worker in its own process (and process group); its result JSON, or None if it failed."""
+def run_worker(name: str, command: list[str], out: Path, timeout: float) -> tuple[dict | None, str]:
+    """Run one worker in its own process (and process group): (its result JSON, "") or (None, why not)."""
+    if timeout < 30:
+        print(f"== {name}: skipped, {timeout:.0f} s of the budget left", flush=True)
+        return None, "skipped: the call's --budget was spent"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     print(f"== {name}: {' '.join(command)}", flush=True)
@@ -138,9 +141,9 @@ def run_worker(name: str, command: list[str], out: Path, timeout: float) -> dict
     if code != 0 or not result.exists():
         tail = (out / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
         print(f"   {name} failed ({code}):\n     " + "\n     ".join(tail), flush=True)
-        return None
+        return None, f"exit {code}, see {name}.log"
     print(f"   {name} done", flush=True)
-    return json.loads(result.read_text())
+    return json.loads(result.read_text()), ""
 
 
 def median_range(values: list[float]) -> tuple[float, float, float]:
@@ -286,6 +289,9 @@ def main() -> None:
     parser.add_argument("--variant-steps", type=int, default=None, help="measured steps per variant (preset's)")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per worker process")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="seconds for the whole call: a worker gets at most what is left, and the report is "
+                             "rewritten after every worker, so a device call's time limit loses no finished result")
     parser.add_argument("--out", type=Path, default=None, help="default: bench_out/grpo_step_<preset>")
     parser.add_argument("--reference-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -296,10 +302,14 @@ def main() -> None:
         return reference_worker(args)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+
+    def left() -> float:
+        return min(args.timeout, args.budget - (time.perf_counter() - started) - 15)
+
     common = ["--workspace", str(args.out / "work"), "--warmup", str(args.warmup), "--lr", str(args.lr)]
     if run_worker("reference", [sys.executable, __file__, "--reference-worker", "--preset", args.preset,
                                 "--out", str(args.out), "--steps", str(args.steps),
-                                "--variant-steps", str(args.variant_steps)], args.out, args.timeout) is None:
+                                "--variant-steps", str(args.variant_steps)], args.out, left())[0] is None:
         sys.exit("the reference worker failed: nothing to compare against")
     hardware = json.loads((args.out / "reference.json").read_text())
     floor = floors(preset, hardware)
@@ -312,27 +322,35 @@ def main() -> None:
     for system in [s for s in args.systems.split(",") if s]:
         script = "grpo_step_ours.py" if system == "ours" else "grpo_step_trl.py"
         extra = [] if system == "ours" else ["--mode", system.removeprefix("trl_")]
-        result = run_worker(system, [sys.executable, str(HERE / script), *common, *extra, "--steps", str(args.steps),
-                                     "--out", str(args.out / f"{system}.json")], args.out, args.timeout)
+        result, why = run_worker(system, [sys.executable, str(HERE / script), *common, *extra, "--steps", str(args.steps),
+                                     "--out", str(args.out / f"{system}.json")], args.out, left())
         if result is None:
-            report["failures"][system] = f"see {system}.log"
-            continue
-        report["systems"][system] = summarise(result, preset, floor, hardware)
-        report["logprob_check"][system] = relative_error(torch.load(args.out / f"{system}.probe.pt"), reference)
+            report["failures"][system] = why
+        else:
+            report["systems"][system] = summarise(result, preset, floor, hardware)
+            report["logprob_check"][system] = relative_error(torch.load(args.out / f"{system}.probe.pt"), reference)
+        write_report(report, args.out, started)
     for variant in [v for v in args.variants.split(",") if v]:
         name = f"ours_{variant}"
-        result = run_worker(name, [sys.executable, str(HERE / "grpo_step_ours.py"), *common, "--variant", variant,
+        result, why = run_worker(name, [sys.executable, str(HERE / "grpo_step_ours.py"), *common, "--variant", variant,
                                    "--steps", str(args.variant_steps), "--out", str(args.out / f"{name}.json")],
-                            args.out, args.timeout)
+                            args.out, left())
         if result is None:
-            report["failures"][name] = f"see {name}.log"
-            continue
-        report["variants"][variant] = {**summarise(result, preset, floor, hardware), "note": variant_note(variant, result)}
+            report["failures"][name] = why
+        else:
+            report["variants"][variant] = {**summarise(result, preset, floor, hardware),
+                                           "note": variant_note(variant, result)}
+        write_report(report, args.out, started)
+    print(write_report(report, args.out, started))
+
+
+def write_report(report: dict, out: Path, started: float) -> str:
+    """grpo_step.json and grpo_step.md as they stand; returns the markdown."""
     report["wall_s"] = time.perf_counter() - started
-    write_json(args.out / "grpo_step.json", report)
+    write_json(out / "grpo_step.json", report)
     table = render(report)
-    (args.out / "grpo_step.md").write_text(table + "\n")
-    print(table)
+    (out / "grpo_step.md").write_text(table + "\n")
+    return table
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ source "$(dirname "$0")/gpu_env.sh" "$OUT/gpu.txt"
 export TOKENIZERS_PARALLELISM=false
 python3 -m pip list 2>/dev/null | grep -iE "^(torch|transformers|trl|datasets|accelerate|pyarrow|fsspec|huggingface.hub) " \
   | tee -a "$OUT/gpu.txt"
+# Fail in seconds, not after the first worker, if a carried package does not import.
+python3 -c "import aligner_ext.trainer.build, trl, datasets" || { echo "import check failed" | tee -a "$OUT/gpu.txt"; exit 1; }
 run=/tmp/grpo_step
 status=0
 python3 scripts/bench/grpo_step.py --out "$run" "$@" 2>&1 | tee "$OUT/driver.log" || status=$?
