@@ -49,7 +49,7 @@ PRESETS = {
                        response_length=256, micro_batch=64, device="cuda", variant_steps=3),
     # Qwen2.5-1.5B's shape (hidden 1536, 28 layers, 12 / 2 heads, MLP 8960, tied 151,936 vocabulary).
     "qwen1_5b": Preset("qwen1_5b", "words", 1536, 28, 12, 2, 8960, 151936, prompts=32, n=8, prompt_length=256,
-                       response_length=512, micro_batch=32, device="cuda", variant_steps=3),
+                       response_length=512, micro_batch=16, device="cuda", variant_steps=3),
     # The embedded default model (4 layers, hidden 128) for the 2-core CPU run.
     "tiny": Preset("tiny", "char", 128, 4, 4, 2, 512, 0, prompts=4, n=8, prompt_length=48, response_length=64,
                    micro_batch=32, device="cpu", variant_steps=3),
@@ -115,6 +115,8 @@ def write_workspace(preset: Preset, rows_needed: int, directory: Path, seed: int
     """
     directory.mkdir(parents=True, exist_ok=True)
     model, tokenizer = build_model_and_tokenizer(preset)
+    if preset.device == "cuda":  # every system computes in bf16 there: store the weights it rounds to
+        model = model.to(torch.bfloat16)
     model.save_pretrained(directory / "model", safe_serialization=True)
     tokenizer.save_pretrained(directory / "model")
     rng = random.Random(seed)
