@@ -23,6 +23,7 @@ from aligner_ext.experience.dynamic_sampling import DynamicSamplingConfig
 from aligner_ext.experience.graded_prompt import GradedPromptConfig
 from aligner_ext.experience.two_round import TwoRoundSampling
 from aligner_ext.generation.hf import HFEngineConfig
+from aligner_ext.generation.rollout import RolloutEngineConfig
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.tiny import TinyModelConfig
@@ -48,9 +49,10 @@ class ModelConfig:
 class GeneratorConfig:
     """The engine that samples rollouts."""
 
-    engine: str = "hf"  # registered generation engine
+    engine: str = "hf"  # registered generation engine: hf (transformers' forward, token by token) | rollout (continuous batching over a KV cache, generation/rollout.py)
     split_across_ranks: bool = True  # under torchrun each process generates a contiguous share of every engine call and the outputs are all-gathered (aligner_ext/generation/sharded.py); false: every process generates everything
     hf: HFEngineConfig = field(default_factory=HFEngineConfig)  # settings of the HF engine
+    rollout: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)  # settings of the rollout engine
 
 
 @dataclass

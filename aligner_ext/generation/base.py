@@ -22,7 +22,9 @@ class SamplingParams:
     max_new_tokens: int = 32  # response length cap, in tokens
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus sampling mass; 1.0 disables it
+    top_k: int = 0  # sample among the k most likely tokens only; 0 disables it
     stop: list[str] = field(default_factory=list)  # stop strings, kept in the output
+    stop_token_ids: list[int] = field(default_factory=list)  # ids that end a sequence ("stop"), kept in the output; unlike EOS, not affected by ignore_eos
     return_logprobs: bool = False  # return the sampling log-prob of every generated token
     seed: int | None = None  # seeds this call's sampling; None draws from the global torch RNG
     ignore_eos: bool = False  # an EOS id does not end a sequence (benchmarks: every response runs to max_new_tokens unless a stop string ends it)
@@ -33,7 +35,7 @@ class GenerationOutput:
     """One generated sequence."""
 
     token_ids: list[int]  # generated ids, EOS and the tokens completing a stop string included
-    finish_reason: str  # "stop" (a stop string), "eos" (end-of-sequence token), "length" (cap reached)
+    finish_reason: str  # "stop" (a stop string or stop token id), "eos" (end-of-sequence token), "length" (cap reached)
     # per generated token: its log-prob under the distribution it was drawn from (after temperature
     # and top-p); greedy decoding reports the temperature-1 log-softmax
     logprobs: list[float] | None = None

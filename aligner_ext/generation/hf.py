@@ -10,10 +10,12 @@ Per chunk of at most `cfg.batch_size` prompts:
      step feeds only the newest token, its position (previous + 1) and a mask grown by one column;
   3. each step samples from the float32 logits of the last column:
        temperature 0:  x = argmax(z)
-       otherwise:      p = softmax(z / T); top-p keeps the smallest set of most likely tokens whose
-                       mass reaches top_p (always at least one), renormalised; x ~ p
-  4. a row finishes on an EOS id ("eos", EOS kept; unless `params.ignore_eos`), on a token that completes a stop string
-     ("stop", kept, see stopping.py), or at max_new_tokens ("length"). Finished rows are fed pad
+       otherwise:      p = softmax(z / T); top-k keeps the k most likely tokens, then top-p the
+                       smallest set of most likely tokens whose mass reaches top_p (always at least
+                       one), renormalised; x ~ p
+  4. a row finishes on an EOS id ("eos", EOS kept; unless `params.ignore_eos`), on a stop token id
+     or a token that completes a stop string ("stop", kept, see stopping.py), or at max_new_tokens
+     ("length"). Finished rows are fed pad
      tokens that are never returned; the loop ends when every row has finished.
 
 Decisions:
@@ -83,7 +85,7 @@ class HFGenerationEngine(GenerationEngine):
     def update_weights(self, policy_model) -> None:
         """Keep a reference to the policy's module (shared memory: nothing is copied)."""
         self.model = policy_model
-        self.eos_ids = _eos_ids(self.tokenizer, policy_model)
+        self.eos_ids = eos_ids_of(self.tokenizer, policy_model)
         if not self.eos_ids:
             logger.warning("no EOS id on the tokenizer or generation_config: sequences end only by "
                            "stop string or max_new_tokens")
@@ -91,7 +93,7 @@ class HFGenerationEngine(GenerationEngine):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         """Continue every prompt once; output i belongs to prompt i."""
-        _check_request(prompts, params)
+        check_request(prompts, params)
         if not prompts:
             return []
         device = _device_of(self.model)
@@ -130,7 +132,7 @@ class HFGenerationEngine(GenerationEngine):
                 if reasons[row] is None:
                     tokens[row].append(token)
                     logprobs[row].append(logprob)
-                    reasons[row] = self._finish_reason(tokens[row], matcher, params.ignore_eos)
+                    reasons[row] = self._finish_reason(tokens[row], matcher, params)
             if all(reason is not None for reason in reasons) or step + 1 == params.max_new_tokens:
                 break
             finished = torch.tensor([reason is not None for reason in reasons], device=device)
@@ -172,13 +174,8 @@ class HFGenerationEngine(GenerationEngine):
         cache.batch_select_indices(expand)
         return out.logits[:, -1, :].float()[expand], cache
 
-    def _finish_reason(self, generated: list[int], matcher: StopStringMatcher, ignore_eos: bool) -> str | None:
-        """The finish reason ("eos" or "stop") if the newest token ends the sequence, else None."""
-        if not ignore_eos and generated[-1] in self.eos_ids:
-            return "eos"
-        if matcher and matcher.completed_by_last_token(generated):
-            return "stop"
-        return None
+    def _finish_reason(self, generated: list[int], matcher: StopStringMatcher, params: SamplingParams) -> str | None:
+        return finish_reason(generated, self.eos_ids, matcher, params)
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams,
@@ -195,11 +192,24 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
         token_ids = logits.argmax(dim=-1)
         log_probs = torch.log_softmax(logits, dim=-1)
     else:
-        log_probs = torch.log_softmax(logits / params.temperature, dim=-1)
+        scaled = logits / params.temperature
+        if 0 < params.top_k < scaled.shape[-1]:
+            scaled = scaled.masked_fill(scaled < scaled.topk(params.top_k, dim=-1).values[:, -1:], float("-inf"))
+        log_probs = torch.log_softmax(scaled, dim=-1)
         if params.top_p < 1.0:
             log_probs = nucleus(log_probs, params.top_p)
         token_ids = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
     return token_ids, log_probs.gather(-1, token_ids[:, None]).squeeze(-1)
+
+
+def finish_reason(generated: list[int], eos_ids: set[int], matcher: StopStringMatcher,
+                  params: SamplingParams) -> str | None:
+    """The finish reason ("eos" or "stop") if the newest of `generated` ends the sequence, else None."""
+    if not params.ignore_eos and generated[-1] in eos_ids:
+        return "eos"
+    if generated[-1] in params.stop_token_ids or (matcher and matcher.completed_by_last_token(generated)):
+        return "stop"
+    return None
 
 
 def nucleus(log_probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -217,7 +227,7 @@ def nucleus(log_probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept - kept.logsumexp(dim=-1, keepdim=True)
 
 
-def _eos_ids(tokenizer, model) -> set[int]:
+def eos_ids_of(tokenizer, model) -> set[int]:
     """The tokenizer's EOS id and any in the model's generation_config."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     generation_config = getattr(model, "generation_config", None)
@@ -232,7 +242,7 @@ def _device_of(model) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-def _check_request(prompts: list[list[int]], params: SamplingParams) -> None:
+def check_request(prompts: list[list[int]], params: SamplingParams) -> None:
     """Reject requests the loop cannot serve, naming the offending field or prompt."""
     if params.max_new_tokens < 1:
         raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
@@ -240,6 +250,8 @@ def _check_request(prompts: list[list[int]], params: SamplingParams) -> None:
         raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
     if not 0 < params.top_p <= 1:
         raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise ValueError(f"SamplingParams.top_k must be >= 0, got {params.top_k}")
     for index, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")

@@ -1,0 +1,71 @@
+"""Token sampling with one random stream per request, so a request's tokens do not depend on which
+other requests share its batch (continuous batching changes that from step to step).
+
+Each draw uses one uniform number per row, computed from (request seed, token index) by a counter-
+based hash (SplitMix64's finaliser on int64 tensors), and inverts the row's cumulative distribution:
+
+    p = softmax(filter(z / T))            top-k, then top-p (nucleus, as `hf.nucleus`), renormalised
+    x = first token whose cumulative p exceeds u * sum(p),   u = hash(seed, index) in [0, 1)
+
+Temperature 0 is greedy (argmax). The log-prob returned is that of the chosen token under the
+distribution it was drawn from (after temperature, top-k and top-p); greedy reports the
+temperature-1 log-softmax, as the HF engine does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aligner_ext.generation.hf import nucleus
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's `>>` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One float64 in [0, 1) per row from int64 `seeds` and `counters` [B] (wrapping int64 arithmetic)."""
+    x = seeds * _GOLDEN + (counters + 1) * _MIX2
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x ^ _shift_right(x, 31)
+    return _shift_right(x, 11).double() / float(1 << 53)
+
+
+def request_seed(call_seed: int, index: int) -> int:
+    """The stream of request `index` of a call seeded `call_seed` (distinct for distinct pairs)."""
+    return _signed(call_seed * 0x100000001B3 + index)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seeds: torch.Tensor,
+           counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [B] and their log-probs [B] from float32 `logits` [B, V]; `seeds`, `counters` [B] int64."""
+    if temperature == 0:
+        token_ids = logits.argmax(dim=-1)
+        log_probs = torch.log_softmax(logits, dim=-1)
+        return token_ids, log_probs.gather(-1, token_ids[:, None]).squeeze(-1)
+    scaled = logits / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        log_probs = nucleus(log_probs, top_p)
+    cumulative = log_probs.exp().cumsum(dim=-1)
+    draws = uniform(seeds, counters).to(cumulative.dtype)[:, None] * cumulative[:, -1:]
+    token_ids = torch.searchsorted(cumulative, draws, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    return token_ids, log_probs.gather(-1, token_ids[:, None]).squeeze(-1)

@@ -1,0 +1,185 @@
+"""The rollout engine (generation/rollout.py) against the HF engine, the reference: float32 greedy
+tokens and finishes identical on ragged batches for every supported architecture, whatever the slot
+count and prefill sharing; sampling that follows the model's distribution and does not depend on the
+batch; stops, EOS, stop ids, max tokens and ignore_eos; clear configuration errors."""
+
+import math
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from aligner_ext.generation.base import SamplingParams
+from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
+from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
+from aligner_ext.generation.sampler import request_seed, uniform
+from aligner_ext.models.tiny import TinyModelConfig, build_tiny_model
+
+TEXTS = ["hello there", "a", "what is 2+2?", "xyzxyzxyzxyz", "hello there", "Q: name a colour."]
+
+
+def small_llama(tokenizer):
+    shape = TinyModelConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=1)
+    return build_tiny_model(tokenizer, shape).eval()
+
+
+def small_qwen(tokenizer, config_class, model_class, **extra):
+    torch.manual_seed(2)
+    config = config_class(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=128, head_dim=16, tie_word_embeddings=True,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **extra)
+    return model_class(config).eval()
+
+
+def prompts_of(tokenizer, texts=TEXTS):
+    return [tokenizer.encode(text) for text in texts]
+
+
+def rollout(model, tokenizer, **cfg):
+    return RolloutEngine(model, tokenizer, RolloutEngineConfig(**cfg))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("slots,share", [(64, True), (2, True), (3, False)])
+def test_greedy_matches_the_hf_engine_on_ragged_prompts(tiny_tokenizer, architecture, slots, share):
+    tok = tiny_tokenizer
+    model = {"llama": lambda: small_llama(tok),
+             "qwen2": lambda: small_qwen(tok, Qwen2Config, Qwen2ForCausalLM),
+             "qwen3": lambda: small_qwen(tok, Qwen3Config, Qwen3ForCausalLM)}[architecture]()
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, return_logprobs=True)
+    expected = HFGenerationEngine(model, tok, HFEngineConfig()).generate(prompts_of(tok), params)
+    outputs = rollout(model, tok, max_batch_size=slots, share_prompt_prefill=share).generate(prompts_of(tok), params)
+    assert [o.token_ids for o in outputs] == [e.token_ids for e in expected]
+    assert [o.finish_reason for o in outputs] == [e.finish_reason for e in expected]
+    for output, reference in zip(outputs, expected):
+        assert output.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+
+
+def test_sampled_tokens_do_not_depend_on_slots_or_prefill_sharing(tiny_tokenizer):
+    model = small_llama(tiny_tokenizer)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.95, seed=11, return_logprobs=True)
+    runs = [rollout(model, tiny_tokenizer, max_batch_size=slots, share_prompt_prefill=share)
+            .generate(prompts_of(tiny_tokenizer), params) for slots, share in ((64, True), (1, False), (4, True))]
+    for other in runs[1:]:
+        assert [o.token_ids for o in other] == [o.token_ids for o in runs[0]]
+        for output, first in zip(other, runs[0]):
+            assert output.logprobs == pytest.approx(first.logprobs, abs=1e-5)
+    # the two requests of "hello there" draw from their own streams
+    assert runs[0][0].token_ids != runs[0][4].token_ids
+
+
+def test_seeds_reproduce_and_differ(tiny_tokenizer):
+    engine = rollout(small_llama(tiny_tokenizer), tiny_tokenizer)
+    prompts = prompts_of(tiny_tokenizer)
+
+    def tokens(seed):
+        return [o.token_ids for o in engine.generate(prompts, SamplingParams(max_new_tokens=8, seed=seed))]
+
+    assert tokens(5) == tokens(5)
+    assert tokens(5) != tokens(6)
+
+
+def reference_distribution(model, prompt, temperature, top_k, top_p):
+    """The next-token distribution after temperature, top-k and top-p, in float64, written out here."""
+    with torch.no_grad():
+        logits = model.double()(input_ids=torch.tensor([prompt])).logits[0, -1]
+    model.float()
+    probs = torch.softmax(logits / temperature, dim=-1)
+    order = probs.argsort(descending=True).tolist()[:top_k]  # top-k first, then top-p on the k renormalised
+    top_k_mass = sum(probs[token].item() for token in order)
+    kept, mass = [], 0.0
+    for token in order:
+        if mass >= top_p:
+            break
+        kept.append(token)
+        mass += probs[token].item() / top_k_mass
+    return {token: probs[token].item() / top_k_mass / mass for token in kept}
+
+
+def test_sampled_first_tokens_follow_the_filtered_distribution(tiny_tokenizer):
+    model = small_llama(tiny_tokenizer)
+    prompt = tiny_tokenizer.encode("the colour is")
+    temperature, top_k, top_p, draws = 1.5, 12, 0.9, 4000
+    expected = reference_distribution(model, prompt, temperature, top_k, top_p)
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=1,
+                            return_logprobs=True)
+    outputs = rollout(model, tiny_tokenizer, max_batch_size=512).generate([prompt] * draws, params)
+    counts = {}
+    for output in outputs:
+        token = output.token_ids[0]
+        counts[token] = counts.get(token, 0) + 1
+        assert output.logprobs[0] == pytest.approx(math.log(expected[token]), abs=1e-4)
+    assert set(counts) <= set(expected)  # never outside the top-k and nucleus set
+    # Pearson's chi-square over the kept tokens; with k - 1 degrees of freedom it has mean k - 1 and
+    # variance 2(k - 1): six standard deviations above the mean is a failure far beyond chance
+    chi_square = sum((counts.get(t, 0) - draws * p) ** 2 / (draws * p) for t, p in expected.items())
+    freedom = len(expected) - 1
+    assert freedom >= 3
+    assert chi_square < freedom + 6 * math.sqrt(2 * freedom)
+
+
+def test_stops_eos_stop_ids_length_and_ignore_eos_match_the_hf_engine(tiny_tokenizer):
+    tok = tiny_tokenizer
+    model = small_llama(tok)
+    prompts = prompts_of(tok)
+    free_run = HFGenerationEngine(model, tok, HFEngineConfig()).generate(
+        prompts, SamplingParams(max_new_tokens=16, temperature=0.0))
+    first = free_run[0].token_ids
+    # a stop string made of generated tokens 3-4 of the first prompt, and token 6 of the second as a stop id
+    stop_text = tok.decode(first[3:5])
+    stop_id = free_run[2].token_ids[6]
+    for params in (SamplingParams(max_new_tokens=16, temperature=0.0, stop=[stop_text], stop_token_ids=[stop_id]),
+                   SamplingParams(max_new_tokens=5, temperature=0.0)):
+        expected = HFGenerationEngine(model, tok, HFEngineConfig()).generate(prompts, params)
+        outputs = rollout(model, tok, max_batch_size=3).generate(prompts, params)
+        assert [(o.token_ids, o.finish_reason) for o in outputs] == [(e.token_ids, e.finish_reason) for e in expected]
+    stopped = rollout(model, tok).generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.0,
+                                                                    stop=[stop_text]))
+    assert stopped[0].finish_reason == "stop" and tok.decode(stopped[0].token_ids).endswith(stop_text)
+    assert len(stopped[0].token_ids) <= 5
+    # EOS: make the last of the first prompt's greedy tokens the end-of-sequence id
+    model.generation_config.eos_token_id = first[-1]
+    engine = rollout(model, tok)
+    ended = engine.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=0.0))
+    end = first.index(first[-1]) + 1
+    assert (ended[0].token_ids, ended[0].finish_reason) == (first[:end], "eos")
+    kept_on = engine.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    assert (kept_on[0].token_ids, kept_on[0].finish_reason) == (first, "length")
+
+
+def test_the_engine_samples_the_current_weights_without_a_copy(tiny_tokenizer):
+    model = small_llama(tiny_tokenizer)
+    engine = rollout(model, tiny_tokenizer)
+    prompt = prompts_of(tiny_tokenizer)[:1]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    before = engine.generate(prompt, params)[0].token_ids
+    torch.manual_seed(3)
+    with torch.no_grad():  # an "optimizer step", in place
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    after = engine.generate(prompt, params)[0].token_ids
+    assert after != before
+    assert after == HFGenerationEngine(model, tiny_tokenizer, HFEngineConfig()).generate(prompt, params)[0].token_ids
+
+
+def test_counter_based_uniforms():
+    seeds = torch.tensor([request_seed(7, i) for i in range(2000)])
+    values = uniform(seeds, torch.zeros_like(seeds))
+    assert values.min() >= 0 and values.max() < 1
+    assert len(set(values.tolist())) == 2000
+    assert abs(values.mean().item() - 0.5) < 0.03  # standard error of the mean: 0.0065
+    assert torch.equal(values, uniform(seeds, torch.zeros_like(seeds)))
+    assert not torch.equal(values, uniform(seeds, torch.ones_like(seeds)))
+
+
+def test_configuration_errors(tiny_tokenizer):
+    model = small_llama(tiny_tokenizer)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        rollout(model, tiny_tokenizer, max_batch_size=0)
+    with pytest.raises(ValueError, match="kv_cache_memory_share"):
+        rollout(model, tiny_tokenizer, kv_cache_memory_share=0.0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="generator.engine=hf"):
+        rollout(gpt2, tiny_tokenizer)
+    with pytest.raises(ValueError, match="top_k"):
+        rollout(model, tiny_tokenizer).generate([[5]], SamplingParams(top_k=-1))
