@@ -47,7 +47,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus mass; 1.0 disables it
     max_response_length: int = 32  # response cap, in tokens
     stop: list[str] = field(default_factory=list)  # stop strings, kept in the response
-    return_logprobs: bool = False  # keep the engine's sampling log-probs (diagnostics only)
+    return_logprobs: bool = True  # keep the engine's sampling log-probs: each step logs their gap to the trainer's (rollout/logprob_diff_mean, _max)
     ignore_eos: bool = False  # sampled EOS ids do not end a response, so each runs to max_response_length (benchmarks: equal work on every system; stop strings still end one)
 
 

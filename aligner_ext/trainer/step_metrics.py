@@ -1,4 +1,5 @@
-"""Per-step metrics computed from the experience batch (rewards, lengths, advantages)."""
+"""Per-step metrics computed from the experience batch (rewards, lengths, advantages, and the gap
+between the engine's sampling log-probs and the trainer's)."""
 
 from __future__ import annotations
 
@@ -33,4 +34,19 @@ def batch_metrics(batch: ExperienceBatch) -> dict[str, float]:
         "batch/num_samples": float(len(batch)),
         "batch/num_groups": float(len(agree)),
     }
+    metrics.update(logprob_mismatch(batch))
     return metrics
+
+
+def logprob_mismatch(batch: ExperienceBatch) -> dict[str, float]:
+    """|engine log-prob - trainer log-prob| over the generated tokens, mean and max (when the engine
+    returned its log-probs, `rollout.return_logprobs`). The two differ by the engine's and the
+    trainer's numerics, by top-p / top-k (the engine reports the filtered distribution), and under
+    the graded system prompt by design (the engine saw another prompt)."""
+    if batch.generation_logprobs is None or batch.old_logprobs is None:
+        return {}
+    valid = batch.response_valid
+    gap = (batch.generation_logprobs - batch.old_logprobs).abs()[valid]
+    if not gap.numel():
+        return {}
+    return {"rollout/logprob_diff_mean": float(gap.mean()), "rollout/logprob_diff_max": float(gap.max())}

@@ -34,6 +34,8 @@ def test_variant_trains_with_the_rollout_engine(tmp_path, variant):
         assert records[1]["dynamic_sampling/generated_groups"] >= 4
     else:
         assert records[1]["batch/num_samples"] > 0 and "actor/grad_norm" in records[1]
+    if variant == "grpo":  # float32, temperature 1, no top-p: the engine's log-probs are the trainer's
+        assert records[1]["rollout/logprob_diff_max"] < 1e-4
 
 
 @pytest.mark.parametrize("variant", ["grpo", "mtpo"])
