@@ -7,8 +7,9 @@ One call runs, each in its own process and one after another (the device otherwi
   1. the reference worker: writes the workspace (random-weight model from a config, tokenizer, prompt
      rows, log-prob probe), measures the matrix rate and the copy bandwidth, and the float32
      log-probs of the probe;
-  2. every system of --systems (ours: scripts/bench/grpo_step_ours.py; trl_default, trl_fast, trl_cb:
-     scripts/bench/grpo_step_trl.py): `--warmup` steps, then `--steps` measured steps;
+  2. every system of --systems (ours, and ours_rollout with `generator.engine=rollout`:
+     scripts/bench/grpo_step_ours.py; trl_default, trl_fast, trl_cb: scripts/bench/grpo_step_trl.py):
+     `--warmup` steps, then `--steps` measured steps;
   3. every variant of --variants on our loop (`--variant-steps` measured steps each);
 then prints and writes `grpo_step.md` and `grpo_step.json` under --out.
 
@@ -48,7 +49,7 @@ sys.path.insert(0, str(HERE))
 
 from grpo_step_lib import PRESETS, Preset, write_json, write_workspace  # noqa: E402
 
-SYSTEMS = ("ours", "trl_default", "trl_fast", "trl_cb")
+SYSTEMS = ("ours", "ours_rollout", "trl_default", "trl_fast", "trl_cb")  # ours_rollout: generator.engine=rollout
 VARIANTS = ("dapo", "cpo", "mtpo", "graded_prompt")
 PHASES = ("generation", "logprobs", "train", "weight_sync", "rewards", "other")
 
@@ -184,7 +185,7 @@ def summarise(result: dict, preset: Preset, floor: dict, hardware: dict) -> dict
     phases = {phase: statistics.median(step["phases_s"].get(phase, 0.0) for step in measured) for phase in PHASES}
     peaks = {phase: max(step["peak_gib"].get(phase, 0.0) for step in measured) for phase in PHASES}
     sequences = preset.prompts * preset.n
-    if result["system"] == "ours":
+    if result["system"].startswith("ours"):
         calls = [call for step in measured for call in step["generate_calls"]]
         lengths = (min(c["min_length"] for c in calls), max(c["max_length"] for c in calls))
         generated = statistics.median(sum(c["tokens"] for c in step["generate_calls"]) for step in measured)
@@ -320,8 +321,10 @@ def main() -> None:
               "logprob_check": {}, "failures": {},
               "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     for system in [s for s in args.systems.split(",") if s]:
-        script = "grpo_step_ours.py" if system == "ours" else "grpo_step_trl.py"
-        extra = [] if system == "ours" else ["--mode", system.removeprefix("trl_")]
+        if system.startswith("ours"):
+            script, extra = "grpo_step_ours.py", ["--engine", "rollout" if system == "ours_rollout" else "hf"]
+        else:
+            script, extra = "grpo_step_trl.py", ["--mode", system.removeprefix("trl_")]
         result, why = run_worker(system, [sys.executable, str(HERE / script), *common, *extra, "--steps", str(args.steps),
                                      "--out", str(args.out / f"{system}.json")], args.out, left())
         if result is None:

@@ -30,7 +30,7 @@ VARIANT_OVERRIDES = {  # what each variant overlay needs beyond the shared workl
 }
 
 
-def overrides(preset: Preset, workspace: Path, variant: str, lr: float) -> list[str]:
+def overrides(preset: Preset, workspace: Path, variant: str, lr: float, engine: str) -> list[str]:
     sequences = preset.prompts * preset.n
     common = [
         f"model.path={workspace / 'model'}", f"data.train_files=[{workspace / 'rows.jsonl'}]",
@@ -38,8 +38,9 @@ def overrides(preset: Preset, workspace: Path, variant: str, lr: float) -> list[
         f"rollout.n={preset.n}", f"rollout.max_response_length={preset.response_length}", "rollout.ignore_eos=true",
         f"+reward.sources.{DATA_SOURCE}=grpo_step_lib:score", "loss.kl_coef=0.0",
         f"policy.device={preset.device}", f"policy.micro_batch_size={preset.micro_batch}", f"policy.optim.lr={lr}",
-        f"generator.hf.batch_size={max(sequences, 1)}",
-        f"trainer.output_dir={workspace / 'runs'}", f"trainer.run_name=ours_{variant}", "trainer.progress_bar=false",
+        f"generator.engine={engine}", f"generator.hf.batch_size={sequences}",
+        f"generator.rollout.max_batch_size={sequences}",
+        f"trainer.output_dir={workspace / 'runs'}", f"trainer.run_name=ours_{engine}_{variant}", "trainer.progress_bar=false",
         "trainer.tensorboard=false",
     ]
     if variant == "mtpo":  # G = 2 answers of the full length, H = 4 confidences of half of it
@@ -99,6 +100,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--engine", default="hf", help="generator.engine")
     args = parser.parse_args()
 
     from aligner_ext.config import load_config
@@ -107,7 +109,8 @@ def main() -> None:
     from aligner_ext.trainer.metrics import StageTimer
 
     preset = Preset(**json.loads((args.workspace / "preset.json").read_text())["preset"])
-    cfg = load_config("base", overrides(preset, args.workspace, args.variant, args.lr))
+    settings = overrides(preset, args.workspace, args.variant, args.lr, args.engine)
+    cfg = load_config("base", settings)
     torch.manual_seed(cfg.trainer.seed)
     parts = build_components(cfg, args.workspace / "runs" / cfg.trainer.run_name)
     probe = probe_logprobs(parts.policy, args.workspace / "probe.pt")
@@ -134,12 +137,12 @@ def main() -> None:
         record["trained_tokens"] = int((batch.prompt_mask.sum() + batch.response_valid.sum()).item()) if len(batch) else 0
         record["metrics"] = {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
         steps.append(record)
-        print(f"[ours {args.variant}] step {step}: {record['step_s']:.2f} s "
+        print(f"[ours {args.engine} {args.variant}] step {step}: {record['step_s']:.2f} s "
               + " ".join(f"{k}={v:.2f}" for k, v in sorted(record["phases_s"].items())), flush=True)
     parts.rewards.close()
     write_json(args.out, {
-        "system": "ours", "variant": args.variant, "startup_s": startup_s, "warmup_steps": args.warmup,
-        "steps": steps, "settings": {"overrides": overrides(preset, args.workspace, args.variant, args.lr),
+        "system": "ours" if args.engine == "hf" else f"ours_{args.engine}", "variant": args.variant, "startup_s": startup_s, "warmup_steps": args.warmup,
+        "steps": steps, "settings": {"overrides": settings,
                                      "policy_dtype": str(parts.policy.model.dtype),
                                      "forward_passes_per_step": "1 log-prob forward + 1 training forward/backward"},
     })
