@@ -27,6 +27,7 @@ setup(
         "megatron": ["megatron-core>=0.16,<0.17", "psutil>=5.9"],  # psutil: dist_checkpointing's file writer
         "vllm": ["vllm>=0.8"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+        "bench": ["trl==1.16.0", "datasets>=4.7"],  # scripts/bench/grpo_step.py's TRL side
     },
     entry_points={"console_scripts": ["aligner-ext=aligner_ext.cli:main"]},
 )
