@@ -132,7 +132,7 @@ class HFGenerationEngine(GenerationEngine):
                 if reasons[row] is None:
                     tokens[row].append(token)
                     logprobs[row].append(logprob)
-                    reasons[row] = self._finish_reason(tokens[row], matcher, params)
+                    reasons[row] = finish_reason(tokens[row], self.eos_ids, matcher, params)
             if all(reason is not None for reason in reasons) or step + 1 == params.max_new_tokens:
                 break
             finished = torch.tensor([reason is not None for reason in reasons], device=device)
@@ -174,9 +174,6 @@ class HFGenerationEngine(GenerationEngine):
         cache.batch_select_indices(expand)
         return out.logits[:, -1, :].float()[expand], cache
 
-    def _finish_reason(self, generated: list[int], matcher: StopStringMatcher, params: SamplingParams) -> str | None:
-        return finish_reason(generated, self.eos_ids, matcher, params)
-
 
 def sample_next(logits: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,12 +189,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
         token_ids = logits.argmax(dim=-1)
         log_probs = torch.log_softmax(logits, dim=-1)
     else:
-        scaled = logits / params.temperature
-        if 0 < params.top_k < scaled.shape[-1]:
-            scaled = scaled.masked_fill(scaled < scaled.topk(params.top_k, dim=-1).values[:, -1:], float("-inf"))
-        log_probs = torch.log_softmax(scaled, dim=-1)
-        if params.top_p < 1.0:
-            log_probs = nucleus(log_probs, params.top_p)
+        log_probs = filtered_log_probs(logits, params.temperature, params.top_k, params.top_p)
         token_ids = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
     return token_ids, log_probs.gather(-1, token_ids[:, None]).squeeze(-1)
 
@@ -210,6 +202,16 @@ def finish_reason(generated: list[int], eos_ids: set[int], matcher: StopStringMa
     if generated[-1] in params.stop_token_ids or (matcher and matcher.completed_by_last_token(generated)):
         return "stop"
     return None
+
+
+def filtered_log_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Log-probs [B, V] of the distribution sampled from: logits / temperature, then top-k, then
+    top-p, renormalised (-inf outside the kept tokens)."""
+    scaled = logits / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        scaled = scaled.masked_fill(scaled < scaled.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    return nucleus(log_probs, top_p) if top_p < 1.0 else log_probs
 
 
 def nucleus(log_probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -4,7 +4,7 @@ other requests share its batch (continuous batching changes that from step to st
 Each draw uses one uniform number per row, computed from (request seed, token index) by a counter-
 based hash (SplitMix64's finaliser on int64 tensors), and inverts the row's cumulative distribution:
 
-    p = softmax(filter(z / T))            top-k, then top-p (nucleus, as `hf.nucleus`), renormalised
+    p = softmax(filter(z / T))            top-k, then top-p (`hf.filtered_log_probs`), renormalised
     x = first token whose cumulative p exceeds u * sum(p),   u = hash(seed, index) in [0, 1)
 
 Temperature 0 is greedy (argmax). The log-prob returned is that of the chosen token under the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from aligner_ext.generation.hf import nucleus
+from aligner_ext.generation.hf import filtered_log_probs
 
 _MASK64 = (1 << 64) - 1
 
@@ -58,13 +58,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, s
         token_ids = logits.argmax(dim=-1)
         log_probs = torch.log_softmax(logits, dim=-1)
         return token_ids, log_probs.gather(-1, token_ids[:, None]).squeeze(-1)
-    scaled = logits / temperature
-    if 0 < top_k < scaled.shape[-1]:
-        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    log_probs = torch.log_softmax(scaled, dim=-1)
-    if top_p < 1.0:
-        log_probs = nucleus(log_probs, top_p)
+    log_probs = filtered_log_probs(logits, temperature, top_k, top_p)
     cumulative = log_probs.exp().cumsum(dim=-1)
     draws = uniform(seeds, counters).to(cumulative.dtype)[:, None] * cumulative[:, -1:]
     token_ids = torch.searchsorted(cumulative, draws, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)

@@ -168,6 +168,33 @@ def test_top_p_never_samples_outside_the_nucleus(tiny_tokenizer):
     assert abs(share_a - 0.25 / 0.34) < 0.05
 
 
+def test_top_k_then_top_p(tiny_tokenizer):
+    tok = tiny_tokenizer
+    a, b, c, d = ids(tok, "abcd")
+    model = fixed_distribution(dict(zip([a, b, c, d], PROBS)), len(tok))
+    engine = HFGenerationEngine(model, tok, HFEngineConfig())
+    # top-k = 3 keeps a, b, c: 0.5, 0.3, 0.15 over 0.95; then top-p = 0.8 on those: mass ranked above
+    # b is 0.526 < 0.8, above c 0.842, so {a, b} remain, renormalised to 0.5/0.8 and 0.3/0.8
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=3, top_p=0.8, seed=2, return_logprobs=True)
+    outputs = engine.generate([ids(tok, "p")] * 100, params)
+    drawn = [token for o in outputs for token in o.token_ids]
+    assert set(drawn) == {a, b}
+    expected = {a: math.log(0.5 / 0.8), b: math.log(0.3 / 0.8)}
+    for output in outputs:
+        for token, logprob in zip(output.token_ids, output.logprobs):
+            assert logprob == pytest.approx(expected[token], abs=1e-5)
+
+
+def test_stop_token_ids_end_with_stop_and_ignore_eos_does_not_skip_them(tiny_tokenizer):
+    tok = tiny_tokenizer
+    scripts = [ids(tok, "abXcd"), ids(tok, "abcdefgh")]
+    model = scripted(scripts, len(tok), filler=ids(tok, "q")[0])
+    engine = HFGenerationEngine(model, tok, HFEngineConfig())
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=ids(tok, "X"), ignore_eos=True)
+    outputs = engine.generate([ids(tok, "p"), ids(tok, "p")], params)
+    assert [(o.token_ids, o.finish_reason) for o in outputs] == [(ids(tok, "abX"), "stop"), (ids(tok, "abcdef"), "length")]
+
+
 def test_tiny_top_p_keeps_the_most_likely_token(tiny_tokenizer):
     tok = tiny_tokenizer
     a, b, c, d = ids(tok, "abcd")
