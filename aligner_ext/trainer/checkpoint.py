@@ -14,12 +14,18 @@ subdirectory of the temporary directory, which the main process created; after a
 process writes its state, the weights and the tokenizer and renames the directory into place.
 Every process resumes from `trainer_state.pt`, so the number of processes may change between save
 and resume (the Megatron backend reshards its own state: docs/megatron.md).
+
+`trainer_state.pt` is read with `torch.load(weights_only=True)`: tensors, numbers, strings and
+containers, plus the library's own record types (`SAFE_TYPES`: a dynamic-sampling surplus batch).
+Nothing else is unpickled, so a checkpoint handed over by someone else cannot run code on resume;
+the RNG states are saved as plain numbers for that reason.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -29,17 +35,22 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from aligner_ext.batch import ExperienceBatch, SampleInfo
+from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import barrier, is_main_process
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
+SAFE_TYPES = (ExperienceBatch, SampleInfo, PromptRow)  # the classes trainer_state.pt may hold
 
 
 def rng_state() -> dict[str, Any]:
     """The RNG states; on a GPU the current device's (under torchrun each rank's GPU draws as rank 0's)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state = (name, keys.tolist(), position, has_gauss, cached_gaussian)  # plain types: no ndarray to unpickle
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -47,10 +58,22 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """`trainer_state.pt` unpickled with torch's weights-only loader and `SAFE_TYPES` allowed."""
+    with torch.serialization.safe_globals(list(SAFE_TYPES)):
+        try:
+            return torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise RuntimeError(f"{path}: refusing to load it, it holds objects other than tensors, numbers, "
+                               f"strings, containers and {', '.join(t.__name__ for t in SAFE_TYPES)} (loading "
+                               f"them could run code); was it written by this library? {err}") from err
 
 
 def _write_text_atomically(path: Path, text: str) -> None:
@@ -129,7 +152,7 @@ class Checkpointer:
             raise RuntimeError(f"checkpoint {path} does not fit the model: {err}") from err
         if missing or unexpected:
             raise RuntimeError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
-        state = torch.load(path / STATE_FILE, weights_only=False)
+        state = load_trainer_state(path / STATE_FILE)
         set_rng_state(state["rng"])
         logger.info("resumed from %s (step %d)", path, state["step"])
         return state

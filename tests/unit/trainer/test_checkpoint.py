@@ -2,6 +2,7 @@
 
 import copy
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,3 +202,34 @@ def test_crash_while_resaving_a_step_recovers_its_previous_copy(tmp_path, tiny_m
     assert not first.exists()
     assert checkpointer.latest() == first
     assert checkpointer.load(first, tiny_model)["marker"] == "first"
+
+
+class Payload:
+    """Unpickling this touches `marker`: what a planted checkpoint would do with arbitrary code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_planted_pickle_payload_never_runs(tmp_path, tiny_model, tiny_tokenizer):
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    path = checkpointer.save(1, tiny_model, tiny_tokenizer, {"loader": 3})
+    marker = tmp_path / "payload_ran"
+    state = torch.load(path / checkpoint_module.STATE_FILE, weights_only=True)
+    torch.save({**state, "loader": Payload(marker)}, path / checkpoint_module.STATE_FILE)
+    with pytest.raises(RuntimeError, match="refusing to load"):
+        checkpointer.load(path, blank_model(tiny_tokenizer))
+    assert not marker.exists()
+    torch.load(path / checkpoint_module.STATE_FILE, weights_only=False)  # the payload is live: unsafe loading runs it
+    assert marker.exists()
+
+
+def test_a_dynamic_sampling_surplus_batch_survives_the_safe_loader(tmp_path, tiny_model, tiny_tokenizer, make_batch):
+    surplus = make_batch([[1, 1, 0]], rewards=[0.5])
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    path = checkpointer.save(1, tiny_model, tiny_tokenizer, {"maker": {"surplus": surplus}})
+    loaded = checkpointer.load(path, blank_model(tiny_tokenizer))["maker"]["surplus"]
+    assert torch.equal(loaded.response_mask, surplus.response_mask) and loaded.samples == surplus.samples
