@@ -15,7 +15,9 @@ into a value (a rubric verdict). `JudgeClient.complete(messages, parse)` adds:
   value is kept (up to `cache_size`, least recently used dropped first) and returned without a
   request. Failures are never cached;
 - the API key is read from the environment variable named by `api_key_env` when the client is
-  built and sent as a Bearer token; it is never logged and never put in an error message or repr.
+  built and sent as a Bearer token; it is never logged and never put in an error message or repr,
+  and text quoted from the server (error bodies, malformed replies) has the key and any Bearer
+  token replaced by `***` first, for servers that echo the request's headers.
   An unset variable sends no Authorization header (local servers such as vLLM need none);
 - clear errors: `JudgeUnavailable` when the endpoint could not be reached (down, refusing,
   timing out) after every attempt, naming the URL and what to check; `JudgeError` for every other
@@ -38,6 +40,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import threading
 import time
 import urllib.error
@@ -48,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 logger = logging.getLogger(__name__)
+_BEARER = re.compile(r"(?i)bearer\s+[^\s\"',;]+")
 
 RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})  # HTTP statuses worth another attempt
 
@@ -175,7 +179,7 @@ class JudgeClient:
                 with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as response:
                     payload = response.read()
             except urllib.error.HTTPError as err:
-                detail = err.read(300).decode("utf-8", "replace").strip()
+                detail = self._redact(err.read(300).decode("utf-8", "replace").strip())
                 if err.code in RETRY_STATUS:
                     raise _Retry(f"HTTP {err.code}: {detail}", unreachable=False) from None
                 hint = f"; check the API key in ${self.cfg.api_key_env}" if err.code in (401, 403) else ""
@@ -186,14 +190,21 @@ class JudgeClient:
         try:
             return json.loads(payload)["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError):
-            raise _Retry(f"malformed chat-completions body: {payload[:200]!r}", unreachable=False) from None
+            quoted = self._redact(payload[:200].decode("utf-8", "replace"))
+            raise _Retry(f"malformed chat-completions body: {quoted!r}", unreachable=False) from None
 
-    @staticmethod
-    def _parse(text: str, parse: Callable[[str], T]) -> T:
+    def _redact(self, text: str) -> str:
+        """`text` from the server with the API key and any Bearer token replaced by ***."""
+        if self._api_key:
+            text = text.replace(self._api_key, "***")
+        return _BEARER.sub("Bearer ***", text)
+
+    def _parse(self, text: str, parse: Callable[[str], T]) -> T:
         try:
             return parse(text)
         except ValueError as err:
-            raise _Retry(f"unusable reply ({err}): {text[:200]!r}", unreachable=False) from None
+            raise _Retry(f"unusable reply ({self._redact(str(err))}): {self._redact(text[:200])!r}",
+                         unreachable=False) from None
 
     def _final_error(self, failures: list[_Retry]) -> JudgeError:
         attempts = len(failures)

@@ -148,6 +148,19 @@ def test_http_401_is_not_retried_and_the_key_never_leaks(serve, caplog):
         assert "sk-secret" not in text
 
 
+@pytest.mark.parametrize("status", [400, 500])
+def test_a_server_echoing_the_key_does_not_leak_it(serve, caplog, status):
+    echo = {"error": "bad request; headers: Authorization: Bearer sk-secret-123, other: Bearer tok-xyz"}
+    server = serve(lambda index, body: (status, echo, 0.0))
+    client = JudgeClient(config(server.url, api_key_env="MY_JUDGE_KEY", max_retries=1),
+                         environ={"MY_JUDGE_KEY": "sk-secret-123"})
+    with caplog.at_level("DEBUG"), pytest.raises(JudgeError) as err:
+        client.complete(ASK, parse_verdict)
+    assert "bad request" in str(err.value) + caplog.text  # the server's words are still shown
+    for text in (str(err.value), caplog.text):
+        assert "sk-secret" not in text and "tok-xyz" not in text
+
+
 def test_no_key_no_authorization_header(serve):
     server = serve(lambda index, body: (200, verdict(False), 0.0))
     JudgeClient(config(server.url, api_key_env="ABSENT_KEY"), environ={}).complete(ASK, parse_verdict)
