@@ -130,6 +130,9 @@ class GroupAdvantage:
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "GroupAdvantage":
+        if ctx.cfg.rollout.n < 2:
+            raise ValueError(f"rollout.n={ctx.cfg.rollout.n}: group-normalised advantages need at least 2 samples "
+                             "per prompt (a group of one has advantage 0, so nothing would be trained)")
         return cls(ctx.cfg.advantage)
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor:

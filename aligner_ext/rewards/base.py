@@ -55,6 +55,15 @@ def as_result(value: Any) -> RewardResult:
         result = RewardResult(score=float(value))
     else:
         raise TypeError(f"reward function returned {type(value).__name__}; expected RewardResult or float")
-    if not isinstance(result.score, numbers.Real) or not math.isfinite(result.score):
-        raise ValueError(f"reward function returned score {result.score!r}; expected a finite number")
+    if not is_trainable_score(result.score):
+        raise ValueError(f"reward function returned score {result.score!r}; expected a finite number within "
+                         f"float32's range (|score| <= {FLOAT32_MAX:.3g}), as rewards are trained in float32")
     return result
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def is_trainable_score(value: Any) -> bool:
+    """A real number that stays finite in float32 (rewards become float32 tensors)."""
+    return isinstance(value, numbers.Real) and math.isfinite(value) and abs(value) <= FLOAT32_MAX

@@ -62,7 +62,7 @@ from typing import Any, Callable
 
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import map_split
-from aligner_ext.rewards.base import DATA_SOURCES, REWARDS, RewardResult, as_result
+from aligner_ext.rewards.base import DATA_SOURCES, REWARDS, RewardResult, as_result, is_trainable_score
 from aligner_ext.rewards.judge_client import JudgeConfig
 
 logger = logging.getLogger(__name__)
@@ -209,6 +209,8 @@ class RewardManager:
             raise ValueError(f"reward timeout_s must be > 0, got {cfg.timeout_s}")
         if cfg.num_workers < 1:
             raise ValueError(f"reward num_workers must be >= 1, got {cfg.num_workers}")
+        if not is_trainable_score(cfg.fallback_score):
+            raise ValueError(f"reward fallback_score must be a finite float32 number, got {cfg.fallback_score}")
         self.cfg = cfg
         self._functions: dict[str, tuple[str, Callable[..., Any]]] = {}  # data_source -> (reward name, function)
         self._pool: _WorkerPool | None = None

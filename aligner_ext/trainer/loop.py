@@ -102,8 +102,19 @@ def train(cfg: RunConfig) -> RunSummary:
         held_out_before=dict(before), held_out_after=dict(after),
     )
     if is_main_process():
-        (run_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+        (run_dir / "summary.json").write_text(json.dumps(json_safe(summary.__dict__), indent=2, allow_nan=False))
     return summary
+
+
+def json_safe(value):
+    """`value` with every NaN or infinite float replaced by None (JSON has no NaN: strict readers reject it)."""
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def run_means(metrics_path: Path, keys: tuple[str, ...]) -> dict[str, float]:

@@ -13,6 +13,8 @@ from aligner_ext.algorithms.advantages import (
     groups_all_agree,
     zero_std_group_fraction,
 )
+from aligner_ext.config import RunConfig
+from aligner_ext.context import BuildContext
 
 # Three groups spread over the batch: id 7 -> rewards 1,0,0,1; id 2 -> 1,1,1; id 5 -> 0.35,0.35.
 REWARDS = torch.tensor([1.0, 1.0, 0.35, 0.0, 1.0, 0.0, 1.0, 0.35, 1.0])
@@ -100,3 +102,13 @@ def test_bad_input_is_named(make_batch):
         group_stats(torch.zeros(3), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="std_floor"):
         GroupAdvantage(GroupAdvantage.Config(std_floor=0.0))
+
+
+def test_a_group_of_one_is_a_config_error():
+    cfg = RunConfig()
+    cfg.rollout.n = 1
+    with pytest.raises(ValueError, match="rollout.n=1"):
+        GroupAdvantage.from_context(BuildContext(cfg=cfg, tokenizer=None, policy=None, engine=None, rewards=None))
+    cfg.rollout.n = 2
+    assert isinstance(GroupAdvantage.from_context(BuildContext(cfg=cfg, tokenizer=None, policy=None, engine=None,
+                                                               rewards=None)), GroupAdvantage)

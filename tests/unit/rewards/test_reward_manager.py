@@ -146,7 +146,15 @@ def test_close_stops_the_workers():
     assert not is_alive(pid)
 
 
-@pytest.mark.parametrize("field, value", [("timeout_s", 0.0), ("num_workers", 0)])
+def test_a_reward_beyond_float32_falls_back_instead_of_becoming_inf():
+    cfg = RewardConfig(sources={"huge": f"{HELPERS}:return_beyond_float32"}, num_workers=1, fallback_score=-1.0)
+    with RewardManager(cfg) as manager:
+        result = manager.score(["a"], [row("huge")])[0]
+    assert result.score == -1.0 and result.info["error"].startswith("ValueError") and "float32" in result.info["error"]
+
+
+@pytest.mark.parametrize("field, value", [("timeout_s", 0.0), ("num_workers", 0), ("fallback_score", float("nan")),
+                                          ("fallback_score", float("inf")), ("fallback_score", 1e39)])
 def test_invalid_limits_are_rejected(field, value):
     with pytest.raises(ValueError, match=field):
         RewardManager(RewardConfig(**{field: value}))
