@@ -160,7 +160,7 @@ class RolloutEngine(GenerationEngine):
             else:
                 run_row[key] = len(runs)
                 runs.append((prompt, slot))
-            rows.append(run_row[key] if self.cfg.share_prompt_prefill else len(runs) - 1)
+            rows.append(run_row[key])
         width = max(len(prompt) for prompt, _ in runs)
         ids = torch.full((len(runs), width), self.pad_id, dtype=torch.long)
         for row, (prompt, _) in enumerate(runs):
