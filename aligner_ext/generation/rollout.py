@@ -1,4 +1,4 @@
-"""The rollout engine: continuous batching over a preallocated KV cache, on the policy's own modules.
+"""The rollout engine: continuous batching over a preallocated KV cache, on the policy's own weights.
 
 `generate` serves one call at a time, as the loop asks:
   1. allocate a `SlotKVCache` for the call (slots = min(max_batch_size, requests, what fits in
@@ -7,9 +7,14 @@
   2. admit waiting requests, in order, into free slots (lowest first) and prefill them together;
      requests with the same prompt ids in one admission are prefilled once and the KV rows copied
      (`share_prompt_prefill`: a GRPO group's n samples, MTPO's H continuations);
-  3. decode one token for slots [0, highest busy slot]; a finished sequence frees its slot at once
-     and the next waiting request takes it at the next admission;
-  4. repeat until every request has finished.
+  3. decode one token for slots [0, highest busy slot]: the step (decoder, sampler, advancing each
+     slot's token, position and sampling counter) runs on the device from device-resident state;
+     on a GPU it is replayed from a CUDA graph captured per (rows, attended length) bucket, and
+     the host launches the next step before reading this one's tokens (one step of look-ahead),
+     so the GPU never waits for the host's bookkeeping;
+  4. the host reads the sampled tokens, checks finishes for all slots at once (numpy), and frees
+     the slot of a finished sequence; the next waiting request takes it at the next admission. A
+     step launched before the host saw a sequence finish computes one token for it that is dropped.
 
 Sampling (sampler.py) draws each request from its own stream, seeded by (call seed, request index),
 so its tokens do not depend on which requests share its batch, on the slot count or on the
@@ -18,23 +23,28 @@ prefill sharing. Finishing: EOS (unless `ignore_eos`), a stop token id or stop s
 this engine follows token for token (tests/unit/generation/test_rollout_engine.py).
 
 Runs Llama / Qwen2 / Qwen3 decoders (decoder.py) in the policy's dtype: bf16 on a GPU, float32 on
-the CPU. Not yet: CUDA-graph capture of the decode step, paged blocks, a cache kept across calls
-(MTPO's round 2 prefills its prompt + answer again).
+the CPU (no CUDA graphs or compilation there). Not yet: paged blocks, a cache kept
+across calls (MTPO's round 2 prefills its prompt + answer again).
 """
 
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
-from aligner_ext.generation.decoder import HFDecoder
-from aligner_ext.generation.hf import check_request, eos_ids_of, finish_reason
+from aligner_ext.generation.decoder import HFDecoder, SlotKVCache
+from aligner_ext.generation.hf import check_request, eos_ids_of
 from aligner_ext.generation.sampler import request_seed, sample
 from aligner_ext.generation.stopping import StopStringMatcher
+
+SMALL_ROW_BUCKETS = (1, 2, 4, 8)  # CUDA-graph row counts below 16; from 16 on, every multiple of 16
+LOOKAHEAD = 1  # decode steps launched before the host reads a step's tokens
 
 
 @dataclass
@@ -44,37 +54,98 @@ class RolloutEngineConfig:
     max_batch_size: int = 256  # KV-cache slots: sequences decoded together
     kv_cache_memory_share: float = 0.5  # on a GPU, the share of free memory the KV cache may take (fewer slots if it does not fit)
     share_prompt_prefill: bool = True  # prefill identical prompts of one admission once and copy their KV rows
+    cuda_graphs: bool = True  # on a GPU, replay the decode step from CUDA graphs (ignored on the CPU)
+    compile: bool = True  # on a GPU, torch.compile the decode step's layer functions and the sampler (ignored on the CPU)
+    attended_length_step: int = 64  # a decode step attends over the smallest multiple of this many cache positions that covers every sequence
 
 
-@dataclass
-class _Request:
-    """One prompt of a call and what it has generated so far."""
+class _DeviceSlots:
+    """What a decode step reads and advances, one row per KV-cache slot, on the device (static
+    addresses, so CUDA graphs can replay over them), and the host's mirror of the positions."""
 
-    prompt: list[int]
-    seed: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: str | None = None
+    def __init__(self, cache: SlotKVCache, slots: int, vocab_size: int, device: torch.device):
+        self.cache = cache
+        long = dict(dtype=torch.long, device=device)
+        self.ids = torch.zeros(slots, **long)  # the token each slot feeds next
+        self.positions = torch.zeros(slots, **long)  # its position
+        self.seeds = torch.zeros(slots, **long)  # the slot's request's sampling stream
+        self.counters = torch.zeros(slots, **long)  # tokens its request has sampled so far
+        self.logits = torch.empty(slots, vocab_size, dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(slots, **long)  # the step's sampled tokens
+        self.logprobs = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.host_positions = np.zeros(slots, dtype=np.int64)
+
+    def small_state(self) -> list[torch.Tensor]:
+        return [self.ids, self.positions, self.counters]
+
+
+class _DecodeGraphs:
+    """The decode step captured as CUDA graphs, one per (rows bucket, attended length), over one
+    call's `_DeviceSlots` (graphs hold its addresses, so they live as long as the call)."""
+
+    def __init__(self, step, slots: _DeviceSlots, count: int):
+        self.step = step
+        self.slots = slots
+        self.buckets = sorted({b for b in SMALL_ROW_BUCKETS if b < count} | set(range(16, count, 16)) | {count})
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.capture_s = 0.0
+
+    def rows_for(self, rows: int) -> int:
+        return next(bucket for bucket in self.buckets if bucket >= rows)
+
+    def __call__(self, rows: int, attended: int) -> None:
+        graph = self.graphs.get((rows, attended))
+        if graph is None:
+            graph = self._capture(rows, attended)
+        graph.replay()
+
+    def _capture(self, rows: int, attended: int) -> torch.cuda.CUDAGraph:
+        """Run the step once (compiles and tunes kernels for these shapes, then restores the slots'
+        state; the K/V it writes are those the replay writes), then capture it."""
+        started = time.perf_counter()
+        saved = [tensor.clone() for tensor in self.slots.small_state()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.step(rows, attended)
+            for tensor, value in zip(self.slots.small_state(), saved):
+                tensor.copy_(value)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.step(rows, attended)
+        self.pool = graph.pool()
+        self.graphs[rows, attended] = graph
+        self.capture_s += time.perf_counter() - started
+        return graph
 
 
 @ENGINES.register("rollout")
 class RolloutEngine(GenerationEngine):
-    """Continuous-batching generation over the policy's own modules (module docstring)."""
+    """Continuous-batching generation over the policy's own weights (module docstring)."""
 
     def __init__(self, model, tokenizer, cfg: RolloutEngineConfig):
         if cfg.max_batch_size < 1:
             raise ValueError(f"generator.rollout.max_batch_size must be >= 1, got {cfg.max_batch_size}")
         if not 0 < cfg.kv_cache_memory_share <= 1:
             raise ValueError(f"generator.rollout.kv_cache_memory_share must be in (0, 1], got {cfg.kv_cache_memory_share}")
+        if cfg.attended_length_step < 1:
+            raise ValueError(f"generator.rollout.attended_length_step must be >= 1, got {cfg.attended_length_step}")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.last_call: dict = {}  # what the latest call did (decode steps, graphs captured, their time)
         self.update_weights(model)
 
     def update_weights(self, policy_model) -> None:
-        """Run the policy's module itself (nothing is copied)."""
-        self.decoder = HFDecoder(policy_model)
+        """Run the policy's parameters themselves (nothing is copied)."""
         self.model = policy_model
+        self.on_gpu = next(policy_model.parameters()).device.type == "cuda"
+        compile = self.on_gpu and self.cfg.compile
+        if getattr(self, "decoder", None) is None or self.decoder.model is not policy_model:
+            self.decoder = HFDecoder(policy_model, compile=compile)
+            self.sample = torch.compile(sample, dynamic=True) if compile else sample
         self.eos_ids = eos_ids_of(self.tokenizer, policy_model)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
@@ -82,21 +153,18 @@ class RolloutEngine(GenerationEngine):
         if not prompts:
             return []
         call_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        requests = [_Request(list(prompt), request_seed(call_seed, index)) for index, prompt in enumerate(prompts)]
         matcher = StopStringMatcher(params.stop, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
-                self._run(requests, params, matcher)
+                return _Call(self, prompts, params, call_seed, matcher).run()
         finally:
             self.model.train(was_training)
-        return [GenerationOutput(token_ids=r.tokens, finish_reason=r.finish or "length",
-                                 logprobs=r.logprobs if params.return_logprobs else None) for r in requests]
 
-    def _slots(self, count: int, length: int) -> int:
-        """How many sequences the call's cache holds."""
-        slots = min(self.cfg.max_batch_size, count)
+    def slot_count(self, requests: int, length: int) -> int:
+        """How many sequences a call's cache holds."""
+        slots = min(self.cfg.max_batch_size, requests)
         if self.decoder.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.decoder.device)
             fits = int(free * self.cfg.kv_cache_memory_share) // (self.decoder.cache_bytes_per_slot_token() * length)
@@ -107,45 +175,120 @@ class RolloutEngine(GenerationEngine):
             slots = min(slots, fits)
         return slots
 
-    def _run(self, requests: list[_Request], params: SamplingParams, matcher: StopStringMatcher) -> None:
-        length = max(len(r.prompt) for r in requests) + params.max_new_tokens
-        slots = self._slots(len(requests), length)
-        cache = self.decoder.new_cache(slots, length)
+
+class _Call:
+    """One `generate` call: its requests, slots, host bookkeeping and device state."""
+
+    def __init__(self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, call_seed: int,
+                 matcher: StopStringMatcher):
+        self.engine, self.params, self.matcher = engine, params, matcher
+        self.decoder = engine.decoder
+        self.prompts = [list(prompt) for prompt in prompts]
+        self.seeds = [request_seed(call_seed, index) for index in range(len(prompts))]
+        count = len(prompts)
+        self.length = max(map(len, self.prompts)) + params.max_new_tokens
+        self.slot_total = engine.slot_count(count, self.length)
+        # Per request: generated tokens and log-probs so far, how many, and the finish reason.
+        self.tokens = np.zeros((count, params.max_new_tokens), dtype=np.int64)
+        self.logprobs = np.zeros((count, params.max_new_tokens), dtype=np.float32)
+        self.generated = np.zeros(count, dtype=np.int64)
+        self.finish: list[str | None] = [None] * count
+        self.finished = np.zeros(count, dtype=bool)
+        self.eos = np.array(sorted(engine.eos_ids), dtype=np.int64)
+        self.stop_ids = np.array(params.stop_token_ids, dtype=np.int64)
+        # Per slot: the request it holds (-1: free), as the host knows it.
+        self.occupant = np.full(self.slot_total, -1, dtype=np.int64)
+        self.free = list(range(self.slot_total))
+        self.waiting = deque(range(count))
+
+    def run(self) -> list[GenerationOutput]:
         device = self.decoder.device
-        waiting = deque(range(len(requests)))
-        free = list(range(slots))
-        busy: dict[int, int] = {}  # slot -> request index
+        cache = self.decoder.new_cache(self.slot_total, self.length)
+        self.slots = _DeviceSlots(cache, self.slot_total, self.decoder.vocab_size, device)
+        on_gpu = device.type == "cuda"
+        graphs = _DecodeGraphs(self._step, self.slots, self.slot_total) if on_gpu and self.engine.cfg.cuda_graphs else None
+        buffers = [(torch.zeros(self.slot_total, dtype=torch.long, pin_memory=on_gpu),
+                    torch.zeros(self.slot_total, dtype=torch.float32, pin_memory=on_gpu)) for _ in range(LOOKAHEAD + 1)]
+        in_flight: deque = deque()
+        steps = 0
+        while self.waiting or (self.occupant >= 0).any():
+            if self.waiting and self.free:
+                self._admit()
+            busy = np.flatnonzero(self.occupant >= 0)
+            if len(busy):
+                rows = int(busy[-1]) + 1
+                step = self.engine.cfg.attended_length_step
+                attended = min(self.length, -(-(int(self.slots.host_positions[busy].max()) + 1) // step) * step)
+                if graphs is not None:
+                    rows = graphs.rows_for(rows)
+                    graphs(rows, attended)
+                else:
+                    self._step(rows, attended)
+                self.slots.host_positions[:rows] = np.minimum(self.slots.host_positions[:rows] + 1, self.length - 1)
+                host_tokens, host_logprobs = buffers[steps % len(buffers)]
+                host_tokens[:rows].copy_(self.slots.tokens[:rows], non_blocking=on_gpu)
+                host_logprobs[:rows].copy_(self.slots.logprobs[:rows], non_blocking=on_gpu)
+                done = torch.cuda.Event() if on_gpu else None
+                if done is not None:
+                    done.record()
+                in_flight.append((done, host_tokens, host_logprobs, self.occupant[:rows].copy()))
+                steps += 1
+            while len(in_flight) > LOOKAHEAD or (in_flight and not (self.occupant >= 0).any()):
+                self._read_step(*in_flight.popleft())
+        if on_gpu:
+            torch.cuda.synchronize(device)
+        self.engine.last_call = {"decode_steps": steps, "slots": self.slot_total,
+                                 "graphs_captured": len(graphs.graphs) if graphs else 0,
+                                 "graph_capture_s": graphs.capture_s if graphs else 0.0}
+        return [GenerationOutput(token_ids=self.tokens[index, :n].tolist(), finish_reason=self.finish[index] or "length",
+                                 logprobs=self.logprobs[index, :n].tolist() if self.params.return_logprobs else None)
+                for index, n in enumerate(self.generated)]
 
-        def release() -> None:
-            for slot in [slot for slot, index in busy.items() if requests[index].finish is not None]:
-                del busy[slot]
-                heapq.heappush(free, slot)
+    def _step(self, rows: int, attended: int) -> None:
+        """Decode, sample and advance slots [0, rows) on the device (what the CUDA graphs capture)."""
+        slots, params = self.slots, self.params
+        logits = self.decoder.decode(slots.ids[:rows], slots.positions[:rows], slots.cache, attended,
+                                     out=slots.logits[:rows])
+        tokens, logprobs = self.engine.sample(logits, params.temperature, params.top_p, params.top_k,
+                                              slots.seeds[:rows], slots.counters[:rows])
+        slots.tokens[:rows].copy_(tokens)
+        slots.logprobs[:rows].copy_(logprobs)
+        slots.ids[:rows].copy_(tokens)
+        slots.positions[:rows].add_(1).clamp_(max=self.length - 1)
+        slots.counters[:rows].add_(1)
 
-        while waiting or busy:
-            release()
-            admitted = []
-            while waiting and free:
-                admitted.append((waiting.popleft(), heapq.heappop(free)))
-            if admitted:
-                logits = self._prefill(requests, admitted, cache)
-                busy.update({slot: index for index, slot in admitted})
-                self._sample(requests, [index for index, _ in admitted], logits, params, matcher)
-                release()
-            if not busy:
-                continue
-            rows = max(busy) + 1
-            ids = torch.full((rows,), self.pad_id, dtype=torch.long)
-            positions = torch.zeros(rows, dtype=torch.long)
-            for slot, index in busy.items():
-                request = requests[index]
-                ids[slot] = request.tokens[-1]
-                positions[slot] = len(request.prompt) + len(request.tokens) - 1
-            logits = self.decoder.decode(ids.to(device), positions.to(device), cache)
-            order = sorted(busy)
-            self._sample(requests, [busy[slot] for slot in order], logits[torch.tensor(order, device=device)],
-                         params, matcher)
+    def _read_step(self, done, host_tokens, host_logprobs, occupants: np.ndarray) -> None:
+        """Take a launched step's tokens for the requests that had not finished when it was launched."""
+        if done is not None:
+            done.synchronize()
+        rows = np.flatnonzero(occupants >= 0)
+        rows = rows[~self.finished[occupants[rows]]]
+        if len(rows):
+            self._accept(occupants[rows], host_tokens.numpy()[rows], host_logprobs.numpy()[rows])
 
-    def _prefill(self, requests: list[_Request], admitted: list[tuple[int, int]], cache) -> torch.Tensor:
+    def _admit(self) -> None:
+        """Prefill waiting requests into free slots and sample their first tokens."""
+        admitted = []
+        while self.waiting and self.free:
+            admitted.append((self.waiting.popleft(), heapq.heappop(self.free)))
+        device = self.decoder.device
+        indices = [index for index, _ in admitted]
+        slot_ids = torch.tensor([slot for _, slot in admitted], device=device)
+        logits = self._prefill(admitted)
+        seeds = torch.tensor([self.seeds[index] for index in indices], dtype=torch.long, device=device)
+        tokens, logprobs = sample(logits, self.params.temperature, self.params.top_p, self.params.top_k, seeds,
+                                  torch.zeros_like(seeds))
+        slots = self.slots
+        slots.ids[slot_ids] = tokens
+        slots.positions[slot_ids] = torch.tensor([len(self.prompts[index]) for index in indices], device=device)
+        slots.seeds[slot_ids] = seeds
+        slots.counters[slot_ids] = 1
+        for index, slot in admitted:
+            self.occupant[slot] = index
+            slots.host_positions[slot] = len(self.prompts[index])
+        self._accept(np.array(indices), tokens.cpu().numpy(), logprobs.float().cpu().numpy())
+
+    def _prefill(self, admitted: list[tuple[int, int]]) -> torch.Tensor:
         """Prefill the admitted (request, slot) pairs; float32 logits [len(admitted), V] of their last prompt token."""
         device = self.decoder.device
         run_row: dict[tuple[int, ...], int] = {}  # prompt -> its row among the prefilled ones
@@ -153,37 +296,44 @@ class RolloutEngine(GenerationEngine):
         copies: dict[int, list[int]] = {}  # row prefilled -> slots that receive its KV rows
         rows = []  # the prefilled row of each admitted request
         for index, slot in admitted:
-            prompt = requests[index].prompt
+            prompt = self.prompts[index]
             key = tuple(prompt)
-            if self.cfg.share_prompt_prefill and key in run_row:
+            if self.engine.cfg.share_prompt_prefill and key in run_row:
                 copies.setdefault(run_row[key], []).append(slot)
             else:
                 run_row[key] = len(runs)
                 runs.append((prompt, slot))
             rows.append(run_row[key])
         width = max(len(prompt) for prompt, _ in runs)
-        ids = torch.full((len(runs), width), self.pad_id, dtype=torch.long)
+        ids = torch.full((len(runs), width), self.engine.pad_id, dtype=torch.long)
         for row, (prompt, _) in enumerate(runs):
             ids[row, : len(prompt)] = torch.tensor(prompt)
         lengths = torch.tensor([len(prompt) for prompt, _ in runs])
         slots = torch.tensor([slot for _, slot in runs])
-        logits = self.decoder.prefill(ids.to(device), lengths.to(device), slots.to(device), cache)
+        logits = self.decoder.prefill(ids.to(device), lengths.to(device), slots.to(device), self.slots.cache)
         for row, targets in copies.items():
             prompt, slot = runs[row]
-            cache.copy_prefix(slot, targets, len(prompt))
+            self.slots.cache.copy_prefix(slot, targets, len(prompt))
         return logits[torch.tensor(rows, device=device)]
 
-    def _sample(self, requests: list[_Request], indices: list[int], logits: torch.Tensor, params: SamplingParams,
-                matcher: StopStringMatcher) -> None:
-        """Draw the next token of each request of `indices` (rows of `logits`) and check its finish."""
-        device = logits.device
-        seeds = torch.tensor([requests[i].seed for i in indices], dtype=torch.long, device=device)
-        counters = torch.tensor([len(requests[i].tokens) for i in indices], dtype=torch.long, device=device)
-        token_ids, logprobs = sample(logits, params.temperature, params.top_p, params.top_k, seeds, counters)
-        for index, token, logprob in zip(indices, token_ids.tolist(), logprobs.tolist()):
-            request = requests[index]
-            request.tokens.append(token)
-            request.logprobs.append(logprob)
-            request.finish = finish_reason(request.tokens, self.eos_ids, matcher, params)
-            if request.finish is None and len(request.tokens) == params.max_new_tokens:
-                request.finish = "length"
+    def _accept(self, requests: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        """Append one token to each of `requests`; finish those it ends (hf.finish_reason's order:
+        EOS, then a stop id or stop string, then the length cap) and free their slots."""
+        params = self.params
+        count = self.generated[requests]
+        self.tokens[requests, count] = tokens
+        self.logprobs[requests, count] = logprobs
+        self.generated[requests] = count = count + 1
+        eos = np.zeros(len(requests), dtype=bool) if params.ignore_eos else np.isin(tokens, self.eos)
+        stop = np.isin(tokens, self.stop_ids)
+        if self.matcher:
+            for i in np.flatnonzero(~eos & ~stop):
+                stop[i] = self.matcher.completed_by_last_token(self.tokens[requests[i], : count[i]].tolist())
+        length = count >= params.max_new_tokens
+        for i in np.flatnonzero(eos | stop | length):
+            index = int(requests[i])
+            self.finish[index] = "eos" if eos[i] else "stop" if stop[i] else "length"
+            self.finished[index] = True
+            slot = int(np.flatnonzero(self.occupant == index)[0])
+            self.occupant[slot] = -1
+            heapq.heappush(self.free, slot)

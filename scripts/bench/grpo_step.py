@@ -10,7 +10,8 @@ One call runs, each in its own process and one after another (the device otherwi
   2. every system of --systems (ours, and ours_rollout with `generator.engine=rollout`:
      scripts/bench/grpo_step_ours.py; trl_default, trl_fast, trl_cb: scripts/bench/grpo_step_trl.py):
      `--warmup` steps, then `--steps` measured steps;
-  3. every variant of --variants on our loop (`--variant-steps` measured steps each);
+  3. every variant of --variants on our loop (`--variant-steps` measured steps each, with the engine
+     of --variant-engine);
 then prints and writes `grpo_step.md` and `grpo_step.json` under --out.
 
 Identical work: the same weights and prompts (every prompt exactly P tokens), n samples each,
@@ -246,10 +247,11 @@ def render(report: dict) -> str:
     lines += [f"- {name}: relative L2 {e['relative_l2']:.2e}, max abs {e['max_abs']:.3f}"
               for name, e in report["logprob_check"].items()]
     if report["variants"]:
-        lines += ["", "| variant (ours) | step s, median [min, max] | vs plain GRPO | generation s | log-probs s "
-                  "| train s | rewards s | generated tokens | what the variant adds |", "| --- " * 9 + "|"]
+        lines += ["", f"| variant (ours, engine {report.get('variant_engine', 'hf')}) | step s, median [min, max] "
+                  "| vs plain GRPO | generation s | log-probs s | train s | rewards s | generated tokens | what the variant adds |", "| --- " * 9 + "|"]
+        plain = systems.get("ours" if report.get("variant_engine", "hf") == "hf" else "ours_rollout")
         for name, s in report["variants"].items():
-            ratio = f"{s['step_s'][0] / ours['step_s'][0]:.2f}x" if ours else "-"
+            ratio = f"{s['step_s'][0] / plain['step_s'][0]:.2f}x" if plain else "-"
             p = s["phases_s"]
             lines.append(f"| {name} | {s['step_s'][0]:.2f} [{s['step_s'][1]:.2f}, {s['step_s'][2]:.2f}] | {ratio} "
                          f"| {p['generation']:.2f} | {p['logprobs']:.2f} | {p['train']:.2f} | {p['rewards']:.3f} "
@@ -288,6 +290,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per system")
     parser.add_argument("--variant-steps", type=int, default=None, help="measured steps per variant (preset's)")
+    parser.add_argument("--variant-engine", default="hf", choices=("hf", "rollout"), help="generator.engine of the variant runs")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per worker process")
     parser.add_argument("--budget", type=float, default=float("inf"),
@@ -318,7 +321,7 @@ def main() -> None:
 
     reference = torch.load(args.out / "reference.probe.pt")
     report = {"preset": preset.__dict__, "hardware": hardware, "floor": floor, "systems": {}, "variants": {},
-              "logprob_check": {}, "failures": {},
+              "logprob_check": {}, "failures": {}, "variant_engine": args.variant_engine,
               "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     for system in [s for s in args.systems.split(",") if s]:
         if system.startswith("ours"):
@@ -334,8 +337,9 @@ def main() -> None:
             report["logprob_check"][system] = relative_error(torch.load(args.out / f"{system}.probe.pt"), reference)
         write_report(report, args.out, started)
     for variant in [v for v in args.variants.split(",") if v]:
-        name = f"ours_{variant}"
+        name = f"ours_{variant}" if args.variant_engine == "hf" else f"ours_{args.variant_engine}_{variant}"
         result, why = run_worker(name, [sys.executable, str(HERE / "grpo_step_ours.py"), *common, "--variant", variant,
+                                        "--engine", args.variant_engine,
                                    "--steps", str(args.variant_steps), "--out", str(args.out / f"{name}.json")],
                             args.out, left())
         if result is None:

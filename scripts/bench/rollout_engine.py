@@ -1,0 +1,282 @@
+"""Generation alone: the rollout engine (generation/rollout.py) in its settings against the HF engine,
+same weights and prompts, against the decode bound, with a profile of where a decoding step's time goes.
+
+    python scripts/bench/rollout_engine.py --preset embedded     # one GPU (scripts/bench/rollout_engine_gpu.sh)
+    python scripts/bench/rollout_engine.py --preset tiny         # the CPU
+
+Workload: the GRPO step's generation of a preset of scripts/bench/grpo_step_lib.py (`prompts`
+prompts of exactly P tokens, n samples each, every response exactly R tokens: ignore_eos,
+temperature 1, log-probs returned), random weights from a config, bf16 on the GPU.
+
+Engines (--engines):
+  hf          the HF engine (generation/hf.py), one batch of every sequence;
+  eager       the rollout engine with cuda_graphs=false, compile=false;
+  graphs      cuda_graphs=true, compile=false;
+  compiled    cuda_graphs=true, compile=true (the engine's defaults);
+  compiled_stop  the defaults with a stop string that never occurs (the per-token stop-string
+              check of MTPO's first round: host-side decoding of each sequence's tail every step).
+
+Checks (after the speed runs; GPU, bf16; PASS/FAIL lines, exit 1 on a FAIL): greedy and seeded-sampled tokens of `graphs`
+identical to `eager` (the same kernels, replayed); `compiled` greedy tokens agreeing with `eager`
+on at least 90% of the sequences' first 32 tokens (fused kernels round differently; a random
+model has near-ties) and log-probs within 0.05 where both chose the same tokens; HF agreement is
+reported (INFO).
+
+Speed: per engine the first call (compilation, graph capture: the warm-up), then --repeats timed
+calls; tokens/s, seconds per decoding step, and the share of the decode bound
+(sum over t = 1..R of (W + B * (P + t) * k) / copy bandwidth, scripts/bench/grpo_step.py's formula).
+--profile: torch.profiler over one call of --profile-engine with R = --profile-tokens: the top
+kernels by GPU time, and the GPU's busy share of the call's wall time.
+
+Writes rollout_engine.md and rollout_engine.json under --out (default bench_out/rollout_engine_<preset>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+
+from grpo_step import floors, measure_hardware  # noqa: E402
+from grpo_step_lib import PRESETS, build_model_and_tokenizer, model_counts, prompt_ids, random_content  # noqa: E402
+
+ENGINE_SETTINGS = {
+    "eager": {"cuda_graphs": False, "compile": False},
+    "graphs": {"cuda_graphs": True, "compile": False},
+    "compiled": {"cuda_graphs": True, "compile": True},
+    "compiled_stop": {"cuda_graphs": True, "compile": True},
+}
+NEVER_STOP = "<never occurs>"
+
+
+def build_engine(name: str, model, tokenizer, sequences: int):
+    from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
+    from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
+
+    if name == "hf":
+        return HFGenerationEngine(model, tokenizer, HFEngineConfig(batch_size=sequences))
+    return RolloutEngine(model, tokenizer, RolloutEngineConfig(max_batch_size=sequences, **ENGINE_SETTINGS[name]))
+
+
+def workload(preset, tokenizer, seed: int = 0) -> list[list[int]]:
+    """`prompts` distinct prompts of exactly P tokens, each repeated n times (a GRPO batch)."""
+    rng = random.Random(seed)
+    overhead = len(prompt_ids(tokenizer, ""))
+    prompts = []
+    for _ in range(preset.prompts):
+        ids = prompt_ids(tokenizer, random_content(preset, tokenizer, rng, preset.prompt_length - overhead))
+        assert len(ids) == preset.prompt_length, len(ids)
+        prompts += [ids] * preset.n
+    return prompts
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_call(engine, prompts, params, device: str) -> tuple[float, list]:
+    sync(device)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    sync(device)
+    return time.perf_counter() - start, outputs
+
+
+def agreement(outputs, reference) -> dict:
+    """Share of sequences with identical tokens; max log-prob gap over the common prefix of tokens."""
+    same = sum(o.token_ids == r.token_ids for o, r in zip(outputs, reference))
+    gap = 0.0
+    for o, r in zip(outputs, reference):
+        common = 0
+        while common < min(len(o.token_ids), len(r.token_ids)) and o.token_ids[common] == r.token_ids[common]:
+            common += 1
+        if common:
+            gap = max(gap, max(abs(a - b) for a, b in zip(o.logprobs[:common], r.logprobs[:common])))
+    return {"identical_share": same / len(reference), "logprob_gap_max": gap}
+
+
+def check(engines: dict, prompts: list[list[int]], device: str) -> tuple[dict, list[tuple[str, str]]]:
+    from aligner_ext.generation.base import SamplingParams
+
+    subset = prompts[:: max(1, len(prompts) // 16)][:16]
+    results, lines = {}, []
+    for mode, params in {"greedy": SamplingParams(max_new_tokens=32, temperature=0.0, return_logprobs=True),
+                         "sampled": SamplingParams(max_new_tokens=32, temperature=1.0, seed=5, return_logprobs=True)
+                         }.items():
+        outputs = {}
+        for name, engine in engines.items():
+            try:
+                outputs[name] = engine.generate(subset, params)
+            except Exception:  # noqa: BLE001 - one engine's failure is reported, the others still run
+                lines.append(("FAIL", f"{name} {mode}: {traceback.format_exc(limit=3)}"))
+        if "eager" not in outputs:
+            continue
+        for name, out in outputs.items():
+            if name == "eager":
+                continue
+            stats = agreement(out, outputs["eager"])
+            results[f"{name}_{mode}"] = stats
+            text = f"{name} vs eager, {mode}: {stats['identical_share']:.0%} identical, log-prob gap {stats['logprob_gap_max']:.2e}"
+            if name == "graphs" and device == "cuda":
+                lines.append(("PASS" if stats["identical_share"] == 1.0 else "FAIL", text))
+            elif name == "compiled" and mode == "greedy":
+                ok = stats["identical_share"] >= 0.9 and stats["logprob_gap_max"] < 0.05
+                lines.append(("PASS" if ok else "FAIL", text))
+            else:
+                lines.append(("INFO", text))
+    return results, lines
+
+
+def profile(engine, prompts, params, device: str) -> dict:
+    """Top kernels by device time over one call, and the device's busy share of its wall time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with torch_profile(activities=activities) as prof:
+        engine.generate(prompts, params)
+        sync(device)
+    wall = time.perf_counter() - start
+    attribute = "device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attribute) > 0]
+    if device == "cuda":  # kernels only: CPU-side operator rows also carry their kernels' device time
+        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(getattr(e, attribute) for e in events) / 1e6
+    top = sorted(events, key=lambda e: getattr(e, attribute), reverse=True)[:15]
+    return {"wall_s": wall, "busy_s": busy, "busy_share": busy / wall,
+            "top": [{"name": e.key[:90], "calls": e.count, "seconds": getattr(e, attribute) / 1e6} for e in top]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--engines", default="hf,eager,graphs,compiled,compiled_stop")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-engine", default="compiled")
+    parser.add_argument("--profile-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    from aligner_ext.generation.base import SamplingParams
+
+    preset = PRESETS[args.preset]
+    device = preset.device
+    out = (args.out or HERE.parent.parent / "bench_out" / f"rollout_engine_{args.preset}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    names = [name for name in args.engines.split(",") if name]
+    if device != "cuda":
+        names = [name for name in names if ENGINE_SETTINGS.get(name, {}).get("cuda_graphs") is not True]
+    hardware = measure_hardware(device)
+    model, tokenizer = build_model_and_tokenizer(preset)
+    model = model.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32).eval()
+    hardware["model"] = model_counts(model.config)
+    floor = floors(preset, hardware)
+    prompts = workload(preset, tokenizer)
+    sequences, response = len(prompts), preset.response_length
+    report = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv), "preset": preset.__dict__,
+              "hardware": hardware, "decode_bound_s": floor["decode_bound_s"], "engines": {}, "failures": {}}
+    print(f"{args.preset}: {sequences} sequences x (P {preset.prompt_length} + R {response}), "
+          f"decode bound {floor['decode_bound_s'] * 1e3:.1f} ms per call", flush=True)
+
+    engines = {}
+    for name in names:
+        try:
+            engines[name] = build_engine(name, model, tokenizer, sequences)
+        except Exception:  # noqa: BLE001
+            report["failures"][name] = traceback.format_exc(limit=5)
+    for name, engine in engines.items():
+        params = SamplingParams(max_new_tokens=response, temperature=1.0, ignore_eos=True, return_logprobs=True,
+                                seed=1, stop=[NEVER_STOP] if name.endswith("_stop") else [])
+        try:
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            first_s, outputs = timed_call(engine, prompts, params, device)
+            assert all(len(o.token_ids) == response for o in outputs), "a response is not R tokens"
+            times = [timed_call(engine, prompts, params, device)[0] for _ in range(args.repeats)]
+        except Exception:  # noqa: BLE001
+            report["failures"][name] = traceback.format_exc(limit=5)
+            print("FAIL", name, report["failures"][name], flush=True)
+            continue
+        median = statistics.median(times)
+        stats = {"first_call_s": first_s, "median_s": median, "min_s": min(times), "max_s": max(times),
+                 "tokens_per_s": sequences * response / median, "step_ms": median / response * 1e3,
+                 "bound_share": floor["decode_bound_s"] / median,
+                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+                 "last_call": dict(getattr(engine, "last_call", {}))}
+        report["engines"][name] = stats
+        print(f"RESULT {name}: {median:.3f} s [{min(times):.3f}, {max(times):.3f}], {stats['tokens_per_s']:,.0f} tok/s, "
+              f"{stats['step_ms']:.2f} ms/step, {stats['bound_share']:.1%} of the decode bound, first call "
+              f"{first_s:.2f} s, {stats['last_call']}", flush=True)
+        write(report, out)
+
+    # After the speed runs, so that each engine's first call above is its real warm-up.
+    report["checks"], lines = check({n: e for n, e in engines.items() if n in ("eager", "graphs", "compiled", "hf")},
+                                    prompts, device)
+    for verdict, text in lines:
+        print(verdict, text, flush=True)
+    report["check_lines"] = lines
+    if args.profile and args.profile_engine in engines:
+        params = SamplingParams(max_new_tokens=args.profile_tokens, temperature=1.0, ignore_eos=True,
+                                return_logprobs=True, seed=1)
+        try:
+            report["profile"] = {"engine": args.profile_engine, "tokens": args.profile_tokens,
+                                 **profile(engines[args.profile_engine], prompts, params, device)}
+        except Exception:  # noqa: BLE001
+            report["failures"]["profile"] = traceback.format_exc(limit=5)
+    print(write(report, out))
+    sys.exit(1 if any(verdict == "FAIL" for verdict, _ in lines) or report["failures"] else 0)
+
+
+def write(report: dict, out: Path) -> str:
+    (out / "rollout_engine.json").write_text(json.dumps(report, indent=2))
+    text = render(report)
+    (out / "rollout_engine.md").write_text(text + "\n")
+    return text
+
+
+def render(report: dict) -> str:
+    preset, hardware = report["preset"], report["hardware"]
+    lines = [f"### Generation: {preset['name']}, {preset['prompts'] * preset['n']} sequences x (P {preset['prompt_length']}"
+             f" + R {preset['response_length']}), {hardware['device_name']}, {report['date']}", "",
+             f"`{report['command']}`; copy bandwidth {hardware['copy_bytes_per_s'] / 1e9:,.0f} GB/s, decode bound "
+             f"{report['decode_bound_s']:.3f} s per call.", "",
+             "| engine | s per call, median [min, max] | tokens/s | ms per decoding step | x HF tokens/s "
+             "| share of the decode bound | first call s | graphs (capture s) | peak GiB |", "| --- " * 9 + "|"]
+    hf = report["engines"].get("hf")
+    for name, s in report["engines"].items():
+        graphs = s["last_call"].get("graphs_captured", 0)
+        lines.append(
+            f"| {name} | {s['median_s']:.3f} [{s['min_s']:.3f}, {s['max_s']:.3f}] | {s['tokens_per_s']:,.0f} | "
+            f"{s['step_ms']:.2f} | {s['tokens_per_s'] / hf['tokens_per_s']:.1f} | {s['bound_share']:.1%} | "
+            f"{s['first_call_s']:.2f} | {graphs} ({s['last_call'].get('graph_capture_s', 0):.2f}) | "
+            f"{s['peak_gib'] if s['peak_gib'] is None else round(s['peak_gib'], 2)} |"
+            if hf else f"| {name} | {s['median_s']:.3f} | {s['tokens_per_s']:,.0f} | {s['step_ms']:.2f} | - | "
+                       f"{s['bound_share']:.1%} | {s['first_call_s']:.2f} | {graphs} | - |")
+    lines += ["", "Checks: " + "; ".join(f"{verdict} {text}" for verdict, text in report.get("check_lines", []))]
+    if "profile" in report:
+        p = report["profile"]
+        lines += ["", f"Profile of one `{p['engine']}` call, R = {p['tokens']}: wall {p['wall_s']:.3f} s, device busy "
+                      f"{p['busy_s']:.3f} s ({p['busy_share']:.0%}).", "",
+                  "| kernel | calls | s | share of busy |", "| --- | --- | --- | --- |"]
+        lines += [f"| `{t['name']}` | {t['calls']} | {t['seconds']:.4f} | {t['seconds'] / p['busy_s']:.1%} |"
+                  for t in p["top"]]
+    for name, why in report["failures"].items():
+        lines += ["", f"FAILED {name}: {why.strip().splitlines()[-1]}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
