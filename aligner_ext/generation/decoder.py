@@ -121,15 +121,15 @@ def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                   scale: float) -> torch.Tensor:
-    """One query per sequence, q [b, H, 1, d], over keys, values [b, KVH, t, d] where `visible`
-    [b, t] is True. The H / KVH query heads sharing a K/V head become that head's query rows, so
+    """One query per sequence, q [b, H, 1, d], over keys, values [b, KVH, t, d] with the additive
+    mask `bias` [b, t] (0 where visible, -inf elsewhere). The H / KVH query heads sharing a K/V head become that head's query rows, so
     the kernel reads each K/V head once and nothing is expanded (head h uses K/V head h // (H / KVH),
     as transformers' repeat_kv)."""
     batch, heads, _, dim = q.shape
     grouped = q.reshape(batch, keys.shape[1], heads // keys.shape[1], dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias[:, None, None, :], scale=scale)
     return out.reshape(batch, heads, 1, dim)
 
 
@@ -212,16 +212,20 @@ class HFDecoder:
                out: torch.Tensor | None = None) -> torch.Tensor:
         """One token per slot of [0, b): `ids`, `positions` [b], every position < `attended`; float32
         logits [b, V] of the next token (written into `out` when given)."""
-        rows = len(ids)
+        rows, kv_heads, dim = len(ids), self.shape.kv_heads, self.shape.head_dim
         visible = torch.arange(attended, device=ids.device)[None] <= positions[:, None]  # [b, attended]
-        row_index = torch.arange(rows, device=ids.device)
+        # One additive mask for every layer (a boolean one is converted by SDPA in each call).
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device).masked_fill_(~visible, float("-inf"))
+        # Row of each (slot, kv head) at its position in a layer's cache seen as [slots * kv_heads * length, d].
+        heads = torch.arange(rows * kv_heads, device=ids.device).view(rows, kv_heads)
+        cache_rows = (heads * cache.length + positions[:, None]).view(-1)
         hidden, (cos, sin) = self._embed(ids[:, None], positions[:, None])
         for index, w in enumerate(self.layers):
             q, k, v = self.decode_inputs(hidden, w, cos, sin, self.shape)
             keys, values = cache.keys[index], cache.values[index]
-            keys[row_index, :, positions] = k[:, :, 0]
-            values[row_index, :, positions] = v[:, :, 0]
-            attended_out = attend_decode(q, keys[:rows, :, :attended], values[:rows, :, :attended], visible, self.scale)
+            keys.view(-1, dim).index_copy_(0, cache_rows, k.reshape(-1, dim))
+            values.view(-1, dim).index_copy_(0, cache_rows, v.reshape(-1, dim))
+            attended_out = attend_decode(q, keys[:rows, :, :attended], values[:rows, :, :attended], bias, self.scale)
             hidden = self.decode_output(hidden, attended_out, w, self.shape)
         return self._logits(hidden[:, 0], out)
 

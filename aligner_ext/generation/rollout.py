@@ -56,7 +56,7 @@ class RolloutEngineConfig:
     share_prompt_prefill: bool = True  # prefill identical prompts of one admission once and copy their KV rows
     cuda_graphs: bool = True  # on a GPU, replay the decode step from CUDA graphs (ignored on the CPU)
     compile: bool = True  # on a GPU, torch.compile the decode step's layer functions and the sampler (ignored on the CPU)
-    attended_length_step: int = 64  # a decode step attends over the smallest multiple of this many cache positions that covers every sequence
+    attended_length_step: int = 128  # a decode step attends over the smallest multiple of this many cache positions that covers every sequence
 
 
 class _DeviceSlots:
@@ -327,7 +327,7 @@ class _Call:
         eos = np.zeros(len(requests), dtype=bool) if params.ignore_eos else np.isin(tokens, self.eos)
         stop = np.isin(tokens, self.stop_ids)
         if self.matcher:
-            for i in np.flatnonzero(~eos & ~stop):
+            for i in np.flatnonzero(~eos & ~stop & self.matcher.may_complete(tokens)):
                 stop[i] = self.matcher.completed_by_last_token(self.tokens[requests[i], : count[i]].tolist())
         length = count >= params.max_new_tokens
         for i in np.flatnonzero(eos | stop | length):

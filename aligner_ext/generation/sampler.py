@@ -1,11 +1,15 @@
 """Token sampling with one random stream per request, so a request's tokens do not depend on which
 other requests share its batch (continuous batching changes that from step to step).
 
-Each draw uses one uniform number per row, computed from (request seed, token index) by a counter-
-based hash (SplitMix64's finaliser on int64 tensors), and inverts the row's cumulative distribution:
+A draw is the Gumbel-max race, an exact sample of the filtered distribution:
 
-    p = softmax(filter(z / T))            top-k, then top-p (`hf.filtered_log_probs`), renormalised
-    x = first token whose cumulative p exceeds u * sum(p),   u = hash(seed, index) in [0, 1)
+    log p = filter(log_softmax(z / T))         top-k, then top-p (`hf.filtered_log_probs`), renormalised
+    x     = argmax_i (log p_i + G_i),  G_i = -log(-log u_i)
+
+where u_i in (0, 1) comes from (request seed, token index t, vocabulary entry i) through a
+counter-based hash (SplitMix64's finaliser on int64 tensors), so it needs no generator state.
+Unlike inverse-CDF sampling it needs no cumulative sum over the vocabulary: under torch.compile
+the noise, the sum and the argmax fuse into one pass over the logits.
 
 Temperature 0 is greedy (argmax). The log-prob returned is that of the chosen token under the
 distribution it was drawn from (after temperature, top-k and top-p); greedy reports the
@@ -37,13 +41,16 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """One float64 in [0, 1) per row from int64 `seeds` and `counters` [B] (wrapping int64 arithmetic)."""
-    x = seeds * _GOLDEN + (counters + 1) * _MIX2
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] float32 in (0, 1) from int64 `seeds` and `counters` [B]: entry (b, i) hashes
+    (seeds[b], counters[b] * width + i) with wrapping int64 arithmetic; 24 random bits, centred
+    in their interval so that neither 0 nor 1 occurs."""
+    index = counters[:, None] * width + torch.arange(width, device=seeds.device)
+    x = seeds[:, None] * _GOLDEN + (index + 1) * _MIX2
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
     x = x ^ _shift_right(x, 31)
-    return _shift_right(x, 11).double() / float(1 << 53)
+    return (_shift_right(x, 40).float() + 0.5) * 2.0**-24
 
 
 def request_seed(call_seed: int, index: int) -> int:
@@ -59,7 +66,6 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, s
         log_probs = torch.log_softmax(logits, dim=-1)
         return token_ids, log_probs.gather(-1, token_ids[:, None]).squeeze(-1)
     log_probs = filtered_log_probs(logits, temperature, top_k, top_p)
-    cumulative = log_probs.exp().cumsum(dim=-1)
-    draws = uniform(seeds, counters).to(cumulative.dtype)[:, None] * cumulative[:, -1:]
-    token_ids = torch.searchsorted(cumulative, draws, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    gumbel = -torch.log(-torch.log(uniforms(seeds, counters, logits.shape[-1])))
+    token_ids = (log_probs + gumbel).argmax(dim=-1)
     return token_ids, log_probs.gather(-1, token_ids[:, None]).squeeze(-1)

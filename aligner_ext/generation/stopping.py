@@ -22,11 +22,20 @@ that starts inside a multi-byte UTF-8 character (at most 3 continuation bytes) r
 bytes as replacement characters. Beyond that margin we assume decoding is local (decoding a
 suffix of the ids gives a suffix of the text), which holds for byte-level BPE, SentencePiece and
 character tokenizers.
+
+Prefilter. Batched engines ask first, for a whole step's tokens at once, which of them could be the
+last token of a stop string (`may_complete`): one whose own text (decoded alone) contains the last
+character of some stop string. Decoded alone, a token may lose a leading space (SentencePiece) or
+show replacement characters for bytes of a character it does not complete (byte-level BPE), so a
+token whose text is empty or holds a replacement character always passes, and so does every token
+when a stop string ends in whitespace. The texts are decoded once per token id per matcher.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
+
+import numpy as np
 
 MARGIN_TOKENS = 4  # tokens at a window's start whose text may differ from the full decode
 
@@ -47,9 +56,26 @@ class StopStringMatcher:
         self.stop = list(stop)
         self.decode = decode
         self.max_chars = max((len(text) for text in self.stop), default=0)  # L, in characters
+        self.last_chars = {text[-1] for text in self.stop}
+        self.filters = not any(char.isspace() for char in self.last_chars)
+        self.can_end = np.zeros(0, dtype=np.int8)  # per token id: 1 may end a stop string, 0 cannot, -1 not decoded yet
 
     def __bool__(self) -> bool:
         return bool(self.stop)
+
+    def may_complete(self, token_ids: np.ndarray) -> np.ndarray:
+        """Per token of `token_ids`, False where it cannot be the last token of a stop string (module
+        docstring, "Prefilter"); True otherwise."""
+        if not self.filters or not len(token_ids):
+            return np.ones(len(token_ids), dtype=bool)
+        if token_ids.max() >= len(self.can_end):
+            grown = np.full(int(token_ids.max()) + 1, -1, dtype=np.int8)
+            grown[: len(self.can_end)] = self.can_end
+            self.can_end = grown
+        for token in np.unique(token_ids[self.can_end[token_ids] < 0]):
+            text = self.decode([int(token)])
+            self.can_end[token] = not text or "\ufffd" in text or any(char in text for char in self.last_chars)
+        return self.can_end[token_ids] == 1
 
     def completed_by_last_token(self, generated: Sequence[int]) -> bool:
         """True if a stop string occurs in the decoded `generated` ids, ending in the last token.

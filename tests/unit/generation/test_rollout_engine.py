@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from aligner_ext.generation.base import SamplingParams
 from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
 from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
-from aligner_ext.generation.sampler import request_seed, uniform
+from aligner_ext.generation.sampler import request_seed, uniforms
 from aligner_ext.models.tiny import TinyModelConfig, build_tiny_model
 
 TEXTS = ["hello there", "a", "what is 2+2?", "xyzxyzxyzxyz", "hello there", "Q: name a colour."]
@@ -163,13 +163,17 @@ def test_the_engine_samples_the_current_weights_without_a_copy(tiny_tokenizer):
 
 
 def test_counter_based_uniforms():
-    seeds = torch.tensor([request_seed(7, i) for i in range(2000)])
-    values = uniform(seeds, torch.zeros_like(seeds))
-    assert values.min() >= 0 and values.max() < 1
-    assert len(set(values.tolist())) == 2000
-    assert abs(values.mean().item() - 0.5) < 0.03  # standard error of the mean: 0.0065
-    assert torch.equal(values, uniform(seeds, torch.zeros_like(seeds)))
-    assert not torch.equal(values, uniform(seeds, torch.ones_like(seeds)))
+    seeds = torch.tensor([request_seed(7, i) for i in range(200)])
+    values = uniforms(seeds, torch.zeros_like(seeds), 50)  # 10,000 numbers
+    assert values.shape == (200, 50) and values.dtype == torch.float32
+    assert values.min() > 0 and values.max() < 1
+    assert len(set(values.flatten().tolist())) > 9990  # 24 bits: a few collisions by chance (birthday: ~3)
+    assert abs(values.mean().item() - 0.5) < 0.0116  # 4 standard errors of the mean (0.0029)
+    assert abs(values.var().item() - 1 / 12) < 0.004  # uniform variance 1/12; its standard error ~0.0008
+    # entry (b, i) is the hash of counter c * width + i: the next token's numbers are new ones
+    assert torch.equal(values, uniforms(seeds, torch.zeros_like(seeds), 50))
+    assert not torch.equal(values, uniforms(seeds, torch.ones_like(seeds), 50))
+    assert torch.equal(uniforms(seeds, torch.ones_like(seeds), 25), values[:, 25:])
 
 
 def test_configuration_errors(tiny_tokenizer):

@@ -1,6 +1,7 @@
 """StopStringMatcher on crafted token streams: multi-token and in-token stop strings, tokens that
 decode to nothing, window-start artefacts, and the size of the decoded window."""
 
+import numpy as np
 import pytest
 
 from aligner_ext.generation.stopping import MARGIN_TOKENS, StopStringMatcher
@@ -93,3 +94,24 @@ def test_no_stop_strings_never_fires():
 def test_empty_stop_string_is_rejected(bad):
     with pytest.raises(ValueError, match="stop string 1"):
         StopStringMatcher(["ok", bad], join_pieces)
+
+
+def test_prefilter_passes_only_tokens_that_can_end_a_stop_string():
+    texts = {0: "ab", 1: ">", 2: "", 3: "\ufffd", 4: "x>y", 5: "/a"}
+    calls = []
+
+    def decode(ids):
+        calls.append(list(ids))
+        return "".join(texts[i] for i in ids)
+
+    matcher = StopStringMatcher(["</a>"], decode)
+    tokens = np.array([0, 1, 2, 3, 4, 5, 0, 5])
+    # ">" ends the stop string: tokens holding it pass; an empty text (a special token, a dropped
+    # space) and a replacement character (an incomplete byte sequence) pass because their text in
+    # context is unknown; "ab" and "/a" cannot end it
+    assert matcher.may_complete(tokens).tolist() == [False, True, True, True, True, False, False, False]
+    assert sorted(map(tuple, calls)) == [(0,), (1,), (2,), (3,), (4,), (5,)]  # each id decoded once
+    matcher.may_complete(np.array([4, 0]))
+    assert len(calls) == 6
+    # a stop string ending in whitespace could end in a token decoded without its leading space
+    assert StopStringMatcher(["a\n", "</a>"], decode).may_complete(tokens).all()
