@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from aligner_ext.generation.base import SamplingParams
 from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
 from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
-from aligner_ext.generation.sampler import request_seed, uniforms
+from aligner_ext.generation.sampler import RACE_CHUNK, gumbel_argmax, request_seed, uniforms
 from aligner_ext.models.tiny import TinyModelConfig, build_tiny_model
 
 TEXTS = ["hello there", "a", "what is 2+2?", "xyzxyzxyzxyz", "hello there", "Q: name a colour."]
@@ -167,13 +167,32 @@ def test_counter_based_uniforms():
     values = uniforms(seeds, torch.zeros_like(seeds), 50)  # 10,000 numbers
     assert values.shape == (200, 50) and values.dtype == torch.float32
     assert values.min() > 0 and values.max() < 1
-    assert len(set(values.flatten().tolist())) > 9990  # 24 bits: a few collisions by chance (birthday: ~3)
+    assert len(set(values.flatten().tolist())) > 9970  # 23 bits: a few collisions by chance (birthday: ~6)
     assert abs(values.mean().item() - 0.5) < 0.0116  # 4 standard errors of the mean (0.0029)
     assert abs(values.var().item() - 1 / 12) < 0.004  # uniform variance 1/12; its standard error ~0.0008
-    # entry (b, i) is the hash of counter c * width + i: the next token's numbers are new ones
+    # entry (b, i) depends on (seed, counter, i) only: the same with another width, new for the next token
     assert torch.equal(values, uniforms(seeds, torch.zeros_like(seeds), 50))
-    assert not torch.equal(values, uniforms(seeds, torch.ones_like(seeds), 50))
-    assert torch.equal(uniforms(seeds, torch.ones_like(seeds), 25), values[:, 25:])
+    assert torch.equal(uniforms(seeds, torch.zeros_like(seeds), 25), values[:, :25])
+    following = uniforms(seeds, torch.ones_like(seeds), 50)
+    assert (following != values).float().mean() > 0.999
+
+
+def test_the_two_stage_race_over_a_large_vocabulary_is_the_one_stage_argmax_and_samples_p():
+    width = 2 * RACE_CHUNK + 904  # three chunks, the last one padded
+    rows = 3000
+    seeds = torch.tensor([request_seed(3, i) for i in range(rows)])
+    counters = torch.full((rows,), 4)
+    probs = torch.full((width,), 1e-12)
+    probs[[10, RACE_CHUNK + 52, width - 1]] = torch.tensor([0.5, 0.3, 0.2])  # one likely token per chunk
+    scores = probs.log().expand(rows, width).contiguous()
+    tokens = gumbel_argmax(scores, seeds, counters)
+    noise = -torch.log(-torch.log(uniforms(seeds, counters, width)))
+    assert torch.equal(tokens, (scores + noise).argmax(dim=-1))
+    counts = torch.bincount(tokens, minlength=width)[[10, RACE_CHUNK + 52, width - 1]].double()
+    assert counts.sum() == rows
+    expected = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64) * rows
+    chi_square = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi_square < 2 + 6 * 2  # 2 degrees of freedom: mean 2, standard deviation 2
 
 
 def test_configuration_errors(tiny_tokenizer):
