@@ -29,39 +29,24 @@ from aligner_ext.generation.hf import filtered_log_probs
 
 RACE_CHUNK = 2048  # vocabulary entries per row of the race's first stage
 
-_MASK64 = (1 << 64) - 1
+
+def _signed(value: int, bits: int = 64) -> int:
+    """A `bits`-bit pattern as the signed integer of that width that holds it."""
+    value &= (1 << bits) - 1
+    return value - (1 << bits) if value >= 1 << (bits - 1) else value
 
 
-def _signed(value: int) -> int:
-    """A 64-bit pattern as the int64 that holds it."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
+def _shift_right(x: torch.Tensor, shift: int, bits: int = 64) -> torch.Tensor:
+    """Logical right shift of signed `bits`-bit values (torch's `>>` is arithmetic)."""
+    return (x >> shift) & ((1 << (bits - shift)) - 1)
 
 
-_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_GOLDEN = _signed(0x9E3779B97F4A7C15)  # SplitMix64
 _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
-
-
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 values (torch's `>>` is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _int32(value: int) -> int:
-    """A 32-bit pattern as the int32 that holds it."""
-    value &= 0xFFFFFFFF
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
-_GOLDEN32 = _int32(0x9E3779B9)
-_LOWBIAS1 = _int32(0x7FEB352D)
-_LOWBIAS2 = _int32(0x846CA68B)
-
-
-def _shift_right32(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int32 values."""
-    return (x >> bits) & ((1 << (32 - bits)) - 1)
+_GOLDEN32 = _signed(0x9E3779B9, 32)  # lowbias32
+_LOWBIAS1 = _signed(0x7FEB352D, 32)
+_LOWBIAS2 = _signed(0x846CA68B, 32)
 
 
 def uniforms(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:
@@ -73,10 +58,10 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.T
     key = (key ^ _shift_right(key, 27)) * _MIX2
     key = _shift_right(key ^ _shift_right(key, 31), 33).to(torch.int32)
     x = key[:, None] + torch.arange(width, dtype=torch.int32, device=seeds.device) * _GOLDEN32
-    x = (x ^ _shift_right32(x, 16)) * _LOWBIAS1  # per entry: a 32-bit finaliser (lowbias32)
-    x = (x ^ _shift_right32(x, 15)) * _LOWBIAS2
-    x = x ^ _shift_right32(x, 16)
-    return (_shift_right32(x, 9).float() + 0.5) * 2.0**-23
+    x = (x ^ _shift_right(x, 16, 32)) * _LOWBIAS1  # per entry: a 32-bit finaliser (lowbias32)
+    x = (x ^ _shift_right(x, 15, 32)) * _LOWBIAS2
+    x = x ^ _shift_right(x, 16, 32)
+    return (_shift_right(x, 9, 32).float() + 0.5) * 2.0**-23
 
 
 def gumbel_argmax(scores: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
