@@ -67,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     from aligner_ext.trainer.loop import train
     from aligner_ext.trainer.summary import print_summary
 
-    summary = train(cfg)
+    from aligner_ext.models.base import NonFiniteUpdates
+
+    try:
+        summary = train(cfg)
+    except NonFiniteUpdates as err:  # a diverged run: the message says what to change, a traceback would not help
+        _parser().exit(2, f"aligner-ext: training stopped: {err}\n")
     if is_main_process():  # under torchrun every process trains; one prints
         print_summary(summary)
     return 0

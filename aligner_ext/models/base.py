@@ -7,6 +7,8 @@ the HF backend and the Megatron-core backend are interchangeable.
 from __future__ import annotations
 
 import abc
+import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +19,59 @@ from aligner_ext.losses.base import Loss
 from aligner_ext.registry import Registry
 
 POLICIES = Registry("policy backend")
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteUpdates(RuntimeError):
+    """Too many optimizer updates in a row had a non-finite loss or gradient norm."""
+
+
+class NonFiniteGuard:
+    """Decides whether an optimizer update may be applied: not when its loss or gradient norm is
+    NaN or infinite (applying it would poison the weights and every checkpoint after them). Skipped
+    updates are counted and logged; `limit` of them in a row stop the run, before a checkpoint of
+    the diverged state could be written. Its counts travel in the policy's checkpoint state."""
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"policy.optim.max_nonfinite_in_a_row must be >= 1, got {limit}")
+        self.limit = limit
+        self.in_a_row = 0
+        self.skipped = 0  # over the run
+
+    def admit(self, grad_norm: float, loss: float = 0.0) -> bool:
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        self.skipped += 1
+        logger.warning("skipped an optimizer update: loss %s, gradient norm %s (%d in a row, %d in the run)",
+                       loss, grad_norm, self.in_a_row, self.skipped)
+        if self.in_a_row >= self.limit:
+            raise NonFiniteUpdates(
+                f"{self.in_a_row} optimizer updates in a row had a non-finite loss or gradient norm (last: loss "
+                f"{loss}, gradient norm {grad_norm}); stopping. The weights hold the last finite update and no "
+                "checkpoint of a diverged state was written. Lower policy.optim.lr, check the rewards and the "
+                "data, or raise policy.optim.max_nonfinite_in_a_row to skip more")
+        return False
+
+    def state_dict(self) -> dict:
+        return {"in_a_row": self.in_a_row, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.in_a_row, self.skipped = state["in_a_row"], state["skipped"]
+
+
+def update_metrics(totals: dict[str, float], grad_norms: list[float], skipped: int) -> dict[str, float]:
+    """A step's training metrics: the losses' terms averaged over the applied updates, the gradient
+    norms (NaN when every update was skipped) and the counts."""
+    applied = len(grad_norms)
+    metrics = {key: value / applied for key, value in totals.items()} if applied else {}
+    metrics["actor/grad_norm"] = sum(grad_norms) / applied if applied else float("nan")
+    metrics["actor/grad_norm_max"] = max(grad_norms) if applied else float("nan")
+    metrics["actor/num_updates"] = float(applied)
+    metrics["actor/skipped_updates"] = float(skipped)
+    return metrics
 
 
 @dataclass
@@ -32,6 +87,7 @@ class OptimConfig:
     schedule: str = "constant"  # constant | linear | cosine (decay to min_lr_ratio * lr after warm-up)
     warmup_steps: int = 0  # RL steps of linear warm-up from 0 to lr
     min_lr_ratio: float = 0.0  # final lr / peak lr for linear and cosine decay
+    max_nonfinite_in_a_row: int = 3  # an update with a non-finite loss or gradient norm is skipped (and counted); this many in a row stop the run
 
 
 @dataclass

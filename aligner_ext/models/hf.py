@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
-from aligner_ext.models.base import POLICIES, OptimConfig, Policy, PolicyConfig
+from aligner_ext.models.base import POLICIES, NonFiniteGuard, OptimConfig, Policy, PolicyConfig, update_metrics
 from aligner_ext.models.logprobs import token_logprobs
 
 
@@ -92,6 +92,7 @@ class HFPolicy(Policy):
             eps=optim.eps, weight_decay=optim.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
+        self.guard = NonFiniteGuard(optim.max_nonfinite_in_a_row)
 
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,45 +112,54 @@ class HFPolicy(Policy):
     def train(self, batch: ExperienceBatch, loss: Loss, temperature: float) -> dict[str, float]:
         self.model.train()
         totals: dict[str, float] = defaultdict(float)
-        grad_norms = []
+        grad_norms, skipped = [], 0
         for _ in range(self.cfg.num_iterations):
             for mini_rows in split_rows(len(batch), self.cfg.mini_batch_size):
                 mini = batch.select(list(mini_rows))
-                update_metrics, grad_norm = self._update(mini, loss, temperature)
+                update, grad_norm = self._update(mini, loss, temperature)
+                if update is None:
+                    skipped += 1
+                    continue
                 grad_norms.append(grad_norm)
-                for key, value in update_metrics.items():
+                for key, value in update.items():
                     totals[key] += value
         self.scheduler.step()
-        metrics = {key: value / len(grad_norms) for key, value in totals.items()}
-        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["actor/grad_norm_max"] = max(grad_norms)
-        metrics["actor/num_updates"] = float(len(grad_norms))
+        metrics = update_metrics(totals, grad_norms, skipped)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def _update(self, mini: ExperienceBatch, loss: Loss, temperature: float) -> tuple[dict[str, float], float]:
-        """One optimizer update on a mini-batch, accumulating gradients over micro-batches."""
+    def _update(self, mini: ExperienceBatch, loss: Loss, temperature: float) -> tuple[dict[str, float] | None, float]:
+        """One optimizer update on a mini-batch, accumulating gradients over micro-batches; (None,
+        norm) when the guard skips it."""
         counts = loss.global_counts(mini)
         metrics: dict[str, float] = defaultdict(float)
+        total_loss = 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for rows in split_rows(len(mini), self.cfg.micro_batch_size):
             micro = mini.select(list(rows)).to(self.model.device)
             logprobs, _ = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, False, temperature)
             value, micro_metrics = loss(logprobs, micro, counts)
             value.backward()
+            total_loss += float(value.detach())
             for key, number in micro_metrics.items():
                 metrics[key] += float(number)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        if not self.guard.admit(grad_norm, total_loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None, grad_norm
         self.optimizer.step()
         return metrics, grad_norm
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "nonfinite_guard": self.guard.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if "nonfinite_guard" in state:  # checkpoints written before the guard existed lack it
+            self.guard.load_state_dict(state["nonfinite_guard"])
 
     def save_pretrained(self, directory: str) -> None:
         self.model.save_pretrained(directory, safe_serialization=True)

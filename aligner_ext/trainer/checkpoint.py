@@ -4,7 +4,8 @@ A checkpoint is `checkpoints/step_<N>/` holding the weights (`model.safetensors`
 and `trainer_state.pt` (optimizer, LR schedule, prompt-loader position, experience-maker state,
 RNG states). It is written under a temporary name and renamed into place only when complete, and
 `checkpoints/latest` (a one-line file, itself replaced atomically) names the newest one, so a run
-killed mid-save keeps its previous checkpoint.
+killed mid-save keeps its previous checkpoint. Weights holding NaN or infinity are never saved
+(the policy's `NonFiniteGuard` skips the updates that would make them; this is the last fence).
 
 Multi-process runs (torchrun, aligner_ext/distributed.py): every process runs the same loop, so the
 loader, experience-maker and RNG states are the same on every rank, and the main process alone
@@ -114,6 +115,12 @@ class Checkpointer:
         final = self.directory / f"step_{step}"
         tmp = self.directory / f".step_{step}.tmp"
         if is_main_process():
+            poisoned = [name for name, tensor in model.state_dict().items()
+                        if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+            if poisoned:  # a resume from it could only fail or train on garbage: keep the previous checkpoint
+                raise RuntimeError(f"not saving step {step}: non-finite values in {len(poisoned)} weight tensor(s) "
+                                   f"({', '.join(poisoned[:3])}); {self.directory / LATEST} still names the last "
+                                   "finite checkpoint")
             self.directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()

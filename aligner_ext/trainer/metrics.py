@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -56,7 +57,8 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            # Events after the checkpoint's step (all, for a fresh start) are purged: the run logs them again
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else 0)
 
     def _truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed checkpoint; all of them for a fresh start),
@@ -77,7 +79,10 @@ class MetricsLogger:
                         kept.append(line)
                 if unreadable:
                     logger.warning("%s: dropped %d unreadable line(s) on resume", path, unreadable)
-                path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+                # written beside and renamed over: a kill during the rewrite leaves the old file whole
+                rewritten = path.with_name(path.name + ".tmp")
+                rewritten.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+                os.replace(rewritten, path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

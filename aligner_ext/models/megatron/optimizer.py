@@ -21,6 +21,8 @@ default). The learning rate is set per RL step by `set_lr` from the same schedul
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -75,11 +77,14 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clipped_step(optimizer, max_norm: float) -> float:
-    """Clip the gradients to a global L2 norm of `max_norm` (0: no clipping), step; return the norm."""
-    if optimizer.prepare_grads():
-        raise RuntimeError("non-finite gradients in the megatron optimizer step")
-    norm = float(optimizer.get_grad_norm())
+def clipped_step(optimizer, max_norm: float, admit: Callable[[float], bool]) -> float | None:
+    """Clip the gradients to a global L2 norm of `max_norm` (0: no clipping) and step, if `admit(norm)`
+    allows it (a non-finite norm: `NonFiniteGuard`); return the norm, or None for a skipped step
+    (its gradients are zeroed by the next update's `zero_grad_buffer`)."""
+    found_inf = optimizer.prepare_grads()  # only a loss-scaled (fp16) optimizer checks; bf16 shows it in the norm
+    norm = float("nan") if found_inf else float(optimizer.get_grad_norm())
+    if not admit(norm):
+        return None
     coefficient = max_norm / (norm + 1e-6)
     if max_norm > 0 and coefficient < 1.0:
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):

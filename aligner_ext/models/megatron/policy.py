@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.losses.base import Loss
-from aligner_ext.models.base import Policy, PolicyConfig
+from aligner_ext.models.base import NonFiniteGuard, Policy, PolicyConfig, update_metrics
 from aligner_ext.models.hf import lr_lambda, resolve_dtype, split_rows
 from aligner_ext.models.megatron import convert, dist_checkpoint
 from aligner_ext.models.megatron.forward import (
@@ -73,6 +73,7 @@ class MegatronPolicy(Policy):
         self.optimizer = build_optimizer(self.ddp, cfg.optim, cfg.use_distributed_optimizer)
         self.lr_at = lr_lambda(cfg.optim, total_steps)
         self.rl_step = 0
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_in_a_row)
         set_lr(self.optimizer, cfg.optim.lr * self.lr_at(0))
 
     def _load_core_from_hf(self) -> None:
@@ -142,31 +143,32 @@ class MegatronPolicy(Policy):
         self._check_replicated(batch)
         self.ddp.train()
         totals: dict[str, float] = defaultdict(float)
-        grad_norms = []
+        grad_norms, skipped = [], 0
         for _ in range(self.cfg.num_iterations):
             for mini_rows in split_rows(len(batch), self.cfg.mini_batch_size):
-                update_metrics, grad_norm = self._update(batch.select(list(mini_rows)), loss, temperature)
+                update, grad_norm = self._update(batch.select(list(mini_rows)), loss, temperature)
+                if grad_norm is None:
+                    skipped += 1
+                    continue
                 grad_norms.append(grad_norm)
-                for key, value in update_metrics.items():
+                for key, value in update.items():
                     totals[key] += value
         self.rl_step += 1
         set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
-        metrics = {key: value / len(grad_norms) for key, value in totals.items()}
-        metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["actor/grad_norm_max"] = max(grad_norms)
-        metrics["actor/num_updates"] = float(len(grad_norms))
+        metrics = update_metrics(totals, grad_norms, skipped)
         metrics["actor/lr"] = self.cfg.optim.lr * self.lr_at(self.rl_step)
         return metrics
 
-    def _update(self, mini: ExperienceBatch, loss: Loss, temperature: float) -> tuple[dict[str, float], float]:
-        """One optimizer update on a mini-batch (global counts over all of it), over micro-batches."""
+    def _update(self, mini: ExperienceBatch, loss: Loss, temperature: float) -> tuple[dict[str, float], float | None]:
+        """One optimizer update on a mini-batch (global counts over all of it), over micro-batches;
+        the gradient norm is None when the guard skipped the update."""
         counts = loss.global_counts(mini)
         packed, _, _ = self._micro_batches(mini)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = forward_backward(self.ddp, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
                                    temperature, lambda logprobs, micro: loss(logprobs, micro, counts))
-        grad_norm = clipped_step(self.optimizer, self.cfg.optim.grad_clip)
+        grad_norm = clipped_step(self.optimizer, self.cfg.optim.grad_clip, self.guard.admit)
         return self._reduce_metrics(outputs), grad_norm
 
     def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
@@ -185,11 +187,14 @@ class MegatronPolicy(Policy):
         return dict(zip(keys, values.tolist()))
 
     def state_dict(self) -> dict:
-        """The RL step (it sets the learning rate); weights and optimizer are in `save_sharded`."""
-        return {"rl_step": self.rl_step}
+        """The RL step (it sets the learning rate) and the non-finite guard's counts; weights and
+        optimizer are in `save_sharded`."""
+        return {"rl_step": self.rl_step, "nonfinite_guard": self.guard.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.rl_step = state["rl_step"]
+        if "nonfinite_guard" in state:  # checkpoints written before the guard existed lack it
+            self.guard.load_state_dict(state["nonfinite_guard"])
         set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
 
     def save_sharded(self, directory: Path) -> None:

@@ -62,6 +62,39 @@ def test_resume_drops_a_line_torn_by_a_killed_run_and_says_so(tmp_path, caplog):
     assert len(warnings) == 1 and "metrics.jsonl" in warnings[0] and "1 unreadable line" in warnings[0]
 
 
+def tensorboard_steps(run_dir, key):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [event.step for event in events.Scalars(key)]
+
+
+def test_a_resume_purges_the_tensorboard_points_it_logs_again(tmp_path):
+    log = MetricsLogger(tmp_path, tensorboard=True, start_step=0)
+    for step in range(5):  # the run reaches step 4, its checkpoint is step 2
+        log.log(step, {"loss": float(step)})
+    log.close()
+    resumed = MetricsLogger(tmp_path, tensorboard=True, start_step=2)
+    for step in (3, 4):
+        resumed.log(step, {"loss": 10.0 + step})
+    resumed.close()
+    assert tensorboard_steps(tmp_path, "loss") == [0, 1, 2, 3, 4]  # one point per step, not 3 and 4 twice
+
+
+def test_the_resume_rewrite_is_atomic(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "metrics.jsonl", [{"step": s, "loss": float(s)} for s in range(5)])
+    original = (tmp_path / "metrics.jsonl").read_text()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # the process dies between writing the new file and renaming it
+
+    monkeypatch.setattr("aligner_ext.trainer.metrics.os.replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsLogger(tmp_path, tensorboard=False, start_step=2)
+    assert (tmp_path / "metrics.jsonl").read_text() == original  # the history is whole
+
+
 def test_fresh_start_removes_old_logs(tmp_path):
     write_jsonl(tmp_path / "metrics.jsonl", [{"step": s} for s in range(3)])
     write_jsonl(tmp_path / "samples.jsonl", [{"step": 1}])

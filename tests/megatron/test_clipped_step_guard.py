@@ -1,0 +1,52 @@
+"""The Megatron backend's optimizer step under the non-finite guard (models/megatron/optimizer.py):
+a NaN or infinite global gradient norm skips the step and is counted; a finite one is clipped and
+applied. The optimizer is a stand-in with megatron-core's stage methods, so this runs anywhere."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from aligner_ext.models.base import NonFiniteGuard  # noqa: E402
+from aligner_ext.models.megatron.optimizer import clipped_step  # noqa: E402
+
+
+class StagedOptimizer:
+    """megatron-core's optimizer stages: prepare_grads (True: inf found by a loss scaler), the global
+    gradient norm, then the step."""
+
+    def __init__(self, norm: float, found_inf: bool = False):
+        self.norm, self.found_inf, self.stepped = norm, found_inf, False
+        self.param = torch.nn.Parameter(torch.zeros(2))
+        self.param.grad = torch.tensor([3.0, 4.0])
+
+    def prepare_grads(self):
+        return self.found_inf
+
+    def get_grad_norm(self):
+        return self.norm
+
+    def get_parameters(self):
+        return [self.param]
+
+    def step_with_ready_grads(self):
+        self.stepped = True
+        return True
+
+
+@pytest.mark.parametrize("norm, found_inf", [(math.nan, False), (math.inf, False), (5.0, True)])
+def test_a_non_finite_step_is_skipped_and_counted(norm, found_inf):
+    guard = NonFiniteGuard(limit=3)
+    optimizer = StagedOptimizer(norm, found_inf)
+    assert clipped_step(optimizer, 1.0, guard.admit) is None
+    assert not optimizer.stepped and guard.state_dict() == {"in_a_row": 1, "skipped": 1}
+
+
+def test_a_finite_step_is_clipped_and_applied():
+    guard = NonFiniteGuard(limit=3)
+    optimizer = StagedOptimizer(5.0)  # the gradient [3, 4] has norm 5
+    assert clipped_step(optimizer, 1.0, guard.admit) == 5.0
+    assert optimizer.stepped and guard.state_dict() == {"in_a_row": 0, "skipped": 0}
+    assert torch.allclose(optimizer.param.grad, torch.tensor([0.6, 0.8]), atol=1e-6)  # scaled to norm 1
