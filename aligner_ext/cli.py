@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from aligner_ext.config import load_config, to_yaml
+from aligner_ext.errors import TRACEBACK_ENV, UserError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     from aligner_ext.trainer.loop import train
     from aligner_ext.trainer.summary import print_summary
 
-    from aligner_ext.models.base import NonFiniteUpdates
-
     try:
         summary = train(cfg)
-    except NonFiniteUpdates as err:  # a diverged run: the message says what to change, a traceback would not help
-        _parser().exit(2, f"aligner-ext: training stopped: {err}\n")
+    except UserError as err:  # the message names the file, row, field or key: the traceback adds nothing
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        _parser().exit(2, f"aligner-ext: error: {err} ({type(err).__name__}; {TRACEBACK_ENV}=1 shows the traceback)\n")
     if is_main_process():  # under torchrun every process trains; one prints
         print_summary(summary)
     return 0

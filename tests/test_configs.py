@@ -157,7 +157,13 @@ def test_cli_config_prints_the_composed_yaml(capsys):
     ("override", "named"),
     [("model.warmup.autocast=fp8", "model.warmup.autocast must be one of"),
      ("rollout.nn=3", "nn"),
-     ("data.overlong_prompt=xx", "data.overlong_prompt must be one of")],
+     ("data.overlong_prompt=xx", "data.overlong_prompt must be one of"),
+     ("rollout.n=0", "rollout.n must be >= 1"),
+     ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
+     ("rollout.temperature=-1", "rollout.temperature must be >= 0"),
+     ("policy.optim.schedule=step", "policy.optim.schedule must be constant, linear or cosine"),
+     ("policy.optim.lr=-1e-6", "policy.optim.lr must be >= 0"),
+     ("policy.optim.max_nonfinite_in_a_row=0", "policy.optim.max_nonfinite_in_a_row must be >= 1")],
 )
 def test_cli_reports_a_config_error_in_one_line(capsys, override, named):
     with pytest.raises(SystemExit) as exit_info:

@@ -107,6 +107,11 @@ class PromptLoader:
         self._draws = 0  # draws served so far over the whole run: the loader's entire state
         self._order_cache: tuple[int, list[int]] = (-1, [])
 
+    @property
+    def rows(self) -> list[PromptRow]:
+        """The rows served (after the overlong-prompt policy)."""
+        return self._rows
+
     def __len__(self) -> int:
         """Rows kept after the overlong policy."""
         return len(self._rows)

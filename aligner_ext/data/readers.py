@@ -23,17 +23,23 @@ Decisions:
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import os
 from typing import Any, Callable
 
 from aligner_ext.data.types import PromptRow
+from aligner_ext.errors import UserError
 
 ROLES = ("system", "user", "assistant")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset file or row is malformed; the message names the file, the row and the field."""
+
+
+class MissingDataFile(UserError, FileNotFoundError):
+    """A dataset file named in the config does not exist."""
 
 
 Fail = Callable[[str, str], DataError]  # (field, problem) -> the error to raise for this row
@@ -53,7 +59,7 @@ def read_records(path: str) -> list[tuple[str, Any]]:
     """The raw records of a `.parquet`, `.jsonl` or `.json` (a list) file, each with where it stood
     (`" (line N)"` for jsonl, else ""); an empty file, bad JSON or another file type is a `DataError`."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset file not found: {path}")
+        raise MissingDataFile(f"dataset file not found: {path}")
     if path.endswith(".parquet"):
         records = _read_parquet(path)
     elif path.endswith(".jsonl"):
@@ -79,8 +85,9 @@ def _read_parquet(path: str) -> list[tuple[str, Any]]:
 
 def _read_jsonl(path: str) -> list[tuple[str, Any]]:
     records = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            line = _utf8(raw, path, line_number)
             if not line.strip():
                 continue
             where = f" (line {line_number})"
@@ -92,14 +99,28 @@ def _read_jsonl(path: str) -> list[tuple[str, Any]]:
 
 
 def _read_json(path: str) -> list[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as handle:
-        try:
-            rows = json.load(handle)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}: invalid JSON: {err}") from err
+    with open(path, "rb") as handle:
+        data = handle.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        _utf8(data[: err.end], path, data[: err.start].count(b"\n") + 1)
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: invalid JSON: {err}") from err
     if not isinstance(rows, list):
         raise DataError(f"{path}: a .json file must hold a list of rows")
     return [("", row) for row in rows]
+
+
+def _utf8(raw: bytes, path: str, line_number: int) -> str:
+    """`raw` (the end of line `line_number` of `path`) decoded, or a DataError naming the line."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} line {line_number}: not UTF-8 text ({err.reason} at byte {err.start} of the line "
+                        "or of what precedes it); save the file as UTF-8") from err
 
 
 def parse_row(record: Any, path: str, index: int, where: str = "") -> PromptRow:
@@ -119,6 +140,8 @@ def parse_row(record: Any, path: str, index: int, where: str = "") -> PromptRow:
         raise fail("reward_model", "must be an object with 'ground_truth' and/or 'rubrics'")
     rubrics = _parse_rubrics(reward_model.get("rubrics"), fail)
     ground_truth = reward_model.get("ground_truth")
+    if isinstance(ground_truth, float) and not math.isfinite(ground_truth):  # NaN would match nothing, silently
+        raise fail("reward_model.ground_truth", f"is {ground_truth}: a ground truth must be a finite value")
     if ground_truth is None and not rubrics:
         raise fail("reward_model.ground_truth", "is required when the row has no rubrics")
     extra_info = record.get("extra_info")

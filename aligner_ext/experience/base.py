@@ -50,6 +50,18 @@ class RolloutConfig:
     return_logprobs: bool = True  # keep the engine's sampling log-probs: each step logs their gap to the trainer's (rollout/logprob_diff_mean, _max)
     ignore_eos: bool = False  # sampled EOS ids do not end a response, so each runs to max_response_length (benchmarks: equal work on every system; stop strings still end one)
 
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"rollout.n must be >= 1, got {self.n}")
+        if self.max_response_length < 1:
+            raise ValueError(f"rollout.max_response_length must be >= 1, got {self.max_response_length}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if any(not isinstance(text, str) or not text for text in self.stop):
+            raise ValueError(f"rollout.stop strings must be non-empty, got {list(self.stop)}")
+
 
 @dataclass
 class SampleRequest:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.errors import UserError
 from aligner_ext.losses.base import Loss
 from aligner_ext.registry import Registry
 
@@ -22,7 +23,7 @@ POLICIES = Registry("policy backend")
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteUpdates(RuntimeError):
+class NonFiniteUpdates(UserError, RuntimeError):
     """Too many optimizer updates in a row had a non-finite loss or gradient norm."""
 
 
@@ -88,6 +89,18 @@ class OptimConfig:
     warmup_steps: int = 0  # RL steps of linear warm-up from 0 to lr
     min_lr_ratio: float = 0.0  # final lr / peak lr for linear and cosine decay
     max_nonfinite_in_a_row: int = 3  # an update with a non-finite loss or gradient norm is skipped (and counted); this many in a row stop the run
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"policy.optim.schedule must be constant, linear or cosine, got {self.schedule!r}")
+        for name in ("lr", "weight_decay", "eps", "grad_clip", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"policy.optim.{name} must be >= 0, got {getattr(self, name)}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.min_lr_ratio <= 1):
+            raise ValueError("policy.optim.beta1 and beta2 must be in [0, 1) and min_lr_ratio in [0, 1]; got "
+                             f"{self.beta1}, {self.beta2}, {self.min_lr_ratio}")
+        if self.max_nonfinite_in_a_row < 1:
+            raise ValueError(f"policy.optim.max_nonfinite_in_a_row must be >= 1, got {self.max_nonfinite_in_a_row}")
 
 
 @dataclass

@@ -158,8 +158,21 @@ class HFPolicy(Policy):
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._apply_settings()
         if "nonfinite_guard" in state:  # checkpoints written before the guard existed lack it
             self.guard.load_state_dict(state["nonfinite_guard"])
+
+    def _apply_settings(self) -> None:
+        """This run's optimizer and schedule settings over a restored state: a resume may change them
+        (the loop announces each change; this makes it), the step counts and moments carry on."""
+        optim = self.cfg.optim
+        for group in self.optimizer.param_groups:
+            group.update(betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay,
+                         initial_lr=optim.lr)
+        self.scheduler.base_lrs = [optim.lr] * len(self.optimizer.param_groups)
+        for group, multiplier in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group["lr"] = optim.lr * multiplier(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def save_pretrained(self, directory: str) -> None:
         self.model.save_pretrained(directory, safe_serialization=True)

@@ -62,6 +62,7 @@ from typing import Any, Callable
 
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import map_split
+from aligner_ext.errors import UserError
 from aligner_ext.rewards.base import DATA_SOURCES, REWARDS, RewardResult, as_result, is_trainable_score
 from aligner_ext.rewards.judge_client import JudgeConfig
 
@@ -82,6 +83,10 @@ class RewardConfig:
     num_workers: int = 2  # worker processes
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # the LLM judge of judge-graded rewards (rubric_judge)
     split_across_ranks: bool = True  # under torchrun each process scores a contiguous share of every score() call and the results are all-gathered; false: every process scores everything
+
+
+class RewardSourceError(UserError, ValueError):
+    """A row's data_source has no reward function, or its function does not resolve."""
 
 
 def _worker_main(conn: Connection) -> None:
@@ -264,6 +269,12 @@ class RewardManager:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def check(self, rows: list[PromptRow]) -> None:
+        """Resolve the reward function of every data_source in `rows` now (the run calls this before
+        its model loads), so that an unknown source in a late row does not stop a run hours in."""
+        for row in {row.data_source: row for row in reversed(rows)}.values():  # each source's first row
+            self._resolve(row)
+
     def _resolve(self, row: PromptRow) -> tuple[str, Callable[..., Any]]:
         """(reward name, function) for the row's data_source; raise ValueError naming what is missing."""
         source = row.data_source
@@ -275,9 +286,9 @@ class RewardManager:
                     fn = fn.with_reward_config(self.cfg)
                 pickle.dumps(fn)  # workers receive it by reference: a lambda or nested function cannot go
             except (KeyError, ImportError, AttributeError, ValueError, TypeError, pickle.PicklingError) as err:
-                raise ValueError(f"reward {name!r} for data_source {source!r} (row {row.row_id}): {err}") from err
+                raise RewardSourceError(f"reward {name!r} for data_source {source!r} (row {row.row_id}): {err}") from err
             if not callable(fn):
-                raise ValueError(f"reward {name!r} for data_source {source!r} is a {type(fn).__name__}, "
+                raise RewardSourceError(f"reward {name!r} for data_source {source!r} is a {type(fn).__name__}, "
                                  "not a function")
             self._functions[source] = (name, fn)
         return self._functions[source]
@@ -290,7 +301,7 @@ class RewardManager:
         if self.cfg.default is not None:
             return self.cfg.default
         known = ", ".join(sorted({*DATA_SOURCES, *self.cfg.sources}))
-        raise ValueError(f"row {row_id}: no reward function for data_source {source!r}; known data_sources: "
+        raise RewardSourceError(f"row {row_id}: no reward function for data_source {source!r}; known data_sources: "
                          f"{known}; map it in the reward config's `sources` or set its `default`")
 
     def _fallback(self, kind: str, error: tuple[str, str] | None, row: PromptRow, name: str) -> RewardResult:

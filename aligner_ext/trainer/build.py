@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from aligner_ext.algorithms.advantages import ADVANTAGES
 from aligner_ext.config import RunConfig
@@ -16,6 +16,8 @@ from aligner_ext.data.loader import PromptLoader
 import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 from aligner_ext.context import BuildContext
 from aligner_ext.distributed import main_process_first
+from aligner_ext.errors import ModelPathError
+from aligner_ext.files import follow_umask
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
 from aligner_ext.generation.base import ENGINES, GenerationEngine
 from aligner_ext.generation.sharded import split_across_ranks
@@ -60,6 +62,7 @@ def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     tmp = directory.with_name(directory.name + ".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    follow_umask(tmp)
     tmp.rename(directory)
     del model  # the policy backend loads its own copy from `directory`
     if torch.cuda.is_available():
@@ -69,15 +72,44 @@ def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     return directory
 
 
-def build_components(cfg: RunConfig, run_dir: Path) -> Components:
-    if cfg.model.path:
-        model_dir = Path(cfg.model.path)
-    else:
+def model_directory(cfg: RunConfig, run_dir: Path) -> Path | str:
+    """`model.path` checked (a local directory must hold config.json; anything else must load as a
+    hub id), or the embedded model's directory."""
+    if not cfg.model.path:
         with main_process_first():  # the main process warms up and writes it; the others read it
-            model_dir = embedded_model_dir(cfg, run_dir)
+            return embedded_model_dir(cfg, run_dir)
+    path = Path(cfg.model.path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelPathError(f"model.path {path} is not a transformers checkpoint: it has no config.json "
+                                 "(expected config.json, the weights and the tokenizer files)")
+        return path
+    if path.exists() or cfg.model.path.startswith((".", "/", "~")) or cfg.model.path.count("/") != 1:
+        raise ModelPathError(f"model.path {cfg.model.path} does not exist (a directory with config.json, the weights "
+                             "and the tokenizer, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct)")
+    try:
+        AutoConfig.from_pretrained(cfg.model.path)
+    except (OSError, ValueError) as err:
+        raise ModelPathError(f"model.path {cfg.model.path} is not a local directory and does not load as a hub id: "
+                             f"{str(err).splitlines()[0]}") from err
+    return cfg.model.path
+
+
+def build_components(cfg: RunConfig, run_dir: Path) -> Components:
+    """Every part of a run. What is cheap to check (the model path, the data files, every row's
+    reward function) is checked before the model loads."""
+    model_dir = model_directory(cfg, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    train_loader = build_loader(cfg.data, tokenizer, "train")
+    val_loader = build_loader(cfg.data, tokenizer, "val")
+    rewards = RewardManager(cfg.reward)
+    try:
+        rewards.check(train_loader.rows + (val_loader.rows if val_loader else []))
+    except Exception:
+        rewards.close()
+        raise
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     policy = POLICIES.get(cfg.policy.backend)(model, cfg.policy, cfg.trainer.total_steps)
     reference = None
@@ -86,14 +118,14 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     engine_cfg = getattr(cfg.generator, cfg.generator.engine)
     engine = split_across_ranks(ENGINES.get(cfg.generator.engine)(policy.model, tokenizer, engine_cfg),
                                 cfg.generator.split_across_ranks)
-    ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=engine, rewards=RewardManager(cfg.reward))
+    ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=engine, rewards=rewards)
     return Components(
         tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, rewards=ctx.rewards,
         maker=build_experience_maker(ctx),
         advantage=ADVANTAGES.get(cfg.algorithm.adv_estimator).from_context(ctx),
         loss=LOSSES.get(cfg.algorithm.loss).from_context(ctx),
-        train_loader=build_loader(cfg.data, tokenizer, "train"),
-        val_loader=build_loader(cfg.data, tokenizer, "val"),
+        train_loader=train_loader,
+        val_loader=val_loader,
     )
 
 

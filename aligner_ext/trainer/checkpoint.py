@@ -2,9 +2,13 @@
 
 A checkpoint is `checkpoints/step_<N>/` holding the weights (`model.safetensors`), the tokenizer,
 and `trainer_state.pt` (optimizer, LR schedule, prompt-loader position, experience-maker state,
-RNG states). It is written under a temporary name and renamed into place only when complete, and
-`checkpoints/latest` (a one-line file, itself replaced atomically) names the newest one, so a run
-killed mid-save keeps its previous checkpoint. Weights holding NaN or infinity are never saved
+RNG states), and `manifest.json` (every file's size and SHA-256, written last). It is written under
+a temporary name and renamed into place only when complete, so a `step_<N>` directory with a
+manifest is a complete checkpoint and a run killed mid-save keeps its previous one.
+`checkpoints/latest` (a one-line file, itself replaced atomically) names the newest one, but it is
+only a hint: the newest complete checkpoint is found from the directories themselves, so a kill
+between a rename and the pointer's write loses nothing. On resume the manifest is checked first;
+a truncated, corrupt or missing file is named and the previous complete checkpoint is tried. Weights holding NaN or infinity are never saved
 (the policy's `NonFiniteGuard` skips the updates that would make them; this is the last fence).
 
 Multi-process runs (torchrun, aligner_ext/distributed.py): every process runs the same loop, so the
@@ -24,6 +28,8 @@ the RNG states are saved as plain numbers for that reason.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import pickle
@@ -34,16 +40,20 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import barrier, is_main_process
+from aligner_ext.errors import UserError
+from aligner_ext.files import follow_umask
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
+MANIFEST = "manifest.json"
 SAFE_TYPES = (ExperienceBatch, SampleInfo, PromptRow)  # the classes trainer_state.pt may hold
 
 
@@ -77,6 +87,22 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
                                f"them could run code); was it written by this library? {err}") from err
 
 
+class CorruptCheckpoint(UserError, RuntimeError):
+    """A checkpoint file is missing, truncated or corrupted (the message names it)."""
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _write_manifest(directory: Path, step: int) -> None:
+    """`manifest.json`: size and SHA-256 of every file under `directory`, written (and synced) last."""
+    files = {str(path.relative_to(directory)): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+             for path in sorted(directory.rglob("*")) if path.is_file()}
+    _write_text_atomically(directory / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+
+
 def _write_text_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
@@ -94,18 +120,48 @@ class Checkpointer:
         self.keep_last = keep_last
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        pointer = self.directory / LATEST
-        if not pointer.exists():
-            return None
-        path = self.directory / pointer.read_text(encoding="utf-8").strip()
-        moved_aside = self.directory / f".{path.name}.old"
-        if is_main_process() and not path.exists() and (moved_aside / STATE_FILE).exists():
-            os.replace(moved_aside, path)  # a crash while re-saving this step: its previous copy is whole
+        """The newest complete checkpoint, or None (`complete()` lists them all)."""
+        found = self.complete()
+        return found[0] if found else None
+
+    def complete(self) -> list[Path]:
+        """Every complete checkpoint (a `step_<N>` directory holding its manifest), newest first.
+        The `latest` pointer is only compared, never trusted: a stale one is reported."""
+        if is_main_process():
+            for aside in self.directory.glob(".step_*.old"):  # a crash while re-saving a step
+                final = self.directory / aside.name[1:].removesuffix(".old")
+                if not final.exists() and (aside / STATE_FILE).exists():
+                    os.replace(aside, final)  # its previous copy is whole
         barrier()
-        if not (path / STATE_FILE).exists():
-            raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint")
-        return path
+        # Checkpoints of older versions have no manifest; a `step_<N>` directory exists only once complete.
+        found = sorted((path for path in self.directory.glob("step_*")
+                        if (path / MANIFEST).exists() or (path / STATE_FILE).exists()),
+                       key=lambda path: int(path.name.split("_")[1]), reverse=True)
+        pointer = self.directory / LATEST
+        named = pointer.read_text(encoding="utf-8").strip() if pointer.exists() else None
+        if found and named != found[0].name:
+            logger.warning("%s names %s; the newest complete checkpoint is %s", pointer, named, found[0].name)
+        return found
+
+    def verify(self, path: Path) -> None:
+        """Check every file of checkpoint `path` against its manifest; CorruptCheckpoint names the first
+        that is missing, of another size or of another SHA-256."""
+        if not (path / MANIFEST).exists():
+            logger.warning("%s has no %s (written by an older version): not verified", path, MANIFEST)
+            return
+        try:
+            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise CorruptCheckpoint(f"{path / MANIFEST}: unreadable ({err})") from err
+        for name, expected in manifest["files"].items():
+            file = path / name
+            if not file.is_file():
+                raise CorruptCheckpoint(f"{file}: missing")
+            if file.stat().st_size != expected["bytes"]:
+                raise CorruptCheckpoint(f"{file}: {file.stat().st_size} bytes, the manifest says {expected['bytes']} "
+                                        "(truncated or overwritten)")
+            if _sha256(file) != expected["sha256"]:
+                raise CorruptCheckpoint(f"{file}: its SHA-256 differs from the manifest's (corrupted)")
 
     def save(self, step: int, model: torch.nn.Module, tokenizer, state: dict[str, Any],
              save_sharded: Callable[[Path], None] | None = None) -> Path:
@@ -132,6 +188,8 @@ class Checkpointer:
             torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
             save_model(model, str(tmp / "model.safetensors"))
             tokenizer.save_pretrained(str(tmp / "tokenizer"))
+            _write_manifest(tmp, step)
+            follow_umask(tmp)
             self._publish(tmp, final)
         barrier()
         return final
@@ -155,6 +213,8 @@ class Checkpointer:
         try:
             missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False,
                                              device=str(model.device))
+        except SafetensorError as err:  # unverified (older) checkpoints only: a verified file parses
+            raise CorruptCheckpoint(f"{path / 'model.safetensors'}: unreadable ({err})") from err
         except RuntimeError as err:  # a tensor of another shape
             raise RuntimeError(f"checkpoint {path} does not fit the model: {err}") from err
         if missing or unexpected:

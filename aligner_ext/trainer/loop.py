@@ -19,8 +19,9 @@ from tqdm import tqdm
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.config import RunConfig, changed_settings, to_yaml
 from aligner_ext.distributed import init_from_env, is_main_process
+from aligner_ext.files import follow_umask
 from aligner_ext.trainer.build import Components, build_components
-from aligner_ext.trainer.checkpoint import Checkpointer
+from aligner_ext.trainer.checkpoint import Checkpointer, CorruptCheckpoint
 from aligner_ext.trainer.evaluate import evaluate
 from aligner_ext.trainer.metrics import MetricsLogger, StageTimer, plot_history, read_history
 from aligner_ext.trainer.step_metrics import batch_metrics
@@ -90,6 +91,7 @@ def train(cfg: RunConfig) -> RunSummary:
         parts.policy.save_pretrained(str(run_dir / "hf_model"))  # collective for sharded policies
         if is_main_process():
             parts.tokenizer.save_pretrained(str(run_dir / "hf_model"))
+            follow_umask(run_dir / "hf_model")
     parts.rewards.close()
     if is_main_process():
         plot_history(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png")
@@ -167,16 +169,28 @@ def save(cfg: RunConfig, parts: Components, checkpointer: Checkpointer, step: in
 
 
 def resume(cfg: RunConfig, parts: Components, checkpointer: Checkpointer) -> tuple[int, dict[str, float]]:
-    """Restore the latest checkpoint if asked; returns (completed steps, the step-0 evaluation)."""
-    latest = checkpointer.latest() if cfg.trainer.resume else None
-    if latest is None:
+    """Restore the newest checkpoint that verifies, if asked; returns (completed steps, the step-0
+    evaluation). A corrupt checkpoint is named and skipped for the previous complete one."""
+    candidates = checkpointer.complete() if cfg.trainer.resume else []
+    if not candidates:
         return 0, {}
-    state = checkpointer.load(latest, parts.policy.model)
+    failures = []
+    for path in candidates:
+        try:
+            checkpointer.verify(path)
+            state = checkpointer.load(path, parts.policy.model)
+            break
+        except CorruptCheckpoint as err:
+            failures.append(str(err))
+            logger.error("checkpoint %s is corrupt, trying the previous one: %s", path, err)
+    else:
+        raise CorruptCheckpoint("no complete checkpoint verifies: " + "; ".join(failures))
+    # Announced here; the policy applies changed optimizer and schedule settings to the restored state.
     changes = changed_settings(state["config"], cfg) if "config" in state else []  # older checkpoints lack it
     if changes:
-        logger.warning("resuming %s with %d setting(s) changed since it was saved: %s", latest, len(changes),
+        logger.warning("resuming %s with %d setting(s) changed since it was saved: %s", path, len(changes),
                        "; ".join(changes))
-    parts.policy.load_sharded(latest)
+    parts.policy.load_sharded(path)
     parts.policy.load_state_dict(state["policy"])
     parts.train_loader.load_state_dict(state["loader"])
     parts.maker.load_state_dict(state["maker"])

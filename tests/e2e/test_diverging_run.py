@@ -32,7 +32,7 @@ def test_a_diverging_run_stops_cleanly_and_keeps_a_finite_checkpoint(tmp_path, m
         main(["train", *overrides])
     assert stopped.value.code == 2
     error = capsys.readouterr().err
-    assert "training stopped: 2 optimizer updates in a row had a non-finite loss" in error
+    assert "aligner-ext: error: 2 optimizer updates in a row had a non-finite loss" in error
     assert "Traceback" not in error
     run = tmp_path / "diverging"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

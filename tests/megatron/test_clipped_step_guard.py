@@ -1,6 +1,7 @@
-"""The Megatron backend's optimizer step under the non-finite guard (models/megatron/optimizer.py):
-a NaN or infinite global gradient norm skips the step and is counted; a finite one is clipped and
-applied. The optimizer is a stand-in with megatron-core's stage methods, so this runs anywhere."""
+"""The Megatron backend's optimizer (models/megatron/optimizer.py): under the non-finite guard a NaN
+or infinite global gradient norm skips the step and is counted, a finite one is clipped and
+applied; on resume the run's betas, eps and weight decay replace the saved ones. The optimizer is a
+stand-in with megatron-core's stage methods and param groups, so this runs anywhere."""
 
 import math
 
@@ -50,3 +51,17 @@ def test_a_finite_step_is_clipped_and_applied():
     assert clipped_step(optimizer, 1.0, guard.admit) == 5.0
     assert optimizer.stepped and guard.state_dict() == {"in_a_row": 0, "skipped": 0}
     assert torch.allclose(optimizer.param.grad, torch.tensor([0.6, 0.8]), atol=1e-6)  # scaled to norm 1
+
+
+def test_a_resume_applies_changed_betas_eps_and_weight_decay_keeping_exempt_groups():
+    from types import SimpleNamespace
+
+    from aligner_ext.models.base import OptimConfig
+    from aligner_ext.models.megatron.optimizer import apply_settings
+
+    groups = [{"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "wd_mult": 1.0, "lr": 1e-3},
+              {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "wd_mult": 0.0, "lr": 1e-3}]
+    apply_settings(SimpleNamespace(param_groups=groups), OptimConfig(beta1=0.5, beta2=0.9, eps=1e-6, weight_decay=0.1))
+    assert [g["betas"] for g in groups] == [(0.5, 0.9)] * 2 and [g["eps"] for g in groups] == [1e-6] * 2
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]  # biases and norms stay exempt
+    assert [g["lr"] for g in groups] == [1e-3, 1e-3]  # the learning rate is set_lr's

@@ -3,6 +3,8 @@ state (the same on every rank), every process writes its sharded policy state in
 being written, and a checkpoint resumes with any number of processes. Single process: torchrun's
 RANK / WORLD_SIZE variables are set by hand (no process group exists, so barriers are no-ops)."""
 
+import json
+
 import torch
 
 from aligner_ext.trainer.checkpoint import Checkpointer
@@ -26,7 +28,9 @@ def test_rank_0_writes_the_state_and_the_hook_writes_inside_the_checkpoint(tmp_p
     path = checkpointer.save(1, tiny_model, tiny_tokenizer, {"policy": {"marker": 7}}, write_shard(calls))
     assert calls == [checkpointer.directory / ".step_1.tmp"]  # called before the rename into place
     assert (path / "shards" / "part").read_text() == "shard"
-    assert sorted(p.name for p in path.iterdir()) == ["model.safetensors", "shards", "tokenizer", "trainer_state.pt"]
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "model.safetensors", "shards", "tokenizer",
+                                                      "trainer_state.pt"]
+    assert "shards/part" in json.loads((path / "manifest.json").read_text())["files"]  # the shards are verified too
 
 
 def test_another_rank_writes_only_through_the_hook(tmp_path, monkeypatch, tiny_model, tiny_tokenizer):

@@ -72,6 +72,15 @@ def build_optimizer(ddp: DistributedDataParallel, optim: OptimConfig, use_distri
     )
 
 
+def apply_settings(optimizer, optim: OptimConfig) -> None:
+    """This run's betas, eps and weight decay over a restored optimizer (a resume may change them; the
+    learning rate is set by `set_lr`). Each group keeps its weight-decay multiplier (0 for the
+    parameters megatron-core exempts from decay)."""
+    for group in optimizer.param_groups:
+        group.update(betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                     weight_decay=optim.weight_decay * group.get("wd_mult", 1.0))
+
+
 def set_lr(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

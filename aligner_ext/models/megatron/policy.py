@@ -48,7 +48,7 @@ from aligner_ext.models.megatron.forward import (
     Packed, filler_rows, forward_backward, forward_logprobs, pack, pad_rows,
 )
 from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
-from aligner_ext.models.megatron.optimizer import build_optimizer, clipped_step, set_lr, wrap_ddp
+from aligner_ext.models.megatron.optimizer import apply_settings, build_optimizer, clipped_step, set_lr, wrap_ddp
 from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
 from aligner_ext.models.megatron.weights import refit_hf_model
 
@@ -195,6 +195,7 @@ class MegatronPolicy(Policy):
         self.rl_step = state["rl_step"]
         if "nonfinite_guard" in state:  # checkpoints written before the guard existed lack it
             self.guard.load_state_dict(state["nonfinite_guard"])
+        apply_settings(self.optimizer, self.cfg.optim)
         set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
 
     def save_sharded(self, directory: Path) -> None:

@@ -99,3 +99,24 @@ def test_lr_schedule_multipliers():
     assert lr_lambda(OptimConfig(), total_steps=10)(7) == 1.0
     with pytest.raises(ValueError, match="schedule"):
         lr_lambda(OptimConfig(schedule="step"), total_steps=10)
+
+
+def test_a_resume_applies_changed_optimizer_and_schedule_settings(tiny_model, tiny_tokenizer):
+    batch = ragged_batch(len(tiny_tokenizer))
+    saved = make_policy(copy.deepcopy(tiny_model), optim=OptimConfig(lr=1e-3, schedule="linear", warmup_steps=2))
+    batch.advantages = batch.response_mask.double()
+    batch.old_logprobs, _ = saved.logprobs(batch, temperature=1.0)
+    saved.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), temperature=1.0)  # one RL step: now 1e-3 * 2/3
+    changed = OptimConfig(lr=4e-3, schedule="linear", warmup_steps=4, beta1=0.5, beta2=0.9, eps=1e-6,
+                          weight_decay=0.1)
+    resumed = make_policy(copy.deepcopy(tiny_model), optim=changed)
+    resumed.load_state_dict(saved.state_dict())
+    group = resumed.optimizer.param_groups[0]
+    # warm-up multiplier at RL step s: (s + 1) / (warmup_steps + 1); at step 1 the new schedule gives
+    # 4e-3 * 2/5, not the saved 1e-3 * 2/3
+    assert group["lr"] == pytest.approx(1.6e-3) and resumed.scheduler.get_last_lr() == [pytest.approx(1.6e-3)]
+    assert group["betas"] == (0.5, 0.9) and group["eps"] == 1e-6 and group["weight_decay"] == 0.1
+    step_count = next(iter(resumed.optimizer.state.values()))["step"]
+    assert int(step_count) == 1  # the moments and step counts carry on
+    resumed.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), temperature=1.0)
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(4e-3 * 3 / 5)

@@ -1,6 +1,9 @@
 """Checkpointer: exact round trip (weights, optimizer, RNG), atomic saves, pruning, the `latest` pointer."""
 
 import copy
+import hashlib
+import json
+import logging
 import random
 from pathlib import Path
 
@@ -175,12 +178,64 @@ def test_latest_is_none_before_any_save(tmp_path):
     assert Checkpointer(tmp_path, keep_last=2).latest() is None
 
 
-def test_latest_pointing_to_a_missing_checkpoint_is_an_error(tmp_path, tiny_model, tiny_tokenizer):
+def test_a_stale_latest_pointer_is_only_a_hint(tmp_path, tiny_model, tiny_tokenizer, caplog):
     checkpointer = Checkpointer(tmp_path, keep_last=0)
     checkpointer.save(1, tiny_model, tiny_tokenizer, {})
-    (checkpointer.directory / checkpoint_module.LATEST).write_text("step_7\n")
-    with pytest.raises(FileNotFoundError, match=r"latest names .*step_7.*not a complete checkpoint"):
-        checkpointer.latest()
+    (checkpointer.directory / checkpoint_module.LATEST).write_text("step_7\n")  # names nothing that exists
+    with caplog.at_level(logging.WARNING, logger="aligner_ext.trainer.checkpoint"):
+        assert checkpointer.latest() == checkpointer.directory / "step_1"
+    assert "names step_7; the newest complete checkpoint is step_1" in caplog.text
+
+
+def test_a_kill_between_the_rename_and_the_pointer_keeps_the_new_checkpoint(tmp_path, tiny_model, tiny_tokenizer,
+                                                                            monkeypatch):
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    checkpointer.save(1, tiny_model, tiny_tokenizer, {"marker": "first"})
+    real_write = checkpoint_module._write_text_atomically
+
+    def killed_at_the_pointer(path, text):
+        if path.name == checkpoint_module.LATEST:
+            raise KeyboardInterrupt  # step_2 is renamed into place, `latest` still names step_1
+        return real_write(path, text)
+
+    monkeypatch.setattr(checkpoint_module, "_write_text_atomically", killed_at_the_pointer)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointer.save(2, tiny_model, tiny_tokenizer, {"marker": "second"})
+    assert (checkpointer.directory / checkpoint_module.LATEST).read_text().strip() == "step_1"
+    assert checkpointer.latest() == checkpointer.directory / "step_2"
+    assert checkpointer.load(checkpointer.latest(), blank_model(tiny_tokenizer))["marker"] == "second"
+
+
+def flip_a_byte(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: flip_a_byte(p / "model.safetensors", -3), r"model.safetensors: its SHA-256 differs"),
+    (lambda p: (p / checkpoint_module.STATE_FILE).write_bytes((p / checkpoint_module.STATE_FILE).read_bytes()[:100]),
+     r"trainer_state.pt: 100 bytes, the manifest says \d+ \(truncated"),
+    (lambda p: (p / "tokenizer" / "tokenizer_config.json").unlink(), r"tokenizer_config.json: missing"),
+    (lambda p: (p / checkpoint_module.MANIFEST).write_text("{not json"), r"manifest.json: unreadable"),
+])
+def test_a_damaged_file_is_named_by_verify(tmp_path, tiny_model, tiny_tokenizer, damage, message):
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    path = checkpointer.save(1, tiny_model, tiny_tokenizer, {"loader": 1})
+    checkpointer.verify(path)  # intact: no error
+    damage(path)
+    with pytest.raises(checkpoint_module.CorruptCheckpoint, match=message):
+        checkpointer.verify(path)
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_hash(tmp_path, tiny_model, tiny_tokenizer):
+    path = Checkpointer(tmp_path, keep_last=0).save(1, tiny_model, tiny_tokenizer, {})
+    manifest = json.loads((path / checkpoint_module.MANIFEST).read_text())
+    on_disk = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {checkpoint_module.MANIFEST}
+    assert set(manifest["files"]) == on_disk and manifest["step"] == 1
+    weights_entry = manifest["files"]["model.safetensors"]
+    data = (path / "model.safetensors").read_bytes()
+    assert weights_entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def test_crash_while_resaving_a_step_recovers_its_previous_copy(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
@@ -189,16 +244,17 @@ def test_crash_while_resaving_a_step_recovers_its_previous_copy(tmp_path, tiny_m
     real_replace = checkpoint_module.os.replace
     calls = []
 
-    def crash_on_second_replace(src, dst):
+    def crash_moving_the_new_copy_in(src, dst):
         calls.append((src, dst))
-        if len(calls) == 2:  # the old copy is aside, the new one not yet in place
+        if Path(src).name == ".step_3.tmp":  # the old copy is aside, the new one not yet in place
             raise OSError("killed")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint_module.os, "replace", crash_on_second_replace)
+    monkeypatch.setattr(checkpoint_module.os, "replace", crash_moving_the_new_copy_in)
     with pytest.raises(OSError, match="killed"):
         checkpointer.save(3, tiny_model, tiny_tokenizer, {"marker": "second"})
     monkeypatch.setattr(checkpoint_module.os, "replace", real_replace)
+    assert (Path(calls[-2][0]), Path(calls[-2][1]).name) == (first, ".step_3.old")  # moved aside just before
     assert not first.exists()
     assert checkpointer.latest() == first
     assert checkpointer.load(first, tiny_model)["marker"] == "first"

@@ -1,0 +1,18 @@
+"""Errors a user can act on (bad data, a missing model, a corrupt checkpoint, a diverging run).
+
+The CLI prints such an error as one line naming the file, row, field or key, and exits with status
+2; set ALIGNER_EXT_TRACEBACK=1 to see the traceback as well. Each class also derives from the
+built-in type callers already expect (ValueError, FileNotFoundError, RuntimeError).
+"""
+
+from __future__ import annotations
+
+TRACEBACK_ENV = "ALIGNER_EXT_TRACEBACK"
+
+
+class UserError(Exception):
+    """Base of the errors whose message is the whole story (module docstring)."""
+
+
+class ModelPathError(UserError, FileNotFoundError):
+    """`model.path` does not exist or is not a transformers checkpoint directory."""

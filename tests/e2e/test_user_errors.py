@@ -1,0 +1,84 @@
+"""User errors end in one line naming the fault and exit status 2 (the traceback only with
+ALIGNER_EXT_TRACEBACK=1), and what is cheap to check is checked before the model loads."""
+
+import json
+
+import pytest
+
+from aligner_ext.cli import main
+from aligner_ext.errors import TRACEBACK_ENV
+from small_run import SMALL_MODEL
+
+pytestmark = pytest.mark.slow
+
+
+def one_line_error(capsys, overrides) -> str:
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", *overrides])
+    assert stopped.value.code == 2
+    stderr = capsys.readouterr().err  # progress bars of the embedded model's warm-up may come first
+    error = stderr.rstrip("\n").split("\n")[-1]
+    assert error.startswith("aligner-ext: error: ") and "Traceback" not in stderr
+    return error
+
+
+def rows_file(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def row(index, source="arithmetic", truth="4"):
+    return {"prompt": [{"role": "user", "content": f"What is 2+2? ({index})"}], "data_source": source,
+            "reward_model": {"ground_truth": truth}}
+
+
+def test_a_missing_model_path_says_it_does_not_exist(tmp_path, capsys):
+    error = one_line_error(capsys, [f"model.path={tmp_path / 'no_model'}", f"trainer.output_dir={tmp_path}"])
+    assert f"model.path {tmp_path / 'no_model'} does not exist" in error
+
+
+def test_a_directory_that_is_not_a_checkpoint_says_what_is_missing(tmp_path, capsys):
+    (tmp_path / "not_a_model").mkdir()
+    error = one_line_error(capsys, [f"model.path={tmp_path / 'not_a_model'}", f"trainer.output_dir={tmp_path}"])
+    assert "is not a transformers checkpoint: it has no config.json" in error
+
+
+def test_an_unknown_data_source_in_the_last_row_stops_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    data = rows_file(tmp_path / "train.jsonl", [row(i) for i in range(7)] + [row(7, source="no_such_source")])
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the data were checked")
+
+    monkeypatch.setattr("aligner_ext.trainer.build.AutoModelForCausalLM.from_pretrained", never)
+    error = one_line_error(capsys, SMALL_MODEL + [f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}"])
+    assert "no reward function for data_source 'no_such_source'" in error and "train.jsonl:7" in error  # row ids count from 0
+
+
+def test_a_nan_ground_truth_names_the_row_and_field(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps(row(0)) + "\n" + json.dumps(row(1)).replace('"4"', "NaN") + "\n")
+    error = one_line_error(capsys, SMALL_MODEL + [f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}"])
+    assert "reward_model.ground_truth" in error and "nan: a ground truth must be a finite value" in error
+    assert "train.jsonl" in error
+
+
+def test_the_traceback_is_shown_when_asked_for(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        main(["train", f"model.path={tmp_path / 'no_model'}", f"trainer.output_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json"])
+def test_a_non_utf8_data_file_names_the_file_and_line(tmp_path, capsys, suffix):
+    data = tmp_path / f"train.{suffix}"
+    good = json.dumps(row(0))
+    body = (good + "\n" + good + "\n").encode() if suffix == "jsonl" else ("[" + good + ",\n" + good + ",\n").encode()
+    data.write_bytes(body + '{"prompt": "caf\u00e9"}'.encode("latin-1") + (b"\n" if suffix == "jsonl" else b"]\n"))
+    error = one_line_error(capsys, SMALL_MODEL + [f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}"])
+    assert f"{data} line 3: not UTF-8 text" in error
+
+
+def test_a_missing_data_file_is_one_line(tmp_path, capsys):
+    error = one_line_error(capsys, SMALL_MODEL + [f"data.train_files=[{tmp_path / 'nope.jsonl'}]",
+                                                  f"trainer.output_dir={tmp_path}"])
+    assert f"dataset file not found: {tmp_path / 'nope.jsonl'}" in error
