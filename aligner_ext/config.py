@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from aligner_ext.algorithms.advantages import GroupAdvantage
+from aligner_ext.algorithms.advantages import GroupAdvantage, check_group_size
 from aligner_ext.algorithms.cpo import CPOConfig
 from aligner_ext.data.loader import DataConfig
 from aligner_ext.experience.base import RolloutConfig
@@ -172,7 +172,16 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
         validated = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(composed))
     except OmegaConfBaseException as err:
         raise ValueError(f"{where}: {err}") from err
-    return OmegaConf.to_object(validated)
+    cfg = OmegaConf.to_object(validated)
+    check_across_sections(cfg)
+    return cfg
+
+
+def check_across_sections(cfg: RunConfig) -> None:
+    """Checks that involve more than one section, so that `aligner-ext config` refuses what a run would."""
+    import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
+
+    check_group_size(cfg)
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -163,7 +163,8 @@ def test_cli_config_prints_the_composed_yaml(capsys):
      ("rollout.temperature=-1", "rollout.temperature must be >= 0"),
      ("policy.optim.schedule=step", "policy.optim.schedule must be constant, linear or cosine"),
      ("policy.optim.lr=-1e-6", "policy.optim.lr must be >= 0"),
-     ("policy.optim.max_nonfinite_in_a_row=0", "policy.optim.max_nonfinite_in_a_row must be >= 1")],
+     ("policy.optim.max_nonfinite_in_a_row=0", "policy.optim.max_nonfinite_in_a_row must be >= 1"),
+     ("rollout.n=1", "rollout.n=1: algorithm.adv_estimator=grpo normalises rewards within a prompt's group")],
 )
 def test_cli_reports_a_config_error_in_one_line(capsys, override, named):
     with pytest.raises(SystemExit) as exit_info:

@@ -112,6 +112,17 @@ def group_baseline_normalize(
     return torch.where(identical, torch.zeros_like(centred), centred)
 
 
+def check_group_size(cfg) -> None:
+    """rollout.n against the configured estimator's `min_group_size` (also run by `load_config`, so
+    `aligner-ext config` refuses it)."""
+    name = cfg.algorithm.adv_estimator
+    needed = getattr(ADVANTAGES.get(name), "min_group_size", 1) if name in ADVANTAGES else 1
+    if cfg.rollout.n < needed:
+        raise ValueError(f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={name} normalises rewards within a "
+                         f"prompt's group and needs at least {needed} samples per prompt (a group of one has "
+                         "advantage 0, so nothing would be trained)")
+
+
 @ADVANTAGES.register("grpo", "group_norm")
 class GroupAdvantage:
     """GRPO group-normalised advantage, broadcast over the loss-masked response tokens."""
@@ -128,11 +139,11 @@ class GroupAdvantage:
             raise ValueError(f"advantage.std_floor must be > 0, got {cfg.std_floor}")
         self.cfg = cfg
 
+    min_group_size = 2  # a group of one has advantage 0: nothing would be trained
+
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "GroupAdvantage":
-        if ctx.cfg.rollout.n < 2:
-            raise ValueError(f"rollout.n={ctx.cfg.rollout.n}: group-normalised advantages need at least 2 samples "
-                             "per prompt (a group of one has advantage 0, so nothing would be trained)")
+        check_group_size(ctx.cfg)
         return cls(ctx.cfg.advantage)
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor:

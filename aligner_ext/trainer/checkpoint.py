@@ -57,6 +57,15 @@ MANIFEST = "manifest.json"
 SAFE_TYPES = (ExperienceBatch, SampleInfo, PromptRow)  # the classes trainer_state.pt may hold
 
 
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be used: it does not fit the model, or it holds objects that could run code."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint file is missing, truncated or corrupted (the message names it); a resume falls
+    back to the previous complete checkpoint."""
+
+
 def rng_state() -> dict[str, Any]:
     """The RNG states; on a GPU the current device's (under torchrun each rank's GPU draws as rank 0's)."""
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
@@ -82,13 +91,9 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
         try:
             return torch.load(path, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise RuntimeError(f"{path}: refusing to load it, it holds objects other than tensors, numbers, "
+            raise CheckpointError(f"{path}: refusing to load it, it holds objects other than tensors, numbers, "
                                f"strings, containers and {', '.join(t.__name__ for t in SAFE_TYPES)} (loading "
                                f"them could run code); was it written by this library? {err}") from err
-
-
-class CorruptCheckpoint(UserError, RuntimeError):
-    """A checkpoint file is missing, truncated or corrupted (the message names it)."""
 
 
 def _sha256(path: Path) -> str:
@@ -216,9 +221,9 @@ class Checkpointer:
         except SafetensorError as err:  # unverified (older) checkpoints only: a verified file parses
             raise CorruptCheckpoint(f"{path / 'model.safetensors'}: unreadable ({err})") from err
         except RuntimeError as err:  # a tensor of another shape
-            raise RuntimeError(f"checkpoint {path} does not fit the model: {err}") from err
+            raise CheckpointError(f"checkpoint {path} does not fit the model: {err}") from err
         if missing or unexpected:
-            raise RuntimeError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
+            raise CheckpointError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
         state = load_trainer_state(path / STATE_FILE)
         set_rng_state(state["rng"])
         logger.info("resumed from %s (step %d)", path, state["step"])
