@@ -124,12 +124,38 @@ ALIASES: dict[str, str] = {
     "actor_rollout_ref.actor.neg_alpha": "cpo.neg_alpha",
     "actor_rollout_ref.actor.mi_alpha": "cpo.mi_alpha",
     "actor_rollout_ref.rollout.n": "rollout.n",
+    "actor_rollout_ref.actor.clip_ratio_c": "loss.clip_ratio_c",
+    # DAPO (verl): prompts per step and samples per prompt; CPO (verl): the response cap
+    "data.rollout_batch_size": "data.train_batch_size",
+    "worker.rollout.n": "rollout.n",
+    "data.max_response_length": "rollout.max_response_length",
+    # MTPO (TRL-style GRPOConfig names); num_generations is G * H, as rollout.n
+    "num_generations": "rollout.n",
+    "beta": "loss.kl_coef",
+    "epsilon": "loss.epsilon",
+    "epsilon_high": "loss.epsilon_high",
+    "num_iterations": "policy.num_iterations",
+    "temperature": "rollout.temperature",
+    "learning_rate": "policy.optim.lr",
+    "max_prompt_length": "data.max_prompt_length",
+    "max_completion_length": "rollout.max_response_length",
+}
+# Seed keys whose values are named differently too: seed key -> (our key, {seed value: our value}).
+VALUE_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
+    # TRL's loss_type: grpo averages each sequence's tokens, then the sequences; bnpo and dapo average
+    # all tokens of the batch; dr_grpo sums each sequence's tokens (TRL then divides by a fixed length,
+    # a constant factor: docs/variants/mtpo.md)
+    "loss_type": ("loss.agg_mode", {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+                                    "dr_grpo": "seq-mean-token-sum"}),
+    # TRL's scale_rewards: divide by the group's std (true / "group") or only centre (false / "none")
+    "scale_rewards": ("advantage.use_std", {"true": "true", "group": "true", "false": "false", "none": "false"}),
 }
 _OVERRIDE_PREFIX = re.compile(r"^(\+\+|\+|~)?")
 
 
 def apply_aliases(overrides: list[str]) -> list[str]:
-    """`overrides` with each key found in ALIASES replaced by ours, values untouched.
+    """`overrides` with each key found in ALIASES replaced by ours (values untouched), and each key of
+    VALUE_ALIASES replaced together with its value (an unknown value is a ValueError listing them).
 
     Alias targets are schema keys, so a leading `+` (add a new key) is dropped; `++` and `~` are kept.
     """
@@ -137,11 +163,19 @@ def apply_aliases(overrides: list[str]) -> list[str]:
     for override in overrides:
         prefix = _OVERRIDE_PREFIX.match(override).group(0)
         key, sep, value = override[len(prefix):].partition("=")
-        if key in ALIASES:
-            alias = ("" if prefix == "+" else prefix) + ALIASES[key] + sep + value
-            logger.info("override %r is read as %r (alias of a seed key)", override, alias)
-            override = alias
-        rewritten.append(override)
+        if key in VALUE_ALIASES:
+            ours, values = VALUE_ALIASES[key]
+            if value.lower() not in values:
+                raise ValueError(f"{key}={value}: accepted values are {', '.join(values)} (read as {ours})")
+            key, value = ours, values[value.lower()]
+        elif key in ALIASES:
+            key = ALIASES[key]
+        else:
+            rewritten.append(override)
+            continue
+        alias = ("" if prefix == "+" else prefix) + key + sep + value
+        logger.info("override %r is read as %r (alias of a seed key)", override, alias)
+        rewritten.append(alias)
     return rewritten
 
 

@@ -3,15 +3,18 @@
 Per response token, with r = exp(clamp(logprob - old_logprob, -c, c)) and advantage A:
 
     pg = -min(r * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A)
+    pg = min(pg, -clip_ratio_c * A)   where A < 0, when clip_ratio_c > 0 (dual-clip)
     kl = kl_coef * k(logprob, ref_logprob)          (only when kl_coef > 0; k in losses/kl.py)
     loss = aggregate(pg + kl, response_mask, agg_mode, global counts)
 
 Sources: PPO (Schulman et al. 2017) for the surrogate; GRPO (Shao et al. 2024, DeepSeekMath) for the
 KL term in the loss rather than in the reward; DAPO (Yu et al. 2025) for the decoupled upper clip
-("clip-higher", epsilon_high = 0.28) and token-mean aggregation.
+("clip-higher", epsilon_high = 0.28) and token-mean aggregation; dual-clip PPO (Ye et al. 2020, verl's
+`clip_ratio_c`, typically 3) for the cap on a negative-advantage token whose ratio has run far above 1.
 
 Decisions:
-- Defaults are symmetric (epsilon = epsilon_high = 0.2), plain GRPO; DAPO sets epsilon_high.
+- Defaults are symmetric (epsilon = epsilon_high = 0.2), plain GRPO; DAPO sets epsilon_high. Dual-clip
+  is off (clip_ratio_c = 0); when on it must exceed 1, so the cap sits above the usual clip.
 - The log-ratio is clamped to +-log_ratio_clamp before exp so a stale token cannot overflow the ratio;
   the clip already zeroes the gradient far before e^20, so the clamp never changes a useful value.
 - kl_coef = 0 means no reference model: ref_logprobs is then not required, and the KL metric is
@@ -21,7 +24,7 @@ Decisions:
 Metrics are divided by the global counts, so the caller sums them over micro-batches:
 loss/pg, loss/kl (the KL term's share of the loss), loss/total, actor/clip_frac_low (tokens where
 r < 1 - epsilon and A < 0: the low clip is active), actor/clip_frac_high (r > 1 + epsilon_high and
-A > 0), actor/ratio_mean, actor/approx_kl_old (token-mean k3 of the policy against old_logprobs),
+A > 0), actor/clip_frac_dual (r > clip_ratio_c and A < 0: the dual clip is active; with it on), actor/ratio_mean, actor/approx_kl_old (token-mean k3 of the policy against old_logprobs),
 actor/kl (token-mean KL estimate vs the reference, when ref_logprobs is set) and actor/entropy
 (token-mean, when the caller passes entropy).
 """
@@ -53,6 +56,7 @@ class ClippedPGLoss(Loss):
         kl_coef: float = 0.0  # beta, weight of the KL(pi || ref) term; 0 disables the reference model
         kl_estimator: str = "k3"  # k1 | k2 | k3 (losses/kl.py)
         log_ratio_clamp: float = 20.0  # |logprob - old_logprob| bound before exp, in nats
+        clip_ratio_c: float = 0.0  # dual-clip: a negative-advantage token's loss is capped at -clip_ratio_c * A (verl: 3.0); 0 disables it
 
     reads = ("advantages", "old_logprobs", "response_mask")
 
@@ -63,6 +67,8 @@ class ClippedPGLoss(Loss):
             raise ValueError(f"loss.epsilon_high must be >= 0, got {cfg.epsilon_high}")
         if cfg.kl_coef < 0.0:
             raise ValueError(f"loss.kl_coef must be >= 0, got {cfg.kl_coef}")
+        if cfg.clip_ratio_c != 0.0 and cfg.clip_ratio_c <= 1.0:
+            raise ValueError(f"loss.clip_ratio_c must be > 1 (or 0: no dual clip), got {cfg.clip_ratio_c}")
         if cfg.log_ratio_clamp <= 0.0:
             raise ValueError(f"loss.log_ratio_clamp must be > 0, got {cfg.log_ratio_clamp}")
         check_agg_mode(cfg.agg_mode)
@@ -89,7 +95,10 @@ class ClippedPGLoss(Loss):
         log_ratio = (logprobs - batch.old_logprobs).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high)
-        pg_loss = aggregate(-torch.minimum(ratio * adv, clipped * adv), mask, cfg.agg_mode, counts)
+        per_token = -torch.minimum(ratio * adv, clipped * adv)
+        if cfg.clip_ratio_c > 0:
+            per_token = torch.where(adv < 0, torch.minimum(per_token, -cfg.clip_ratio_c * adv), per_token)
+        pg_loss = aggregate(per_token, mask, cfg.agg_mode, counts)
 
         kl_loss = torch.zeros_like(pg_loss)
         if cfg.kl_coef > 0:
@@ -121,6 +130,8 @@ class ClippedPGLoss(Loss):
             "actor/ratio_mean": token_mean(ratio),
             "actor/approx_kl_old": token_mean(kl_k3(logprobs, batch.old_logprobs)),
         }
+        if self.cfg.clip_ratio_c > 0:
+            metrics["actor/clip_frac_dual"] = token_mean((ratio > self.cfg.clip_ratio_c) & (adv < 0))
         if batch.ref_logprobs is not None:
             metrics["actor/kl"] = token_mean(self.kl_fn(logprobs, batch.ref_logprobs))
         if entropy is not None:

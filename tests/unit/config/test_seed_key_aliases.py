@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from aligner_ext.config import ALIASES, RunConfig, apply_aliases, load_config
+from aligner_ext.config import ALIASES, VALUE_ALIASES, RunConfig, apply_aliases, load_config
 
 SEED_SWITCH = "actor_rollout_ref.rollout.enable_graded_system_prompt"
 
@@ -49,3 +49,30 @@ def test_cpo_seed_keys_set_ours():
                                "actor_rollout_ref.rollout.n=4", "algorithm.wrap_method=mi3"])
     assert (cfg.cpo.cpo_lambda, cfg.cpo.pos_alpha, cfg.cpo.neg_alpha) == (3.0, 0.2, 0.3)
     assert cfg.rollout.n == 4 and cfg.algorithm.wrap_method == "mi3"
+
+
+def test_mtpo_dapo_and_cpo_seed_keys_set_ours():
+    cfg = load_config("base", ["+variant=mtpo", "num_generations=8", "beta=0.04", "epsilon=0.1", "epsilon_high=0.3",
+                               "num_iterations=2", "temperature=0.7", "learning_rate=2e-6", "max_prompt_length=512",
+                               "loss_type=grpo", "scale_rewards=false"])
+    assert (cfg.rollout.n, cfg.loss.kl_coef, cfg.loss.epsilon, cfg.loss.epsilon_high) == (8, 0.04, 0.1, 0.3)
+    assert (cfg.policy.num_iterations, cfg.rollout.temperature, cfg.policy.optim.lr) == (2, 0.7, 2e-6)
+    assert cfg.data.max_prompt_length == 512
+    assert cfg.loss.agg_mode == "seq-mean-token-mean" and cfg.advantage.use_std is False
+    assert load_config("base", ["loss_type=dapo", "scale_rewards=group"]).loss.agg_mode == "token-mean"
+    dapo = load_config("base", ["+variant=dapo", "data.rollout_batch_size=12", "worker.rollout.n=6",
+                                "actor_rollout_ref.actor.clip_ratio_c=3.0"])
+    assert (dapo.data.train_batch_size, dapo.rollout.n, dapo.loss.clip_ratio_c) == (12, 6, 3.0)
+    assert load_config("base", ["+variant=cpo", "data.max_response_length=96"]).rollout.max_response_length == 96
+
+
+@pytest.mark.parametrize("override, named", [("loss_type=sapo", "loss_type=sapo: accepted values are grpo"),
+                                             ("scale_rewards=batch", "scale_rewards=batch: accepted values")])
+def test_a_seed_value_without_an_equivalent_is_refused(override, named):
+    with pytest.raises(ValueError, match=named):
+        load_config("base", [override])
+
+
+@pytest.mark.parametrize("seed_key, ours", sorted((key, target) for key, (target, _) in VALUE_ALIASES.items()))
+def test_every_value_alias_targets_a_schema_key(seed_key, ours):
+    test_every_alias_targets_a_schema_key(seed_key, ours)

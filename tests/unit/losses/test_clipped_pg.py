@@ -57,6 +57,29 @@ def test_asymmetric_upper_clip(make_batch):
     assert high_metrics["actor/clip_frac_high"] == pytest.approx(0.5)
 
 
+def test_dual_clip_caps_negative_advantage_tokens_far_above_one(make_batch):
+    # ratios 0.5, 2, 5 with A = -2 (row 0) and A = +2 (row 1); epsilon 0.2, clip_ratio_c 3
+    ratios = [[0.5, 2.0, 5.0], [0.5, 2.0, 5.0]]
+    adv = torch.tensor([[-2.0] * 3, [2.0] * 3], dtype=torch.float64)
+    batch = make_batch(torch.ones(2, 3), adv, torch.full((2, 3), OLD, dtype=torch.float64))
+    counts = GlobalCounts(tokens=6, sequences=2)
+    logprobs = logprobs_for(ratios)
+    loss, metrics = ClippedPGLoss(ClippedPGLoss.Config(clip_ratio_c=3.0))(logprobs, batch, counts)
+    # A = -2: ordinary -min(rA, clip(r)A) = max(2r, 2 clip(r)) = 1.6, 4, 10; the dual cap -c A = 6 lowers 10 to 6
+    # A = +2: -min(2r, 2 clip(r)) = -1, -2.4, -2.4 (untouched: the cap applies to A < 0 only)
+    per_token = [1.6, 4.0, 6.0, -1.0, -2.4, -2.4]
+    assert loss.item() == pytest.approx(sum(per_token) / 6)
+    assert metrics["actor/clip_frac_dual"] == pytest.approx(1 / 6)
+    # the capped token is a constant: no gradient; r = 2 with A = -2 keeps d/dlogprob = -A r / 6 = 4/6
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    expected = torch.tensor([[0.0, 4.0, 0.0], [-1.0, 0.0, 0.0]], dtype=torch.float64) / 6
+    torch.testing.assert_close(grad, expected)
+    off, off_metrics = ClippedPGLoss(ClippedPGLoss.Config())(logprobs, batch, counts)
+    assert off.item() == pytest.approx((1.6 + 4.0 + 10.0 - 1.0 - 2.4 - 2.4) / 6) and "actor/clip_frac_dual" not in off_metrics
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        ClippedPGLoss(ClippedPGLoss.Config(clip_ratio_c=0.9))
+
+
 def test_first_iteration_is_minus_advantage_token_mean(make_batch):
     logprobs = torch.tensor([[-1.0, -2.0, -50.0], [-0.5, -3.0, -4.0]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[2.0, 2.0, 0.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
