@@ -29,6 +29,7 @@ from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.tiny import TinyModelConfig
 from aligner_ext.rewards.manager import RewardConfig
 from aligner_ext.trainer.warmup import WarmupConfig
+from aligner_ext.variants import check_variants, merge_variant_overrides
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
     Raises ValueError naming the key for an unknown key, a wrong type or an invalid value.
     Overrides naming a seed key are first rewritten to ours (`apply_aliases`).
     """
-    overrides = apply_aliases(list(overrides or []))
+    overrides = merge_variant_overrides(apply_aliases(list(overrides or [])))
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from hydra.errors import ConfigCompositionException
@@ -215,6 +216,7 @@ def check_across_sections(cfg: RunConfig) -> None:
     """Checks that involve more than one section, so that `aligner-ext config` refuses what a run would."""
     import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 
+    check_variants(cfg)
     check_group_size(cfg)
 
 

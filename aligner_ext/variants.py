@@ -1,0 +1,86 @@
+"""Which variants a config turns on, and which of them compose.
+
+A variant is on when its switch is: dynamic sampling `algorithm.use_dynamic_sample`; CPO
+`algorithm.adv_estimator=cpo` (or a CPO wrapper in `algorithm.wrap_method`); MTPO the `two_round`
+maker (or its `mtpo_segments` estimator); the graded system prompt its maker (or
+`graded_prompt.enabled`). `+variant=a +variant=b` is read as `+variant=[a,b]`: the overlays are
+merged in order, and a single-valued key two overlays set keeps the later value, so the switches
+are read after the merge and every pair that is on is checked against `PAIRS`. A pair either
+composes, with the semantics written in docs/variants/README.md, or is refused naming both.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+logger = logging.getLogger(__name__)
+
+_VARIANT_OVERRIDE = re.compile(r"^\+variant=(.*)$")
+
+# None: composes (docs/variants/README.md); otherwise why the pair is refused.
+PAIRS: dict[frozenset[str], str | None] = {
+    frozenset({"dapo", "cpo"}): None,
+    frozenset({"dapo", "graded_prompt"}): None,
+    frozenset({"dapo", "mtpo"}): "dynamic sampling keeps a group by its prompt-level answer outcomes, so it would "
+                                 "drop groups whose confidence segments still carry a learning signal",
+    frozenset({"cpo", "mtpo"}): "both set algorithm.adv_estimator (CPO's wrappers over GRPO advantages, MTPO's "
+                                "segment advantages); one would silently replace the other",
+    frozenset({"cpo", "graded_prompt"}): "CPO's hinted log-prob pass and the graded maker's per-sample system prompts "
+                                         "have no defined semantics together yet",
+    frozenset({"mtpo", "graded_prompt"}): "both set algorithm.experience_maker (two_round, graded_prompt); one would "
+                                          "silently replace the other",
+}
+
+
+def merge_variant_overrides(overrides: list[str]) -> list[str]:
+    """`+variant=a ... +variant=b` as one `+variant=[a,b]` where the first stood (Hydra refuses two)."""
+    names, position = [], None
+    kept = []
+    for override in overrides:
+        match = _VARIANT_OVERRIDE.match(override)
+        if match is None:
+            kept.append(override)
+            continue
+        position = len(kept) if position is None else position
+        value = match.group(1).strip()
+        names += [n.strip() for n in value.strip("[]").split(",") if n.strip()] if value.startswith("[") else [value]
+    if position is None or len(names) < 2:
+        return overrides
+    return kept[:position] + [f"+variant=[{','.join(names)}]"] + kept[position:]
+
+
+def active_variants(cfg) -> set[str]:
+    """The variants whose switch is on in `cfg` (module docstring)."""
+    algorithm = cfg.algorithm
+    active = set()
+    if algorithm.use_dynamic_sample:
+        active.add("dapo")
+    if algorithm.adv_estimator == "cpo" or algorithm.wrap_method != "none":
+        active.add("cpo")
+    if algorithm.experience_maker == "two_round" or algorithm.adv_estimator == "mtpo_segments":
+        active.add("mtpo")
+    if algorithm.experience_maker == "graded_prompt" or cfg.graded_prompt.enabled:
+        active.add("graded_prompt")
+    return active
+
+
+def check_variants(cfg) -> None:
+    """Refuse a pair of variants that does not compose, or a variant's setting that nothing would
+    read; turn the graded maker on from its switch alone (the seed's behaviour)."""
+    algorithm = cfg.algorithm
+    active = sorted(active_variants(cfg))
+    for index, first in enumerate(active):
+        for second in active[index + 1:]:
+            reason = PAIRS[frozenset({first, second})]
+            if reason is not None:
+                raise ValueError(f"variants {first} and {second} do not compose: {reason} (docs/variants/README.md)")
+    if algorithm.wrap_method != "none" and algorithm.adv_estimator != "cpo":
+        raise ValueError(f"algorithm.wrap_method={algorithm.wrap_method} is read only by algorithm.adv_estimator=cpo "
+                         f"(it is {algorithm.adv_estimator}); set wrap_method=none or adv_estimator=cpo")
+    if cfg.graded_prompt.enabled and algorithm.experience_maker == "group_sampling":
+        logger.info("graded_prompt.enabled=true: algorithm.experience_maker set to graded_prompt")
+        algorithm.experience_maker = "graded_prompt"
+    if "dapo" in active and algorithm.wrap_method.startswith("negonly"):
+        logger.warning("dynamic sampling keeps only groups with mixed outcomes, so %s's terms for all-wrong groups "
+                       "never fire (docs/variants/README.md)", algorithm.wrap_method)
