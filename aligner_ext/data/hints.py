@@ -1,7 +1,8 @@
 """Hint injection (CPO): the same responses, scored under a prompt that also shows a hint.
 
-The hint is the row's gold solution (`extra_info.gold_solution`, with `algorithm.gold_as_hint`) or
-its ground truth. It is written into the row's chat messages, which are rendered by the tokenizer's
+The hint is the row's gold solution (the first non-empty of `cpo.hint.solution_fields` in
+`extra_info`: `gold_solution`, then `solution` as public CPO data has it; with
+`algorithm.gold_as_hint`) or its ground truth. It is written into the row's chat messages, which are rendered by the tokenizer's
 own chat template exactly as the loader renders prompts (`templating.encode_prompt`), so no token id
 is hard-coded and any template works. Three placements:
 
@@ -72,6 +73,7 @@ class HintConfig:
     max_hint_length: int = 0  # hint tokens kept; 0 keeps the whole hint (the batch grows wider instead)
     truncate_side: str = "left"  # end of an overlong hint that is dropped: left (keeps its answer) | right (the seed)
     check_insertion: bool = True  # user_prefix / assistant_turn: error unless the hint is one contiguous insertion
+    solution_fields: list[str] = field(default_factory=lambda: ["gold_solution", "solution"])  # extra_info fields holding the hint (algorithm.gold_as_hint), first non-empty wins; public CPO data uses `solution`
 
     def __post_init__(self) -> None:
         for name, value, choices in (("placement", self.placement, PLACEMENTS),
@@ -99,9 +101,14 @@ class HintedPrompts:
     num_truncated: int = 0  # rows whose hint was cut to max_hint_length
 
 
-def hint_text(row: PromptRow, gold_as_hint: bool) -> str | None:
-    """The row's hint: `extra_info.gold_solution` (gold_as_hint) or its ground truth; None if absent or empty."""
-    value = row.extra_info.get("gold_solution") if gold_as_hint else row.ground_truth
+def hint_text(row: PromptRow, gold_as_hint: bool, solution_fields: list[str]) -> str | None:
+    """The row's hint: the first non-empty `extra_info` field of `solution_fields` (gold_as_hint) or its
+    ground truth; None if absent or empty."""
+    if gold_as_hint:
+        value = next((row.extra_info[name] for name in solution_fields if row.extra_info.get(name) not in (None, "")),
+                     None)
+    else:
+        value = row.ground_truth
     if value is None:
         return None
     if isinstance(value, (list, tuple)):  # several accepted answers: the first one is the hint
@@ -163,10 +170,10 @@ def insertion_point(original: list[int], hinted: list[int]) -> int | None:
 def hinted_prompt_ids(row: PromptRow, original: list[int], tokenizer, cfg: HintConfig,
                       gold_as_hint: bool) -> tuple[list[int] | None, bool]:
     """(hinted prompt ids or None when the row has no hint, whether the hint was truncated)."""
-    hint = hint_text(row, gold_as_hint)
+    hint = hint_text(row, gold_as_hint, cfg.solution_fields)
     if hint is None:
         if cfg.missing == "error":
-            source = "extra_info.gold_solution" if gold_as_hint else "reward_model.ground_truth"
+            source = ("extra_info." + " / ".join(cfg.solution_fields)) if gold_as_hint else "reward_model.ground_truth"
             raise ValueError(f"row {row.row_id}: no {source} to use as the CPO hint "
                              f"(algorithm.gold_as_hint={gold_as_hint}); add it or set cpo.hint.missing=skip")
         return None, False

@@ -43,8 +43,8 @@ _CONFIDENCE_SEGMENT_LENIENT = re.compile(
 _CONFIDENCE_TAG = re.compile(r"<confidence>(.*?)</confidence>", re.DOTALL)
 _FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 
-# HotpotQA rows (data/hotpotqa.py) are graded like SQuAD: normalised exact match.
-register_reward("squad_exact_match", data_sources=("hotpotqa",))(squad_exact_match_reward)
+# HotpotQA rows (data/hotpotqa.py; RLCR's data source is `hotpot`) are graded like SQuAD: normalised exact match.
+register_reward("squad_exact_match", data_sources=("hotpotqa", "hotpot"))(squad_exact_match_reward)
 
 
 def parse_confidence(text: str) -> float | None:

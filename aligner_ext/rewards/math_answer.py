@@ -16,11 +16,15 @@ Decisions:
   off (`parsing_timeout=None`, `timeout_seconds=None`) and `RewardManager` enforces the limit by
   killing the worker process. The warning math-verify logs about this is filtered out.
 - A missing or unparseable ground truth raises (the manager counts and logs it as an error).
+- GSM8K (`gsm8k`, the default for `gsm8k` and `openai/gsm8k` rows): the answer is the number after
+  the last `####`, as GSM8K's own solutions and verl's gsm8k reward write it, else the boxed answer;
+  a ground truth holding a whole GSM8K solution is read the same way.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
@@ -28,7 +32,7 @@ from aligner_ext.data.types import PromptRow
 from aligner_ext.rewards.base import RewardResult, register_reward
 
 MATH_DATA_SOURCES = (
-    "arithmetic", "math", "MATH", "gsm8k", "openai/gsm8k", "hendrycks_math", "math500", "lighteval/MATH",
+    "arithmetic", "math", "MATH", "hendrycks_math", "math500", "lighteval/MATH",
     "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo", "aime2024", "aime2025", "amc23",
 )
 _GOLD_CONFIG = (LatexExtractionConfig(), ExprExtractionConfig())
@@ -48,11 +52,21 @@ logging.getLogger("math_verify.parser").addFilter(_NoTimeoutWarning())
 logging.getLogger("math_verify.grader").addFilter(_NoTimeoutWarning())
 
 
+_HASHES_ANSWER = re.compile(r"####\s*\$?\s*([-+]?[\d,]*\.?\d+)")
+
+
+def after_hashes(text: str) -> str | None:
+    """The number after the last `####` in `text` (thousands separators dropped), or None."""
+    found = _HASHES_ANSWER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
 def parse_gold(ground_truth: object) -> list:
     """math-verify's parse of a ground truth; raise if it is missing or has no parseable answer."""
     if ground_truth is None:
         raise ValueError("no ground_truth to compare with")
     text = str(ground_truth).strip()
+    text = after_hashes(text) or text
     gold = parse(text if any(d in text for d in _DELIMITERS) else f"${text}$",
                  extraction_config=_GOLD_CONFIG, parsing_timeout=None)
     if not gold:
@@ -71,6 +85,13 @@ def _verify(response: str, row: PromptRow, pred_config: tuple) -> RewardResult:
 def math_verify_reward(response: str, row: PromptRow) -> RewardResult:
     """1.0 if the response's marked (boxed / LaTeX) answer equals the ground truth, else 0.0."""
     return _verify(response, row, _PRED_CONFIG)
+
+
+@register_reward("gsm8k", data_sources=("gsm8k", "openai/gsm8k"))
+def gsm8k_reward(response: str, row: PromptRow) -> RewardResult:
+    """1.0 if the number after the response's last `####` (else its boxed answer) equals the ground truth."""
+    answer = after_hashes(response)
+    return _verify(f"${answer}$" if answer is not None else response, row, _PRED_CONFIG)
 
 
 @register_reward("math_verify_lenient")

@@ -229,10 +229,12 @@ def _client(cfg: JudgeConfig) -> JudgeClient:
     return _CLIENTS[cfg.key()]
 
 
+# RuscaRL's HealthBench rows are graded by an LLM judge against their rubrics (docs/rewards.md).
+_SOURCES = {"rubric_judge": ("healthbench",)}
 for _name, _cfg in (
     ("rubric", RubricConfig(grader="rule")),
     ("rubric_clipped", RubricConfig(grader="rule", clip=True)),
     ("rubric_judge", RubricConfig(grader="judge")),
     ("rubric_judge_clipped", RubricConfig(grader="judge", clip=True)),
 ):
-    register_reward(_name)(RubricReward(_cfg))
+    register_reward(_name, data_sources=_SOURCES.get(_name, ()))(RubricReward(_cfg))

@@ -130,6 +130,19 @@ def test_reference_prompt_rewrites_the_user_turn_and_keeps_braces(tiny_tokenizer
         f"<|im_start|>user\nQ: 3+4+5=\nRef: {GOLD_B}\nUse \\boxed{{}}.<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_the_hint_field_is_configurable_and_public_cpo_data_works_by_default(tiny_tokenizer):
+    public = dataclasses.replace(ROW_A, extra_info={"solution": "from solution"})  # public CPO data's field
+    both = dataclasses.replace(ROW_A, extra_info={"gold_solution": "", "solution": "x", "notes": "from notes"})
+    for row, config, expected in [(public, HintConfig(), "from solution"),
+                                  (ROW_A, HintConfig(), GOLD_A),  # gold_solution comes first
+                                  (both, HintConfig(), "x"),  # an empty field is skipped
+                                  (both, HintConfig(solution_fields=["notes"]), "from notes")]:
+        batch = make_batch(tiny_tokenizer, [row], ["19", "1"])
+        hinted = hinted_batch(batch, hinted_prompts(batch, tiny_tokenizer, config, True).prompt_ids, 0)
+        assert real_prompt(tiny_tokenizer, hinted, 0) == (f"<|im_start|>user\n{expected}\n12+7=<|im_end|>\n"
+                                                          "<|im_start|>assistant\n")
+
+
 def test_ground_truth_as_hint(tiny_tokenizer):
     batch = make_batch(tiny_tokenizer, [ROW_A], ["19", "1"])
     hinted = hinted_batch(batch, hinted_prompts(batch, tiny_tokenizer, HintConfig(), False).prompt_ids, 0)
@@ -139,7 +152,7 @@ def test_ground_truth_as_hint(tiny_tokenizer):
 def test_missing_hint_is_an_error_naming_the_row_or_a_counted_skip(tiny_tokenizer):
     bare = dataclasses.replace(ROW_B, row_id="data.jsonl:7", extra_info={})
     batch = make_batch(tiny_tokenizer, [ROW_A, bare], ["19", "1", "12", "2"])
-    with pytest.raises(ValueError, match=r"row data\.jsonl:7: no extra_info\.gold_solution .*cpo\.hint\.missing=skip"):
+    with pytest.raises(ValueError, match=r"row data\.jsonl:7: no extra_info\.gold_solution / solution .*cpo\.hint\.missing=skip"):
         hinted_prompts(batch, tiny_tokenizer, HintConfig(), gold_as_hint=True)
     prompts = hinted_prompts(batch, tiny_tokenizer, HintConfig(missing="skip"), gold_as_hint=True)
     assert prompts.num_missing == 2

@@ -58,6 +58,27 @@ def test_math_verify_rejects_missing_or_unparseable_ground_truth(gold):
 
 # --- exact_match / squad_exact_match -----------------------------------------------------------
 
+@pytest.mark.parametrize("response, gold, expected", [
+    ("She sold 48 + 24 = 72 clips.\n#### 72", "72", 1.0),  # GSM8K's own answer line
+    ("#### 1,234", "1234", 1.0),  # thousands separator
+    ("#### $72", "72", 1.0),
+    ("first #### 5 then #### 72", "72", 1.0),  # the last one counts
+    ("#### 71", "72", 0.0),
+    ("no marker, but \\boxed{72}", "72", 1.0),  # falls back to the boxed answer
+    ("72", "72", 0.0),  # a bare number is no marked answer
+    ("#### 72", "Natalia sold 48/2 = 24 clips in May.\n#### 72", 1.0),  # a whole GSM8K solution as ground truth
+])
+def test_gsm8k_reads_the_number_after_the_hashes(response, gold, expected):
+    assert score("gsm8k", response, gold).score == expected
+
+
+def test_verl_and_ruscarl_data_sources_have_a_reward_by_default():
+    import aligner_ext.plugins  # noqa: F401 - registers every built-in reward and its data sources
+
+    assert {source: DATA_SOURCES[source] for source in ("gsm8k", "openai/gsm8k", "hotpot", "healthbench")} == {
+        "gsm8k": "gsm8k", "openai/gsm8k": "gsm8k", "hotpot": "squad_exact_match", "healthbench": "rubric_judge"}
+
+
 def test_normalisations():
     assert normalize_text(" The  Cat. ") == "the cat"
     assert normalize_text("3.5") == "3.5"  # only a trailing period goes
@@ -158,7 +179,7 @@ def test_format_boxed(response, expected):
 
 def test_builtin_data_sources():
     assert DATA_SOURCES["arithmetic"] == "math_verify"
-    assert DATA_SOURCES["gsm8k"] == "math_verify"
+    assert DATA_SOURCES["gsm8k"] == "gsm8k"  # the number after "####", else the boxed answer
     assert DATA_SOURCES["MATH"] == "math_verify"
     assert DATA_SOURCES["short_qa"] == "squad_exact_match"
     assert DATA_SOURCES["multiple_choice"] == "multiple_choice"
