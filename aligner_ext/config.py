@@ -29,7 +29,7 @@ from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.tiny import TinyModelConfig
 from aligner_ext.rewards.manager import RewardConfig
 from aligner_ext.trainer.warmup import WarmupConfig
-from aligner_ext.variants import check_variants, merge_variant_overrides
+from aligner_ext.variants import merge_variant_overrides, resolve_variants
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 logger = logging.getLogger(__name__)
@@ -213,10 +213,11 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
 
 
 def check_across_sections(cfg: RunConfig) -> None:
-    """Checks that involve more than one section, so that `aligner-ext config` refuses what a run would."""
+    """Checks that involve more than one section, so that `aligner-ext config` refuses what a run would
+    (and the one setting inferred from another: the graded maker from its switch, `variants.py`)."""
     import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 
-    check_variants(cfg)
+    resolve_variants(cfg)
     check_group_size(cfg)
 
 

@@ -65,7 +65,7 @@ def active_variants(cfg) -> set[str]:
     return active
 
 
-def check_variants(cfg) -> None:
+def resolve_variants(cfg) -> None:
     """Refuse a pair of variants that does not compose, or a variant's setting that nothing would
     read; turn the graded maker on from its switch alone (the seed's behaviour)."""
     algorithm = cfg.algorithm

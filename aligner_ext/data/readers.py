@@ -104,7 +104,7 @@ def _read_json(path: str) -> list[tuple[str, Any]]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        _utf8(data[: err.end], path, data[: err.start].count(b"\n") + 1)
+        raise _not_utf8(path, data[: err.start].count(b"\n") + 1, err) from err
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as err:
@@ -115,12 +115,15 @@ def _read_json(path: str) -> list[tuple[str, Any]]:
 
 
 def _utf8(raw: bytes, path: str, line_number: int) -> str:
-    """`raw` (the end of line `line_number` of `path`) decoded, or a DataError naming the line."""
+    """Line `line_number` of `path`, decoded, or a DataError naming the line."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise DataError(f"{path} line {line_number}: not UTF-8 text ({err.reason} at byte {err.start} of the line "
-                        "or of what precedes it); save the file as UTF-8") from err
+        raise _not_utf8(path, line_number, err) from err
+
+
+def _not_utf8(path: str, line_number: int, err: UnicodeDecodeError) -> DataError:
+    return DataError(f"{path} line {line_number}: not UTF-8 text ({err.reason}); save the file as UTF-8")
 
 
 def parse_row(record: Any, path: str, index: int, where: str = "") -> PromptRow:

@@ -30,7 +30,7 @@ from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.tasks import sft_target
 from aligner_ext.data.templating import left_pad, right_pad
 from aligner_ext.data.types import PromptDraw, PromptRow
-from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams, check_sampling
 from aligner_ext.registry import Registry
 from aligner_ext.rewards.manager import RewardManager
 
@@ -53,12 +53,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {self.n}")
-        if self.max_response_length < 1:
-            raise ValueError(f"rollout.max_response_length must be >= 1, got {self.max_response_length}")
-        if self.temperature < 0:
-            raise ValueError(f"rollout.temperature must be >= 0 (0: greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        check_sampling("rollout.", "max_response_length", self.max_response_length, self.temperature, self.top_p)
         if any(not isinstance(text, str) or not text for text in self.stop):
             raise ValueError(f"rollout.stop strings must be non-empty, got {list(self.stop)}")
 

@@ -15,6 +15,17 @@ from aligner_ext.registry import Registry
 ENGINES = Registry("generation engine")
 
 
+def check_sampling(prefix: str, length_key: str, length: int, temperature: float, top_p: float) -> None:
+    """The sampling settings every engine serves, named `<prefix><key>` in the error (a config section
+    or SamplingParams)."""
+    if length < 1:
+        raise ValueError(f"{prefix}{length_key} must be >= 1, got {length}")
+    if temperature < 0:
+        raise ValueError(f"{prefix}temperature must be >= 0 (0: greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{prefix}top_p must be in (0, 1], got {top_p}")
+
+
 @dataclass
 class SamplingParams:
     """How to sample one call's sequences."""

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from aligner_ext.data.templating import left_pad
-from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams, check_sampling
 from aligner_ext.generation.stopping import StopStringMatcher
 
 logger = logging.getLogger(__name__)
@@ -246,12 +246,7 @@ def _device_of(model) -> torch.device:
 
 def check_request(prompts: list[list[int]], params: SamplingParams) -> None:
     """Reject requests the loop cannot serve, naming the offending field or prompt."""
-    if params.max_new_tokens < 1:
-        raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    if params.temperature < 0:
-        raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
+    check_sampling("SamplingParams.", "max_new_tokens", params.max_new_tokens, params.temperature, params.top_p)
     if params.top_k < 0:
         raise ValueError(f"SamplingParams.top_k must be >= 0, got {params.top_k}")
     for index, prompt in enumerate(prompts):

@@ -58,6 +58,14 @@ class RolloutEngineConfig:
     compile: bool = True  # on a GPU, torch.compile the decode step's layer functions and the sampler (ignored on the CPU)
     attended_length_step: int = 128  # a decode step attends over the smallest multiple of this many cache positions that covers every sequence
 
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"generator.rollout.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not 0 < self.kv_cache_memory_share <= 1:
+            raise ValueError(f"generator.rollout.kv_cache_memory_share must be in (0, 1], got {self.kv_cache_memory_share}")
+        if self.attended_length_step < 1:
+            raise ValueError(f"generator.rollout.attended_length_step must be >= 1, got {self.attended_length_step}")
+
 
 class _DeviceSlots:
     """What a decode step reads and advances, one row per KV-cache slot, on the device (static
@@ -66,12 +74,11 @@ class _DeviceSlots:
     def __init__(self, cache: SlotKVCache, slots: int, vocab_size: int, device: torch.device):
         self.cache = cache
         long = dict(dtype=torch.long, device=device)
-        self.ids = torch.zeros(slots, **long)  # the token each slot feeds next
+        self.ids = torch.zeros(slots, **long)  # the token each slot feeds next: after a step, the one it sampled
         self.positions = torch.zeros(slots, **long)  # its position
         self.seeds = torch.zeros(slots, **long)  # the slot's request's sampling stream
         self.counters = torch.zeros(slots, **long)  # tokens its request has sampled so far
         self.logits = torch.empty(slots, vocab_size, dtype=torch.float32, device=device)
-        self.tokens = torch.zeros(slots, **long)  # the step's sampled tokens
         self.logprobs = torch.zeros(slots, dtype=torch.float32, device=device)
         self.host_positions = np.zeros(slots, dtype=np.int64)
 
@@ -126,12 +133,6 @@ class RolloutEngine(GenerationEngine):
     """Continuous-batching generation over the policy's own weights (module docstring)."""
 
     def __init__(self, model, tokenizer, cfg: RolloutEngineConfig):
-        if cfg.max_batch_size < 1:
-            raise ValueError(f"generator.rollout.max_batch_size must be >= 1, got {cfg.max_batch_size}")
-        if not 0 < cfg.kv_cache_memory_share <= 1:
-            raise ValueError(f"generator.rollout.kv_cache_memory_share must be in (0, 1], got {cfg.kv_cache_memory_share}")
-        if cfg.attended_length_step < 1:
-            raise ValueError(f"generator.rollout.attended_length_step must be >= 1, got {cfg.attended_length_step}")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -226,7 +227,7 @@ class _Call:
                     self._step(rows, attended)
                 self.slots.host_positions[:rows] = np.minimum(self.slots.host_positions[:rows] + 1, self.length - 1)
                 host_tokens, host_logprobs = buffers[steps % len(buffers)]
-                host_tokens[:rows].copy_(self.slots.tokens[:rows], non_blocking=on_gpu)
+                host_tokens[:rows].copy_(self.slots.ids[:rows], non_blocking=on_gpu)  # before any admission rewrites ids
                 host_logprobs[:rows].copy_(self.slots.logprobs[:rows], non_blocking=on_gpu)
                 done = torch.cuda.Event() if on_gpu else None
                 if done is not None:
@@ -251,7 +252,6 @@ class _Call:
                                      out=slots.logits[:rows])
         tokens, logprobs = self.engine.sample(logits, params.temperature, params.top_p, params.top_k,
                                               slots.seeds[:rows], slots.counters[:rows])
-        slots.tokens[:rows].copy_(tokens)
         slots.logprobs[:rows].copy_(logprobs)
         slots.ids[:rows].copy_(tokens)
         slots.positions[:rows].add_(1).clamp_(max=self.length - 1)
@@ -286,7 +286,7 @@ class _Call:
         for index, slot in admitted:
             self.occupant[slot] = index
             slots.host_positions[slot] = len(self.prompts[index])
-        self._accept(np.array(indices), tokens.cpu().numpy(), logprobs.float().cpu().numpy())
+        self._accept(np.array(indices), tokens.cpu().numpy(), logprobs.cpu().numpy())
 
     def _prefill(self, admitted: list[tuple[int, int]]) -> torch.Tensor:
         """Prefill the admitted (request, slot) pairs; float32 logits [len(admitted), V] of their last prompt token."""

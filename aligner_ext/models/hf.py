@@ -39,9 +39,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):
-    """Multiplier of the peak lr at a given RL step: linear warm-up, then constant/linear/cosine."""
-    if cfg.schedule not in ("constant", "linear", "cosine"):
-        raise ValueError(f"policy.optim.schedule must be constant, linear or cosine, got {cfg.schedule!r}")
+    """Multiplier of the peak lr at a given RL step: linear warm-up, then constant/linear/cosine
+    (`OptimConfig` has checked the schedule's name)."""
 
     def multiplier(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -133,19 +132,19 @@ class HFPolicy(Policy):
         norm) when the guard skips it."""
         counts = loss.global_counts(mini)
         metrics: dict[str, float] = defaultdict(float)
-        total_loss = 0.0
+        total_loss = torch.zeros((), device=self.model.device)
         self.optimizer.zero_grad(set_to_none=True)
         for rows in split_rows(len(mini), self.cfg.micro_batch_size):
             micro = mini.select(list(rows)).to(self.model.device)
             logprobs, _ = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, False, temperature)
             value, micro_metrics = loss(logprobs, micro, counts)
             value.backward()
-            total_loss += float(value.detach())
+            total_loss += value.detach()
             for key, number in micro_metrics.items():
                 metrics[key] += float(number)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        if not self.guard.admit(grad_norm, total_loss):
+        if not self.guard.admit(grad_norm, float(total_loss)):
             self.optimizer.zero_grad(set_to_none=True)
             return None, grad_norm
         self.optimizer.step()

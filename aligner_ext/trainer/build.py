@@ -86,7 +86,10 @@ def model_directory(cfg: RunConfig, run_dir: Path) -> Path | str:
             raise ModelPathError(f"model.path {path} is not a transformers checkpoint: it has no config.json "
                                  "(expected config.json, the weights and the tokenizer files)")
         return path
-    if path.exists() or cfg.model.path.startswith((".", "/", "~")) or cfg.model.path.count("/") != 1:
+    if path.exists():
+        raise ModelPathError(f"model.path {path} is a file; it must be a directory with config.json, the weights "
+                             "and the tokenizer")
+    if cfg.model.path.startswith((".", "/", "~")) or cfg.model.path.count("/") != 1:
         raise ModelPathError(f"model.path {cfg.model.path} does not exist (a directory with config.json, the weights "
                              "and the tokenizer, or a hub id such as Qwen/Qwen2.5-0.5B-Instruct)")
     try:

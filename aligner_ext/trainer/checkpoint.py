@@ -3,13 +3,14 @@
 A checkpoint is `checkpoints/step_<N>/` holding the weights (`model.safetensors`), the tokenizer,
 and `trainer_state.pt` (optimizer, LR schedule, prompt-loader position, experience-maker state,
 RNG states), and `manifest.json` (every file's size and SHA-256, written last). It is written under
-a temporary name and renamed into place only when complete, so a `step_<N>` directory with a
-manifest is a complete checkpoint and a run killed mid-save keeps its previous one.
-`checkpoints/latest` (a one-line file, itself replaced atomically) names the newest one, but it is
-only a hint: the newest complete checkpoint is found from the directories themselves, so a kill
-between a rename and the pointer's write loses nothing. On resume the manifest is checked first;
-a truncated, corrupt or missing file is named and the previous complete checkpoint is tried. Weights holding NaN or infinity are never saved
-(the policy's `NonFiniteGuard` skips the updates that would make them; this is the last fence).
+a temporary name and renamed into place only when complete, so every `step_<N>` directory is a
+complete checkpoint and a run killed mid-save keeps its previous one (checkpoints of versions
+before the manifest are loaded unverified). `checkpoints/latest` (a one-line file, itself replaced
+atomically) names the newest one, but it is only a hint: the newest complete checkpoint is found
+from the directories themselves, so a kill between a rename and the pointer's write loses nothing.
+On resume the manifest is checked first; a truncated, corrupt or missing file is named and the
+previous complete checkpoint is tried. Weights holding NaN or infinity are never saved (the
+policy's `NonFiniteGuard` skips the updates that would make them; this is the last fence).
 
 Multi-process runs (torchrun, aligner_ext/distributed.py): every process runs the same loop, so the
 loader, experience-maker and RNG states are the same on every rank, and the main process alone
@@ -130,7 +131,8 @@ class Checkpointer:
         return found[0] if found else None
 
     def complete(self) -> list[Path]:
-        """Every complete checkpoint (a `step_<N>` directory holding its manifest), newest first.
+        """Every complete checkpoint (a `step_<N>` directory with its manifest, or an older version's
+        with its trainer state), newest first.
         The `latest` pointer is only compared, never trusted: a stale one is reported."""
         if is_main_process():
             for aside in self.directory.glob(".step_*.old"):  # a crash while re-saving a step

@@ -82,3 +82,9 @@ def test_a_missing_data_file_is_one_line(tmp_path, capsys):
     error = one_line_error(capsys, SMALL_MODEL + [f"data.train_files=[{tmp_path / 'nope.jsonl'}]",
                                                   f"trainer.output_dir={tmp_path}"])
     assert f"dataset file not found: {tmp_path / 'nope.jsonl'}" in error
+
+
+def test_a_file_as_model_path_says_it_is_a_file(tmp_path, capsys):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    error = one_line_error(capsys, [f"model.path={tmp_path / 'weights.bin'}", f"trainer.output_dir={tmp_path}"])
+    assert "is a file; it must be a directory with config.json" in error
