@@ -113,6 +113,7 @@ class PolicyConfig:
     micro_batch_size: int = 64  # sequences per forward/backward (memory knob; does not change the gradient)
     mini_batch_size: int = 0  # sequences per optimizer update; 0 = the whole step batch (one update)
     num_iterations: int = 1  # passes over each step batch against the stored old log-probs
+    old_logprob_pass: str = "auto"  # auto: skipped when the step is one on-policy update (the training forward's detached log-probs are the old ones) | always
     logprob_chunk_size: int = 128  # sequence positions per log-softmax chunk (bounds [b, T, V] memory)
     tensor_model_parallel_size: int = 1  # megatron backend: GPUs each layer is split across (TP)
     pipeline_model_parallel_size: int = 1  # megatron backend: pipeline stages the layers are split into (PP)
@@ -120,11 +121,18 @@ class PolicyConfig:
     use_distributed_optimizer: bool = False  # megatron backend: shard optimizer state over data-parallel ranks
     optim: OptimConfig = field(default_factory=OptimConfig)
 
+    def __post_init__(self) -> None:
+        if self.old_logprob_pass not in ("auto", "always"):
+            raise ValueError(f"policy.old_logprob_pass must be auto or always, got {self.old_logprob_pass!r}")
+
 
 class Policy(abc.ABC):
     """A trainable policy."""
 
     model: torch.nn.Module
+    # True when `train` fills a batch without old log-probs from its own forward (the on-policy
+    # shortcut, trainer/loop.py): the loss then sees old = current, detached.
+    fills_old_logprobs: bool = False
 
     @abc.abstractmethod
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

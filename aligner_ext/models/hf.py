@@ -108,14 +108,21 @@ class HFPolicy(Policy):
         mask = batch.response_valid
         return torch.cat(parts_lp) * mask, torch.cat(parts_ent) * mask
 
+    fills_old_logprobs = True
+
     def train(self, batch: ExperienceBatch, loss: Loss, temperature: float) -> dict[str, float]:
         self.model.train()
         totals: dict[str, float] = defaultdict(float)
         grad_norms, skipped = [], 0
+        fill = batch.old_logprobs is None  # the on-policy shortcut: this pass's log-probs are the old ones
+        if fill and (self.cfg.num_iterations != 1 or len(split_rows(len(batch), self.cfg.mini_batch_size)) != 1):
+            raise ValueError("a batch without old log-probs trains in one update only (trainer/loop.py decides)")
         for _ in range(self.cfg.num_iterations):
             for mini_rows in split_rows(len(batch), self.cfg.mini_batch_size):
                 mini = batch.select(list(mini_rows))
                 update, grad_norm = self._update(mini, loss, temperature)
+                if fill:
+                    batch.old_logprobs, batch.entropy = mini.old_logprobs, mini.entropy
                 if update is None:
                     skipped += 1
                     continue
@@ -134,14 +141,23 @@ class HFPolicy(Policy):
         metrics: dict[str, float] = defaultdict(float)
         total_loss = torch.zeros((), device=self.model.device)
         self.optimizer.zero_grad(set_to_none=True)
+        fill = mini.old_logprobs is None
+        filled_lp, filled_ent = [], []
         for rows in split_rows(len(mini), self.cfg.micro_batch_size):
             micro = mini.select(list(rows)).to(self.model.device)
-            logprobs, _ = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, False, temperature)
+            logprobs, entropy = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, fill, temperature)
+            if fill:
+                mask = micro.response_valid
+                micro.old_logprobs, micro.entropy = logprobs.detach() * mask, entropy.detach() * mask
+                filled_lp.append(micro.old_logprobs.float().cpu())
+                filled_ent.append(micro.entropy.float().cpu())
             value, micro_metrics = loss(logprobs, micro, counts)
             value.backward()
             total_loss += value.detach()
             for key, number in micro_metrics.items():
                 metrics[key] += float(number)
+        if fill:
+            mini.old_logprobs, mini.entropy = torch.cat(filled_lp), torch.cat(filled_ent)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         if not self.guard.admit(grad_norm, float(total_loss)):

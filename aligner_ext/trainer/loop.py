@@ -131,7 +131,8 @@ def run_means(metrics_path: Path, keys: tuple[str, ...]) -> dict[str, float]:
 def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, temperature: float) -> dict[str, float]:
     """Old and reference log-probs, advantages, the policy update, and the engine's new weights."""
     with timer("logprobs"):
-        batch.old_logprobs, batch.entropy = parts.policy.logprobs(batch, temperature)
+        if not old_logprobs_from_training(parts, len(batch)):
+            batch.old_logprobs, batch.entropy = parts.policy.logprobs(batch, temperature)
         if parts.reference is not None:
             batch.ref_logprobs = parts.reference.logprobs(batch, temperature)
     with timer("advantages"):
@@ -144,6 +145,19 @@ def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, 
     metrics.update(parts.advantage.metrics())
     metrics.update(batch_metrics(batch))
     return metrics
+
+
+def old_logprobs_from_training(parts: Components, batch_size: int) -> bool:
+    """Whether the old-log-prob pass can be skipped (`policy.old_logprob_pass=auto`): when the step is
+    one optimizer update on the batch, the policy that trains is the one that generated, so the
+    training forward's own log-probs, detached, are the old log-probs (ratio 1, as a recomputation
+    would give up to rounding). Not when anything reads them before training (CPO's advantage)."""
+    if not parts.policy.fills_old_logprobs:
+        return False
+    cfg = parts.policy.cfg
+    one_update = cfg.num_iterations == 1 and (cfg.mini_batch_size <= 0 or cfg.mini_batch_size >= batch_size)
+    read_before_training = {"old_logprobs", "entropy"} & set(getattr(parts.advantage, "reads", ()))
+    return cfg.old_logprob_pass == "auto" and one_update and not read_before_training
 
 
 def run_eval(cfg: RunConfig, parts: Components) -> dict[str, float]:

@@ -120,3 +120,81 @@ def test_a_resume_applies_changed_optimizer_and_schedule_settings(tiny_model, ti
     assert int(step_count) == 1  # the moments and step counts carry on
     resumed.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), temperature=1.0)
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(4e-3 * 3 / 5)
+
+
+class CountingPolicy(HFPolicy):
+    """Counts the separate old-log-prob passes the loop asks for."""
+
+    passes = 0
+
+    def logprobs(self, batch, temperature):
+        self.passes += 1
+        return super().logprobs(batch, temperature)
+
+
+def one_loop_step(model, tokenizer, advantage, **overrides):
+    """`update_policy` on the ragged batch with fixed advantages; (policy, batch)."""
+    from types import SimpleNamespace
+
+    from aligner_ext.trainer.loop import update_policy
+    from aligner_ext.trainer.metrics import StageTimer
+
+    policy = CountingPolicy(copy.deepcopy(model), PolicyConfig(device="cpu", dtype="float64", **overrides), 10)
+    engine = SimpleNamespace(update_weights=lambda model: None)
+    parts = SimpleNamespace(policy=policy, reference=None, advantage=advantage, engine=engine,
+                            loss=ClippedPGLoss(ClippedPGLoss.Config()))
+    batch = ragged_batch(len(tokenizer))
+    batch.rewards = batch.correct = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0])
+    update_policy(parts, batch, StageTimer(), temperature=0.8)
+    return policy, batch
+
+
+class FixedAdvantage:
+    """+1 on the first group's responses, -1 on the second's (enough to move every weight)."""
+
+    def __init__(self, reads=()):
+        self.reads = reads
+
+    def __call__(self, batch):
+        return torch.where(batch.group_ids[:, None] == 0, 1.0, -1.0).double() * batch.response_mask
+
+    def metrics(self):
+        return {}
+
+
+def test_on_policy_step_skips_the_old_logprob_pass_and_trains_the_same(tiny_model, tiny_tokenizer):
+    """One update per step: the training forward's log-probs, detached, are the old log-probs, so
+    skipping the separate pass changes neither the update nor the batch's old log-probs / entropy."""
+    full, full_batch = one_loop_step(tiny_model, tiny_tokenizer, FixedAdvantage(), old_logprob_pass="always")
+    fast, fast_batch = one_loop_step(tiny_model, tiny_tokenizer, FixedAdvantage())
+    assert (full.passes, fast.passes) == (1, 0)
+    # The old log-probs the skipping step stored are those of the weights before its update.
+    torch.testing.assert_close(fast_batch.old_logprobs, full_batch.old_logprobs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(fast_batch.entropy, full_batch.entropy, rtol=0, atol=1e-12)
+    assert (fast_batch.old_logprobs[~fast_batch.response_valid] == 0).all()
+    # Same update up to float64 rounding: Adam's first step moves each weight by ~lr, here 1e-6 ...
+    largest_step = max(float((b - a).abs().max()) for a, b in zip(tiny_model.parameters(), fast.model.parameters()))
+    assert largest_step > 5e-7
+    # ... and the two steps differ by rounding only (the ratio is exactly 1 on one side, 1 +- 1e-16 on the other).
+    for a, b in zip(full.model.parameters(), fast.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("overrides, reads", [
+    ({"num_iterations": 2}, ()),  # the second pass is off-policy
+    ({"mini_batch_size": 2}, ()),  # later mini-batches train on updated weights
+    ({}, ("old_logprobs", "entropy")),  # the advantage reads them before training (CPO)
+])
+def test_the_old_logprob_pass_runs_when_the_step_is_not_one_on_policy_update(tiny_model, tiny_tokenizer,
+                                                                             overrides, reads):
+    policy, batch = one_loop_step(tiny_model, tiny_tokenizer, FixedAdvantage(reads), **overrides)
+    assert policy.passes == 1
+    assert batch.old_logprobs is not None
+
+
+def test_a_batch_without_old_logprobs_is_refused_for_several_updates(tiny_model, tiny_tokenizer):
+    policy = make_policy(tiny_model, num_iterations=2)
+    batch = ragged_batch(len(tiny_tokenizer))
+    batch.advantages = batch.response_mask.double()
+    with pytest.raises(ValueError, match="one update only"):
+        policy.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), temperature=1.0)
