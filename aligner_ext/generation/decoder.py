@@ -13,11 +13,19 @@ against the HF engine. Only the attention and the cache differ:
     decode        one new token for slots [0, rows): its K/V written at its position, attention over
                   the first `attended` positions of the slot, masked after its own position
 
+With `fuse_projections`, each layer's q, k, v weights (and biases) are moved into one buffer and
+the parameters re-pointed to its rows (`Parameter.data` becomes a view: the same Parameter objects,
+so the optimizer, gradients and checkpoints see no difference), likewise gate and up: a decode step
+then runs 4 matrix products per layer instead of 7, still without a copy of the weights. Anything
+that later replaces a parameter's storage (`model.to`, a load that assigns) is noticed by `refresh`
+(called before every generate call), which fuses that layer again.
+
 A layer is two pure functions of tensors (`attention_inputs`, `layer_output`) with the attention
 between them, so `compile=True` hands the two to torch.compile once for all layers (every layer
 passes tensors of the same shapes) and the decode step, captured in a CUDA graph by the engine,
-runs fused kernels. Attention goes through `attend_prefill` / `attend_decode` (torch SDPA), the one
-place to swap for another kernel. The engine calls only `new_cache`, `prefill` and `decode`, so a
+runs fused kernels. Attention goes through `attend_prefill` / the decode attention, the one place
+to swap kernels: `attention="sdpa"` (torch SDPA: cuDNN or flash on a GPU) or `"flex"`
+(FlexAttention's decoding kernel, compiled with the layer functions' settings). The engine calls only `new_cache`, `prefill` and `decode`, so a
 tensor-parallel model plugs in as another decoder class with those three methods over its shards.
 """
 
@@ -27,9 +35,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+DECODE_ATTENTION = ("sdpa", "flex")
 
 
 class SlotKVCache:
@@ -53,27 +63,67 @@ class SlotKVCache:
             cache[index, :, :length] = cache[source, :, :length]
 
 
+class Projection(NamedTuple):
+    """Products whose outputs are used side by side: one fused weight (and bias) split into `sizes`
+    output columns, or one weight per output (bias entries None where the model has none)."""
+
+    weights: tuple[torch.Tensor, ...]
+    biases: tuple[torch.Tensor | None, ...]
+    sizes: tuple[int, ...]
+
+
+def project(x: torch.Tensor, projection: Projection) -> tuple[torch.Tensor, ...]:
+    """The outputs of `projection` for `x`, one per original product."""
+    if len(projection.weights) == 1:
+        return F.linear(x, projection.weights[0], projection.biases[0]).split(projection.sizes, dim=-1)
+    return tuple(F.linear(x, w, b) for w, b in zip(projection.weights, projection.biases))
+
+
 class LayerWeights(NamedTuple):
-    """One decoder layer's parameter tensors (the module's own; None where the model has none)."""
+    """One decoder layer's parameter tensors (the module's own, or fused buffers its parameters
+    view; None where the model has none)."""
 
     input_norm: torch.Tensor
-    q: torch.Tensor
-    q_bias: torch.Tensor | None
-    k: torch.Tensor
-    k_bias: torch.Tensor | None
-    v: torch.Tensor
-    v_bias: torch.Tensor | None
+    qkv: Projection
     q_norm: torch.Tensor | None  # Qwen3 normalises queries and keys per head
     k_norm: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate: torch.Tensor
-    gate_bias: torch.Tensor | None
-    up: torch.Tensor
-    up_bias: torch.Tensor | None
+    gate_up: Projection
     down: torch.Tensor
     down_bias: torch.Tensor | None
+
+
+def fused_buffer(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor over `params` stacked along dim 0 when they lie back to back in one storage (as
+    `fuse_rows` leaves them), else None."""
+    first = params[0]
+    offset = first.storage_offset()
+    for param in params:
+        if (param.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or param.dtype != first.dtype
+                or not param.is_contiguous() or param.shape[1:] != first.shape[1:] or param.storage_offset() != offset):
+            return None
+        offset += param.numel()
+    rows = sum(param.shape[0] for param in params)
+    return first.detach().new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+
+
+@torch.no_grad()
+def fuse_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """`params` stacked along dim 0 in one buffer, each parameter re-pointed to its rows (the same
+    Parameter objects, now views of the buffer: trained and saved as before). Already fused: the
+    buffer they view, nothing copied."""
+    buffer = fused_buffer(params)
+    if buffer is not None:
+        return buffer
+    with torch.inference_mode(False):  # the buffer is trained through its views
+        buffer = torch.cat([param.detach() for param in params])
+    offset = 0
+    for param in params:
+        param.data = buffer[offset : offset + param.shape[0]]
+        offset += param.shape[0]
+    return buffer
 
 
 class Shape(NamedTuple):
@@ -97,10 +147,10 @@ def attention_inputs(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor, s
                      shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [b, H, s, d], k and v [b, KVH, s, d] of `hidden` [b, s, h], rotated to their positions."""
     batch, width, _ = hidden.shape
-    normed = rms_norm(hidden, w.input_norm, shape.eps)
-    q = F.linear(normed, w.q, w.q_bias).view(batch, width, shape.num_heads, shape.head_dim)
-    k = F.linear(normed, w.k, w.k_bias).view(batch, width, shape.kv_heads, shape.head_dim)
-    v = F.linear(normed, w.v, w.v_bias).view(batch, width, shape.kv_heads, shape.head_dim)
+    q, k, v = project(rms_norm(hidden, w.input_norm, shape.eps), w.qkv)
+    q = q.reshape(batch, width, shape.num_heads, shape.head_dim)
+    k = k.reshape(batch, width, shape.kv_heads, shape.head_dim)
+    v = v.reshape(batch, width, shape.kv_heads, shape.head_dim)
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, shape.eps), rms_norm(k, w.k_norm, shape.eps)
     q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -111,9 +161,8 @@ def layer_output(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights, 
     """The layer's output from its input `hidden` [b, s, h] and the attention output [b, H, s, d]."""
     batch, width, _ = hidden.shape
     hidden = hidden + F.linear(attended.transpose(1, 2).reshape(batch, width, -1), w.o, w.o_bias)
-    normed = rms_norm(hidden, w.post_norm, shape.eps)
-    gate = F.silu(F.linear(normed, w.gate, w.gate_bias))
-    return hidden + F.linear(gate * F.linear(normed, w.up, w.up_bias), w.down, w.down_bias)
+    gate, up = project(rms_norm(hidden, w.post_norm, shape.eps), w.gate_up)
+    return hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
 
 
 def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -133,10 +182,21 @@ def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
     return out.reshape(batch, heads, 1, dim)
 
 
+def attend_decode_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """`attend_decode` by FlexAttention: the additive mask enters as a score modification, the
+    query heads of a K/V head share its reads (`enable_gqa`)."""
+
+    def add_bias(score, batch, head, query, key):
+        return score + bias[batch, key]
+
+    return flex_attention(q, keys, values, score_mod=add_bias, scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
+
+
 class HFDecoder:
     """Prefill and decode steps of an HF Llama-family causal LM over a `SlotKVCache` (module docstring)."""
 
-    def __init__(self, model, compile: bool = False):
+    def __init__(self, model, compile: bool = False, fuse_projections: bool = False, attention: str = "sdpa"):
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -152,25 +212,46 @@ class HFDecoder:
         self.shape = Shape(config.num_attention_heads, config.num_key_value_heads, first.self_attn.head_dim,
                            first.input_layernorm.variance_epsilon)
         self.scale = first.self_attn.scaling
+        self.fuse_projections = fuse_projections
         self.layers = [self._weights(layer) for layer in self.base.layers]
         self.head = model.get_output_embeddings()
         # The decode step's layer functions; prefill keeps the eager ones (its shapes vary per call).
+        if attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, got {attention!r}")
         self.decode_inputs, self.decode_output = attention_inputs, layer_output
+        self.decode_attention = attend_decode if attention == "sdpa" else attend_decode_flex
         if compile:
             self.decode_inputs = torch.compile(attention_inputs, dynamic=True)
             self.decode_output = torch.compile(layer_output, dynamic=True)
+            if attention == "flex":  # eager FlexAttention is a reference implementation, slow on a GPU
+                self.decode_attention = torch.compile(attend_decode_flex, dynamic=True)
 
-    @staticmethod
-    def _weights(layer) -> LayerWeights:
+    def _weights(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
         return LayerWeights(
-            layer.input_layernorm.weight, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
-            attn.v_proj.weight, attn.v_proj.bias, None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight, attn.o_proj.weight, attn.o_proj.bias,
-            layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight,
-            mlp.up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+            layer.input_layernorm.weight, self._projection([attn.q_proj, attn.k_proj, attn.v_proj]),
+            None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+            attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+            self._projection([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def _projection(self, linears: list[torch.nn.Linear]) -> Projection:
+        """The linears as one fused product when `fuse_projections` (and their biases all exist or
+        all do not), else one product each."""
+        weights = [linear.weight for linear in linears]
+        biases = [linear.bias for linear in linears]
+        sizes = tuple(weight.shape[0] for weight in weights)
+        has_bias = [bias is not None for bias in biases]
+        if not self.fuse_projections or (any(has_bias) and not all(has_bias)):
+            return Projection(tuple(weights), tuple(biases), sizes)
+        return Projection((fuse_rows(weights),), (fuse_rows(biases) if all(has_bias) else None,), sizes)
+
+    def refresh(self) -> None:
+        """Fuse again the layers whose parameters no longer view their buffers (module docstring);
+        layers still fused keep their buffers, nothing copied."""
+        if self.fuse_projections:
+            self.layers = [self._weights(layer) for layer in self.base.layers]
 
     @property
     def device(self) -> torch.device:
@@ -225,7 +306,7 @@ class HFDecoder:
             keys, values = cache.keys[index], cache.values[index]
             keys.view(-1, dim).index_copy_(0, cache_rows, k.reshape(-1, dim))
             values.view(-1, dim).index_copy_(0, cache_rows, v.reshape(-1, dim))
-            attended_out = attend_decode(q, keys[:rows, :, :attended], values[:rows, :, :attended], bias, self.scale)
+            attended_out = self.decode_attention(q, keys[:rows, :, :attended], values[:rows, :, :attended], bias, self.scale)
             hidden = self.decode_output(hidden, attended_out, w, self.shape)
         return self._logits(hidden[:, 0], out)
 

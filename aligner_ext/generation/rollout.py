@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
-from aligner_ext.generation.decoder import HFDecoder, SlotKVCache
+from aligner_ext.generation.decoder import DECODE_ATTENTION, HFDecoder, SlotKVCache
 from aligner_ext.generation.hf import check_request, eos_ids_of
 from aligner_ext.generation.sampler import request_seed, sample
 from aligner_ext.generation.stopping import StopStringMatcher
@@ -56,6 +56,8 @@ class RolloutEngineConfig:
     share_prompt_prefill: bool = True  # prefill identical prompts of one admission once and copy their KV rows
     cuda_graphs: bool = True  # on a GPU, replay the decode step from CUDA graphs (ignored on the CPU)
     compile: bool = True  # on a GPU, torch.compile the decode step's layer functions and the sampler (ignored on the CPU)
+    attention: str = "sdpa"  # decode attention kernel: sdpa (torch SDPA: cuDNN / flash) | flex (FlexAttention, compiled on a GPU)
+    fuse_projections: bool = True  # q/k/v and gate/up as one product each: the parameters become views of one buffer per group (no copy)
     attended_length_step: int = 128  # a decode step attends over the smallest multiple of this many cache positions that covers every sequence
 
     def __post_init__(self) -> None:
@@ -63,6 +65,8 @@ class RolloutEngineConfig:
             raise ValueError(f"generator.rollout.max_batch_size must be >= 1, got {self.max_batch_size}")
         if not 0 < self.kv_cache_memory_share <= 1:
             raise ValueError(f"generator.rollout.kv_cache_memory_share must be in (0, 1], got {self.kv_cache_memory_share}")
+        if self.attention not in DECODE_ATTENTION:
+            raise ValueError(f"generator.rollout.attention must be one of {', '.join(DECODE_ATTENTION)}, got {self.attention!r}")
         if self.attended_length_step < 1:
             raise ValueError(f"generator.rollout.attended_length_step must be >= 1, got {self.attended_length_step}")
 
@@ -145,7 +149,8 @@ class RolloutEngine(GenerationEngine):
         self.on_gpu = next(policy_model.parameters()).device.type == "cuda"
         compile = self.on_gpu and self.cfg.compile
         if getattr(self, "decoder", None) is None or self.decoder.model is not policy_model:
-            self.decoder = HFDecoder(policy_model, compile=compile)
+            self.decoder = HFDecoder(policy_model, compile=compile, fuse_projections=self.cfg.fuse_projections,
+                                     attention=self.cfg.attention)
             self.sample = torch.compile(sample, dynamic=True) if compile else sample
         self.eos_ids = eos_ids_of(self.tokenizer, policy_model)
 
@@ -155,6 +160,7 @@ class RolloutEngine(GenerationEngine):
             return []
         call_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         matcher = StopStringMatcher(params.stop, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        self.decoder.refresh()
         was_training = self.model.training
         self.model.eval()
         try:

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, save_file
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow
@@ -193,7 +193,7 @@ class Checkpointer:
         barrier()
         if is_main_process():
             torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
-            save_model(model, str(tmp / "model.safetensors"))
+            save_weights(model, tmp / "model.safetensors")
             tokenizer.save_pretrained(str(tmp / "tokenizer"))
             _write_manifest(tmp, step)
             follow_umask(tmp)
@@ -218,8 +218,7 @@ class Checkpointer:
     def load(self, path: Path, model: torch.nn.Module) -> dict[str, Any]:
         """Load the weights into `model` and the RNG states; return the rest of the saved state."""
         try:
-            missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False,
-                                             device=str(model.device))
+            missing, unexpected = load_weights(model, path / "model.safetensors")
         except SafetensorError as err:  # unverified (older) checkpoints only: a verified file parses
             raise CorruptCheckpoint(f"{path / 'model.safetensors'}: unreadable ({err})") from err
         except RuntimeError as err:  # a tensor of another shape
@@ -238,3 +237,30 @@ class Checkpointer:
         for old in steps[: -self.keep_last]:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def tied_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Names under which one same tensor appears (tied embeddings), groups of two or more."""
+    groups: dict[tuple, list[str]] = {}
+    for name, value in state.items():
+        groups.setdefault((value.data_ptr(), tuple(value.shape), value.stride(), value.dtype), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def save_weights(model: torch.nn.Module, path: Path) -> None:
+    """The model's weights as safetensors, a tied tensor once. Parameters that view one shared buffer
+    (the rollout engine's fused projections) are saved as they are: safetensors' `save_model`
+    refuses any storage that no single tensor covers."""
+    state = model.state_dict()
+    duplicates = {name for names in tied_groups(state) for name in names[1:]}
+    save_file({name: value.detach().contiguous() for name, value in state.items() if name not in duplicates},
+              str(path), metadata={"format": "pt"})
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> tuple[list[str], list[str]]:
+    """Load safetensors weights into `model` in place; (missing, unexpected) names, a tied tensor
+    counted as present when the file holds it under any of its names (files from `save_model` too)."""
+    loaded = load_file(str(path), device=str(next(model.parameters()).device))
+    missing, unexpected = model.load_state_dict(loaded, strict=False)
+    covered = {name for names in tied_groups(model.state_dict()) if set(names) & loaded.keys() for name in names}
+    return [name for name in missing if name not in covered], list(unexpected)

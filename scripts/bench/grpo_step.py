@@ -7,8 +7,8 @@ One call runs, each in its own process and one after another (the device otherwi
   1. the reference worker: writes the workspace (random-weight model from a config, tokenizer, prompt
      rows, log-prob probe), measures the matrix rate and the copy bandwidth, and the float32
      log-probs of the probe;
-  2. every system of --systems (ours, and ours_rollout with `generator.engine=rollout`:
-     scripts/bench/grpo_step_ours.py; trl_default, trl_fast, trl_cb: scripts/bench/grpo_step_trl.py):
+  2. every system of --systems (ours, ours_rollout with `generator.engine=rollout`, ours_rollout_prev
+     its earlier settings (OURS below): scripts/bench/grpo_step_ours.py; trl_default, trl_fast, trl_cb: scripts/bench/grpo_step_trl.py):
      `--warmup` steps, then `--steps` measured steps;
   3. every variant of --variants on our loop (`--variant-steps` measured steps each, with the engine
      of --variant-engine);
@@ -50,7 +50,12 @@ sys.path.insert(0, str(HERE))
 
 from grpo_step_lib import PRESETS, Preset, write_json, write_workspace  # noqa: E402
 
-SYSTEMS = ("ours", "ours_rollout", "trl_default", "trl_fast", "trl_cb")  # ours_rollout: generator.engine=rollout
+SYSTEMS = ("ours", "ours_rollout", "ours_rollout_prev", "trl_default", "trl_fast", "trl_cb")
+# Our systems: the engine and the settings they add to the benchmark's overrides. ours_rollout_prev is
+# the rollout engine as first measured (separate q/k/v and gate/up products, the old-log-prob pass
+# always run): the "before" of later speed changes, in the same call.
+OURS = {"ours": ("hf", []), "ours_rollout": ("rollout", []),
+        "ours_rollout_prev": ("rollout", ["generator.rollout.fuse_projections=false", "policy.old_logprob_pass=always"])}
 VARIANTS = ("dapo", "cpo", "mtpo", "graded_prompt")
 PHASES = ("generation", "logprobs", "train", "weight_sync", "rewards", "other")
 
@@ -325,7 +330,9 @@ def main() -> None:
               "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     for system in [s for s in args.systems.split(",") if s]:
         if system.startswith("ours"):
-            script, extra = "grpo_step_ours.py", ["--engine", "rollout" if system == "ours_rollout" else "hf"]
+            engine, settings = OURS[system]
+            script, extra = "grpo_step_ours.py", ["--engine", engine, "--system", system,
+                                                  *[arg for setting in settings for arg in ("--set", setting)]]
         else:
             script, extra = "grpo_step_trl.py", ["--mode", system.removeprefix("trl_")]
         result, why = run_worker(system, [sys.executable, str(HERE / script), *common, *extra, "--steps", str(args.steps),

@@ -101,15 +101,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--engine", default="hf", help="generator.engine")
+    parser.add_argument("--system", default=None, help="the name reported (default: ours / ours_<engine>)")
+    parser.add_argument("--set", action="append", default=[], help="one more config override (repeatable)")
     args = parser.parse_args()
 
     from aligner_ext.config import load_config
     from aligner_ext.trainer.build import build_components
-    from aligner_ext.trainer.loop import update_policy
+    from aligner_ext.trainer.loop import old_logprobs_from_training, update_policy
     from aligner_ext.trainer.metrics import StageTimer
 
     preset = Preset(**json.loads((args.workspace / "preset.json").read_text())["preset"])
-    settings = overrides(preset, args.workspace, args.variant, args.lr, args.engine)
+    settings = overrides(preset, args.workspace, args.variant, args.lr, args.engine) + args.set
     cfg = load_config("base", settings)
     torch.manual_seed(cfg.trainer.seed)
     parts = build_components(cfg, args.workspace / "runs" / cfg.trainer.run_name)
@@ -140,11 +142,14 @@ def main() -> None:
         print(f"[ours {args.engine} {args.variant}] step {step}: {record['step_s']:.2f} s "
               + " ".join(f"{k}={v:.2f}" for k, v in sorted(record["phases_s"].items())), flush=True)
     parts.rewards.close()
+    skipped = old_logprobs_from_training(parts, preset.prompts * preset.n)
+    forward_passes = ("1 training forward/backward (its log-probs are the old ones)" if skipped
+                      else "1 log-prob forward + 1 training forward/backward")
     write_json(args.out, {
-        "system": "ours" if args.engine == "hf" else f"ours_{args.engine}", "variant": args.variant, "startup_s": startup_s, "warmup_steps": args.warmup,
+        "system": args.system or ("ours" if args.engine == "hf" else f"ours_{args.engine}"), "variant": args.variant, "startup_s": startup_s, "warmup_steps": args.warmup,
         "steps": steps, "settings": {"overrides": settings,
                                      "policy_dtype": str(parts.policy.model.dtype),
-                                     "forward_passes_per_step": "1 log-prob forward + 1 training forward/backward"},
+                                     "forward_passes_per_step": forward_passes},
     })
 
 

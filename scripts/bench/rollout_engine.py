@@ -14,7 +14,9 @@ Engines (--engines):
   graphs      cuda_graphs=true, compile=false;
   compiled    cuda_graphs=true, compile=true (the engine's defaults);
   compiled_stop  the defaults with a stop string that never occurs (the per-token stop-string
-              check of MTPO's first round: host-side decoding of each sequence's tail every step).
+              check of MTPO's first round: host-side decoding of each sequence's tail every step);
+  compiled_unfused  the defaults with q/k/v and gate/up as separate products (fuse_projections=false);
+  compiled_flex  the defaults with FlexAttention for the decode attention (attention=flex).
 
 Checks (after the speed runs, on 16 prompts x 32 tokens; PASS/FAIL lines, exit 1 on a FAIL): greedy
 and seeded-sampled tokens of `graphs` identical to `eager` (the same kernels, replayed); each
@@ -56,6 +58,8 @@ ENGINE_SETTINGS = {
     "graphs": {"cuda_graphs": True, "compile": False},
     "compiled": {"cuda_graphs": True, "compile": True},
     "compiled_stop": {"cuda_graphs": True, "compile": True},
+    "compiled_unfused": {"cuda_graphs": True, "compile": True, "fuse_projections": False},
+    "compiled_flex": {"cuda_graphs": True, "compile": True, "attention": "flex"},
 }
 NEVER_STOP = "<never occurs>"
 

@@ -25,12 +25,12 @@ OVERRIDES = SMALL_MODEL + ["rollout.max_response_length=12", "trainer.total_step
 KILL_POINTS = {
     # saving the final step 4: the trainer state is in the temporary directory, the weights are not
     "mid_save": "import aligner_ext.trainer.checkpoint as c\n"
-                "real = c.save_model\n"
-                "def save_model(model, path):\n"
+                "real = c.save_weights\n"
+                "def save_weights(model, path):\n"
                 "    if '.step_4.tmp' in str(path):\n"
                 "        kill()\n"
                 "    real(model, path)\n"
-                "c.save_model = save_model\n",
+                "c.save_weights = save_weights\n",
     # step_2 is renamed into place, the `latest` pointer is not written (there was none before)
     "after_rename": "import aligner_ext.trainer.checkpoint as c\n"
                     "real = c._write_text_atomically\n"

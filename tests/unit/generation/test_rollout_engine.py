@@ -201,8 +201,87 @@ def test_configuration_errors(tiny_tokenizer):
         rollout(model, tiny_tokenizer, max_batch_size=0)
     with pytest.raises(ValueError, match="kv_cache_memory_share"):
         rollout(model, tiny_tokenizer, kv_cache_memory_share=0.0)
+    with pytest.raises(ValueError, match="attention must be one of sdpa, flex"):
+        rollout(model, tiny_tokenizer, attention="flash")
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="generator.engine=hf"):
         rollout(gpt2, tiny_tokenizer)
     with pytest.raises(ValueError, match="top_k"):
         rollout(model, tiny_tokenizer).generate([[5]], SamplingParams(top_k=-1))
+
+
+def test_fused_projections_view_the_policy_parameters_which_still_train_and_save(tiny_tokenizer, tmp_path):
+    """q/k/v (with Qwen2's biases) and gate/up become views of one buffer per group: an AdamW step
+    through the parameters is what the engine computes next, a safetensors round trip keeps every
+    value, and a `model.to` that reallocates the parameters is fused again before the next call."""
+    from safetensors.torch import save_model
+
+    from aligner_ext.generation.decoder import fused_buffer
+    from aligner_ext.trainer.checkpoint import load_weights, save_weights
+
+    model = small_qwen(tiny_tokenizer, Qwen2Config, Qwen2ForCausalLM)
+    unfused_copy = {name: value.clone() for name, value in model.state_dict().items()}
+    engine = rollout(model, tiny_tokenizer)
+    attn = model.model.layers[0].self_attn
+    qkv = fused_buffer([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert qkv is not None and qkv.shape == (64 + 2 * 32, 64)
+    assert fused_buffer([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) is not None
+    assert engine.decoder.layers[0].qkv.weights[0].data_ptr() == attn.q_proj.weight.data_ptr()
+    # Fusing moved no value.
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, unfused_copy[name]), name
+    prompt, params = prompts_of(tiny_tokenizer)[:2], SamplingParams(max_new_tokens=8, temperature=0.0)
+    hf = HFGenerationEngine(model, tiny_tokenizer, HFEngineConfig())
+    before = engine.generate(prompt, params)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    logits = model(input_ids=torch.tensor([prompt[0]])).logits
+    logits.float().pow(2).mean().backward()
+    optimizer.step()
+    assert attn.k_proj.weight.grad is not None and fused_buffer([attn.q_proj.weight, attn.k_proj.weight,
+                                                                 attn.v_proj.weight]) is not None
+    after = engine.generate(prompt, params)
+    assert [o.token_ids for o in after] != [o.token_ids for o in before]
+    assert [o.token_ids for o in after] == [o.token_ids for o in hf.generate(prompt, params)]
+
+    save_weights(model, tmp_path / "model.safetensors")
+    reloaded = small_qwen(tiny_tokenizer, Qwen2Config, Qwen2ForCausalLM)
+    rollout(reloaded, tiny_tokenizer)  # loading into a fused model writes through its views
+    assert load_weights(reloaded, tmp_path / "model.safetensors") == ([], [])
+    for name, value in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], value), name
+    # Weights saved by safetensors' save_model (tied embedding under one name) load too.
+    plain = small_qwen(tiny_tokenizer, Qwen2Config, Qwen2ForCausalLM)
+    save_model(plain, str(tmp_path / "plain.safetensors"))
+    assert load_weights(reloaded, tmp_path / "plain.safetensors") == ([], [])
+    assert torch.equal(reloaded.lm_head.weight, plain.lm_head.weight)
+    assert torch.equal(reloaded.model.layers[0].self_attn.v_proj.bias, plain.model.layers[0].self_attn.v_proj.bias)
+
+    model.to(torch.float64)  # every parameter reallocated: the engine fuses them again
+    assert fused_buffer([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is None
+    again = engine.generate(prompt, params)
+    mlp = model.model.layers[1].mlp
+    assert fused_buffer([mlp.gate_proj.weight, mlp.up_proj.weight]).dtype == torch.float64
+    assert [o.token_ids for o in again] == [o.token_ids for o in hf.generate(prompt, params)]
+
+
+def test_fused_and_separate_projections_give_the_same_tokens(tiny_tokenizer):
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, return_logprobs=True)
+    separate = rollout(small_llama(tiny_tokenizer), tiny_tokenizer, fuse_projections=False)
+    fused = rollout(small_llama(tiny_tokenizer), tiny_tokenizer)
+    assert len(separate.decoder.layers[0].qkv.weights) == 3 and len(fused.decoder.layers[0].qkv.weights) == 1
+    expected = separate.generate(prompts_of(tiny_tokenizer), params)
+    outputs = fused.generate(prompts_of(tiny_tokenizer), params)
+    assert [o.token_ids for o in outputs] == [e.token_ids for e in expected]
+    for output, reference in zip(outputs, expected):
+        assert output.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+
+
+def test_flex_attention_decodes_the_hf_engine_greedy_tokens(tiny_tokenizer):
+    model = small_qwen(tiny_tokenizer, Qwen2Config, Qwen2ForCausalLM)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, return_logprobs=True)
+    expected = HFGenerationEngine(model, tiny_tokenizer, HFEngineConfig()).generate(prompts_of(tiny_tokenizer), params)
+    outputs = rollout(model, tiny_tokenizer, attention="flex", max_batch_size=3).generate(prompts_of(tiny_tokenizer), params)
+    assert [o.token_ids for o in outputs] == [e.token_ids for e in expected]
+    for output, reference in zip(outputs, expected):
+        assert output.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
