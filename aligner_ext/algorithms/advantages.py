@@ -57,7 +57,8 @@ class GroupStats:
     index: torch.Tensor  # [B] int64 position in `ids` of each sample's group
     size: torch.Tensor  # [G] int64 samples per group
     mean: torch.Tensor  # [G] float64
-    std: torch.Tensor  # [G] float64 unbiased (n - 1); 0 for groups of one sample
+    variance: torch.Tensor  # [G] float64 unbiased (n - 1); 0 for groups of one sample
+    std: torch.Tensor  # [G] float64 sqrt(variance) (squaring it back is not exact: keep both)
     spread: torch.Tensor  # [G] float64 max - min
 
     def all_agree(self, eps: float) -> torch.Tensor:
@@ -83,10 +84,11 @@ def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> GroupStats:
     total = torch.zeros(num, dtype=torch.float64, device=values.device).index_add_(0, index, values)
     mean = total / size
     squares = torch.zeros_like(mean).index_add_(0, index, (values - mean[index]).square())
-    std = (squares / (size - 1).clamp(min=1)).sqrt()
+    variance = squares / (size - 1).clamp(min=1)
     high = torch.full_like(mean, -torch.inf).scatter_reduce_(0, index, values, "amax")
     low = torch.full_like(mean, torch.inf).scatter_reduce_(0, index, values, "amin")
-    return GroupStats(ids=ids, index=index, size=size, mean=mean, std=std, spread=high - low)
+    return GroupStats(ids=ids, index=index, size=size, mean=mean, variance=variance, std=variance.sqrt(),
+                      spread=high - low)
 
 
 def groups_all_agree(scores: torch.Tensor, group_ids: torch.Tensor, eps: float) -> dict[int, bool]:

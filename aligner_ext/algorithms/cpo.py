@@ -100,8 +100,7 @@ def difficulty(correct: torch.Tensor, rewards: torch.Tensor, group_ids: torch.Te
     """[B] int64 difficulty of each sample's group (module docstring)."""
     if cfg.difficulty == "variance":
         stats = group_stats(rewards, group_ids)
-        variance = stats.std.square()
-        level = torch.where(variance < cfg.variance_low, 1, torch.where(variance > cfg.variance_high, -1, 0))
+        level = torch.where(stats.variance < cfg.variance_low, 1, torch.where(stats.variance > cfg.variance_high, -1, 0))
         return stats.per_sample(level).to(torch.int64)
     stats = group_stats(correct.to(torch.float64), group_ids)
     agree = stats.all_agree(AGREE_EPS)
