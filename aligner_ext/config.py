@@ -27,8 +27,8 @@ from aligner_ext.generation.rollout import RolloutEngineConfig
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.tiny import TinyModelConfig
+from aligner_ext.models.warmup import WarmupConfig
 from aligner_ext.rewards.manager import RewardConfig
-from aligner_ext.trainer.warmup import WarmupConfig
 from aligner_ext.variants import merge_variant_overrides, resolve_variants
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"

@@ -30,18 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from aligner_ext.algorithms.advantages import ADVANTAGES, GroupAdvantage, group_baseline_normalize, group_stats
-from aligner_ext.batch import ExperienceBatch
+from aligner_ext.algorithms.advantages import ADVANTAGES, GroupAdvantage, group_baseline_normalize
+from aligner_ext.batch import ANSWER_SEGMENT, ExperienceBatch
 from aligner_ext.context import BuildContext
-
-ANSWER_SEGMENT, CONFIDENCE_SEGMENT = 0, 1  # values of ExperienceBatch.segment_ids
-
-
-def first_rows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For [B] ids: ([B] index of each row's id among the distinct ids, [K] first row holding each id)."""
-    _, inverse = torch.unique(ids, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1 if len(ids) else 0,), len(ids), dtype=torch.long)
-    return inverse, first.scatter_reduce(0, inverse, torch.arange(len(ids)), "amin")
+from aligner_ext.groups import first_rows, group_stats
 
 
 def answer_advantages(answer_rewards: torch.Tensor, group_ids: torch.Tensor, answer_group_ids: torch.Tensor,
@@ -68,6 +60,8 @@ def answer_advantages(answer_rewards: torch.Tensor, group_ids: torch.Tensor, ans
 @ADVANTAGES.register("mtpo_segments", "mtpo")
 class MTPOAdvantage:
     """A_ans on round-1 tokens (baseline per prompt), A_conf on round-2 tokens (baseline per answer)."""
+
+    reads = ("answer_rewards", "confidence_rewards", "answer_group_ids", "segment_ids")
 
     def __init__(self, cfg: GroupAdvantage.Config):
         if cfg.std_floor <= 0:

@@ -26,9 +26,8 @@ from typing import Callable
 
 import torch
 
-from aligner_ext.algorithms.advantages import group_stats
-from aligner_ext.algorithms.mtpo import first_rows
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.groups import first_rows, group_stats
 
 
 @dataclass(frozen=True)

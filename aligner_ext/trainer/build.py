@@ -26,8 +26,8 @@ from aligner_ext.losses.base import LOSSES, Loss
 from aligner_ext.models.base import POLICIES, Policy
 from aligner_ext.models.hf import FrozenReference, resolve_device
 from aligner_ext.models.tiny import build_char_tokenizer, build_tiny_model
+from aligner_ext.models.warmup import supervised_warmup
 from aligner_ext.rewards.manager import RewardManager
-from aligner_ext.trainer.warmup import supervised_warmup
 
 logger = logging.getLogger(__name__)
 
@@ -124,13 +124,13 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     engine = split_across_ranks(ENGINES.get(cfg.generator.engine)(policy.model, tokenizer, engine_cfg),
                                 cfg.generator.split_across_ranks)
     ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=engine, rewards=rewards)
+    advantage = ADVANTAGES.get(cfg.algorithm.adv_estimator).from_context(ctx)
+    loss = LOSSES.get(cfg.algorithm.loss).from_context(ctx)
+    ctx.reads_after_experience = frozenset(advantage.reads) | frozenset(loss.reads)
+    maker = build_experience_maker(ctx)
     return Components(
         tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, rewards=ctx.rewards,
-        maker=build_experience_maker(ctx),
-        advantage=ADVANTAGES.get(cfg.algorithm.adv_estimator).from_context(ctx),
-        loss=LOSSES.get(cfg.algorithm.loss).from_context(ctx),
-        train_loader=train_loader,
-        val_loader=val_loader,
+        maker=maker, advantage=advantage, loss=loss, train_loader=train_loader, val_loader=val_loader,
     )
 
 

@@ -5,16 +5,10 @@ import math
 import pytest
 import torch
 
-from aligner_ext.algorithms.advantages import (
-    ADVANTAGES,
-    GroupAdvantage,
-    group_baseline_normalize,
-    group_stats,
-    groups_all_agree,
-    zero_std_group_fraction,
-)
+from aligner_ext.algorithms.advantages import ADVANTAGES, GroupAdvantage, group_baseline_normalize
 from aligner_ext.config import RunConfig
 from aligner_ext.context import BuildContext
+from aligner_ext.groups import group_stats, groups_all_agree, zero_std_group_fraction
 
 # Three groups spread over the batch: id 7 -> rewards 1,0,0,1; id 2 -> 1,1,1; id 5 -> 0.35,0.35.
 REWARDS = torch.tensor([1.0, 1.0, 0.35, 0.0, 1.0, 0.0, 1.0, 0.35, 1.0])
