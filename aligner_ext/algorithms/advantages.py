@@ -45,7 +45,7 @@ ADVANTAGES = Registry("advantage estimator")
 class AdvantageFn(Protocol):
     """Turns a scored batch into per-token advantages [B, R] float32 (0 outside response_mask)."""
 
-    reads: tuple[str, ...]  # optional ExperienceBatch fields it needs (a wrapper that adds one turns itself on)
+    reads: tuple[str, ...]  # optional ExperienceBatch fields it needs, checked at build (trainer/contracts.py)
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor: ...
 
@@ -103,8 +103,6 @@ class GroupAdvantage:
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor:
         """[B, R] float32: A_i on every token where response_mask is True, 0 elsewhere."""
-        if batch.rewards is None:
-            raise ValueError("GroupAdvantage needs batch.rewards; score the batch first")
         if not torch.isfinite(batch.rewards).all():
             rows = torch.nonzero(~torch.isfinite(batch.rewards)).flatten().tolist()
             raise ValueError(f"non-finite rewards for rows {[batch.samples[i].row.row_id for i in rows]}")

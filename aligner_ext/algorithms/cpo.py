@@ -90,8 +90,6 @@ class CPOConfig:
 
 def outcomes(batch: ExperienceBatch) -> tuple[torch.Tensor, int]:
     """([B] bool correct, rows judged by reward > 0 because their reward reports no correctness)."""
-    if batch.rewards is None or batch.correct is None:
-        raise ValueError("CPO needs a scored batch (rewards and correct); score it first")
     known = torch.isfinite(batch.correct)
     correct = torch.where(known, batch.correct >= 0.5, batch.rewards > 0)
     return correct, int((~known).sum())
@@ -161,10 +159,6 @@ def shaping_inputs(batch: ExperienceBatch, correct: torch.Tensor, levels: torch.
                    vocab_size: int) -> Shaping:
     """The wrappers' inputs, in float64, from a batch carrying old and hint log-probs and entropy, with the
     rows' outcomes and group difficulty `levels` [B]."""
-    for name in ("old_logprobs", "hint_logprobs", "has_hint", "entropy"):
-        if getattr(batch, name) is None:
-            raise ValueError(f"CPO advantage needs batch.{name}: list 'hint_logprobs' in algorithm.experience_wrappers "
-                             "(conf/variant/cpo.yaml does) so the hinted pass runs before the advantage")
     response = batch.response_mask
     lp, hint_lp = batch.old_logprobs.to(torch.float64), batch.hint_logprobs.to(torch.float64)
     entropy = batch.entropy.to(torch.float64)

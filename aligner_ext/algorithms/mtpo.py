@@ -75,11 +75,6 @@ class MTPOAdvantage:
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor:
         """[B, R] float32: A_ans on masked-in round-1 tokens, A_conf on masked-in round-2 tokens, 0 elsewhere."""
-        needed = ("answer_rewards", "confidence_rewards", "answer_group_ids", "segment_ids")
-        missing = [name for name in needed if getattr(batch, name) is None]
-        if missing:
-            raise ValueError(f"the mtpo_segments advantage needs batch fields {missing}: use the two_round "
-                             "experience maker (algorithm.experience_maker=two_round)")
         use_std, floor = self.cfg.use_std, self.cfg.std_floor
         a_ans = answer_advantages(batch.answer_rewards, batch.group_ids, batch.answer_group_ids, use_std, floor)
         a_conf = group_baseline_normalize(batch.confidence_rewards, batch.answer_group_ids, use_std, floor)

@@ -101,6 +101,7 @@ class DynamicSampling(ExperienceWrapper):
             "dynamic_sampling/filtered_fraction", "dynamic_sampling/num_gen_batches")
         self.cfg = cfg
         self.filter = FILTERS[cfg.filter_metric]
+        self.reads = self.filter.reads
         self.max_gen_batches = max_gen_batches
         self.pad_token_id = pad_token_id
         self.surplus: ExperienceBatch | None = None  # valid groups carried to the next step

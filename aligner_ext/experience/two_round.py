@@ -94,6 +94,7 @@ class TwoRoundSampling(GroupSampling):
         rewards: SegmentRewards.Config = field(default_factory=SegmentRewards.Config)
 
     summary_metrics = ("mtpo/valid_answer_ratio", "mtpo/round2_time_ratio")
+    writes = (*GroupSampling.writes, "answer_group_ids", "segment_ids", "answer_rewards", "confidence_rewards")
 
     def __init__(self, mtpo: Config, rollout: RolloutConfig, engine: GenerationEngine, rewards: RewardManager,
                  tokenizer, seed: int = 0):

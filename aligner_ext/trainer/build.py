@@ -17,7 +17,7 @@ from aligner_ext.data.loader import PromptLoader
 import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 from aligner_ext.context import BuildContext
 from aligner_ext.distributed import main_process_first
-from aligner_ext.errors import ModelPathError
+from aligner_ext.errors import ContractError, ModelPathError
 from aligner_ext.files import follow_umask
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
 from aligner_ext.generation.base import ENGINES, GenerationEngine
@@ -28,6 +28,7 @@ from aligner_ext.models.hf import FrozenReference, resolve_device
 from aligner_ext.models.tiny import build_char_tokenizer, build_tiny_model
 from aligner_ext.models.warmup import supervised_warmup
 from aligner_ext.rewards.manager import RewardManager
+from aligner_ext.trainer.contracts import check_stages, step_stages
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ def model_directory(cfg: RunConfig, run_dir: Path) -> Path | str:
 
 def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     """Every part of a run. What is cheap to check (the model path, the data files, every row's
-    reward function) is checked before the model loads."""
+    reward function) is checked before the model loads; the plug-ins' batch contracts once they are
+    built (trainer/contracts.py)."""
     model_dir = model_directory(cfg, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
@@ -128,6 +130,12 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     loss = LOSSES.get(cfg.algorithm.loss).from_context(ctx)
     ctx.reads_after_experience = frozenset(advantage.reads) | frozenset(loss.reads)
     maker = build_experience_maker(ctx)
+    try:
+        check_stages(step_stages(maker, reference is not None, advantage, cfg.algorithm.adv_estimator, loss,
+                                 cfg.algorithm.loss))
+    except ContractError:
+        rewards.close()
+        raise
     return Components(
         tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, rewards=ctx.rewards,
         maker=maker, advantage=advantage, loss=loss, train_loader=train_loader, val_loader=val_loader,

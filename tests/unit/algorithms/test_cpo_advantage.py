@@ -121,13 +121,6 @@ def test_shaping_does_not_compound_and_ignores_stored_advantages():
     assert torch.equal(cpo(batch), first)
 
 
-def test_missing_hint_fields_name_the_wrapper():
-    batch = hinted_batch()
-    batch.hint_logprobs = None
-    with pytest.raises(ValueError, match=r"batch\.hint_logprobs: list 'hint_logprobs' in algorithm\.experience_wrappers"):
-        estimator()(batch)
-
-
 def test_bad_wrap_method_lists_the_known_ones():
     with pytest.raises(KeyError, match=r"unknown cpo advantage wrapper 'mi4'; known: .*negonly_mi3"):
         estimator("mi4")
