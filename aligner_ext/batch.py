@@ -16,6 +16,8 @@ import torch
 
 from aligner_ext.data.types import PromptRow
 
+ANSWER_SEGMENT, CONFIDENCE_SEGMENT = 0, 1  # values of ExperienceBatch.segment_ids (MTPO's two rounds)
+
 
 @dataclass
 class SampleInfo:
@@ -47,13 +49,12 @@ class ExperienceBatch:
     advantages: torch.Tensor | None = None  # [B, R] float32 per-token advantages
     # MTPO two-round rollouts (experience/two_round.py); None for single-round makers
     answer_group_ids: torch.Tensor | None = None  # [B] int64: samples continuing one round-1 answer share it (nested in group_ids)
-    segment_ids: torch.Tensor | None = None  # [B, R] int64: 0 round-1 (answer) token, 1 round-2 (confidence) token; undefined where response_valid is False
+    segment_ids: torch.Tensor | None = None  # [B, R] int64: ANSWER_SEGMENT on round-1 tokens, CONFIDENCE_SEGMENT on round-2 tokens; undefined where response_valid is False
     answer_rewards: torch.Tensor | None = None  # [B] float32: answer-side reward of the sample's round-1 answer
     confidence_rewards: torch.Tensor | None = None  # [B] float32: confidence-side reward of the sample's round-2 continuation
     hint_logprobs: torch.Tensor | None = None  # [B, R] float32 log-probs of the response under a hinted prompt (CPO)
     has_hint: torch.Tensor | None = None  # [B] bool, True on rows that got a hint (hint_logprobs is 0 on the others)
     entropy: torch.Tensor | None = None  # [B, R] float32 policy entropy per response token before the update, nats
-    difficulty: torch.Tensor | None = None  # [B] int64 per-group difficulty (CPO): > 0 easy, < 0 hard, 0 mixed
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]

@@ -27,8 +27,8 @@ from aligner_ext.generation.rollout import RolloutEngineConfig
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.tiny import TinyModelConfig
+from aligner_ext.models.warmup import WarmupConfig
 from aligner_ext.rewards.manager import RewardConfig
-from aligner_ext.trainer.warmup import WarmupConfig
 from aligner_ext.variants import merge_variant_overrides, resolve_variants
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -50,7 +50,7 @@ class ModelConfig:
 class GeneratorConfig:
     """The engine that samples rollouts."""
 
-    engine: str = "hf"  # registered generation engine: hf (transformers' forward, token by token) | rollout (continuous batching over a KV cache, generation/rollout.py)
+    engine: str = "auto"  # registered generation engine: hf (transformers' forward, token by token; the reference) | rollout (continuous batching over a KV cache, generation/rollout.py) | auto (rollout for the HF backend on a GPU with a Llama / Qwen2 / Qwen3 decoder, where it is measured faster; hf otherwise)
     split_across_ranks: bool = True  # under torchrun each process generates a contiguous share of every engine call and the outputs are all-gathered (aligner_ext/generation/sharded.py); false: every process generates everything
     hf: HFEngineConfig = field(default_factory=HFEngineConfig)  # settings of the HF engine
     rollout: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)  # settings of the rollout engine

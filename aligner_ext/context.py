@@ -8,7 +8,7 @@ takes only its own config and those objects. The loop never sees any of this.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,3 +27,4 @@ class BuildContext:
     policy: "Policy"  # the trained policy (log-prob passes of wrappers go through it)
     engine: "GenerationEngine"  # the generation engine sampling from the policy
     rewards: "RewardManager"  # scores responses by data_source
+    reads_after_experience: frozenset[str] = field(default_factory=frozenset)  # batch fields the advantage and loss read (a wrapper that only adds fields turns itself on for them)

@@ -14,5 +14,9 @@ class UserError(Exception):
     """Base of the errors whose message is the whole story (module docstring)."""
 
 
+class ContractError(UserError, ValueError):
+    """A plug-in reads a batch field that no earlier stage of the step writes (trainer/contracts.py)."""
+
+
 class ModelPathError(UserError, FileNotFoundError):
     """`model.path` does not exist or is not a transformers checkpoint directory."""

@@ -36,6 +36,10 @@ class Registry:
         known = ", ".join(sorted(self._entries)) or "(none)"
         raise KeyError(f"unknown {self.kind} {name!r}; known: {known}; or give a dotted path 'pkg.module:attr'")
 
+    def name_of(self, obj: Any) -> str | None:
+        """The first name `obj` was registered under, or None."""
+        return next((key for key, value in self._entries.items() if value is obj), None)
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 

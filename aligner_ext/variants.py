@@ -7,6 +7,7 @@ maker (or its `mtpo_segments` estimator); the graded system prompt its maker (or
 merged in order, and a single-valued key two overlays set keeps the later value, so the switches
 are read after the merge and every pair that is on is checked against `PAIRS`. A pair either
 composes, with the semantics written in docs/variants/README.md, or is refused naming both.
+A composing pair may adjust one setting of the other: dynamic sampling under MTPO filters by segment.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ _VARIANT_OVERRIDE = re.compile(r"^\+variant=(.*)$")
 PAIRS: dict[frozenset[str], str | None] = {
     frozenset({"dapo", "cpo"}): None,
     frozenset({"dapo", "graded_prompt"}): None,
-    frozenset({"dapo", "mtpo"}): "dynamic sampling keeps a group by its prompt-level answer outcomes, so it would "
-                                 "drop groups whose confidence segments still carry a learning signal",
+    frozenset({"dapo", "mtpo"}): None,
     frozenset({"cpo", "mtpo"}): "both set algorithm.adv_estimator (CPO's wrappers over GRPO advantages, MTPO's "
                                 "segment advantages); one would silently replace the other",
     frozenset({"cpo", "graded_prompt"}): "CPO's hinted log-prob pass and the graded maker's per-sample system prompts "
@@ -67,7 +67,8 @@ def active_variants(cfg) -> set[str]:
 
 def resolve_variants(cfg) -> None:
     """Refuse a pair of variants that does not compose, or a variant's setting that nothing would
-    read; turn the graded maker on from its switch alone (the seed's behaviour)."""
+    read; turn the graded maker on from its switch alone (the seed's behaviour) and dynamic sampling's
+    segment filter on under MTPO."""
     algorithm = cfg.algorithm
     active = sorted(active_variants(cfg))
     for index, first in enumerate(active):
@@ -78,9 +79,22 @@ def resolve_variants(cfg) -> None:
     if algorithm.wrap_method != "none" and algorithm.adv_estimator != "cpo":
         raise ValueError(f"algorithm.wrap_method={algorithm.wrap_method} is read only by algorithm.adv_estimator=cpo "
                          f"(it is {algorithm.adv_estimator}); set wrap_method=none or adv_estimator=cpo")
+    if {"dapo", "mtpo"} <= set(active):
+        _filter_by_segments(cfg.dynamic_sampling)
     if cfg.graded_prompt.enabled and algorithm.experience_maker == "group_sampling":
         logger.info("graded_prompt.enabled=true: algorithm.experience_maker set to graded_prompt")
         algorithm.experience_maker = "graded_prompt"
     if "dapo" in active and algorithm.wrap_method.startswith("negonly"):
         logger.warning("dynamic sampling keeps only groups with mixed outcomes, so %s's terms for all-wrong groups "
                        "never fire (docs/variants/README.md)", algorithm.wrap_method)
+
+
+def _filter_by_segments(dynamic_sampling) -> None:
+    """Under MTPO, dynamic sampling judges a group by both segments' rewards (experience/filters.py):
+    the default answer-correctness filter would drop groups whose confidences still carry signal."""
+    if dynamic_sampling.filter_metric == "seq_reward":
+        raise ValueError("dynamic_sampling.filter_metric=seq_reward sums MTPO's answer and confidence rewards, whose "
+                         "differences can cancel; use filter_metric=segments (or correct, read as segments)")
+    if dynamic_sampling.filter_metric == "correct":
+        logger.info("dynamic sampling with MTPO: dynamic_sampling.filter_metric set to segments")
+        dynamic_sampling.filter_metric = "segments"

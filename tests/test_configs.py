@@ -1,5 +1,6 @@
 """Every shipped config composes and validates; bad overrides fail naming the key; every plug-in name
-the configs use resolves; docs/configuration.md is what the dataclasses render; every option is documented.
+the configs use resolves; docs/configuration.md is what the dataclasses render; every option is documented;
+the set of option names is frozen (tests/config_options.txt).
 
 Top-level files in conf/ are full configs (they list `run_schema` first); a file in a sub-folder
 (conf/variant/<name>.yaml) is an overlay, composed on top of base with `+<folder>=<name>`.
@@ -29,6 +30,7 @@ from aligner_ext.models.base import POLICIES
 from aligner_ext.rewards.base import REWARDS
 
 REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+FROZEN_OPTIONS = Path(__file__).resolve().parent / "config_options.txt"
 REGENERATE = ".venv/bin/aligner-ext config --reference > docs/configuration.md"
 
 
@@ -64,8 +66,9 @@ def test_shipped_config_composes_and_its_plugin_names_resolve(name, overrides):
     EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker)
     ADVANTAGES.get(cfg.algorithm.adv_estimator)
     LOSSES.get(cfg.algorithm.loss)
-    ENGINES.get(cfg.generator.engine)
-    assert hasattr(cfg.generator, cfg.generator.engine), f"no generator.{cfg.generator.engine} settings section"
+    for engine in ("hf", "rollout") if cfg.generator.engine == "auto" else (cfg.generator.engine,):
+        ENGINES.get(engine)
+        assert hasattr(cfg.generator, engine), f"no generator.{engine} settings section"
     POLICIES.get(cfg.policy.backend)
     KL_ESTIMATORS.get(cfg.loss.kl_estimator)
     if not cfg.data.train_files:
@@ -119,6 +122,17 @@ def test_reference_doc_is_up_to_date(capsys):
     assert printed == render_reference() + "\n"
     assert REFERENCE.exists() and REFERENCE.read_text(encoding="utf-8") == printed, (
         f"docs/configuration.md is out of date; regenerate it with `{REGENERATE}`")
+
+
+def test_the_option_names_are_frozen():
+    """Adding, renaming or removing an option is deliberate: it edits tests/config_options.txt too."""
+    current = set(re.findall(r"^\| `([\w.]+)` \|", render_reference(), re.MULTILINE))
+    assert {"algorithm.use_dynamic_sample", "dynamic_sampling.filter_metric", "cpo.hint.placement"} <= current
+    frozen = set(FROZEN_OPTIONS.read_text(encoding="utf-8").split())
+    added, removed = sorted(current - frozen), sorted(frozen - current)
+    assert not added and not removed, (
+        f"options added {added}, removed {removed}. A renamed or removed key breaks users' configs and overrides: "
+        "if that is intended, say so in the docs and update tests/config_options.txt")
 
 
 def test_reference_tables_have_three_cells_per_row():

@@ -22,8 +22,9 @@ Decisions:
   exactly, and only near-ties are damped. 1e-4 (TRL's eps) is far below any meaningful reward
   difference on a [0, 1] scale, yet large enough that float32 noise (~1e-7 on rewards of order 1)
   turns into advantages of order 1e-3 instead of +-1.
-- "All agree" (no learning signal in a group) is judged by the spread max - min <= eps, which is
-  what dynamic-sampling filters and difficulty masks need; see `GroupStats.all_agree`.
+- Group statistics (`aligner_ext/groups.py`, shared with the experience makers) judge "all agree"
+  (no learning signal in a group) by the spread max - min <= eps, which is what dynamic-sampling
+  filters and difficulty masks need; see `GroupStats.all_agree`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
+from aligner_ext.groups import group_stats
 from aligner_ext.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator")
@@ -43,63 +45,12 @@ ADVANTAGES = Registry("advantage estimator")
 class AdvantageFn(Protocol):
     """Turns a scored batch into per-token advantages [B, R] float32 (0 outside response_mask)."""
 
+    reads: tuple[str, ...]  # optional ExperienceBatch fields it needs, checked at build (trainer/contracts.py)
+
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor: ...
 
     def metrics(self) -> dict[str, float]:
         """What the last call wants logged for the step (may be empty)."""
-
-
-@dataclass(frozen=True)
-class GroupStats:
-    """Per-group statistics of [B] scores; group k is `ids[k]`, sample i belongs to group `index[i]`."""
-
-    ids: torch.Tensor  # [G] int64 distinct group ids, ascending
-    index: torch.Tensor  # [B] int64 position in `ids` of each sample's group
-    size: torch.Tensor  # [G] int64 samples per group
-    mean: torch.Tensor  # [G] float64
-    variance: torch.Tensor  # [G] float64 unbiased (n - 1); 0 for groups of one sample
-    std: torch.Tensor  # [G] float64 its square root (squaring it back may not give the variance exactly)
-    spread: torch.Tensor  # [G] float64 max - min
-
-    def all_agree(self, eps: float) -> torch.Tensor:
-        """[G] bool: every score of the group lies within `eps` of the others (no learning signal)."""
-        return self.spread <= eps
-
-    def per_sample(self, values: torch.Tensor) -> torch.Tensor:
-        """[G] group values -> [B], each sample getting its group's value."""
-        return values[self.index]
-
-
-def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> GroupStats:
-    """Statistics of `scores` [B] (any float dtype) per group of `group_ids` [B] int64, in float64."""
-    if scores.dim() != 1 or group_ids.shape != scores.shape:
-        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must both be [B]")
-    if not torch.isfinite(scores).all():
-        bad = torch.nonzero(~torch.isfinite(scores)).flatten().tolist()
-        raise ValueError(f"non-finite scores at rows {bad}")
-    values = scores.to(torch.float64)
-    ids, index = torch.unique(group_ids, return_inverse=True)
-    num = ids.shape[0]
-    size = torch.zeros(num, dtype=torch.int64, device=values.device).index_add_(0, index, torch.ones_like(index))
-    total = torch.zeros(num, dtype=torch.float64, device=values.device).index_add_(0, index, values)
-    mean = total / size
-    squares = torch.zeros_like(mean).index_add_(0, index, (values - mean[index]).square())
-    variance = squares / (size - 1).clamp(min=1)
-    high = torch.full_like(mean, -torch.inf).scatter_reduce_(0, index, values, "amax")
-    low = torch.full_like(mean, torch.inf).scatter_reduce_(0, index, values, "amin")
-    return GroupStats(ids=ids, index=index, size=size, mean=mean, variance=variance, std=variance.sqrt(),
-                      spread=high - low)
-
-
-def groups_all_agree(scores: torch.Tensor, group_ids: torch.Tensor, eps: float) -> dict[int, bool]:
-    """{group id: whether all its scores lie within `eps`}, for filters that decide per group."""
-    stats = group_stats(scores, group_ids)
-    return dict(zip(stats.ids.tolist(), stats.all_agree(eps).tolist()))
-
-
-def zero_std_group_fraction(scores: torch.Tensor, group_ids: torch.Tensor, eps: float) -> float:
-    """Fraction of groups whose scores all agree within `eps` (the "zero reward std" metric)."""
-    return group_stats(scores, group_ids).all_agree(eps).double().mean().item()
 
 
 def group_baseline_normalize(
@@ -136,6 +87,8 @@ class GroupAdvantage:
         use_std: bool = True  # normalise by the group std (false = Dr.GRPO: mean-centring only)
         std_floor: float = 1e-4  # lower bound of the group std, in reward units (see module docstring)
 
+    reads = ("rewards",)
+
     def __init__(self, cfg: Config):
         if cfg.std_floor <= 0:
             raise ValueError(f"advantage.std_floor must be > 0, got {cfg.std_floor}")
@@ -150,8 +103,6 @@ class GroupAdvantage:
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor:
         """[B, R] float32: A_i on every token where response_mask is True, 0 elsewhere."""
-        if batch.rewards is None:
-            raise ValueError("GroupAdvantage needs batch.rewards; score the batch first")
         if not torch.isfinite(batch.rewards).all():
             rows = torch.nonzero(~torch.isfinite(batch.rewards)).flatten().tolist()
             raise ValueError(f"non-finite rewards for rows {[batch.samples[i].row.row_id for i in rows]}")

@@ -1,9 +1,9 @@
 """CPO advantage: GRPO advantages shaped per token by how much a gold-solution hint changes them.
 
 The experience wrapper `hint_logprobs` (experience/hint_logprobs.py) scores every response a second
-time under a prompt holding the row's gold solution and stores `hint_logprobs`, the policy's
-`entropy` and each group's `difficulty` in the batch. This estimator then computes, per response
-token (lp = `old_logprobs`, the un-hinted log-prob):
+time under a prompt holding the row's gold solution and stores `hint_logprobs` in the batch; the
+loop's old-log-prob pass stores the policy's `entropy`. This estimator finds each group's
+difficulty D (below) and computes, per response token (lp = `old_logprobs`, the un-hinted log-prob):
 
     Δ = lp_hint - lp,   MI = exp(lp_hint)·Δ,   ratio = clamp(exp(Δ), 1/cpo_lambda, cpo_lambda)
     U = (H - min_row H) / (max_row H - min_row H + 1e-8)     (uncertainty=minmax, the public code)
@@ -13,7 +13,7 @@ takes the GRPO advantage A (`algorithms/advantages.py`, config section `advantag
 wrapper named by `algorithm.wrap_method` (algorithms/cpo_wrappers.py lists all 18 and their
 formulas). MI is the sampled-token term of KL(p_hint || p), not a true mutual information.
 
-Difficulty of a group (explicit group ids, `algorithms/advantages.py::group_stats`) on the raw
+Difficulty of a group (explicit group ids, `aligner_ext/groups.py::group_stats`) on the raw
 outcome c (`batch.correct`; a row whose reward reports no correctness counts as correct when its
 reward is > 0, the seed's test):
 - `three`: +1 every sample correct, -1 every sample wrong, 0 mixed ("all agree" = spread <= eps,
@@ -41,11 +41,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aligner_ext.algorithms.advantages import ADVANTAGES, GroupAdvantage, group_stats
+from aligner_ext.algorithms.advantages import ADVANTAGES, GroupAdvantage
 from aligner_ext.algorithms.cpo_wrappers import CPO_WRAPPERS, Shaping
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
 from aligner_ext.data.hints import HintConfig
+from aligner_ext.groups import group_stats
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,6 @@ class CPOConfig:
 
 def outcomes(batch: ExperienceBatch) -> tuple[torch.Tensor, int]:
     """([B] bool correct, rows judged by reward > 0 because their reward reports no correctness)."""
-    if batch.rewards is None or batch.correct is None:
-        raise ValueError("CPO needs a scored batch (rewards and correct); score it first")
     known = torch.isfinite(batch.correct)
     correct = torch.where(known, batch.correct >= 0.5, batch.rewards > 0)
     return correct, int((~known).sum())
@@ -156,12 +155,10 @@ def uncertainty(entropy: torch.Tensor, mask: torch.Tensor, mode: str, vocab_size
     return torch.where(mask, values, torch.zeros_like(values))
 
 
-def shaping_inputs(batch: ExperienceBatch, correct: torch.Tensor, cfg: CPOConfig, vocab_size: int) -> Shaping:
-    """The wrappers' inputs, in float64, from a batch carrying old and hint log-probs, entropy and difficulty."""
-    for name in ("old_logprobs", "hint_logprobs", "has_hint", "entropy", "difficulty"):
-        if getattr(batch, name) is None:
-            raise ValueError(f"CPO advantage needs batch.{name}: list 'hint_logprobs' in algorithm.experience_wrappers "
-                             "(conf/variant/cpo.yaml does) so the hinted pass runs before the advantage")
+def shaping_inputs(batch: ExperienceBatch, correct: torch.Tensor, levels: torch.Tensor, cfg: CPOConfig,
+                   vocab_size: int) -> Shaping:
+    """The wrappers' inputs, in float64, from a batch carrying old and hint log-probs and entropy, with the
+    rows' outcomes and group difficulty `levels` [B]."""
     response = batch.response_mask
     lp, hint_lp = batch.old_logprobs.to(torch.float64), batch.hint_logprobs.to(torch.float64)
     entropy = batch.entropy.to(torch.float64)
@@ -172,7 +169,7 @@ def shaping_inputs(batch: ExperienceBatch, correct: torch.Tensor, cfg: CPOConfig
         entropy=entropy, uncertainty=uncertainty(entropy, response, cfg.uncertainty, vocab_size),
         entropy_max=entropy.masked_fill(~response, -math.inf).amax(dim=1, keepdim=True),
         entropy_mean=row_mean(entropy, response), kl_mean=row_mean(delta, response),
-        correct=correct[:, None], difficulty=batch.difficulty[:, None],
+        correct=correct[:, None], difficulty=levels[:, None],
         pos_alpha=cfg.pos_alpha, neg_alpha=cfg.neg_alpha, cpo_lambda=cfg.cpo_lambda,
     )
 
@@ -181,8 +178,7 @@ def shaping_inputs(batch: ExperienceBatch, correct: torch.Tensor, cfg: CPOConfig
 class CPOAdvantage:
     """GRPO advantages, then the CPO wrapper `wrap_method` on the response tokens of hinted rows."""
 
-    reads_hint_logprobs = True  # the `hint_logprobs` experience wrapper turns itself on for this estimator
-    reads = ("old_logprobs", "entropy", "hint_logprobs", "has_hint", "difficulty")  # before training: the old-log-prob pass runs
+    reads = ("rewards", "correct", "old_logprobs", "entropy", "hint_logprobs", "has_hint")
 
     def __init__(self, cfg: CPOConfig, wrap_method: str, base: GroupAdvantage, vocab_size: int):
         self.cfg = cfg
@@ -203,8 +199,9 @@ class CPOAdvantage:
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor:
         """[B, R] float32: the shaped advantage on loss-masked tokens, 0 elsewhere."""
         base = self.base(batch).to(torch.float64)
-        correct, _ = outcomes(batch)
-        inputs = shaping_inputs(batch, correct, self.cfg, self.vocab_size)
+        correct, from_reward = outcomes(batch)
+        levels = difficulty(correct, batch.rewards, batch.group_ids, self.cfg)
+        inputs = shaping_inputs(batch, correct, levels, self.cfg, self.vocab_size)
         shaped = torch.where(inputs.mask, self.wrap(base.clone(), inputs), base)
         change = (shaped - base)[inputs.mask]
         hinted = batch.response_mask & batch.has_hint[:, None]
@@ -213,10 +210,13 @@ class CPOAdvantage:
             "cpo/advantage_change_mean": float(change.mean()) if change.numel() else 0.0,
             "cpo/advantage_change_abs_mean": float(change.abs().mean()) if change.numel() else 0.0,
             "cpo/shaped_token_fraction": float((change != 0).double().mean()) if change.numel() else 0.0,
+            "cpo/outcome_from_reward": float(from_reward),
+            **difficulty_metrics(levels, batch.group_ids, self.cfg.difficulty),
         })
         return shaped.to(torch.float32) * batch.response_mask.to(torch.float32)
 
     def metrics(self) -> dict[str, float]:
         """Metrics of the last call: MI mean / std / positive fraction over hinted response tokens, mean
-        (signed and absolute) advantage change, share of tokens changed."""
+        (signed and absolute) advantage change, share of tokens changed, groups per difficulty level,
+        rows whose outcome was judged from their reward."""
         return dict(self._metrics)

@@ -30,18 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from aligner_ext.algorithms.advantages import ADVANTAGES, GroupAdvantage, group_baseline_normalize, group_stats
-from aligner_ext.batch import ExperienceBatch
+from aligner_ext.algorithms.advantages import ADVANTAGES, GroupAdvantage, group_baseline_normalize
+from aligner_ext.batch import ANSWER_SEGMENT, ExperienceBatch
 from aligner_ext.context import BuildContext
-
-ANSWER_SEGMENT, CONFIDENCE_SEGMENT = 0, 1  # values of ExperienceBatch.segment_ids
-
-
-def first_rows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For [B] ids: ([B] index of each row's id among the distinct ids, [K] first row holding each id)."""
-    _, inverse = torch.unique(ids, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1 if len(ids) else 0,), len(ids), dtype=torch.long)
-    return inverse, first.scatter_reduce(0, inverse, torch.arange(len(ids)), "amin")
+from aligner_ext.groups import first_rows, group_stats
 
 
 def answer_advantages(answer_rewards: torch.Tensor, group_ids: torch.Tensor, answer_group_ids: torch.Tensor,
@@ -69,6 +61,8 @@ def answer_advantages(answer_rewards: torch.Tensor, group_ids: torch.Tensor, ans
 class MTPOAdvantage:
     """A_ans on round-1 tokens (baseline per prompt), A_conf on round-2 tokens (baseline per answer)."""
 
+    reads = ("answer_rewards", "confidence_rewards", "answer_group_ids", "segment_ids")
+
     def __init__(self, cfg: GroupAdvantage.Config):
         if cfg.std_floor <= 0:
             raise ValueError(f"advantage.std_floor must be > 0, got {cfg.std_floor}")
@@ -81,11 +75,6 @@ class MTPOAdvantage:
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor:
         """[B, R] float32: A_ans on masked-in round-1 tokens, A_conf on masked-in round-2 tokens, 0 elsewhere."""
-        needed = ("answer_rewards", "confidence_rewards", "answer_group_ids", "segment_ids")
-        missing = [name for name in needed if getattr(batch, name) is None]
-        if missing:
-            raise ValueError(f"the mtpo_segments advantage needs batch fields {missing}: use the two_round "
-                             "experience maker (algorithm.experience_maker=two_round)")
         use_std, floor = self.cfg.use_std, self.cfg.std_floor
         a_ans = answer_advantages(batch.answer_rewards, batch.group_ids, batch.answer_group_ids, use_std, floor)
         a_conf = group_baseline_normalize(batch.confidence_rewards, batch.answer_group_ids, use_std, floor)

@@ -13,9 +13,8 @@ is hard-coded and any template works. Three placements:
 - `assistant_turn` (the public code's older version): after the last user turn, an assistant turn
   holding the hint and a user turn `followup_template` repeating the question.
 
-`hinted_batch` left-pads the hinted prompts to their own width and keeps the response ids and masks
-unchanged, so positions (`ExperienceBatch.position_ids`, counted over real tokens) continue through
-the hint and shift every later prompt token by the hint's length.
+This module works on rows and prompt ids; the batch-level pass (hinted prompts of every row,
+left-padded to their own width, the same response tensors) is `experience/hint_logprobs.py`.
 
 Decisions:
 - A hint longer than the prompt padding widens the batch; it is never cut to fit (the seed cuts it
@@ -36,14 +35,10 @@ Decisions:
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 
-import torch
-
-from aligner_ext.batch import ExperienceBatch
-from aligner_ext.data.templating import encode_prompt, left_pad
+from aligner_ext.data.templating import encode_prompt
 from aligner_ext.data.types import PromptRow
 
 PLACEMENTS = ("user_prefix", "reference_prompt", "assistant_turn")
@@ -89,16 +84,6 @@ class HintConfig:
             for placeholder in placeholders:
                 if placeholder not in getattr(self, name):
                     raise ValueError(f"cpo.hint.{name} must contain {placeholder}; got {getattr(self, name)!r}")
-
-
-@dataclass
-class HintedPrompts:
-    """Hinted prompt ids of a batch's rows, and what was skipped or cut."""
-
-    prompt_ids: list[list[int] | None]  # [B] hinted prompt ids; None where the row has no hint (missing=skip)
-    hint_tokens: list[int] = field(default_factory=list)  # tokens each hinted row gained over its original prompt
-    num_missing: int = 0  # rows without a hint (skipped)
-    num_truncated: int = 0  # rows whose hint was cut to max_hint_length
 
 
 def hint_text(row: PromptRow, gold_as_hint: bool, solution_fields: list[str]) -> str | None:
@@ -187,39 +172,3 @@ def hinted_prompt_ids(row: PromptRow, original: list[int], tokenizer, cfg: HintC
                          f"inserted (placement {cfg.placement}): the tokenizer or template changed the surrounding "
                          "tokens; end the hint template with a separator or set cpo.hint.check_insertion=false")
     return hinted, truncated
-
-
-def hinted_prompts(batch: ExperienceBatch, tokenizer, cfg: HintConfig, gold_as_hint: bool) -> HintedPrompts:
-    """Hinted prompt ids for every row of `batch`; rows of one prompt draw are rendered once."""
-    result = HintedPrompts(prompt_ids=[])
-    cache: dict[tuple[str, tuple[int, ...]], tuple[list[int] | None, bool]] = {}
-    for i, sample in enumerate(batch.samples):
-        original = batch.prompt_ids[i][batch.prompt_mask[i]].tolist()
-        key = (sample.row.row_id, tuple(original))
-        if key not in cache:
-            cache[key] = hinted_prompt_ids(sample.row, original, tokenizer, cfg, gold_as_hint)
-        ids, truncated = cache[key]
-        result.prompt_ids.append(ids)
-        if ids is None:
-            result.num_missing += 1
-            continue
-        result.hint_tokens.append(len(ids) - len(original))
-        result.num_truncated += int(truncated)
-    return result
-
-
-def hinted_batch(batch: ExperienceBatch, prompt_ids: list[list[int]], pad_id: int) -> ExperienceBatch:
-    """`batch` with its prompts replaced by `prompt_ids` (left-padded to their own width).
-
-    Responses (ids, valid and loss masks) are the same tensors, so log-probs of the hinted batch are
-    those of the very same response tokens; positions follow from the new prompt mask.
-    """
-    if len(prompt_ids) != len(batch):
-        raise ValueError(f"{len(prompt_ids)} hinted prompts for a batch of {len(batch)} rows")
-    ids, mask = left_pad(prompt_ids, pad_id)
-    return dataclasses.replace(batch, prompt_ids=ids, prompt_mask=mask)
-
-
-def hint_rows(prompts: HintedPrompts) -> torch.Tensor:
-    """[B] bool: rows that have a hinted prompt."""
-    return torch.tensor([ids is not None for ids in prompts.prompt_ids], dtype=torch.bool)

@@ -71,10 +71,12 @@ class ExperienceMaker(abc.ABC):
     """Produces one step's scored rollouts from the prompt stream.
 
     A registered maker also has `from_context(ctx)`; a registered wrapper `from_context(inner, ctx)`
-    (see aligner_ext/context.py).
+    (see aligner_ext/context.py). `reads` and `writes` are its batch contract (trainer/contracts.py).
     """
 
     summary_metrics: tuple[str, ...] = ()  # metrics whose run mean the end-of-run summary shows
+    reads: tuple[str, ...] = ()  # ExperienceBatch fields it needs from the inner maker (wrappers), checked at build
+    writes: tuple[str, ...] = ()  # optional ExperienceBatch fields every batch it returns has set
 
     @abc.abstractmethod
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
@@ -126,6 +128,8 @@ class ExperienceWrapper(ExperienceMaker):
 @EXPERIENCE_MAKERS.register("group_sampling", "grpo")
 class GroupSampling(ExperienceMaker):
     """GRPO: `n` samples per prompt draw, one group each."""
+
+    writes = ("rewards", "correct", "token_rewards")
 
     def __init__(self, cfg: RolloutConfig, engine: GenerationEngine, rewards: RewardManager, tokenizer,
                  seed: int = 0):

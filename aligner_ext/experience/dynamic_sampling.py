@@ -10,13 +10,16 @@ experience maker:
     while len(kept) < target:
         missing = target - len(kept)
         batch = inner.make_experience(next ceil(missing * oversample) prompts)   # refill what is missing
-        kept += groups of batch whose outcome spread max - min > eps
+        kept += groups of batch the filter keeps (by default: outcome spread max - min > eps)
     train on the oldest `target` groups; carry or discard the rest (whole groups)
 
 Decisions (docs/variants/dapo.md; tests/unit/experience/test_dynamic_sampling.py pins them):
-- The filter is per group (by group id) on the raw outcome before any shaping: `correct` by default,
-  or the sequence sum of the token-level scores (`filter_metric: seq_reward`, the seed's metric).
-  "All agree" is the spread test shared with the CPO difficulty mask (`groups_all_agree`).
+- The filter is a predicate per group (by group id) returning keep and a reason, counted into
+  metrics (experience/filters.py). Single-round batches are judged on the raw outcome before any
+  shaping: `correct` by default, or the sequence sum of the token-level scores (`filter_metric:
+  seq_reward`, the seed's metric). MTPO's two-round batches are judged per segment (`segments`:
+  kept when the answers' or one answer's confidences' rewards spread); with MTPO on, the default
+  `correct` is read as `segments` (variants.py).
 - Every generation batch asks only for the missing groups (times `oversample`, 1.0 by default), so
   with the default nothing valid is generated beyond the target. With `oversample` > 1 there are
   fewer generation rounds and some valid surplus: carried to later steps when `keep_surplus` is on
@@ -37,17 +40,15 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
-
-from aligner_ext.algorithms.advantages import groups_all_agree
 from aligner_ext.batch import ExperienceBatch, concat_batches
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.experience.base import EXPERIENCE_WRAPPERS, ExperienceMaker, ExperienceWrapper
+from aligner_ext.experience.filters import FILTERS
 
 logger = logging.getLogger(__name__)
 
-FILTER_METRICS = ("correct", "seq_reward")
+FILTER_METRICS = tuple(FILTERS)
 ON_MAX_GEN_BATCHES = ("train_on_kept", "error")
 
 
@@ -55,7 +56,7 @@ ON_MAX_GEN_BATCHES = ("train_on_kept", "error")
 class DynamicSamplingConfig:
     """Group filter and refill policy of dynamic sampling (switched on by algorithm.use_dynamic_sample)."""
 
-    filter_metric: str = "correct"  # raw outcome compared within a group: correct | seq_reward (sum of token scores)
+    filter_metric: str = "correct"  # what is compared within a group: correct | seq_reward (sum of token scores) | segments (MTPO's answer and confidence rewards; experience/filters.py)
     eps: float = 1e-6  # a group is kept when its outcomes' spread (max - min) exceeds eps
     on_max_gen_batches: str = "train_on_kept"  # when the bound is hit: train_on_kept | error
     oversample: float = 1.0  # each generation batch draws ceil(missing groups * oversample) prompts
@@ -99,6 +100,8 @@ class DynamicSampling(ExperienceWrapper):
         self.summary_metrics = inner.summary_metrics + (
             "dynamic_sampling/filtered_fraction", "dynamic_sampling/num_gen_batches")
         self.cfg = cfg
+        self.filter = FILTERS[cfg.filter_metric]
+        self.reads = self.filter.reads
         self.max_gen_batches = max_gen_batches
         self.pad_token_id = pad_token_id
         self.surplus: ExperienceBatch | None = None  # valid groups carried to the next step
@@ -142,24 +145,18 @@ class DynamicSampling(ExperienceWrapper):
         return result, metrics
 
     def _filter(self, batch: ExperienceBatch, stats: dict[str, float]) -> ExperienceBatch:
-        """Rows of the groups whose outcomes differ; drops are counted by reason."""
-        outcome = self._outcome(batch)
-        agree = groups_all_agree(outcome, batch.group_ids, self.cfg.eps)
-        stats["generated_groups"] += len(agree)
-        for group_id, all_agree in agree.items():
-            if all_agree:
-                value = float(outcome[batch.group_ids == group_id][0])
-                stats["dropped_all_correct" if value > 0.5 else "dropped_all_wrong"] += 1
-        keep = [i for i, group_id in enumerate(batch.group_ids.tolist()) if not agree[group_id]]
-        return batch.select(keep)
-
-    def _outcome(self, batch: ExperienceBatch) -> torch.Tensor:
-        if self.cfg.filter_metric == "seq_reward":
-            return batch.token_rewards.sum(dim=1)
-        if torch.isnan(batch.correct).any():
-            raise ValueError("dynamic_sampling.filter_metric=correct needs reward functions that report "
-                             "correctness; set dynamic_sampling.filter_metric=seq_reward for these data sources")
-        return batch.correct
+        """Rows of the groups the filter keeps; each verdict's reason is counted."""
+        rows_of: dict[int, list[int]] = defaultdict(list)
+        for row, group_id in enumerate(batch.group_ids.tolist()):
+            rows_of[group_id].append(row)
+        stats["generated_groups"] += len(rows_of)
+        keep = []
+        for rows in rows_of.values():
+            verdict = self.filter.predicate(batch.select(rows), self.cfg.eps)
+            if verdict.reason is not None:
+                stats[f"{'kept' if verdict.keep else 'dropped'}_{verdict.reason}"] += 1
+            keep += rows if verdict.keep else []
+        return batch.select(sorted(keep))
 
     def _truncate(self, kept: list[ExperienceBatch], target: int, step: int, stats) -> ExperienceBatch:
         """The first `target` whole groups; the rest is carried (keep_surplus) or discarded."""
@@ -202,11 +199,10 @@ class DynamicSampling(ExperienceWrapper):
         else:
             logger.warning("%s: training on the %d kept groups", message, num_kept)
 
-    @staticmethod
-    def _metrics(stats: dict[str, float], num_kept: int, target: int) -> dict[str, float]:
+    def _metrics(self, stats: dict[str, float], num_kept: int, target: int) -> dict[str, float]:
         generated = stats["generated_groups"]
-        dropped = stats["dropped_all_correct"] + stats["dropped_all_wrong"]
-        names = ("num_gen_batches", "generated_groups", "dropped_all_correct", "dropped_all_wrong",
+        dropped = sum(stats[name] for name in self.filter.metrics if name.startswith("dropped_"))
+        names = ("num_gen_batches", "generated_groups", *self.filter.metrics,
                  "surplus_carried", "surplus_discarded", "surplus_expired")
         metrics = {f"dynamic_sampling/{name}": stats[name] for name in names}
         metrics.update({

@@ -7,37 +7,89 @@ response under its prompt with the row's hint injected (`data/hints.py`), giving
 loop's old-log-prob pass (`batch.old_logprobs`, `batch.entropy`), so no pass is run twice; the MI
 metrics are therefore reported by the estimator (`algorithms/cpo.py`).
 
-It also stores each group's `batch.difficulty` (`algorithms/cpo.py::difficulty`) and reports per
-step the difficulty distribution over groups (`cpo/difficulty_*`) and hint counts and lengths
-(`cpo/hint_*`).
+It reports per step the hint counts and lengths (`cpo/hint_*`). The hinted prompts are rendered row
+by row by `data/hints.py`; here they are left-padded to their own width while the response ids and
+masks stay the same tensors, so positions (`ExperienceBatch.position_ids`, counted over real tokens)
+continue through the hint and shift every later prompt token by the hint's length.
 
-It is listed in `algorithm.experience_wrappers` and turns itself on only when the advantage
-estimator reads hint log-probs (`algorithm.adv_estimator=cpo`); otherwise it returns the inner maker
-untouched. Listed outside a filtering wrapper (dynamic sampling), it runs on the kept groups only.
+It is listed in `algorithm.experience_wrappers` and turns itself on only when a later stage reads a
+field it writes (`BuildContext.reads_after_experience`: the CPO estimator reads `hint_logprobs`);
+otherwise it returns the inner maker untouched. Listed outside a filtering wrapper (dynamic
+sampling), it runs on the kept groups only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+
 import torch
 
-from aligner_ext.algorithms.advantages import ADVANTAGES
-from aligner_ext.algorithms.cpo import CPOConfig, difficulty, difficulty_metrics, outcomes
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
-from aligner_ext.data.hints import hint_rows, hinted_batch, hinted_prompts
+from aligner_ext.data.hints import HintConfig, hinted_prompt_ids
 from aligner_ext.data.loader import PromptLoader
+from aligner_ext.data.templating import left_pad
 from aligner_ext.experience.base import EXPERIENCE_WRAPPERS, ExperienceMaker, ExperienceWrapper
 from aligner_ext.models.base import Policy
 
 
+@dataclass
+class HintedPrompts:
+    """Hinted prompt ids of a batch's rows, and what was skipped or cut."""
+
+    prompt_ids: list[list[int] | None]  # [B] hinted prompt ids; None where the row has no hint (missing=skip)
+    hint_tokens: list[int] = field(default_factory=list)  # tokens each hinted row gained over its original prompt
+    num_missing: int = 0  # rows without a hint (skipped)
+    num_truncated: int = 0  # rows whose hint was cut to max_hint_length
+
+
+def hinted_prompts(batch: ExperienceBatch, tokenizer, cfg: HintConfig, gold_as_hint: bool) -> HintedPrompts:
+    """Hinted prompt ids for every row of `batch`; rows of one prompt draw are rendered once."""
+    result = HintedPrompts(prompt_ids=[])
+    cache: dict[tuple[str, tuple[int, ...]], tuple[list[int] | None, bool]] = {}
+    for i, sample in enumerate(batch.samples):
+        original = batch.prompt_ids[i][batch.prompt_mask[i]].tolist()
+        key = (sample.row.row_id, tuple(original))
+        if key not in cache:
+            cache[key] = hinted_prompt_ids(sample.row, original, tokenizer, cfg, gold_as_hint)
+        ids, truncated = cache[key]
+        result.prompt_ids.append(ids)
+        if ids is None:
+            result.num_missing += 1
+            continue
+        result.hint_tokens.append(len(ids) - len(original))
+        result.num_truncated += int(truncated)
+    return result
+
+
+def hinted_batch(batch: ExperienceBatch, prompt_ids: list[list[int]], pad_id: int) -> ExperienceBatch:
+    """`batch` with its prompts replaced by `prompt_ids` (left-padded to their own width).
+
+    Responses (ids, valid and loss masks) are the same tensors, so log-probs of the hinted batch are
+    those of the very same response tokens; positions follow from the new prompt mask.
+    """
+    if len(prompt_ids) != len(batch):
+        raise ValueError(f"{len(prompt_ids)} hinted prompts for a batch of {len(batch)} rows")
+    ids, mask = left_pad(prompt_ids, pad_id)
+    return dataclasses.replace(batch, prompt_ids=ids, prompt_mask=mask)
+
+
+def hint_rows(prompts: HintedPrompts) -> torch.Tensor:
+    """[B] bool: rows that have a hinted prompt."""
+    return torch.tensor([ids is not None for ids in prompts.prompt_ids], dtype=torch.bool)
+
+
 @EXPERIENCE_WRAPPERS.register("hint_logprobs")
 class HintLogprobs(ExperienceWrapper):
-    """The inner maker's batch plus hint log-probs and group difficulty (CPO)."""
+    """The inner maker's batch plus the log-probs of its responses under a hint (CPO)."""
 
-    def __init__(self, inner: ExperienceMaker, cfg: CPOConfig, gold_as_hint: bool, policy: Policy, tokenizer,
+    writes = ("hint_logprobs", "has_hint")
+
+    def __init__(self, inner: ExperienceMaker, hint: HintConfig, gold_as_hint: bool, policy: Policy, tokenizer,
                  temperature: float):
         super().__init__(inner)
-        self.cfg = cfg
+        self.hint = hint
         self.gold_as_hint = gold_as_hint
         self.policy = policy
         self.tokenizer = tokenizer
@@ -46,11 +98,10 @@ class HintLogprobs(ExperienceWrapper):
 
     @classmethod
     def from_context(cls, inner: ExperienceMaker, ctx: BuildContext) -> ExperienceMaker:
-        """The wrapper when the advantage estimator reads hint log-probs; otherwise `inner` untouched."""
-        estimator = ADVANTAGES.get(ctx.cfg.algorithm.adv_estimator)
-        if not getattr(estimator, "reads_hint_logprobs", False):
+        """The wrapper when a later stage reads what it writes; otherwise `inner` untouched."""
+        if not set(cls.writes) & ctx.reads_after_experience:
             return inner
-        return cls(inner, ctx.cfg.cpo, ctx.cfg.algorithm.gold_as_hint, ctx.policy, ctx.tokenizer,
+        return cls(inner, ctx.cfg.cpo.hint, ctx.cfg.algorithm.gold_as_hint, ctx.policy, ctx.tokenizer,
                    ctx.cfg.rollout.temperature)
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
@@ -58,15 +109,11 @@ class HintLogprobs(ExperienceWrapper):
         if len(batch) == 0:  # a filtering maker kept nothing: the loop skips the update
             return batch, metrics
         metrics.update(self.add_hint_pass(batch))
-        correct, from_reward = outcomes(batch)
-        batch.difficulty = difficulty(correct, batch.rewards, batch.group_ids, self.cfg)
-        metrics.update(difficulty_metrics(batch.difficulty, batch.group_ids, self.cfg.difficulty))
-        metrics["cpo/outcome_from_reward"] = float(from_reward)
         return batch, metrics
 
     def add_hint_pass(self, batch: ExperienceBatch) -> dict[str, float]:
         """Set hint_logprobs and has_hint on `batch`; return the hint metrics."""
-        prompts = hinted_prompts(batch, self.tokenizer, self.cfg.hint, self.gold_as_hint)
+        prompts = hinted_prompts(batch, self.tokenizer, self.hint, self.gold_as_hint)
         batch.has_hint = hint_rows(prompts)
         rows = torch.nonzero(batch.has_hint).flatten()
         batch.hint_logprobs = torch.zeros(batch.response_ids.shape, dtype=torch.float32)

@@ -15,7 +15,7 @@ One step, with G = num_answer_generations and H = num_confidence_generations:
 Rewards are scored by segment (rewards/calibration.py): the answer once per answer through the
 row's reward function (RewardManager), the confidence once per continuation; the advantages are
 `algorithms/mtpo.py`'s. Validation (`evaluate`) runs the same two rounds greedily, one answer and
-one confidence per prompt, and reports calibration (algorithms/calibration_metrics.py).
+one confidence per prompt, and reports calibration (experience/calibration_metrics.py).
 
 Decisions (docs/variants/mtpo.md; tests/unit/experience/test_mtpo_two_round.py pins them):
 - `apply_answer_loss_on_first_confidence_only` (default on): the round-1 tokens of an answer stay
@@ -42,14 +42,14 @@ from typing import Callable
 
 import torch
 
-from aligner_ext.algorithms.calibration_metrics import calibration_metrics
-from aligner_ext.algorithms.mtpo import ANSWER_SEGMENT, first_rows
-from aligner_ext.batch import ExperienceBatch
+from aligner_ext.batch import ANSWER_SEGMENT, ExperienceBatch
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.types import PromptDraw
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, RolloutConfig, SampleRequest
+from aligner_ext.experience.calibration_metrics import calibration_metrics
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.groups import first_rows
 from aligner_ext.rewards.calibration import SegmentRewards, SegmentScore
 from aligner_ext.rewards.manager import RewardManager
 
@@ -94,6 +94,7 @@ class TwoRoundSampling(GroupSampling):
         rewards: SegmentRewards.Config = field(default_factory=SegmentRewards.Config)
 
     summary_metrics = ("mtpo/valid_answer_ratio", "mtpo/round2_time_ratio")
+    writes = (*GroupSampling.writes, "answer_group_ids", "segment_ids", "answer_rewards", "confidence_rewards")
 
     def __init__(self, mtpo: Config, rollout: RolloutConfig, engine: GenerationEngine, rewards: RewardManager,
                  tokenizer, seed: int = 0):

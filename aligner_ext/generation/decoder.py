@@ -193,18 +193,25 @@ def attend_decode_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return flex_attention(q, keys, values, score_mod=add_bias, scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
 
 
+def unsupported(config) -> str | None:
+    """Why the decoder cannot run a model of this HF config, or None when it can."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"the rollout engine runs {', '.join(SUPPORTED_MODEL_TYPES)} decoders; this model is {model_type!r}"
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "use_sliding_window", False):
+        return ("the rollout engine runs SwiGLU decoders without sliding-window attention "
+                f"(hidden_act={config.hidden_act!r})")
+    return None
+
+
 class HFDecoder:
     """Prefill and decode steps of an HF Llama-family causal LM over a `SlotKVCache` (module docstring)."""
 
     def __init__(self, model, compile: bool = False, fuse_projections: bool = False, attention: str = "sdpa"):
         config = model.config
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"the rollout engine runs {', '.join(SUPPORTED_MODEL_TYPES)} decoders; "
-                             f"this model is {model_type!r} (use generator.engine=hf)")
-        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "use_sliding_window", False):
-            raise ValueError("the rollout engine runs SwiGLU decoders without sliding-window attention "
-                             f"(hidden_act={config.hidden_act!r}); use generator.engine=hf")
+        reason = unsupported(config)
+        if reason:
+            raise ValueError(f"{reason} (use generator.engine=hf)")
         self.model = model
         self.base = model.get_decoder()
         first = self.base.layers[0]

@@ -17,17 +17,19 @@ from aligner_ext.data.loader import PromptLoader
 import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 from aligner_ext.context import BuildContext
 from aligner_ext.distributed import main_process_first
-from aligner_ext.errors import ModelPathError
+from aligner_ext.errors import ContractError, ModelPathError
 from aligner_ext.files import follow_umask
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
 from aligner_ext.generation.base import ENGINES, GenerationEngine
+from aligner_ext.generation.decoder import unsupported
 from aligner_ext.generation.sharded import split_across_ranks
 from aligner_ext.losses.base import LOSSES, Loss
 from aligner_ext.models.base import POLICIES, Policy
 from aligner_ext.models.hf import FrozenReference, resolve_device
 from aligner_ext.models.tiny import build_char_tokenizer, build_tiny_model
+from aligner_ext.models.warmup import supervised_warmup
 from aligner_ext.rewards.manager import RewardManager
-from aligner_ext.trainer.warmup import supervised_warmup
+from aligner_ext.trainer.contracts import check_stages, step_stages
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,15 @@ class Components:
     loss: Loss
     train_loader: PromptLoader
     val_loader: PromptLoader | None  # None when there is no validation set
+
+
+def generation_engine_name(cfg: RunConfig, model) -> str:
+    """`generator.engine`, with `auto` resolved: the rollout engine where the benchmarks measure it
+    faster (docs/benchmarks.md: the HF backend on a GPU, a decoder it runs), else the HF engine."""
+    if cfg.generator.engine != "auto":
+        return cfg.generator.engine
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    return "rollout" if on_gpu and cfg.policy.backend == "hf" and unsupported(model.config) is None else "hf"
 
 
 def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
@@ -102,7 +113,8 @@ def model_directory(cfg: RunConfig, run_dir: Path) -> Path | str:
 
 def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     """Every part of a run. What is cheap to check (the model path, the data files, every row's
-    reward function) is checked before the model loads."""
+    reward function) is checked before the model loads; the plug-ins' batch contracts once they are
+    built (trainer/contracts.py)."""
     model_dir = model_directory(cfg, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
@@ -120,17 +132,23 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     reference = None
     if cfg.loss.kl_coef > 0:
         reference = FrozenReference(policy.model, cfg.policy.logprob_chunk_size, cfg.policy.micro_batch_size)
-    engine_cfg = getattr(cfg.generator, cfg.generator.engine)
-    engine = split_across_ranks(ENGINES.get(cfg.generator.engine)(policy.model, tokenizer, engine_cfg),
+    engine_name = generation_engine_name(cfg, policy.model)
+    engine = split_across_ranks(ENGINES.get(engine_name)(policy.model, tokenizer, getattr(cfg.generator, engine_name)),
                                 cfg.generator.split_across_ranks)
     ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=engine, rewards=rewards)
+    advantage = ADVANTAGES.get(cfg.algorithm.adv_estimator).from_context(ctx)
+    loss = LOSSES.get(cfg.algorithm.loss).from_context(ctx)
+    ctx.reads_after_experience = frozenset(advantage.reads) | frozenset(loss.reads)
+    maker = build_experience_maker(ctx)
+    try:
+        check_stages(step_stages(maker, reference is not None, advantage, cfg.algorithm.adv_estimator, loss,
+                                 cfg.algorithm.loss))
+    except ContractError:
+        rewards.close()
+        raise
     return Components(
         tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, rewards=ctx.rewards,
-        maker=build_experience_maker(ctx),
-        advantage=ADVANTAGES.get(cfg.algorithm.adv_estimator).from_context(ctx),
-        loss=LOSSES.get(cfg.algorithm.loss).from_context(ctx),
-        train_loader=train_loader,
-        val_loader=val_loader,
+        maker=maker, advantage=advantage, loss=loss, train_loader=train_loader, val_loader=val_loader,
     )
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from aligner_ext.algorithms.advantages import groups_all_agree
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.groups import groups_all_agree
 
 ZERO_STD_EPS = 1e-6  # reward std at or below this counts as "all samples agree"
 

@@ -15,7 +15,7 @@ python3 -m pip list 2>/dev/null | grep -iE "^(torch|transformers|trl|datasets|ac
   | tee -a "$OUT/gpu.txt"
 # Fail in seconds, not after the first worker, if a carried package does not import.
 python3 -c "import aligner_ext.trainer.build, trl, datasets" || { echo "import check failed" | tee -a "$OUT/gpu.txt"; exit 1; }
-run=/tmp/grpo_step
+run=${GRPO_STEP_RUN:-/tmp/grpo_step}  # another folder per call of this script in one command
 status=0
 python3 scripts/bench/grpo_step.py --out "$run" "$@" 2>&1 | tee "$OUT/driver.log" || status=$?
 cp "$run"/grpo_step.md "$run"/grpo_step.json "$OUT"/ 2>/dev/null || true

@@ -88,3 +88,10 @@ def test_a_file_as_model_path_says_it_is_a_file(tmp_path, capsys):
     (tmp_path / "weights.bin").write_bytes(b"")
     error = one_line_error(capsys, [f"model.path={tmp_path / 'weights.bin'}", f"trainer.output_dir={tmp_path}"])
     assert "is a file; it must be a directory with config.json" in error
+
+
+def test_a_plugin_missing_its_batch_fields_names_the_field_and_its_writer(tmp_path, capsys):
+    # MTPO's estimator over single-round rollouts: nothing writes the answer rewards it reads
+    error = one_line_error(capsys, SMALL_MODEL + ["algorithm.adv_estimator=mtpo_segments", f"trainer.output_dir={tmp_path}"])
+    assert "advantage estimator mtpo_segments reads batch field 'answer_rewards'" in error
+    assert "written by experience maker two_round" in error

@@ -29,7 +29,8 @@ def test_a_pair_composes_or_is_refused_naming_both(tmp_path, first, second):
             with pytest.raises(ValueError, match=f"variants {min(first, second)} and {max(first, second)} do not compose"):
                 load_config("base", SMALL_MODEL + overrides)
             continue
-        cfg = load_config("base", SMALL_MODEL + overrides + [
+        small_mtpo = ["mtpo.num_confidence_generations=2"] if "mtpo" in (first, second) else []  # G x H = rollout.n=4
+        cfg = load_config("base", SMALL_MODEL + overrides + small_mtpo + [
             "trainer.total_steps=1", "trainer.tensorboard=false", "rollout.max_response_length=16",
             "model.warmup.steps=10", f"trainer.output_dir={tmp_path}", f"trainer.run_name={first}_{second}_{spelling}"])
         assert active_variants(cfg) == {first, second}
@@ -37,6 +38,10 @@ def test_a_pair_composes_or_is_refused_naming_both(tmp_path, first, second):
         records = [json.loads(line) for line in (tmp_path / cfg.trainer.run_name / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records] == [0, 1]
         assert "dynamic_sampling/generated_groups" in records[1]  # DAPO's filter ran in the step
+        if "mtpo" in (first, second):  # by segment: every group got one of the segment filter's verdicts
+            verdicts = ("kept_answer_spread", "kept_confidence_only", "dropped_segments_agree")
+            counted = sum(records[1][f"dynamic_sampling/{name}"] for name in verdicts)
+            assert counted == records[1]["dynamic_sampling/generated_groups"] > 0
 
 
 def test_dapo_with_a_negonly_wrapper_warns_that_its_wrong_row_terms_never_fire(caplog):

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
-from aligner_ext.data.hints import HintConfig, hinted_batch, hinted_prompts, insertion_point
+from aligner_ext.data.hints import HintConfig, insertion_point
 from aligner_ext.data.templating import encode_prompt, left_pad, right_pad
 from aligner_ext.data.types import PromptRow
+from aligner_ext.experience.hint_logprobs import hinted_batch, hinted_prompts
 from aligner_ext.models.tiny import build_char_tokenizer
 
 GOLD_A = "12+7=19\n\\boxed{19}"

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from aligner_ext.algorithms.cpo import CPOAdvantage, CPOConfig
+from aligner_ext.algorithms.advantages import GroupAdvantage
+from aligner_ext.algorithms.cpo import CPOAdvantage
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.config import load_config
 from aligner_ext.context import BuildContext
@@ -66,8 +67,8 @@ def chatml(user):
 
 
 def wrapper(policy, tokenizer, rows=(ROW_A, ROW_B), hint=None):
-    return HintLogprobs(FixedMaker(tokenizer, list(rows)), CPOConfig(hint=hint or HintConfig()), True, policy,
-                        tokenizer, temperature=1.0)
+    return HintLogprobs(FixedMaker(tokenizer, list(rows)), hint or HintConfig(), True, policy, tokenizer,
+                        temperature=1.0)
 
 
 def test_hint_logprobs_equal_an_unpadded_forward_of_the_hinted_prompt(policy, tiny_tokenizer):
@@ -95,8 +96,8 @@ def test_hint_logprobs_equal_an_unpadded_forward_of_the_hinted_prompt(policy, ti
     assert metrics["cpo/hint_tokens_mean"] == pytest.approx((len(GOLD_A) + len(GOLD_B)) / 2 + 1)
     assert metrics["reward/x"] == 1.0  # the inner maker's metrics are kept
     assert batch.has_hint.tolist() == [True] * 4
-    assert batch.difficulty.tolist() == [1, 1, 0, 0]  # group 4 all correct, group 9 mixed
-    assert metrics["cpo/difficulty_all_correct"] == 0.5 and metrics["cpo/difficulty_mixed"] == 0.5
+    # the estimator's difficulty: group 4 (rewards 1, 1) all correct, group 9 (0, 1) mixed
+    assert mi_metrics["cpo/difficulty_all_correct"] == 0.5 and mi_metrics["cpo/difficulty_mixed"] == 0.5
 
 
 def test_rows_without_a_hint_are_skipped_and_counted(policy, tiny_tokenizer):
@@ -108,18 +109,19 @@ def test_rows_without_a_hint_are_skipped_and_counted(policy, tiny_tokenizer):
     assert metrics["cpo/hint_missing"] == 2 and metrics["cpo/hint_rows"] == 2
 
 
-def context(policy, tokenizer, *overrides):
+def context(policy, tokenizer, *overrides, reads=CPOAdvantage.reads):
+    """What build gives a plug-in; `reads`: the fields the advantage and loss read."""
     return BuildContext(cfg=load_config("base", list(overrides)), tokenizer=tokenizer, policy=policy,
-                        engine=None, rewards=None)
+                        engine=None, rewards=None, reads_after_experience=frozenset(reads))
 
 
-def test_the_wrapper_turns_itself_on_only_for_an_estimator_that_reads_hints(policy, tiny_tokenizer):
+def test_the_wrapper_turns_itself_on_only_when_a_later_stage_reads_hints(policy, tiny_tokenizer):
     inner = FixedMaker(tiny_tokenizer, [ROW_A])
-    assert HintLogprobs.from_context(inner, context(policy, tiny_tokenizer)) is inner
+    assert HintLogprobs.from_context(inner, context(policy, tiny_tokenizer, reads=GroupAdvantage.reads)) is inner
     built = HintLogprobs.from_context(inner, context(policy, tiny_tokenizer, "+variant=cpo",
                                                      "cpo.hint.placement=assistant_turn"))
     assert isinstance(built, HintLogprobs) and built.inner is inner
-    assert built.cfg.hint.placement == "assistant_turn" and built.gold_as_hint
+    assert built.hint.placement == "assistant_turn" and built.gold_as_hint
 
 
 def test_several_optimisation_iterations_do_not_compound_the_shaping(policy, tiny_tokenizer):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from aligner_ext.algorithms.calibration_metrics import (
+from aligner_ext.experience.calibration_metrics import (
     auroc, brier_score, calibration_metrics, expected_calibration_error,
 )
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aligner_ext.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from aligner_ext.trainer.warmup import WarmupConfig, supervised_warmup, uses_bfloat16
+from aligner_ext.models.warmup import WarmupConfig, supervised_warmup, uses_bfloat16
 
 PAIRS = [([{"role": "user", "content": f"{a}+{b}="}], f"{a + b}") for a in range(4) for b in range(4)]
 

@@ -7,7 +7,7 @@
 These are RLCR's evaluation metrics (Damani et al. 2025; `eval/eval_utils.py` there), computed here
 in float64 on tensors.
 
-Decisions (tests/unit/algorithms/test_mtpo_calibration_metrics.py pins them):
+Decisions (tests/unit/experience/test_mtpo_calibration_metrics.py pins them):
 - Bin b holds b/B <= c < (b+1)/B, computed as floor(c * B + 1e-6) in float64; c = 1 goes to the
   last bin. The tolerance puts a confidence stored in float32 on its decimal edge (0.9 is stored as
   0.89999998) in the bin it was written for. RLCR digitizes against `linspace(0, 1, 11)`, whose
