@@ -55,7 +55,8 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
 
 
 def response_logprobs(
-    model: PreTrainedModel, batch: ExperienceBatch, chunk_size: int, with_entropy: bool, temperature: float
+    model: PreTrainedModel, batch: ExperienceBatch, chunk_size: int, with_entropy: bool, temperature: float,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [b, R] (and entropy) of `batch.response_ids` under `model`, on the model's device."""
     device = model.device
@@ -69,7 +70,8 @@ def response_logprobs(
     # The logits at column P-1+t predict response token t.
     hidden = hidden[:, prompt_width - 1 : prompt_width - 1 + response_width]
     head = model.get_output_embeddings().weight
-    return token_logprobs(hidden, head, batch.response_ids.to(device), chunk_size, with_entropy, temperature)
+    return token_logprobs(hidden, head, batch.response_ids.to(device), chunk_size, with_entropy, temperature,
+                          entropy_grad)
 
 
 def split_rows(size: int, chunk: int) -> list[range]:
@@ -145,7 +147,8 @@ class HFPolicy(Policy):
         filled_lp, filled_ent = [], []
         for rows in split_rows(len(mini), self.cfg.micro_batch_size):
             micro = mini.select(list(rows)).to(self.model.device)
-            logprobs, entropy = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, fill, temperature)
+            logprobs, entropy = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, fill, temperature,
+                                                  entropy_grad=False)
             if fill:
                 mask = micro.response_valid
                 micro.old_logprobs, micro.entropy = logprobs.detach() * mask, entropy.detach() * mask

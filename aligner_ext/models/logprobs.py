@@ -20,18 +20,23 @@ from torch.utils.checkpoint import checkpoint
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, temperature: float = 1.0
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, temperature: float = 1.0,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [b, T] of `targets` [b, T] under `logits` [b, T, V], and entropy [b, T] if asked.
 
-    Logits are upcast to at least float32 before the temperature and the softmax.
+    Logits are upcast to at least float32 before the temperature and the softmax. With
+    `entropy_grad=False` the entropy is a metric without a graph (which would keep a [b, T, V] tensor).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logp = torch.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = -(logp.exp() * logp).sum(dim=-1)
     return token_logp, entropy
 
 
@@ -42,6 +47,7 @@ def token_logprobs(
     chunk_size: int,
     with_entropy: bool,
     temperature: float = 1.0,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of `targets` given the final hidden states, `chunk_size` positions at a time.
 
@@ -52,6 +58,7 @@ def token_logprobs(
         chunk_size: positions per chunk (> 0); the last chunk may be shorter.
         with_entropy: also return the entropy of each position's distribution.
         temperature: the sampling temperature the logits are divided by.
+        entropy_grad: whether the entropy carries gradient (False: a metric, no graph kept).
 
     Returns:
         logprobs [b, T] and entropy [b, T] (or None), float32 (float64 for float64 hidden states).
@@ -64,7 +71,7 @@ def token_logprobs(
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree on [b, T]")
 
     def chunk_fn(hidden_chunk: torch.Tensor, weight: torch.Tensor, target_chunk: torch.Tensor):
-        return logprobs_from_logits(hidden_chunk @ weight.T, target_chunk, with_entropy, temperature)
+        return logprobs_from_logits(hidden_chunk @ weight.T, target_chunk, with_entropy, temperature, entropy_grad)
 
     return over_chunks(chunk_fn, hidden, lm_head_weight, targets, chunk_size, with_entropy)
 

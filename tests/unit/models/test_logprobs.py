@@ -151,3 +151,13 @@ def test_bad_arguments_are_named():
         token_logprobs(hidden, weight.double(), targets, 2, with_entropy=False)
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(hidden, weight, targets, 2, with_entropy=False, temperature=0.0)
+
+
+def test_entropy_as_a_metric_carries_no_graph_while_the_logprobs_do():
+    hidden = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (2, 5))
+    lp, ent = token_logprobs(hidden, weight, targets, 2, with_entropy=True, entropy_grad=False)
+    assert lp.requires_grad and not ent.requires_grad
+    _, reference = token_logprobs(hidden.detach(), weight.detach(), targets, 2, with_entropy=True)
+    torch.testing.assert_close(ent, reference, rtol=0, atol=1e-12)
