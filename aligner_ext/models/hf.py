@@ -83,6 +83,8 @@ def split_rows(size: int, chunk: int) -> list[range]:
 class HFPolicy(Policy):
     """An HF causal LM trained with AdamW; the generation engine may share `self.model`."""
 
+    fills_old_logprobs = True  # `train` fills a batch's missing old log-probs from its own forward
+
     def __init__(self, model: PreTrainedModel, cfg: PolicyConfig, total_steps: int):
         self.cfg = cfg
         device = resolve_device(cfg.device)
@@ -109,8 +111,6 @@ class HFPolicy(Policy):
         self.model.train(was_training)
         mask = batch.response_valid
         return torch.cat(parts_lp) * mask, torch.cat(parts_ent) * mask
-
-    fills_old_logprobs = True
 
     def train(self, batch: ExperienceBatch, loss: Loss, temperature: float) -> dict[str, float]:
         self.model.train()
@@ -152,15 +152,15 @@ class HFPolicy(Policy):
             if fill:
                 mask = micro.response_valid
                 micro.old_logprobs, micro.entropy = logprobs.detach() * mask, entropy.detach() * mask
-                filled_lp.append(micro.old_logprobs.float().cpu())
-                filled_ent.append(micro.entropy.float().cpu())
+                filled_lp.append(micro.old_logprobs)
+                filled_ent.append(micro.entropy)
             value, micro_metrics = loss(logprobs, micro, counts)
             value.backward()
             total_loss += value.detach()
             for key, number in micro_metrics.items():
                 metrics[key] += float(number)
         if fill:
-            mini.old_logprobs, mini.entropy = torch.cat(filled_lp), torch.cat(filled_ent)
+            mini.old_logprobs, mini.entropy = torch.cat(filled_lp).float().cpu(), torch.cat(filled_ent).float().cpu()
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         if not self.guard.admit(grad_norm, float(total_loss)):
