@@ -62,11 +62,7 @@ class AlgorithmConfig:
 
     experience_maker: str = "group_sampling"  # how rollouts are produced and scored
     experience_wrappers: list[str] = field(default_factory=lambda: ["dynamic_sampling", "hint_logprobs"])  # wrappers around the maker, innermost first; each is active only when its own switch is on
-    use_dynamic_sample: bool = False  # DAPO dynamic sampling: drop groups whose outcomes all agree, refill (docs/variants/dapo.md)
-    dynamic_sample_max_gen_batches: int = 3  # generation batches per step at most; 0 = unbounded
     adv_estimator: str = "grpo"  # how rewards become per-token advantages
-    gold_as_hint: bool = True  # CPO hint: extra_info.gold_solution (true) or the ground truth (docs/variants/cpo.md)
-    wrap_method: str = "none"  # CPO advantage wrapper (algorithms/cpo_wrappers.py); none = GRPO advantages
     loss: str = "clipped_pg"  # how a batch becomes a gradient
 
 
@@ -110,7 +106,8 @@ class RunConfig:
 
 
 # Keys of the frameworks the seeds were written for -> our keys. `load_config` rewrites command-line
-# overrides that name one (`apply_aliases`); a variant adds its seed's keys here.
+# overrides that name one (`apply_aliases`), and YAML settings of those inside one of our sections
+# (`_move_seed_keys`); a variant adds its seed's keys here.
 ALIASES: dict[str, str] = {
     "actor_rollout_ref.rollout.enable_graded_system_prompt": "graded_prompt.enabled",
     "actor_rollout_ref.rollout.graded_system_prompt_full_reveal_count": "graded_prompt.full_reveal_count",
@@ -140,6 +137,11 @@ ALIASES: dict[str, str] = {
     "learning_rate": "policy.optim.lr",
     "max_prompt_length": "data.max_prompt_length",
     "max_completion_length": "rollout.max_response_length",
+    # DAPO and CPO: the seeds keep these variant settings under algorithm.*; ours live in the variant's own section
+    "algorithm.use_dynamic_sample": "dynamic_sampling.enabled",
+    "algorithm.dynamic_sample_max_gen_batches": "dynamic_sampling.max_gen_batches",
+    "algorithm.gold_as_hint": "cpo.gold_as_hint",
+    "algorithm.wrap_method": "cpo.wrap_method",
 }
 # Seed keys whose values are named differently too: seed key -> (our key, {seed value: our value}).
 VALUE_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
@@ -151,6 +153,9 @@ VALUE_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
     # TRL's scale_rewards: divide by the group's std (true / "group") or only centre (false / "none")
     "scale_rewards": ("advantage.use_std", {"true": "true", "group": "true", "false": "false", "none": "false"}),
 }
+# Seed keys inside one of our sections: a YAML file copied from a seed may set them too (`_move_seed_keys`).
+_SECTION_ALIASES = {seed: ours for seed, ours in ALIASES.items()
+                    if seed.split(".")[0] in RunConfig.__dataclass_fields__}
 _OVERRIDE_PREFIX = re.compile(r"^(\+\+|\+|~)?")
 
 
@@ -159,8 +164,9 @@ def apply_aliases(overrides: list[str]) -> list[str]:
     VALUE_ALIASES replaced together with its value (an unknown value is a ValueError listing them).
 
     Alias targets are schema keys, so a leading `+` (add a new key) is dropped; `++` and `~` are kept.
+    Naming one setting by both its seed key and ours, with different values, is a ValueError naming both.
     """
-    rewritten = []
+    rewritten, given = [], {}  # given: our key -> (the name it was first given by, its value)
     for override in overrides:
         prefix = _OVERRIDE_PREFIX.match(override).group(0)
         key, sep, value = override[len(prefix):].partition("=")
@@ -177,6 +183,12 @@ def apply_aliases(overrides: list[str]) -> list[str]:
         alias = ("" if prefix == "+" else prefix) + key + sep + value
         logger.info("override %r is read as %r (alias of a seed key)", override, alias)
         rewritten.append(alias)
+    for original, override in zip(overrides, rewritten):  # `key` twice is Hydra's to judge; two names for it are ours
+        name, key = (o.lstrip("+~").partition("=")[0] for o in (original, override))
+        value = override.partition("=")[2]
+        first_name, first_value = given.setdefault(key, (name, value))
+        if first_name != name and first_value != value:
+            raise ValueError(f"{first_name}={first_value} and {name}={value} set the same option {key}; give one")
     return rewritten
 
 
@@ -191,7 +203,7 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
     from hydra.core.config_store import ConfigStore
     from hydra.errors import ConfigCompositionException
 
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=_schema())
     directory = Path(config_dir or CONF_DIR).resolve()
     if not (directory / f"{name}.yaml").exists():
         raise FileNotFoundError(f"no config {name!r} in {directory}")
@@ -203,13 +215,51 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
             raise ValueError(f"{where}: {err.__cause__ or err}") from err
     if OmegaConf.get_type(composed) is not RunConfig:
         raise ValueError(f"{directory / name}.yaml must list '{SCHEMA_NAME}' first in its defaults")
+    tree = OmegaConf.to_container(composed)
+    _move_seed_keys(tree, overrides)
     try:  # Hydra lets `+key=value` add keys the schema lacks; merging into the schema rejects them
-        validated = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(composed))
+        validated = OmegaConf.merge(OmegaConf.structured(RunConfig), tree)
     except OmegaConfBaseException as err:
         raise ValueError(f"{where}: {err}") from err
     cfg = OmegaConf.to_object(validated)
     check_across_sections(cfg)
     return cfg
+
+
+def _schema():
+    """`RunConfig` admitting the seed keys of `_SECTION_ALIASES`, so that YAML naming them composes; they and
+    their targets start unset (`???`), so `_move_seed_keys` sees which of the two names a file set."""
+    schema = OmegaConf.structured(RunConfig)
+    for seed_key, ours in _SECTION_ALIASES.items():
+        OmegaConf.update(schema, seed_key, "???", force_add=True)
+        OmegaConf.update(schema, ours, "???")
+    return schema
+
+
+def _move_seed_keys(tree: dict, overrides: list[str]) -> None:
+    """In the composed `tree`, give each of our keys that `_schema` left unset its seed key's value, or else
+    drop it so that the schema's default applies. An override of our key wins (it comes last); both names
+    set in YAML to different values is a ValueError naming both."""
+    overridden = {override.lstrip("+~").partition("=")[0] for override in overrides}
+    for seed_key, ours in _SECTION_ALIASES.items():
+        seed_parent, seed_name = _parent(tree, seed_key)
+        parent, name = _parent(tree, ours)
+        value = seed_parent.pop(seed_name)
+        if value != "???" and ours not in overridden:
+            if parent[name] not in ("???", value):
+                raise ValueError(f"{seed_key}={value} and {ours}={parent[name]} set the same option; give one")
+            logger.info("%s=%s is read as %s (alias of a seed key)", seed_key, value, ours)
+            parent[name] = value
+        if parent[name] == "???":
+            del parent[name]
+
+
+def _parent(tree: dict, dotted: str) -> tuple[dict, str]:
+    """The section of `tree` holding the dotted key, and the key's last name."""
+    *sections, name = dotted.split(".")
+    for part in sections:
+        tree = tree[part]
+    return tree, name
 
 
 def check_across_sections(cfg: RunConfig) -> None:

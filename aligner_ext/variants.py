@@ -1,7 +1,7 @@
 """Which variants a config turns on, and which of them compose.
 
-A variant is on when its switch is: dynamic sampling `algorithm.use_dynamic_sample`; CPO
-`algorithm.adv_estimator=cpo` (or a CPO wrapper in `algorithm.wrap_method`); MTPO the `two_round`
+A variant is on when its switch is: dynamic sampling `dynamic_sampling.enabled`; CPO
+`algorithm.adv_estimator=cpo` (or a CPO wrapper in `cpo.wrap_method`); MTPO the `two_round`
 maker (or its `mtpo_segments` estimator); the graded system prompt its maker (or
 `graded_prompt.enabled`). `+variant=a +variant=b` is read as `+variant=[a,b]`: the overlays are
 merged in order, and a single-valued key two overlays set keeps the later value, so the switches
@@ -54,9 +54,9 @@ def active_variants(cfg) -> set[str]:
     """The variants whose switch is on in `cfg` (module docstring)."""
     algorithm = cfg.algorithm
     active = set()
-    if algorithm.use_dynamic_sample:
+    if cfg.dynamic_sampling.enabled:
         active.add("dapo")
-    if algorithm.adv_estimator == "cpo" or algorithm.wrap_method != "none":
+    if algorithm.adv_estimator == "cpo" or cfg.cpo.wrap_method != "none":
         active.add("cpo")
     if algorithm.experience_maker == "two_round" or algorithm.adv_estimator == "mtpo_segments":
         active.add("mtpo")
@@ -76,17 +76,18 @@ def resolve_variants(cfg) -> None:
             reason = PAIRS[frozenset({first, second})]
             if reason is not None:
                 raise ValueError(f"variants {first} and {second} do not compose: {reason} (docs/variants/README.md)")
-    if algorithm.wrap_method != "none" and algorithm.adv_estimator != "cpo":
-        raise ValueError(f"algorithm.wrap_method={algorithm.wrap_method} is read only by algorithm.adv_estimator=cpo "
+    wrap_method = cfg.cpo.wrap_method
+    if wrap_method != "none" and algorithm.adv_estimator != "cpo":
+        raise ValueError(f"cpo.wrap_method={wrap_method} is read only by algorithm.adv_estimator=cpo "
                          f"(it is {algorithm.adv_estimator}); set wrap_method=none or adv_estimator=cpo")
     if {"dapo", "mtpo"} <= set(active):
         _filter_by_segments(cfg.dynamic_sampling)
     if cfg.graded_prompt.enabled and algorithm.experience_maker == "group_sampling":
         logger.info("graded_prompt.enabled=true: algorithm.experience_maker set to graded_prompt")
         algorithm.experience_maker = "graded_prompt"
-    if "dapo" in active and algorithm.wrap_method.startswith("negonly"):
+    if "dapo" in active and wrap_method.startswith("negonly"):
         logger.warning("dynamic sampling keeps only groups with mixed outcomes, so %s's terms for all-wrong groups "
-                       "never fire (docs/variants/README.md)", algorithm.wrap_method)
+                       "never fire (docs/variants/README.md)", wrap_method)
 
 
 def _filter_by_segments(dynamic_sampling) -> None:

@@ -127,7 +127,7 @@ def test_reference_doc_is_up_to_date(capsys):
 def test_the_option_names_are_frozen():
     """Adding, renaming or removing an option is deliberate: it edits tests/config_options.txt too."""
     current = set(re.findall(r"^\| `([\w.]+)` \|", render_reference(), re.MULTILINE))
-    assert {"algorithm.use_dynamic_sample", "dynamic_sampling.filter_metric", "cpo.hint.placement"} <= current
+    assert {"dynamic_sampling.enabled", "dynamic_sampling.filter_metric", "cpo.hint.placement"} <= current
     frozen = set(FROZEN_OPTIONS.read_text(encoding="utf-8").split())
     added, removed = sorted(current - frozen), sorted(frozen - current)
     assert not added and not removed, (

@@ -10,7 +10,7 @@ difficulty D (below) and computes, per response token (lp = `old_logprobs`, the 
     U = H / log(vocab size)                                   (uncertainty=vocab, the seed)
 
 takes the GRPO advantage A (`algorithms/advantages.py`, config section `advantage`) and applies the
-wrapper named by `algorithm.wrap_method` (algorithms/cpo_wrappers.py lists all 18 and their
+wrapper named by `cpo.wrap_method` (algorithms/cpo_wrappers.py lists all 18 and their
 formulas). MI is the sampled-token term of KL(p_hint || p), not a true mutual information.
 
 Difficulty of a group (explicit group ids, `aligner_ext/groups.py::group_stats`) on the raw
@@ -64,8 +64,10 @@ SEQ_EPS = 1e-10  # added to the token count in row means (the public code's valu
 
 @dataclass
 class CPOConfig:
-    """CPO advantage shaping; the wrapper is `algorithm.wrap_method`, the hint source `algorithm.gold_as_hint`."""
+    """CPO's hint source and advantage shaping (on with `algorithm.adv_estimator=cpo`)."""
 
+    gold_as_hint: bool = True  # CPO hint: extra_info.gold_solution (true) or the ground truth (docs/variants/cpo.md)
+    wrap_method: str = "none"  # CPO advantage wrapper (algorithms/cpo_wrappers.py); none = GRPO advantages
     cpo_lambda: float = 5.0  # ratio clamp [1/λ, λ] of exp(lp_hint - lp), > 1; read by naive* and noaccmask only
     pos_alpha: float = 0.05  # weight of the terms on correct rows (the seed's default; public scripts use 0)
     neg_alpha: float = 0.1  # weight of the terms on wrong rows (the seed's default)
@@ -194,7 +196,7 @@ class CPOAdvantage:
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "CPOAdvantage":
         vocab_size = int(ctx.policy.model.get_output_embeddings().weight.shape[0])
-        return cls(ctx.cfg.cpo, ctx.cfg.algorithm.wrap_method, GroupAdvantage.from_context(ctx), vocab_size)
+        return cls(ctx.cfg.cpo, ctx.cfg.cpo.wrap_method, GroupAdvantage.from_context(ctx), vocab_size)
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor:
         """[B, R] float32: the shaped advantage on loss-masked tokens, 0 elsewhere."""

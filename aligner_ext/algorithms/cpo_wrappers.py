@@ -1,7 +1,7 @@
 """The CPO advantage wrappers: each shapes GRPO advantages token by token from the hint's effect.
 
 Every wrapper is `fn(adv, s) -> adv` on [B, R] float64 advantages and the quantities in `Shaping`
-(built by `algorithms/cpo.py`), registered by the name `algorithm.wrap_method` takes. Notation:
+(built by `algorithms/cpo.py`), registered by the name `cpo.wrap_method` takes. Notation:
 m = response tokens of rows that got a hint; c = the row is correct; D = its group's difficulty
 (D > 0 easy, D < 0 hard, 0 mixed); H entropy, U uncertainty in [0, 1]; Δ = lp_hint - lp;
 MI = exp(lp_hint)·Δ; ratio = clamp(exp(Δ), 1/λ, λ); kl_mean and Ū are row means over the response.

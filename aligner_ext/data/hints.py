@@ -2,7 +2,7 @@
 
 The hint is the row's gold solution (the first non-empty of `cpo.hint.solution_fields` in
 `extra_info`: `gold_solution`, then `solution` as public CPO data has it; with
-`algorithm.gold_as_hint`) or its ground truth. It is written into the row's chat messages, which are rendered by the tokenizer's
+`cpo.gold_as_hint`) or its ground truth. It is written into the row's chat messages, which are rendered by the tokenizer's
 own chat template exactly as the loader renders prompts (`templating.encode_prompt`), so no token id
 is hard-coded and any template works. Three placements:
 
@@ -68,7 +68,7 @@ class HintConfig:
     max_hint_length: int = 0  # hint tokens kept; 0 keeps the whole hint (the batch grows wider instead)
     truncate_side: str = "left"  # end of an overlong hint that is dropped: left (keeps its answer) | right (the seed)
     check_insertion: bool = True  # user_prefix / assistant_turn: error unless the hint is one contiguous insertion
-    solution_fields: list[str] = field(default_factory=lambda: ["gold_solution", "solution"])  # extra_info fields holding the hint (algorithm.gold_as_hint), first non-empty wins; public CPO data uses `solution`
+    solution_fields: list[str] = field(default_factory=lambda: ["gold_solution", "solution"])  # extra_info fields holding the hint (cpo.gold_as_hint), first non-empty wins; public CPO data uses `solution`
 
     def __post_init__(self) -> None:
         for name, value, choices in (("placement", self.placement, PLACEMENTS),
@@ -160,7 +160,7 @@ def hinted_prompt_ids(row: PromptRow, original: list[int], tokenizer, cfg: HintC
         if cfg.missing == "error":
             source = ("extra_info." + " / ".join(cfg.solution_fields)) if gold_as_hint else "reward_model.ground_truth"
             raise ValueError(f"row {row.row_id}: no {source} to use as the CPO hint "
-                             f"(algorithm.gold_as_hint={gold_as_hint}); add it or set cpo.hint.missing=skip")
+                             f"(cpo.gold_as_hint={gold_as_hint}); add it or set cpo.hint.missing=skip")
         return None, False
     if encode_prompt(tokenizer, row.messages) != original:
         raise ValueError(f"row {row.row_id}: the trained prompt is not the chat-template rendering of its messages "

@@ -25,7 +25,7 @@ Decisions (docs/variants/dapo.md; tests/unit/experience/test_dynamic_sampling.py
   fewer generation rounds and some valid surplus: carried to later steps when `keep_surplus` is on
   (each group at most `max_surplus_age` steps after it was sampled, since an older policy sampled
   it), else discarded and counted. The carried groups are saved in checkpoints.
-- When `algorithm.dynamic_sample_max_gen_batches` is reached, `on_max_gen_batches` decides:
+- When `dynamic_sampling.max_gen_batches` is reached, `on_max_gen_batches` decides:
   `train_on_kept` (the seed's behaviour: a smaller batch this step) or `error`.
 - The prompt stream is endless and crosses epoch boundaries, so exhausting the data mid-accumulation
   simply starts the next epoch (`data/epoch` shows it).
@@ -54,8 +54,10 @@ ON_MAX_GEN_BATCHES = ("train_on_kept", "error")
 
 @dataclass
 class DynamicSamplingConfig:
-    """Group filter and refill policy of dynamic sampling (switched on by algorithm.use_dynamic_sample)."""
+    """Dynamic sampling's switch, group filter and refill policy."""
 
+    enabled: bool = False  # DAPO dynamic sampling: drop groups whose outcomes all agree, refill (docs/variants/dapo.md)
+    max_gen_batches: int = 3  # generation batches per step at most; 0 = unbounded
     filter_metric: str = "correct"  # what is compared within a group: correct | seq_reward (sum of token scores) | segments (MTPO's answer and confidence rewards; experience/filters.py)
     eps: float = 1e-6  # a group is kept when its outcomes' spread (max - min) exceeds eps
     on_max_gen_batches: str = "train_on_kept"  # when the bound is hit: train_on_kept | error
@@ -66,6 +68,9 @@ class DynamicSamplingConfig:
     def __post_init__(self) -> None:
         if self.filter_metric not in FILTER_METRICS:
             raise ValueError(f"dynamic_sampling.filter_metric must be one of {FILTER_METRICS}, got {self.filter_metric!r}")
+        if self.max_gen_batches < 0:
+            raise ValueError(f"dynamic_sampling.max_gen_batches must be >= 0 (0 = unbounded), "
+                             f"got {self.max_gen_batches}")
         if self.on_max_gen_batches not in ON_MAX_GEN_BATCHES:
             raise ValueError(f"dynamic_sampling.on_max_gen_batches must be one of {ON_MAX_GEN_BATCHES}, "
                              f"got {self.on_max_gen_batches!r}")
@@ -93,31 +98,27 @@ class _PromptQuota:
 class DynamicSampling(ExperienceWrapper):
     """Wraps an experience maker; returns batches of exactly `target` groups with mixed outcomes."""
 
-    def __init__(self, inner: ExperienceMaker, cfg: DynamicSamplingConfig, max_gen_batches: int, pad_token_id: int):
-        if max_gen_batches < 0:
-            raise ValueError(f"algorithm.dynamic_sample_max_gen_batches must be >= 0 (0 = unbounded), got {max_gen_batches}")
+    def __init__(self, inner: ExperienceMaker, cfg: DynamicSamplingConfig, pad_token_id: int):
         super().__init__(inner)
         self.summary_metrics = inner.summary_metrics + (
             "dynamic_sampling/filtered_fraction", "dynamic_sampling/num_gen_batches")
         self.cfg = cfg
         self.filter = FILTERS[cfg.filter_metric]
         self.reads = self.filter.reads
-        self.max_gen_batches = max_gen_batches
+        self.max_gen_batches = cfg.max_gen_batches
         self.pad_token_id = pad_token_id
         self.surplus: ExperienceBatch | None = None  # valid groups carried to the next step
         self.born: dict[int, int] = {}  # group id -> the step that sampled it, for the carried groups
 
     @classmethod
     def from_context(cls, inner: ExperienceMaker, ctx: BuildContext) -> ExperienceMaker:
-        """The wrapper when `algorithm.use_dynamic_sample` is on; otherwise `inner` untouched."""
-        algorithm = ctx.cfg.algorithm
-        if not algorithm.use_dynamic_sample:
+        """The wrapper when `dynamic_sampling.enabled` is on; otherwise `inner` untouched."""
+        if not ctx.cfg.dynamic_sampling.enabled:
             return inner
         if ctx.cfg.rollout.n < 2:
-            raise ValueError("algorithm.use_dynamic_sample needs rollout.n >= 2: a group of one sample "
+            raise ValueError("dynamic_sampling.enabled needs rollout.n >= 2: a group of one sample "
                              "has no spread, so every group would be dropped")
-        return cls(inner, ctx.cfg.dynamic_sampling, algorithm.dynamic_sample_max_gen_batches,
-                   ctx.tokenizer.pad_token_id)
+        return cls(inner, ctx.cfg.dynamic_sampling, ctx.tokenizer.pad_token_id)
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         target = loader.batch_size
@@ -192,7 +193,7 @@ class DynamicSampling(ExperienceWrapper):
         message = (f"dynamic sampling: {self.max_gen_batches} generation batches gave only {num_kept}/{target} "
                    f"groups with mixed outcomes at step {step}")
         if self.cfg.on_max_gen_batches == "error":
-            raise RuntimeError(message + "; raise algorithm.dynamic_sample_max_gen_batches (0 = unbounded), "
+            raise RuntimeError(message + "; raise dynamic_sampling.max_gen_batches (0 = unbounded), "
                                "use easier/harder data, or set dynamic_sampling.on_max_gen_batches=train_on_kept")
         if num_kept == 0:
             logger.warning("%s: every group was filtered, this step makes no update", message)

@@ -101,7 +101,7 @@ class HintLogprobs(ExperienceWrapper):
         """The wrapper when a later stage reads what it writes; otherwise `inner` untouched."""
         if not set(cls.writes) & ctx.reads_after_experience:
             return inner
-        return cls(inner, ctx.cfg.cpo.hint, ctx.cfg.algorithm.gold_as_hint, ctx.policy, ctx.tokenizer,
+        return cls(inner, ctx.cfg.cpo.hint, ctx.cfg.cpo.gold_as_hint, ctx.policy, ctx.tokenizer,
                    ctx.cfg.rollout.temperature)
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:

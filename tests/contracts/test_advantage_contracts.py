@@ -52,7 +52,7 @@ def only(batch: ExperienceBatch, fields) -> ExperienceBatch:
 
 @pytest.mark.parametrize("name", ADVANTAGES.names())
 def test_estimator_contract(name, tiny_model):
-    overrides = ["rollout.n=4"] + (["+variant=cpo", "algorithm.wrap_method=mi3"] if name == "cpo" else [])
+    overrides = ["rollout.n=4"] + (["+variant=cpo", "cpo.wrap_method=mi3"] if name == "cpo" else [])
     ctx = BuildContext(cfg=load_config("base", overrides), tokenizer=None, policy=SimpleNamespace(model=tiny_model),
                        engine=None, rewards=None)
     estimator = ADVANTAGES.get(name).from_context(ctx)

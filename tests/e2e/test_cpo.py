@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 SMALL = SMALL_MODEL + ["rollout.max_response_length=12", "trainer.tensorboard=false", "trainer.log_samples_every=0"]
 
 
-@pytest.mark.parametrize("extra", [[], ["cpo.hint.placement=assistant_turn", "algorithm.wrap_method=tok_kl",
+@pytest.mark.parametrize("extra", [[], ["cpo.hint.placement=assistant_turn", "cpo.wrap_method=tok_kl",
                                         "cpo.difficulty=five", "cpo.uncertainty=vocab"]], ids=["default", "options"])
 def test_cpo_run_reports_hint_and_mi_metrics(tmp_path, extra):
     cfg = load_config("base", ["+variant=cpo", *SMALL, f"trainer.output_dir={tmp_path}", "trainer.run_name=run",

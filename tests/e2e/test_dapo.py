@@ -35,7 +35,7 @@ def test_dynamic_sampling_runs_and_reports_the_filtered_fraction(tmp_path, monke
 def test_a_step_with_every_group_filtered_makes_no_update(tmp_path, monkeypatch):
     summary, records = run(tmp_path, monkeypatch, "trainer.total_steps=2", "trainer.run_name=run",
                            "+reward.sources.arithmetic=e2e_rewards.always_wrong",
-                           "algorithm.dynamic_sample_max_gen_batches=2")
+                           "dynamic_sampling.max_gen_batches=2")
     for record in records[1:]:
         assert record["dynamic_sampling/filtered_fraction"] == 1.0
         assert record["dynamic_sampling/num_gen_batches"] == 2

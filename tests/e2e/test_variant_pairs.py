@@ -46,14 +46,14 @@ def test_a_pair_composes_or_is_refused_naming_both(tmp_path, first, second):
 
 def test_dapo_with_a_negonly_wrapper_warns_that_its_wrong_row_terms_never_fire(caplog):
     with caplog.at_level("WARNING", logger="aligner_ext.variants"):
-        cfg = load_config("base", ["+variant=[cpo,dapo]", "algorithm.wrap_method=negonly_mi3"])
+        cfg = load_config("base", ["+variant=[cpo,dapo]", "cpo.wrap_method=negonly_mi3"])
     assert active_variants(cfg) == {"cpo", "dapo"}
     assert "negonly_mi3's terms for all-wrong groups never fire" in caplog.text
 
 
 def test_a_setting_nothing_reads_is_refused():
-    with pytest.raises(ValueError, match="algorithm.wrap_method=mi3 is read only by algorithm.adv_estimator=cpo"):
-        load_config("base", ["algorithm.wrap_method=mi3"])
+    with pytest.raises(ValueError, match="cpo.wrap_method=mi3 is read only by algorithm.adv_estimator=cpo"):
+        load_config("base", ["cpo.wrap_method=mi3"])
 
 
 def test_the_graded_switch_alone_turns_its_maker_on():

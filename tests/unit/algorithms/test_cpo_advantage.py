@@ -147,8 +147,8 @@ def test_seed_keys_compose_from_the_command_line():
     cfg = load_config("base", ["algorithm.adv_estimator=cpo", "algorithm.gold_as_hint=false",
                                "algorithm.wrap_method=mi_qwen3", "cpo.cpo_lambda=2", "cpo.pos_alpha=0",
                                "cpo.neg_alpha=0.5", "cpo.mi_alpha=0.1"])
-    assert (cfg.algorithm.gold_as_hint, cfg.algorithm.wrap_method) == (False, "mi_qwen3")
+    assert (cfg.cpo.gold_as_hint, cfg.cpo.wrap_method) == (False, "mi_qwen3")
     assert (cfg.cpo.cpo_lambda, cfg.cpo.pos_alpha, cfg.cpo.neg_alpha, cfg.cpo.mi_alpha) == (2.0, 0.0, 0.5, 0.1)
     variant = load_config("base", ["+variant=cpo"])
-    assert (variant.algorithm.adv_estimator, variant.algorithm.wrap_method) == ("cpo", "negonly_mi3")
+    assert (variant.algorithm.adv_estimator, variant.cpo.wrap_method) == ("cpo", "negonly_mi3")
     assert "hint_logprobs" in variant.algorithm.experience_wrappers

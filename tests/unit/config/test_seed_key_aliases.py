@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from aligner_ext.config import ALIASES, VALUE_ALIASES, RunConfig, apply_aliases, load_config
+from aligner_ext.variants import active_variants
 
 SEED_SWITCH = "actor_rollout_ref.rollout.enable_graded_system_prompt"
 
@@ -48,7 +49,7 @@ def test_cpo_seed_keys_set_ours():
                                "actor_rollout_ref.actor.pos_alpha=0.2", "actor_rollout_ref.actor.neg_alpha=0.3",
                                "actor_rollout_ref.rollout.n=4", "algorithm.wrap_method=mi3"])
     assert (cfg.cpo.cpo_lambda, cfg.cpo.pos_alpha, cfg.cpo.neg_alpha) == (3.0, 0.2, 0.3)
-    assert cfg.rollout.n == 4 and cfg.algorithm.wrap_method == "mi3"
+    assert cfg.rollout.n == 4 and cfg.cpo.wrap_method == "mi3"
 
 
 def test_mtpo_dapo_and_cpo_seed_keys_set_ours():
@@ -76,3 +77,49 @@ def test_a_seed_value_without_an_equivalent_is_refused(override, named):
 @pytest.mark.parametrize("seed_key, ours", sorted((key, target) for key, (target, _) in VALUE_ALIASES.items()))
 def test_every_value_alias_targets_a_schema_key(seed_key, ours):
     test_every_alias_targets_a_schema_key(seed_key, ours)
+
+
+# The seeds keep these variant settings under algorithm.*; ours live in the variant's own section.
+RENAMED = [("algorithm.use_dynamic_sample", "dynamic_sampling.enabled", "true", True),
+           ("algorithm.dynamic_sample_max_gen_batches", "dynamic_sampling.max_gen_batches", "7", 7),
+           ("algorithm.gold_as_hint", "cpo.gold_as_hint", "false", False),
+           ("algorithm.wrap_method", "cpo.wrap_method", "mi3", "mi3")]
+ON_FOR_CPO = ["algorithm.adv_estimator=cpo"]  # wrap_method is refused unless CPO reads it
+
+
+def setting(cfg, dotted):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@pytest.mark.parametrize("seed_key, ours, value, expected", RENAMED, ids=[r[0] for r in RENAMED])
+def test_a_renamed_seed_key_sets_ours_from_the_command_line(seed_key, ours, value, expected):
+    cfg = load_config("base", [*ON_FOR_CPO, f"{seed_key}={value}"])
+    assert setting(cfg, ours) == expected != setting(RunConfig(), ours)
+
+
+@pytest.mark.parametrize("seed_key, ours, value, expected", RENAMED, ids=[r[0] for r in RENAMED])
+def test_a_renamed_seed_key_sets_ours_from_yaml(tmp_path, seed_key, ours, value, expected):
+    name = seed_key.split(".")[1]
+    (tmp_path / "seed.yaml").write_text(f"defaults:\n  - run_schema\n  - _self_\n"
+                                        f"algorithm:\n  adv_estimator: cpo\n  {name}: {value}\n")
+    assert setting(load_config("seed", [], tmp_path), ours) == expected
+    default = setting(RunConfig(), ours)
+    assert setting(load_config("seed", [f"{ours}={default}"], tmp_path), ours) == default  # an override comes last
+
+
+def test_the_seed_switch_alone_turns_dynamic_sampling_on():
+    assert active_variants(load_config("base", ["algorithm.use_dynamic_sample=true"])) == {"dapo"}
+
+
+@pytest.mark.parametrize("seed_key, ours, value, expected", RENAMED, ids=[r[0] for r in RENAMED])
+def test_old_and_new_names_with_different_values_are_refused_naming_both(tmp_path, seed_key, ours, value, expected):
+    other = setting(RunConfig(), ours)
+    with pytest.raises(ValueError, match=rf"{seed_key}={value} and {ours}={other} set the same option"):
+        load_config("base", [*ON_FOR_CPO, f"{seed_key}={value}", f"{ours}={other}"])
+    section, name = ours.split(".")
+    (tmp_path / "both.yaml").write_text(f"defaults:\n  - run_schema\n  - _self_\nalgorithm:\n  adv_estimator: cpo\n"
+                                        f"  {seed_key.split('.')[1]}: {value}\n{section}:\n  {name}: {other}\n")
+    with pytest.raises(ValueError, match=rf"{seed_key}={expected} and {ours}={other} set the same option"):
+        load_config("both", [], tmp_path)

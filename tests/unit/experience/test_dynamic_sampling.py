@@ -49,7 +49,7 @@ def loader(tokenizer, rows=20, batch_size=3):
 
 
 def wrap(inner, max_gen_batches=0, **cfg):
-    return DynamicSampling(inner, DynamicSamplingConfig(**cfg), max_gen_batches=max_gen_batches, pad_token_id=0)
+    return DynamicSampling(inner, DynamicSamplingConfig(max_gen_batches=max_gen_batches, **cfg), pad_token_id=0)
 
 
 MIXED, ALL_RIGHT, ALL_WRONG = [1, 0, 1], [1, 1, 1], [0, 0, 0]
@@ -91,7 +91,7 @@ def test_bound_reached_trains_on_what_was_kept_by_default(tiny_tokenizer, caplog
 
 def test_bound_reached_can_stop_with_an_actionable_error(tiny_tokenizer):
     maker = wrap(ScriptedMaker([ALL_RIGHT] * 6), max_gen_batches=2, on_max_gen_batches="error")
-    with pytest.raises(RuntimeError, match="dynamic_sample_max_gen_batches"):
+    with pytest.raises(RuntimeError, match="raise dynamic_sampling.max_gen_batches"):
         maker.make_experience(loader(tiny_tokenizer), step=0)
 
 
@@ -174,9 +174,9 @@ def test_carried_groups_expire_after_max_surplus_age(tiny_tokenizer):
     assert sorted(set(batch.group_ids.tolist())) == [4, 5]  # fresh draws only; 2 and 3 were too old
 
 
-def context(**algorithm):
+def context(**settings):
     cfg = RunConfig()
-    for key, value in algorithm.items():
+    for key, value in settings.items():
         section, name = key.split("__")
         setattr(getattr(cfg, section), name, value)
     return SimpleNamespace(cfg=cfg, tokenizer=SimpleNamespace(pad_token_id=0))
@@ -185,13 +185,13 @@ def context(**algorithm):
 def test_switched_off_it_leaves_the_maker_untouched():
     inner = ScriptedMaker([])
     assert DynamicSampling.from_context(inner, context()) is inner
-    assert isinstance(DynamicSampling.from_context(inner, context(algorithm__use_dynamic_sample=True)),
+    assert isinstance(DynamicSampling.from_context(inner, context(dynamic_sampling__enabled=True)),
                       DynamicSampling)
 
 
 def test_one_sample_per_prompt_is_a_config_error():
     with pytest.raises(ValueError, match="rollout.n >= 2"):
-        DynamicSampling.from_context(ScriptedMaker([]), context(algorithm__use_dynamic_sample=True, rollout__n=1))
+        DynamicSampling.from_context(ScriptedMaker([]), context(dynamic_sampling__enabled=True, rollout__n=1))
 
 
 class AnswerEngine(GenerationEngine):

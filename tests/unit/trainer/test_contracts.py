@@ -28,7 +28,7 @@ def two_round():
 
 
 def segment_filter(inner):
-    return DynamicSampling(inner, DynamicSamplingConfig(filter_metric="segments"), max_gen_batches=0, pad_token_id=0)
+    return DynamicSampling(inner, DynamicSamplingConfig(filter_metric="segments", max_gen_batches=0), pad_token_id=0)
 
 
 def test_the_base_fields_are_those_every_batch_is_built_with():
