@@ -130,9 +130,10 @@ class Policy(abc.ABC):
     """A trainable policy."""
 
     model: torch.nn.Module
-    # True when `train` fills a batch without old log-probs from its own forward (the on-policy
-    # shortcut, trainer/loop.py): the loss then sees old = current, detached.
-    fills_old_logprobs: bool = False
+    def fills_old_logprobs(self, batch_size: int) -> bool:
+        """Whether `train` would fill a batch of this size that has no old log-probs from its own
+        forward (the on-policy shortcut, trainer/loop.py): the loss then sees old = current, detached."""
+        return False
 
     @abc.abstractmethod
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,7 +83,6 @@ def split_rows(size: int, chunk: int) -> list[range]:
 class HFPolicy(Policy):
     """An HF causal LM trained with AdamW; the generation engine may share `self.model`."""
 
-    fills_old_logprobs = True  # `train` fills a batch's missing old log-probs from its own forward
 
     def __init__(self, model: PreTrainedModel, cfg: PolicyConfig, total_steps: int):
         self.cfg = cfg
@@ -112,12 +111,16 @@ class HFPolicy(Policy):
         mask = batch.response_valid
         return torch.cat(parts_lp) * mask, torch.cat(parts_ent) * mask
 
+    def fills_old_logprobs(self, batch_size: int) -> bool:
+        """One optimizer update per step: the policy that trains is the one that generated."""
+        return self.cfg.num_iterations == 1 and len(split_rows(batch_size, self.cfg.mini_batch_size)) == 1
+
     def train(self, batch: ExperienceBatch, loss: Loss, temperature: float) -> dict[str, float]:
         self.model.train()
         totals: dict[str, float] = defaultdict(float)
         grad_norms, skipped = [], 0
         fill = batch.old_logprobs is None  # the on-policy shortcut: this pass's log-probs are the old ones
-        if fill and (self.cfg.num_iterations != 1 or len(split_rows(len(batch), self.cfg.mini_batch_size)) != 1):
+        if fill and not self.fills_old_logprobs(len(batch)):
             raise ValueError("a batch without old log-probs trains in one update only (trainer/loop.py decides)")
         for _ in range(self.cfg.num_iterations):
             for mini_rows in split_rows(len(batch), self.cfg.mini_batch_size):

@@ -152,12 +152,10 @@ def old_logprobs_from_training(parts: Components, batch_size: int) -> bool:
     one optimizer update on the batch, the policy that trains is the one that generated, so the
     training forward's own log-probs, detached, are the old log-probs (ratio 1, as a recomputation
     would give up to rounding). Not when anything reads them before training (CPO's advantage)."""
-    if not parts.policy.fills_old_logprobs:
+    if not parts.policy.fills_old_logprobs(batch_size):
         return False
-    cfg = parts.policy.cfg
-    one_update = cfg.num_iterations == 1 and (cfg.mini_batch_size <= 0 or cfg.mini_batch_size >= batch_size)
     read_before_training = {"old_logprobs", "entropy"} & set(getattr(parts.advantage, "reads", ()))
-    return cfg.old_logprob_pass == "auto" and one_update and not read_before_training
+    return parts.policy.cfg.old_logprob_pass == "auto" and not read_before_training
 
 
 def run_eval(cfg: RunConfig, parts: Components) -> dict[str, float]:

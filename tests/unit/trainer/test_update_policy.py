@@ -15,7 +15,8 @@ from aligner_ext.trainer.metrics import StageTimer
 class Recorder:
     """Fake policy, advantage estimator and engine, writing what is called, in order, into one list."""
 
-    fills_old_logprobs = False  # a backend that needs the separate old-log-prob pass
+    def fills_old_logprobs(self, batch_size):  # a backend that needs the separate old-log-prob pass
+        return False
 
     def __init__(self):
         self.calls: list[str] = []
