@@ -146,12 +146,19 @@ class _WorkerPool:
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["aligner_ext.rewards"])  # ignored if the server already runs
         self.workers = [_Worker(self._ctx) for _ in range(num_workers)]
+        self._started = False  # every worker has said it is ready
+
+    def wait_started(self) -> None:
+        """Block until every worker has started (once); stop them all and raise if one fails to."""
+        if self._started:
+            return
         try:
             for worker in self.workers:
                 worker.wait_ready()
         except RuntimeError:
             self.close()
             raise
+        self._started = True
 
     def run(self, payloads: list[bytes], timeout_s: float) -> list[tuple[str, Any]]:
         """Run every call; each outcome is ("ok", RewardResult), ("error", (type, message)) or ("timeout", None)."""
@@ -235,12 +242,18 @@ class RewardManager:
         return [value if status == "ok" else self._fallback(status, value, row, name)
                 for (status, value), row, (name, _) in zip(outcomes, rows, functions)]
 
+    def start(self) -> None:
+        """Start the worker processes without waiting for them: called at the end of the build, their
+        start-up (mostly imports, seconds) overlaps the first generation instead of delaying the first scoring."""
+        if self._pool is None:
+            self._pool = _WorkerPool(self.cfg.num_workers)
+
     def _run(self, calls: list[tuple[Callable[..., Any], str, PromptRow]]) -> list[tuple[str, Any]]:
         """The outcomes (see `_WorkerPool.run`) of (function, response, row) calls, in this process's pool."""
         if not calls:
             return []
-        if self._pool is None:
-            self._pool = _WorkerPool(self.cfg.num_workers)
+        self.start()
+        self._pool.wait_started()
         try:
             return self._pool.run([pickle.dumps(call) for call in calls], self.cfg.timeout_s)
         except BaseException:  # e.g. Ctrl-C: replies still in flight must not reach the next score()

@@ -146,6 +146,7 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     except ContractError:
         rewards.close()
         raise
+    rewards.start()  # the workers start up while the first rollouts generate
     return Components(
         tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, rewards=ctx.rewards,
         maker=maker, advantage=advantage, loss=loss, train_loader=train_loader, val_loader=val_loader,

@@ -158,3 +158,17 @@ def test_a_reward_beyond_float32_falls_back_instead_of_becoming_inf():
 def test_invalid_limits_are_rejected(field, value):
     with pytest.raises(ValueError, match=field):
         RewardManager(RewardConfig(**{field: value}))
+
+
+def test_start_runs_the_workers_before_the_first_score_and_close_stops_them():
+    manager = RewardManager(RewardConfig(num_workers=2))
+    manager.start()
+    pids = [worker.process.pid for worker in manager._pool.workers]
+    assert len(pids) == 2 and all(is_alive(pid) for pid in pids)  # running before any score call
+    manager.start()  # a second start keeps the same workers
+    assert [worker.process.pid for worker in manager._pool.workers] == pids
+    results = manager.score(["\\boxed{19}"], [row("arithmetic", "19")])
+    assert [worker.process.pid for worker in manager._pool.workers] == pids  # scoring used the started ones
+    assert results[0].score == 1.0
+    manager.close()
+    assert not any(is_alive(pid) for pid in pids)
