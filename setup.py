@@ -22,6 +22,9 @@ setup(
         "tqdm>=4.66",
         "rich>=13",
         "matplotlib>=3.7",
+        "openai>=1.40",  # the remote engine's client (generation/remote.py)
+        "fastapi>=0.110",  # aligner-ext serve (serving/)
+        "uvicorn>=0.29",
     ],
     extras_require={
         "megatron": ["megatron-core>=0.16,<0.17", "psutil>=5.9"],  # psutil: dist_checkpointing's file writer

@@ -1,4 +1,5 @@
-"""Command line: `aligner-ext train [key=value ...]`, `aligner-ext demo`, `aligner-ext config`.
+"""Command line: `aligner-ext train [key=value ...]`, `aligner-ext demo`, `aligner-ext config`,
+`aligner-ext serve [key=value ...]` (an OpenAI-compatible generation server, docs/serving.md).
 
 Overrides use Hydra's grammar (`rollout.n=4`, `+variant=...`) on top of `conf/<name>.yaml`.
 """
@@ -21,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "train a policy with the composed config"),
         ("demo", "the embedded default job (tiny model, arithmetic task): train with conf/demo.yaml"),
         ("config", "print the composed, validated config and exit"),
+        ("serve", "serve the configured model's generation engine over an OpenAI-compatible HTTP API (serve.*)"),
     ):
         command = commands.add_parser(name, help=help_text)
         default_config = "demo" if name == "demo" else "base"
@@ -70,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     from aligner_ext.trainer.summary import print_summary
 
     try:
+        if args.command == "serve":
+            from aligner_ext.serving.server import serve  # fastapi / uvicorn load only here
+
+            serve(cfg)
+            return 0
         summary = train(cfg)
     except UserError as err:  # the message names the file, row, field or key: the traceback adds nothing
         if os.environ.get(TRACEBACK_ENV):

@@ -23,6 +23,7 @@ from aligner_ext.experience.dynamic_sampling import DynamicSamplingConfig
 from aligner_ext.experience.graded_prompt import GradedPromptConfig
 from aligner_ext.experience.two_round import TwoRoundSampling
 from aligner_ext.generation.hf import HFEngineConfig
+from aligner_ext.generation.remote import RemoteEngineConfig
 from aligner_ext.generation.rollout import RolloutEngineConfig
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.base import PolicyConfig
@@ -50,10 +51,11 @@ class ModelConfig:
 class GeneratorConfig:
     """The engine that samples rollouts."""
 
-    engine: str = "auto"  # registered generation engine: hf (transformers' forward, token by token; the reference) | rollout (continuous batching over a KV cache, generation/rollout.py) | auto (rollout for the HF backend on a GPU with a Llama / Qwen2 / Qwen3 decoder, where it is measured faster; hf otherwise)
+    engine: str = "auto"  # registered generation engine: hf (transformers' forward, token by token; the reference) | rollout (continuous batching over a KV cache, generation/rollout.py) | remote (OpenAI-compatible generation servers, generation/remote.py) | auto (rollout for the HF backend on a GPU with a Llama / Qwen2 / Qwen3 decoder, where it is measured faster; hf otherwise)
     split_across_ranks: bool = True  # under torchrun each process generates a contiguous share of every engine call and the outputs are all-gathered (aligner_ext/generation/sharded.py); false: every process generates everything
     hf: HFEngineConfig = field(default_factory=HFEngineConfig)  # settings of the HF engine
     rollout: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)  # settings of the rollout engine
+    remote: RemoteEngineConfig = field(default_factory=RemoteEngineConfig)  # settings of the remote engine (generation servers)
 
 
 @dataclass
@@ -86,6 +88,29 @@ class TrainerConfig:
 
 
 @dataclass
+class ServeConfig:
+    """`aligner-ext serve` (serving/server.py): where it listens and what one request may ask."""
+
+    host: str = "127.0.0.1"  # interface to bind; 0.0.0.0 serves other machines (set api_key then)
+    port: int = 8000  # TCP port
+    api_key: str | None = None  # if set, requests need `Authorization: Bearer <api_key>` (all but /health)
+    model_name: str = "aligner-ext"  # the model id /v1/models lists and responses carry
+    max_prompts_per_request: int = 4096  # prompts in one completions request
+    max_n: int = 64  # samples per prompt
+    max_tokens: int = 32768  # cap on a request's max_tokens
+    max_body_bytes: int = 64 * 2**20  # request body size limit
+    request_timeout_s: float = 600.0  # how long a request may wait for the engine before a 503
+    log_level: str = "warning"  # uvicorn's access and error log level
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompts_per_request", "max_n", "max_tokens", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"serve.{name} must be >= 1, got {getattr(self, name)}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"serve.request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+
+@dataclass
 class RunConfig:
     """Everything a run needs."""
 
@@ -103,6 +128,7 @@ class RunConfig:
     loss: ClippedPGLoss.Config = field(default_factory=ClippedPGLoss.Config)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)  # `aligner-ext serve` only
 
 
 # Keys of the frameworks the seeds were written for -> our keys. `load_config` rewrites command-line

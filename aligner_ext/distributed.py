@@ -17,6 +17,7 @@ gloo on CPU); a process without torchrun's variables is a world of one and every
 from __future__ import annotations
 
 import os
+import socket
 from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
 
@@ -44,6 +45,13 @@ def world_size() -> int:
 def is_main_process() -> bool:
     """True in the process that writes the run's files."""
     return rank() == 0
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def init_from_env() -> None:

@@ -20,3 +20,7 @@ class ContractError(UserError, ValueError):
 
 class ModelPathError(UserError, FileNotFoundError):
     """`model.path` does not exist or is not a transformers checkpoint directory."""
+
+
+class ConfigError(UserError, ValueError):
+    """Settings that each validate but cannot work together (the message names them)."""

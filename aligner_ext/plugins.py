@@ -13,6 +13,7 @@ import aligner_ext.experience.graded_prompt  # noqa: F401
 import aligner_ext.experience.hint_logprobs  # noqa: F401
 import aligner_ext.experience.two_round  # noqa: F401
 import aligner_ext.generation.hf  # noqa: F401
+import aligner_ext.generation.remote  # noqa: F401
 import aligner_ext.generation.rollout  # noqa: F401
 import aligner_ext.losses.clipped_pg  # noqa: F401
 import aligner_ext.models.hf  # noqa: F401

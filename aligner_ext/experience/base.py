@@ -129,12 +129,14 @@ class ExperienceWrapper(ExperienceMaker):
 class GroupSampling(ExperienceMaker):
     """GRPO: `n` samples per prompt draw, one group each."""
 
-    writes = ("rewards", "correct", "token_rewards")
+    writes = ("rewards", "correct", "token_rewards", "generation_logprobs")
 
     def __init__(self, cfg: RolloutConfig, engine: GenerationEngine, rewards: RewardManager, tokenizer,
                  seed: int = 0):
         if cfg.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {cfg.n}")
+        if not cfg.return_logprobs:
+            self.writes = without(self.writes, "generation_logprobs")
         self.cfg = cfg
         self.engine = engine
         self.rewards = rewards
@@ -211,3 +213,8 @@ def sparse_token_rewards(rewards: torch.Tensor, lengths: torch.Tensor, width: in
     rows = torch.nonzero(has_tokens).squeeze(1)
     token_rewards[rows, lengths[has_tokens] - 1] = rewards[has_tokens]
     return token_rewards
+
+
+def without(fields: tuple[str, ...], field: str) -> tuple[str, ...]:
+    """`fields` less `field`: a maker that does not provide one of its class's `writes` (contract)."""
+    return tuple(name for name in fields if name != field)

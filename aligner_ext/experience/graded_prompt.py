@@ -60,7 +60,7 @@ from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import encode_prompt
 from aligner_ext.data.types import PromptDraw, PromptRow
-from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, RolloutConfig, SampleRequest
+from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, RolloutConfig, SampleRequest, without
 from aligner_ext.rewards.rubric import judge_metrics
 
 logger = logging.getLogger(__name__)
@@ -233,6 +233,8 @@ class GradedPromptSampling(GroupSampling):
         self._logged: set[str] = set()  # plain-sampling reasons already logged
         ratios = sorted({group_ratio(i, cfg.n, graded) for i in range(cfg.n)}, reverse=True)
         self.summary_metrics = () if self.inactive else tuple(f"graded_prompt/reward_mean_r{g:.2f}" for g in ratios)
+        if not self.inactive:  # its engine log-probs are under s_i, not the trained prompt: diagnostics only
+            self.writes = without(self.writes, "generation_logprobs")
         if self.inactive:
             logger.info("%s off (%s): sampling the plain prompts", LOG_TAG, self.inactive)
         else:

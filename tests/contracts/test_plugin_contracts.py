@@ -16,9 +16,11 @@ from aligner_ext.config import GeneratorConfig
 from aligner_ext.data.tasks import TASKS, sft_target
 from aligner_ext.data.types import PromptRow
 from aligner_ext.generation.base import ENGINES, SamplingParams
+from aligner_ext.generation.remote import RemoteEngineConfig
 from aligner_ext.losses.kl import KL_ESTIMATORS
 from aligner_ext.models.base import POLICIES, PolicyConfig
 from aligner_ext.rewards.base import REWARDS, as_result
+from served_engine import serve_in_thread, serving
 
 
 @pytest.mark.parametrize("name", KL_ESTIMATORS.names())
@@ -64,7 +66,15 @@ def test_reward_contract(name):
 
 @pytest.mark.parametrize("name", ENGINES.names())
 def test_engine_contract(name, tiny_model, tiny_tokenizer):
-    engine = ENGINES.get(name)(tiny_model, tiny_tokenizer, getattr(GeneratorConfig(), name))
+    if name == "remote":  # the client of a server that runs the HF engine on the same model
+        server = serving(ENGINES.get("hf")(tiny_model, tiny_tokenizer, GeneratorConfig().hf), tiny_model, tiny_tokenizer)
+        with serve_in_thread(server) as url:
+            engine_contract(ENGINES.get(name)(tiny_model, tiny_tokenizer, RemoteEngineConfig(urls=[url])), tiny_tokenizer)
+    else:
+        engine_contract(ENGINES.get(name)(tiny_model, tiny_tokenizer, getattr(GeneratorConfig(), name)), tiny_tokenizer)
+
+
+def engine_contract(engine, tiny_tokenizer):
     prompts = [tiny_tokenizer("12+7=", add_special_tokens=False)["input_ids"],
                tiny_tokenizer("3+4+5=", add_special_tokens=False)["input_ids"]] * 2
     params = SamplingParams(max_new_tokens=5, temperature=1.0, return_logprobs=True, seed=7)

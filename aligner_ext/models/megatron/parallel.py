@@ -11,20 +11,12 @@ Data-parallel size = world size / (TP x PP), as megatron-core derives it.
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
-from aligner_ext.distributed import init_from_env
+from aligner_ext.distributed import free_port, init_from_env
 from aligner_ext.models.megatron.cpu_shims import apply_cpu_shims
-
-
-def free_port() -> int:
-    """A TCP port that is free on this machine right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def init_distributed() -> torch.device:

@@ -147,3 +147,36 @@ def test_missing_fields_and_bad_config_are_named(make_batch):
     assert "ref_logprobs" in ClippedPGLoss(ClippedPGLoss.Config(kl_coef=0.1)).reads
     assert "ref_logprobs" not in ClippedPGLoss(ClippedPGLoss.Config()).reads
     assert LOSSES.get("clipped_pg") is ClippedPGLoss
+
+
+def test_truncated_importance_sampling_weights_the_surrogate_by_old_over_generation(make_batch):
+    # ratio 1 everywhere (logprobs = old), A = [+1, -1, +1]; the engine's log-probs put
+    # pi_old / pi_gen at 0.5, 1.5 and 4 (capped at 2): w = 0.5, 1.5, 2
+    old = torch.full((1, 3), OLD, dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0, 1.0]], dtype=torch.float64)
+    batch = make_batch(torch.ones(1, 3), adv, old)
+    batch.generation_logprobs = OLD - torch.log(torch.tensor([[0.5, 1.5, 4.0]], dtype=torch.float64))
+    logprobs = logprobs_for([[1.0, 1.0, 1.0]])
+    counts = GlobalCounts(tokens=3, sequences=1)
+    loss_fn = ClippedPGLoss(ClippedPGLoss.Config(importance_sampling_cap=2.0))
+    assert "generation_logprobs" in loss_fn.reads
+    loss, metrics = loss_fn(logprobs, batch, counts)
+    # per token -A * w: -0.5, +1.5, -2.0, token-mean over 3
+    assert loss.item() == pytest.approx((-0.5 + 1.5 - 2.0) / 3)
+    (grad,) = torch.autograd.grad(loss, logprobs)  # d/d logprob of -w A r = -w A r / 3, with r = 1
+    torch.testing.assert_close(grad, torch.tensor([[-0.5, 1.5, -2.0]], dtype=torch.float64) / 3)
+    assert metrics["actor/is_weight_mean"] == pytest.approx((0.5 + 1.5 + 2.0) / 3)
+    assert metrics["actor/is_capped_frac"] == pytest.approx(1 / 3)
+
+    plain_loss, plain_metrics = ClippedPGLoss(ClippedPGLoss.Config())(logprobs, batch, counts)
+    assert plain_loss.item() == pytest.approx(-1 / 3)  # off: the generation log-probs are not read
+    assert "actor/is_weight_mean" not in plain_metrics
+
+
+def test_importance_sampling_needs_generation_logprobs(make_batch):
+    batch = make_batch(torch.ones(1, 2), torch.ones(1, 2, dtype=torch.float64), torch.full((1, 2), OLD, dtype=torch.float64))
+    loss_fn = ClippedPGLoss(ClippedPGLoss.Config(importance_sampling_cap=2.0))
+    with pytest.raises(ValueError, match="generation_logprobs"):
+        loss_fn(logprobs_for([[1.0, 1.0]]), batch, GlobalCounts(tokens=2, sequences=1))
+    with pytest.raises(ValueError, match="importance_sampling_cap"):
+        ClippedPGLoss(ClippedPGLoss.Config(importance_sampling_cap=-1.0))

@@ -1,0 +1,244 @@
+"""The `remote` engine: rollouts from OpenAI-compatible generation servers, token in, token out.
+
+A call's prompts are cut into contiguous chunks, one completions request each (prompts as token-id
+lists, `return_token_ids`), sent concurrently to the servers of `generator.remote.urls`
+(round-robin, or to the server with the fewest requests in flight) through the maintained `openai`
+client, which retries connection errors, 408/429/5xx with exponential backoff and bounds each
+request by `timeout_s`. A server still failing after its retries ends the call with an error naming
+it: never a hang. Generated ids come back as ids (`token_ids`: ours and vLLM >= 0.10.2 with
+`return_token_ids`), so nothing is re-tokenised; a server that does not return them is an error.
+
+Seeds: chunk c of a call with seed s is requested with seed s + c * `seed_stride` (none: unseeded),
+so a call's samples are reproducible for a given chunking. Greedy tokens equal the in-process engine's.
+
+Weights: `update_weights`, called by the loop after each optimizer step, pushes the policy's
+parameters to every server (`weight_sync`): `disk` writes them as safetensors to `weight_sync_dir`
+(a directory the servers can read) and calls /update_weights_from_disk; `distributed` broadcasts
+every parameter from trainer rank 0 over a process group of its own (generation/weight_group.py;
+NCCL on GPUs, gloo on CPU) through /init_weights_update_group once and
+/update_weights_from_distributed each time (SGLang's endpoints; ours speaks them too); `none` leaves
+the servers' weights alone (they sample from the weights they loaded). docs/serving.md gives the costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from aligner_ext import distributed
+from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.weight_group import WeightGroup, dtype_name
+from aligner_ext.weights_file import save_weights
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_SYNC_MODES = ("none", "disk", "distributed")
+ROUTING = ("round_robin", "least_loaded")
+
+
+@dataclass
+class RemoteEngineConfig:
+    """Settings of the remote engine (generation/remote.py)."""
+
+    urls: list[str] = field(default_factory=list)  # base URLs of the generation servers, e.g. http://node1:8000
+    api_key: str | None = None  # sent as `Authorization: Bearer <api_key>`
+    model: str | None = None  # model id to request; unset: the first id each server's /v1/models lists
+    concurrency: int = 4  # requests in flight per server
+    max_prompts_per_request: int = 64  # prompts per completions request (a call is cut into chunks of at most this many)
+    routing: str = "least_loaded"  # which server takes the next chunk: round_robin | least_loaded (fewest in flight)
+    timeout_s: float = 600.0  # limit per request (each retry has its own), seconds
+    max_retries: int = 3  # retries per request after a connection error, timeout, 408, 429 or 5xx (exponential backoff)
+    seed_stride: int = 1_000_003  # chunk c of a call seeded s is requested with seed s + c * seed_stride
+    weight_sync: str = "none"  # how updated weights reach the servers: none | disk | distributed (docs/serving.md)
+    weight_sync_dir: str | None = None  # disk: a directory the servers can read (the trainer writes model.safetensors there)
+    weight_sync_address: str | None = None  # distributed: this machine's address as the servers reach it; unset: its host name
+    weight_sync_port: int = 0  # distributed: TCP port of the weight group's store; 0 picks a free one
+    weight_sync_backend: str = "auto"  # distributed: nccl | gloo | auto (nccl when the policy is on a GPU)
+
+    def __post_init__(self) -> None:
+        if self.weight_sync not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"generator.remote.weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {self.weight_sync!r}")
+        if self.routing not in ROUTING:
+            raise ValueError(f"generator.remote.routing must be one of {', '.join(ROUTING)}, got {self.routing!r}")
+        for name in ("concurrency", "max_prompts_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"generator.remote.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_retries < 0 or self.timeout_s <= 0:
+            raise ValueError("generator.remote.max_retries must be >= 0 and timeout_s > 0")
+
+
+class ServerError(RuntimeError):
+    """A generation server failed a request after its retries, or answered something unusable."""
+
+
+class _Server:
+    """One generation server: its OpenAI client, its model id and the requests in flight."""
+
+    def __init__(self, url: str, cfg: RemoteEngineConfig):
+        import openai
+
+        self.url = url.rstrip("/")
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=cfg.api_key or "none",
+                                    max_retries=cfg.max_retries, timeout=cfg.timeout_s)
+        self.admin = openai.OpenAI(base_url=self.url, api_key=cfg.api_key or "none", max_retries=0, timeout=cfg.timeout_s)
+        self.model = cfg.model
+        self.in_flight = 0
+
+    def model_id(self) -> str:
+        if self.model is None:
+            self.model = self.client.models.list().data[0].id
+        return self.model
+
+    def post(self, path: str, payload: dict) -> dict:
+        """A weight-update endpoint (not retried: a half-applied update is not safe to repeat); an error
+        names the server and its answer."""
+        import openai
+
+        try:
+            return self.admin.post(path, body=payload, cast_to=object)
+        except openai.OpenAIError as err:
+            raise ServerError(f"generation server {self.url}{path} failed: {type(err).__name__}: {err}") from err
+
+
+def request_fields(params: SamplingParams, seed: int | None) -> tuple[dict, dict]:
+    """(OpenAI completions arguments, vLLM/ours extra body) for one chunk of a call."""
+    standard = {"max_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
+                "stop": list(params.stop) or None, "seed": seed, "logprobs": 1 if params.return_logprobs else None}
+    extra = {"return_token_ids": True, "top_k": params.top_k or -1, "stop_token_ids": list(params.stop_token_ids),
+             "ignore_eos": params.ignore_eos, "skip_special_tokens": False, "include_stop_str_in_output": True}
+    return standard, extra
+
+
+def parse_choice(choice, server_url: str, return_logprobs: bool) -> GenerationOutput:
+    """One OpenAI completion choice as a GenerationOutput (EOS: finish "stop" without a stop_reason, as vLLM)."""
+    extra = choice.model_extra or {}
+    token_ids = extra.get("token_ids")
+    if token_ids is None:
+        raise ServerError(f"generation server {server_url} returned no token ids: the remote engine needs "
+                          "`return_token_ids` (our server, vLLM >= 0.10.2)")
+    if choice.finish_reason == "length":
+        reason = "length"
+    else:
+        reason = "eos" if extra.get("stop_reason") is None else "stop"
+    logprobs = None
+    if return_logprobs:
+        if choice.logprobs is None or choice.logprobs.token_logprobs is None:
+            raise ServerError(f"generation server {server_url} returned no log-probs although they were asked for")
+        logprobs = [float(value) for value in choice.logprobs.token_logprobs]
+    return GenerationOutput(token_ids=list(token_ids), finish_reason=reason, logprobs=logprobs)
+
+
+@ENGINES.register("remote")
+class RemoteEngine(GenerationEngine):
+    """Sends each call's prompts to generation servers (module docstring)."""
+
+    def __init__(self, model, tokenizer, cfg: RemoteEngineConfig):
+        if not cfg.urls:
+            raise ValueError("generator.engine=remote needs generator.remote.urls (the servers' base URLs)")
+        if cfg.weight_sync == "disk" and not cfg.weight_sync_dir:
+            raise ValueError("generator.remote.weight_sync=disk needs generator.remote.weight_sync_dir, "
+                             "a directory the servers can read")
+        self.cfg = cfg
+        self.servers = [_Server(url, cfg) for url in cfg.urls]
+        self._pool = ThreadPoolExecutor(max_workers=len(self.servers) * cfg.concurrency, thread_name_prefix="remote")
+        self._lock = threading.Lock()
+        self._next = itertools.cycle(range(len(self.servers)))
+        self._group: WeightGroup | None = None
+        if cfg.weight_sync == "none":
+            logger.warning("generator.remote.weight_sync=none: the servers keep sampling from the weights they "
+                           "loaded; the policy's updates do not reach them")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        size = self.cfg.max_prompts_per_request
+        chunks = [prompts[begin:begin + size] for begin in range(0, len(prompts), size)]
+        futures = [self._pool.submit(self._complete, chunk, params, index) for index, chunk in enumerate(chunks)]
+        return [output for future in futures for output in future.result()]
+
+    def _pick(self) -> _Server:
+        with self._lock:
+            if self.cfg.routing == "round_robin":
+                server = self.servers[next(self._next)]
+            else:
+                server = min(self.servers, key=lambda candidate: candidate.in_flight)
+            server.in_flight += 1
+            return server
+
+    def _complete(self, chunk: list[list[int]], params: SamplingParams, index: int) -> list[GenerationOutput]:
+        import openai
+
+        seed = None if params.seed is None else params.seed + index * self.cfg.seed_stride
+        standard, extra = request_fields(params, seed)
+        server = self._pick()
+        try:
+            response = server.client.completions.create(model=server.model_id(), prompt=chunk, n=1, **standard,
+                                                        extra_body=extra)
+        except openai.OpenAIError as err:
+            raise ServerError(f"generation server {server.url} failed (retried up to {self.cfg.max_retries} times on "
+                              f"connection errors, timeouts, 408/429/5xx): {type(err).__name__}: {err}") from err
+        finally:
+            with self._lock:
+                server.in_flight -= 1
+        choices = sorted(response.choices, key=lambda choice: choice.index)
+        if len(choices) != len(chunk):
+            raise ServerError(f"generation server {server.url} returned {len(choices)} choices for {len(chunk)} prompts")
+        return [parse_choice(choice, server.url, params.return_logprobs) for choice in choices]
+
+    def update_weights(self, policy_model) -> None:
+        """Push the policy's weights to every server (rank 0 pushes; every rank waits for it)."""
+        if self.cfg.weight_sync != "none" and distributed.is_main_process():
+            with torch.no_grad():
+                if self.cfg.weight_sync == "disk":
+                    self._push_from_disk(policy_model)
+                else:
+                    self._push_distributed(policy_model)
+        distributed.barrier()
+
+    def _push_from_disk(self, model) -> None:
+        directory = Path(self.cfg.weight_sync_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        staging = directory / "model.safetensors.tmp"
+        save_weights(model, staging)
+        staging.replace(directory / "model.safetensors")  # servers never read a half-written file
+        self._on_every_server("/update_weights_from_disk", lambda rank: {"model_path": str(directory)})
+
+    def _push_distributed(self, model) -> None:
+        named = list(model.named_parameters())
+        if self._group is None:
+            self._group = self._join_group(next(model.parameters()).device)
+        payload = {"names": [name for name, _ in named], "dtypes": [dtype_name(p.dtype) for _, p in named],
+                   "shapes": [list(p.shape) for _, p in named], "group_name": "weight_sync"}
+        pending = self._pool.submit(self._on_every_server, "/update_weights_from_distributed", lambda rank: payload)
+        for _, param in named:
+            self._group.broadcast(param.detach().contiguous())
+        pending.result()
+
+    def _join_group(self, device: torch.device) -> WeightGroup:
+        backend = self.cfg.weight_sync_backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        address = self.cfg.weight_sync_address or socket.gethostname()
+        port = self.cfg.weight_sync_port or distributed.free_port()
+        world = len(self.servers) + 1
+        payload = {"master_address": address, "master_port": port, "world_size": world, "backend": backend,
+                   "group_name": "weight_sync"}
+        joining = self._pool.submit(self._on_every_server, "/init_weights_update_group",
+                                    lambda rank: {**payload, "rank_offset": rank})
+        group = WeightGroup(address, port, 0, world, backend)  # returns once every server has joined
+        joining.result()
+        return group
+
+    def _on_every_server(self, path: str, payload_for) -> None:
+        """POST `payload_for(rank)` to every server at once (server i is rank i + 1 of the weight group)."""
+        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
+            answers = [pool.submit(server.post, path, payload_for(rank))
+                       for rank, server in enumerate(self.servers, start=1)]
+            for answer in answers:
+                answer.result()

@@ -1,0 +1,36 @@
+"""A model's weights as one safetensors file, written and read in place: what checkpoints
+(trainer/checkpoint.py) and weight pushes to generation servers (generation/remote.py, serving/) use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def tied_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Names under which one same tensor appears (tied embeddings), groups of two or more."""
+    groups: dict[tuple, list[str]] = {}
+    for name, value in state.items():
+        groups.setdefault((value.data_ptr(), tuple(value.shape), value.stride(), value.dtype), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def save_weights(model: torch.nn.Module, path: Path) -> None:
+    """The model's weights as safetensors, a tied tensor once. Parameters that view one shared buffer
+    (the rollout engine's fused projections) are saved as they are: safetensors' `save_model`
+    refuses any storage that no single tensor covers."""
+    state = model.state_dict()
+    duplicates = {name for names in tied_groups(state) for name in names[1:]}
+    save_file({name: value.detach().contiguous() for name, value in state.items() if name not in duplicates},
+              str(path), metadata={"format": "pt"})
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> tuple[list[str], list[str]]:
+    """Load safetensors weights into `model` in place; (missing, unexpected) names, a tied tensor
+    counted as present when the file holds it under any of its names (files from `save_model` too)."""
+    loaded = load_file(str(path), device=str(next(model.parameters()).device))
+    missing, unexpected = model.load_state_dict(loaded, strict=False)
+    covered = {name for names in tied_groups(model.state_dict()) if set(names) & loaded.keys() for name in names}
+    return [name for name in missing if name not in covered], list(unexpected)
