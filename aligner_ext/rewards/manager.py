@@ -54,6 +54,7 @@ import logging
 import multiprocessing as mp
 import pickle
 import signal
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -226,6 +227,8 @@ class RewardManager:
         self.cfg = cfg
         self._functions: dict[str, tuple[str, Callable[..., Any]]] = {}  # data_source -> (reward name, function)
         self._pool: _WorkerPool | None = None
+        self._starting: threading.Thread | None = None  # start()'s thread, until the pool exists
+        self._start_error: BaseException | None = None
         self._counts: Counter[str] = Counter()  # "calls", "error", "timeout" since the last metrics()
         self._times_logged: Counter[tuple[str, str]] = Counter()  # (reward name, exception type) -> log lines
 
@@ -243,19 +246,38 @@ class RewardManager:
                 for (status, value), row, (name, _) in zip(outcomes, rows, functions)]
 
     def start(self) -> None:
-        """Start the worker processes without waiting for them: called at the end of the build, their
-        start-up (mostly imports, seconds) overlaps the first generation instead of delaying the first scoring."""
-        if self._pool is None:
+        """Start the worker processes in a background thread: called at the end of the build, their
+        start-up (the forkserver's imports, seconds, which a process start waits for) overlaps the first
+        generation instead of delaying the first scoring."""
+        if self._pool is None and self._starting is None:
+            self._starting = threading.Thread(target=self._create_pool, name="reward-workers-start", daemon=True)
+            self._starting.start()
+
+    def _create_pool(self) -> None:
+        try:
             self._pool = _WorkerPool(self.cfg.num_workers)
+        except BaseException as err:  # raised again by the first score
+            self._start_error = err
+
+    def _started_pool(self) -> _WorkerPool:
+        """The pool, once start()'s thread has made it and every worker is ready."""
+        self.start()
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        if self._start_error is not None:
+            error, self._start_error = self._start_error, None
+            raise error
+        self._pool.wait_started()
+        return self._pool
 
     def _run(self, calls: list[tuple[Callable[..., Any], str, PromptRow]]) -> list[tuple[str, Any]]:
         """The outcomes (see `_WorkerPool.run`) of (function, response, row) calls, in this process's pool."""
         if not calls:
             return []
-        self.start()
-        self._pool.wait_started()
+        pool = self._started_pool()
         try:
-            return self._pool.run([pickle.dumps(call) for call in calls], self.cfg.timeout_s)
+            return pool.run([pickle.dumps(call) for call in calls], self.cfg.timeout_s)
         except BaseException:  # e.g. Ctrl-C: replies still in flight must not reach the next score()
             self.close()
             raise
@@ -272,6 +294,9 @@ class RewardManager:
 
     def close(self) -> None:
         """Stop the workers; a later score() starts new ones."""
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -162,7 +162,8 @@ def test_invalid_limits_are_rejected(field, value):
 
 def test_start_runs_the_workers_before_the_first_score_and_close_stops_them():
     manager = RewardManager(RewardConfig(num_workers=2))
-    manager.start()
+    manager.start()  # in a background thread: wait (bounded) for it to have started the processes
+    manager._starting.join(timeout=60)
     pids = [worker.process.pid for worker in manager._pool.workers]
     assert len(pids) == 2 and all(is_alive(pid) for pid in pids)  # running before any score call
     manager.start()  # a second start keeps the same workers
