@@ -1,4 +1,4 @@
-"""A client for OpenAI-compatible chat-completions judges, on the standard library only.
+"""A client for OpenAI-compatible chat-completions judges, on the maintained `openai` client.
 
 One request is `POST <base_url>/chat/completions` with `{"model", "messages", "temperature",
 "max_tokens"}`; the reply text is `choices[0].message.content`, which the caller's `parse` turns
@@ -24,8 +24,9 @@ into a value (a rubric verdict). `JudgeClient.complete(messages, parse)` adds:
   failure (an HTTP error status, replies that never parse).
 
 Decisions:
-- urllib rather than `requests`/`httpx`: neither is installed in the project environment, and
-  one JSON POST needs nothing more.
+- The `openai` client sends the requests (its own retries off: this client's retry loop also
+  retries replies that `parse` rejects, with the backoff above); its errors are mapped to the rules
+  above (APIStatusError -> the status, APIConnectionError / APITimeoutError -> unreachable).
 - The cache and the limit are per client, and a client lives in one process: reward workers each
   build their own (aligner_ext/rewards/rubric.py says why the judge runs there).
 - `JudgeConfig` is a plain (mutable) dataclass so it can be the run config's `reward.judge`
@@ -36,19 +37,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import http.client
 import json
 import logging
 import os
 import re
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, TypeVar
+
+import openai
 
 logger = logging.getLogger(__name__)
 _BEARER = re.compile(r"(?i)bearer\s+[^\s\"',;]+")
@@ -129,6 +129,10 @@ class JudgeClient:
         self.url = cfg.base_url.rstrip("/") + "/chat/completions"
         environ = os.environ if environ is None else environ
         self._api_key = environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        # without a key the Authorization header is left out (local servers such as vLLM need none)
+        self._client = openai.OpenAI(base_url=cfg.base_url, api_key=self._api_key or "unset", max_retries=0,
+                                     timeout=cfg.timeout_s)
+        self._headers = {} if self._api_key else {"Authorization": openai.Omit()}
         self._slots = threading.BoundedSemaphore(cfg.max_concurrency)
         self._pool = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="judge")
         self._cache: OrderedDict[str, Any] = OrderedDict()
@@ -168,30 +172,32 @@ class JudgeClient:
 
     def _post(self, messages: list[dict[str, str]]) -> str:
         """The reply text of one request; raises _Retry for a retryable failure, JudgeError otherwise."""
-        body = json.dumps({"model": self.cfg.model, "messages": messages, "temperature": self.cfg.temperature,
-                           "max_tokens": self.cfg.max_tokens}).encode("utf-8")
-        headers = {"Content-Type": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         with self._slots:
             try:
-                with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as response:
-                    payload = response.read()
-            except urllib.error.HTTPError as err:
-                detail = self._redact(err.read(300).decode("utf-8", "replace").strip())
-                if err.code in RETRY_STATUS:
-                    raise _Retry(f"HTTP {err.code}: {detail}", unreachable=False) from None
-                hint = f"; check the API key in ${self.cfg.api_key_env}" if err.code in (401, 403) else ""
-                raise JudgeError(f"judge endpoint {self.url} answered HTTP {err.code}: {detail}{hint}") from None
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
-                reason = getattr(err, "reason", err)
-                raise _Retry(f"{type(reason).__name__}: {reason}", unreachable=True) from None
+                reply = self._client.chat.completions.create(
+                    model=self.cfg.model, messages=messages, temperature=self.cfg.temperature,
+                    max_tokens=self.cfg.max_tokens, extra_headers=self._headers)
+            except openai.APIStatusError as err:
+                detail = self._redact(err.response.text[:300].strip())
+                if err.status_code in RETRY_STATUS:
+                    raise _Retry(f"HTTP {err.status_code}: {detail}", unreachable=False) from None
+                hint = f"; check the API key in ${self.cfg.api_key_env}" if err.status_code in (401, 403) else ""
+                raise JudgeError(f"judge endpoint {self.url} answered HTTP {err.status_code}: {detail}{hint}") from None
+            except openai.APITimeoutError:
+                raise _Retry("TimeoutError: timed out", unreachable=True) from None
+            except openai.APIConnectionError as err:
+                cause = err.__cause__ or err
+                raise _Retry(f"{type(cause).__name__}: {cause}", unreachable=True) from None
+            except (openai.APIResponseValidationError, ValueError) as err:
+                raise _Retry(f"malformed chat-completions body: {self._redact(str(err)[:200])!r}", unreachable=False) from None
         try:
-            return json.loads(payload)["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            quoted = self._redact(payload[:200].decode("utf-8", "replace"))
-            raise _Retry(f"malformed chat-completions body: {quoted!r}", unreachable=False) from None
+            content = reply.choices[0].message.content
+        except (AttributeError, IndexError, TypeError):
+            content = None
+        if not isinstance(content, str):
+            quoted = self._redact(str(reply)[:200])
+            raise _Retry(f"malformed chat-completions body: {quoted!r}", unreachable=False)
+        return content
 
     def _redact(self, text: str) -> str:
         """`text` from the server with the API key and any Bearer token replaced by ***."""

@@ -42,7 +42,7 @@ class JudgeServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server.lock:
                     index = len(server.requests)
-                    server.requests.append((self.path, body, dict(self.headers)))
+                    server.requests.append((self.path, body, {k.lower(): v for k, v in self.headers.items()}))  # case-insensitive
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 status, payload, delay = server.reply(index, body)
@@ -143,7 +143,7 @@ def test_http_401_is_not_retried_and_the_key_never_leaks(serve, caplog):
     with caplog.at_level("DEBUG"), pytest.raises(JudgeError, match=expected) as err:
         client.complete(ASK, parse_verdict)
     assert len(server.requests) == 1
-    assert server.requests[0][2]["Authorization"] == "Bearer sk-secret-123"
+    assert server.requests[0][2]["authorization"] == "Bearer sk-secret-123"
     for text in (str(err.value), repr(client), caplog.text):
         assert "sk-secret" not in text
 
@@ -164,7 +164,7 @@ def test_a_server_echoing_the_key_does_not_leak_it(serve, caplog, status):
 def test_no_key_no_authorization_header(serve):
     server = serve(lambda index, body: (200, verdict(False), 0.0))
     JudgeClient(config(server.url, api_key_env="ABSENT_KEY"), environ={}).complete(ASK, parse_verdict)
-    assert "Authorization" not in server.requests[0][2]
+    assert "authorization" not in server.requests[0][2]
 
 
 def test_a_down_endpoint_is_a_clear_error():
