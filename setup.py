@@ -29,6 +29,8 @@ setup(
     extras_require={
         "megatron": ["megatron-core>=0.16,<0.17", "psutil>=5.9"],  # psutil: dist_checkpointing's file writer
         "vllm": ["vllm>=0.8"],
+        "wandb": ["wandb>=0.17"],  # trainer.wandb.enabled (aligner_ext/trackers.py)
+        "mlflow": ["mlflow>=2.10"],  # trainer.mlflow.enabled
         "dev": ["pytest>=8", "pytest-timeout>=2.3"],
         "bench": ["trl==1.16.0", "datasets>=4.7"],  # scripts/bench/grpo_step.py's TRL side
     },

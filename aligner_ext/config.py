@@ -30,6 +30,7 @@ from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.tiny import TinyModelConfig
 from aligner_ext.models.warmup import WarmupConfig
 from aligner_ext.rewards.manager import RewardConfig
+from aligner_ext.trackers import MlflowConfig, WandbConfig
 from aligner_ext.variants import merge_variant_overrides, resolve_variants
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -83,6 +84,8 @@ class TrainerConfig:
     log_samples_every: int = 10  # write sample completions every k steps; 0 = never
     num_log_samples: int = 4  # completions written each time
     tensorboard: bool = True  # mirror metrics to TensorBoard (<run dir>/tensorboard)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases, off by default (aligner_ext/trackers.py)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # MLflow, off by default (aligner_ext/trackers.py)
     progress_bar: bool = True  # show a progress bar
     export_hf: bool = True  # write the final policy as an HF checkpoint (<run dir>/hf_model)
 
@@ -301,11 +304,21 @@ def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def as_tree(cfg: RunConfig) -> dict:
+    """The config as nested plain containers (what trackers record)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def settings(cfg: RunConfig) -> dict:
+    """The config as {dotted key: value}."""
+    return _flatten(as_tree(cfg))
+
+
 def changed_settings(saved_yaml: str, cfg: RunConfig) -> list[str]:
     """`key: saved -> current` for every setting of `cfg` that differs from a saved `to_yaml` text, so a
     resume can say what it changed (a new layout is expected; a new learning rate may not be)."""
     saved = _flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
-    current = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    current = settings(cfg)
     missing = "(absent)"
     return [f"{key}: {saved.get(key, missing)} -> {current.get(key, missing)}"
             for key in sorted(saved.keys() | current.keys()) if saved.get(key, missing) != current.get(key, missing)]

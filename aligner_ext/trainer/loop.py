@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from aligner_ext.batch import ExperienceBatch
-from aligner_ext.config import RunConfig, changed_settings, to_yaml
+from aligner_ext.config import RunConfig, as_tree, changed_settings, settings, to_yaml
 from aligner_ext.distributed import init_from_env, is_main_process
 from aligner_ext.files import follow_umask
 from aligner_ext.trainer.build import Components, build_components
@@ -25,6 +25,7 @@ from aligner_ext.trainer.checkpoint import Checkpointer, CorruptCheckpoint
 from aligner_ext.trainer.evaluate import evaluate
 from aligner_ext.trainer.metrics import MetricsLogger, StageTimer, plot_history, read_history
 from aligner_ext.trainer.step_metrics import batch_metrics
+from aligner_ext.trackers import build_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ def train(cfg: RunConfig) -> RunSummary:
     parts = build_components(cfg, run_dir)
     checkpointer = Checkpointer(run_dir, cfg.trainer.keep_last)
     start_step, before = resume(cfg, parts, checkpointer)
-    log = MetricsLogger(run_dir, cfg.trainer.tensorboard, start_step)
+    log = MetricsLogger(run_dir, cfg.trainer.tensorboard, start_step, trackers=lambda: build_trackers(
+        cfg.trainer.wandb, cfg.trainer.mlflow, cfg.trainer.run_name, run_dir, as_tree(cfg), settings(cfg)))
     if start_step == 0:
         before = run_eval(cfg, parts)
         if before:
@@ -85,7 +87,6 @@ def train(cfg: RunConfig) -> RunSummary:
             save(cfg, parts, checkpointer, done, before)
     if start_step >= cfg.trainer.total_steps:  # resumed a finished run: nothing trained, evaluate again
         after = run_eval(cfg, parts)
-    log.close()
     save(cfg, parts, checkpointer, cfg.trainer.total_steps, before)
     if cfg.trainer.export_hf:
         parts.policy.save_pretrained(str(run_dir / "hf_model"))  # collective for sharded policies
@@ -95,6 +96,7 @@ def train(cfg: RunConfig) -> RunSummary:
     parts.rewards.close()
     if is_main_process():
         plot_history(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png")
+    log.close(files=(run_dir / "reward_accuracy.png",))
     summary = RunSummary(
         run_dir=str(run_dir), steps=cfg.trainer.total_steps,
         accuracy_before=before.get("val/accuracy", math.nan), accuracy_after=after.get("val/accuracy", math.nan),

@@ -10,7 +10,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.distributed import is_main_process
@@ -45,14 +45,17 @@ class MetricsLogger:
     """Appends one json line per step to `metrics.jsonl` and mirrors scalars to TensorBoard.
     In a multi-process run only the main process writes; the others' calls do nothing."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool, start_step: int):
+    def __init__(self, run_dir: str | Path, tensorboard: bool, start_step: int, trackers: Callable[[], list] = list):
+        """`trackers` builds the experiment trackers (aligner_ext/trackers.py) on the main process only."""
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "samples.jsonl"
         self.enabled = is_main_process()
         self.writer = None
+        self.trackers: list = []
         if not self.enabled:
             return
+        self.trackers = trackers()
         self._truncate_after(start_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -93,6 +96,8 @@ class MetricsLogger:
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
 
     def log_samples(self, step: int, batch: ExperienceBatch, count: int) -> None:
         """Write `count` completions (prompt, response, reward) to samples.jsonl and the log."""
@@ -113,9 +118,14 @@ class MetricsLogger:
                 logger.info("step %d sample %d: %r -> %r (reward %.3f)", step, index, record["prompt"],
                             record["response"], record["reward"])
 
-    def close(self) -> None:
+    def close(self, files: tuple[Path, ...] = ()) -> None:
+        """Close TensorBoard and the trackers, handing them `files` (the end-of-run plot) first."""
         if self.writer is not None:
             self.writer.close()
+        for tracker in self.trackers:
+            for path in files:
+                tracker.log_file(path)
+            tracker.close()
 
 
 def _finite(value: float) -> float | None:
