@@ -1,0 +1,1 @@
+"""Launching runs on clusters (slurm.py)."""
