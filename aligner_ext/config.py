@@ -25,6 +25,7 @@ from aligner_ext.experience.two_round import TwoRoundSampling
 from aligner_ext.generation.hf import HFEngineConfig
 from aligner_ext.generation.remote import RemoteEngineConfig
 from aligner_ext.generation.rollout import RolloutEngineConfig
+from aligner_ext.generation.vllm_colocated import VLLMEngineConfig
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.tiny import TinyModelConfig
@@ -52,11 +53,12 @@ class ModelConfig:
 class GeneratorConfig:
     """The engine that samples rollouts."""
 
-    engine: str = "auto"  # registered generation engine: hf (transformers' forward, token by token; the reference) | rollout (continuous batching over a KV cache, generation/rollout.py) | remote (OpenAI-compatible generation servers, generation/remote.py) | auto (rollout for the HF backend on a GPU with a Llama / Qwen2 / Qwen3 decoder, where it is measured faster; hf otherwise)
+    engine: str = "auto"  # registered generation engine: hf (transformers' forward, token by token; the reference) | rollout (continuous batching over a KV cache, generation/rollout.py) | remote (OpenAI-compatible generation servers, generation/remote.py) | vllm (colocated in-process vLLM, extra vllm, generation/vllm_colocated.py) | auto (rollout for the HF backend on a GPU with a Llama / Qwen2 / Qwen3 decoder, where it is measured faster; hf otherwise)
     split_across_ranks: bool = True  # under torchrun each process generates a contiguous share of every engine call and the outputs are all-gathered (aligner_ext/generation/sharded.py); false: every process generates everything
     hf: HFEngineConfig = field(default_factory=HFEngineConfig)  # settings of the HF engine
     rollout: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)  # settings of the rollout engine
     remote: RemoteEngineConfig = field(default_factory=RemoteEngineConfig)  # settings of the remote engine (generation servers)
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)  # settings of the colocated vLLM engine (extra vllm; verified against a fake only)
 
 
 @dataclass

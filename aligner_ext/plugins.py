@@ -15,6 +15,7 @@ import aligner_ext.experience.two_round  # noqa: F401
 import aligner_ext.generation.hf  # noqa: F401
 import aligner_ext.generation.remote  # noqa: F401
 import aligner_ext.generation.rollout  # noqa: F401
+import aligner_ext.generation.vllm_colocated  # noqa: F401 - registers the name only; vllm loads on use
 import aligner_ext.losses.clipped_pg  # noqa: F401
 import aligner_ext.models.hf  # noqa: F401
 import aligner_ext.models.megatron  # noqa: F401 - registers the name only; megatron-core loads on use

@@ -63,5 +63,9 @@ class GenerationEngine(abc.ABC):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         """Continue every prompt once; output i belongs to prompt i."""
 
+    def release_memory(self) -> None:  # noqa: B027 - engines that free their caches per call do nothing
+        """Free what the engine holds on the device before the policy trains (a colocated server sleeps);
+        the next `update_weights` brings it back."""
+
     def update_weights(self, policy_model) -> None:  # noqa: B027 - engines sharing the model do nothing
         """Make the engine sample from the policy's current weights (called after each update)."""

@@ -48,6 +48,9 @@ class RankSplitEngine(GenerationEngine):
         share_params = replace(params, seed=rank_seed(params, distributed.rank(), distributed.world_size()))
         return distributed.map_split(lambda share: self.inner.generate(share, share_params), prompts)
 
+    def release_memory(self) -> None:
+        self.inner.release_memory()
+
     def update_weights(self, policy_model) -> None:
         self.inner.update_weights(policy_model)
 

@@ -132,6 +132,7 @@ def run_means(metrics_path: Path, keys: tuple[str, ...]) -> dict[str, float]:
 
 def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, temperature: float) -> dict[str, float]:
     """Old and reference log-probs, advantages, the policy update, and the engine's new weights."""
+    parts.engine.release_memory()  # what generation holds is freed while the policy trains
     with timer("logprobs"):
         if not old_logprobs_from_training(parts, len(batch)):
             batch.old_logprobs, batch.entropy = parts.policy.logprobs(batch, temperature)

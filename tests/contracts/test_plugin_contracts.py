@@ -66,6 +66,8 @@ def test_reward_contract(name):
 
 @pytest.mark.parametrize("name", ENGINES.names())
 def test_engine_contract(name, tiny_model, tiny_tokenizer):
+    if name == "vllm":
+        pytest.skip("vLLM does not install here: tests/unit/generation/test_vllm_colocated.py checks it against a fake")
     if name == "remote":  # the client of a server that runs the HF engine on the same model
         server = serving(ENGINES.get("hf")(tiny_model, tiny_tokenizer, GeneratorConfig().hf), tiny_model, tiny_tokenizer)
         with serve_in_thread(server) as url:

@@ -1,0 +1,117 @@
+"""The `vllm` engine: a colocated, in-process vLLM (extra `vllm`) that sleeps while the policy trains.
+
+Thin by design: vLLM does not install on the machines this project is tested on, so this module is
+verified only up to its boundary, against a fake `vllm` module (tests/unit/generation/test_vllm_colocated.py):
+the calls it makes and the mapping of settings and outputs. It has not run against a real vLLM.
+
+- Built on the policy's starting checkpoint (`model.path`) with `enable_sleep_mode=True` and the
+  in-process executor (`distributed_executor_backend="external_launcher"`, as colocated RL trainers
+  run it), and a worker extension (`WeightLoader`) whose `load_policy_weights` loads named tensors
+  into vLLM's model (`model.load_weights`), called through `LLM.collective_rpc`.
+- `generate`: token-id prompts (`TokensPrompt`), one `vllm.SamplingParams` per request: temperature,
+  top_p, top_k (-1 when off), max_tokens, stop strings kept in the output
+  (`include_stop_str_in_output`), stop_token_ids, ignore_eos, `logprobs=0` (the sampled token's
+  log-prob), seed `call seed + request index`. Outputs map back as in the remote engine: finish
+  "length", "stop" with a stop_reason (a stop string or id) -> "stop", without -> "eos".
+- `release_memory` (before the policy trains): `sleep(level=1)` (weights to host memory, KV cache
+  dropped). `update_weights` (after each optimizer step): `wake_up(tags=["weights"])`, load the
+  policy's parameters, `wake_up(tags=["kv_cache"])`, so weights and cache are never both on the GPU
+  with the training state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
+
+
+@dataclass
+class VLLMEngineConfig:
+    """Settings of the colocated vLLM engine (generation/vllm_colocated.py; extra `vllm`)."""
+
+    gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take for weights and KV cache while awake
+    max_model_len: int | None = None  # longest prompt + response; unset: the model's
+    enforce_eager: bool = False  # skip vLLM's CUDA graphs (faster start, slower decoding)
+    sleep_level: int = 1  # while the policy trains: 1 keeps the weights in host memory, 2 drops them (reloaded from the policy)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"generator.vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"generator.vllm.sleep_level must be 1 or 2, got {self.sleep_level}")
+
+
+class WeightLoader:
+    """vLLM worker extension: loads (name, tensor) pairs into the worker's model."""
+
+    def load_policy_weights(self, named_tensors) -> None:
+        self.model_runner.model.load_weights(weights=named_tensors)
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError("generator.engine=vllm needs vLLM: pip install 'aligner_ext[vllm]' (a CUDA machine)") from err
+    return vllm
+
+
+@ENGINES.register("vllm")
+class VLLMColocatedEngine(GenerationEngine):
+    """vLLM in this process on the policy's checkpoint, asleep while the policy trains (module docstring)."""
+
+    def __init__(self, model, tokenizer, cfg: VLLMEngineConfig):
+        self.vllm = _import_vllm()
+        path = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+        if not path:
+            raise ValueError("generator.engine=vllm starts vLLM from the policy's checkpoint directory: set model.path")
+        self.cfg = cfg
+        self.llm = self.vllm.LLM(
+            model=path, dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
+            distributed_executor_backend="external_launcher",
+            worker_extension_cls=f"{__name__}.WeightLoader")
+        self.asleep = False
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep: update_weights wakes it before generating")
+        requests = [self.vllm.TokensPrompt(prompt_token_ids=prompt) for prompt in prompts]
+        settings = [self._sampling(params, index) for index in range(len(prompts))]
+        results = self.llm.generate(requests, sampling_params=settings, use_tqdm=False)
+        return [self._output(result.outputs[0], params.return_logprobs) for result in results]
+
+    def _sampling(self, params: SamplingParams, index: int):
+        return self.vllm.SamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
+            max_tokens=params.max_new_tokens, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+            include_stop_str_in_output=True, ignore_eos=params.ignore_eos, skip_special_tokens=False,
+            logprobs=0 if params.return_logprobs else None,
+            seed=None if params.seed is None else params.seed + index)
+
+    @staticmethod
+    def _output(completion, return_logprobs: bool) -> GenerationOutput:
+        token_ids = list(completion.token_ids)
+        if completion.finish_reason == "length":
+            reason = "length"
+        else:
+            reason = "eos" if completion.stop_reason is None else "stop"
+        logprobs = None
+        if return_logprobs:  # one {token id: Logprob} per generated token, the sampled one among them
+            logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, token_ids)]
+        return GenerationOutput(token_ids=token_ids, finish_reason=reason, logprobs=logprobs)
+
+    def release_memory(self) -> None:
+        self.llm.sleep(level=self.cfg.sleep_level)
+        self.asleep = True
+
+    def update_weights(self, policy_model) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        weights = [(name, param.detach()) for name, param in policy_model.named_parameters()]
+        self.llm.collective_rpc("load_policy_weights", args=(weights,))
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
