@@ -166,3 +166,46 @@ def test_bad_configuration_is_refused():
         RemoteEngine(None, None, RemoteEngineConfig(urls=["http://x"], weight_sync="disk"))
     with pytest.raises(ValueError, match="weight_sync must be one of"):
         RemoteEngineConfig(weight_sync="nfs")
+
+
+@pytest.mark.slow
+def test_aligner_ext_serve_killed_mid_request_gives_retries_then_an_error(tiny_tokenizer, tmp_path):
+    """The real `aligner-ext serve` process on a saved checkpoint, killed while a request is in flight."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from aligner_ext.distributed import free_port
+
+    tok = tiny_tokenizer
+    small_model(tok).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "aligner_ext", "serve", f"model.path={tmp_path / 'model'}",
+                                "generator.engine=hf", f"serve.port={port}", f"trainer.output_dir={tmp_path}"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert client.get("/health", cast_to=object)["status"] == "ok"
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline and process.poll() is None, "aligner-ext serve did not start"
+                time.sleep(0.2)
+        engine = remote(small_model(tok), tok, [url], max_retries=2, timeout_s=10)
+        greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+        prompts = [tok.encode(text) for text in TEXTS]
+        expected = engine_on(small_model(tok), tok).generate(prompts, greedy)
+        assert [o.token_ids for o in engine.generate(prompts, greedy)] == [o.token_ids for o in expected]
+        long = SamplingParams(max_new_tokens=4000, temperature=1.0, ignore_eos=True)
+        threading.Timer(1.0, process.send_signal, args=(signal.SIGKILL,)).start()  # while generating
+        started = time.monotonic()
+        with pytest.raises(ServerError, match=f"{url} failed \\(retried up to 2 times"):
+            engine.generate([prompts[0]] * 64, long)
+        assert time.monotonic() - started < 60
+    finally:
+        process.kill()
+        process.wait()
