@@ -140,7 +140,7 @@ def one_loop_step(model, tokenizer, advantage, **overrides):
     from aligner_ext.trainer.metrics import StageTimer
 
     policy = CountingPolicy(copy.deepcopy(model), PolicyConfig(device="cpu", dtype="float64", **overrides), 10)
-    engine = SimpleNamespace(update_weights=lambda model: None)
+    engine = SimpleNamespace(update_weights=lambda model: None, release_memory=lambda: None)
     parts = SimpleNamespace(policy=policy, reference=None, advantage=advantage, engine=engine,
                             loss=ClippedPGLoss(ClippedPGLoss.Config()))
     batch = ragged_batch(len(tokenizer))

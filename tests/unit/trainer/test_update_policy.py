@@ -1,5 +1,5 @@
-"""The loop's policy stage: the generation engine receives the weights only after the policy synced
-them, and that sync is timed as the weight-sync stage (a backend whose generation model is a copy,
+"""The loop's policy stage: the generation engine releases its memory before the policy's passes and
+receives the weights only after the policy synced them, and that sync is timed as the weight-sync stage (a backend whose generation model is a copy,
 the Megatron one, would otherwise sample the next rollouts from stale weights)."""
 
 from types import SimpleNamespace
@@ -40,6 +40,9 @@ class Recorder:
     def metrics(self):
         return {}
 
+    def release_memory(self):
+        self.calls.append("engine.release_memory")
+
     def update_weights(self, model):
         self.calls.append(f"engine.update_weights({'policy.model' if model is self.model else 'other'})")
 
@@ -60,6 +63,7 @@ def test_engine_gets_the_weights_after_the_policy_synced_them():
     parts = SimpleNamespace(policy=recorder, reference=None, advantage=recorder, engine=recorder, loss=None)
     timer = StageTimer()
     update_policy(parts, two_sample_batch(), timer, temperature=1.0)
-    assert recorder.calls == ["policy.logprobs", "advantage", "policy.train", "policy.sync_weights",
-                              "engine.update_weights(policy.model)"]
+    # the engine frees what it holds before any training-side pass, and gets the weights after the sync
+    assert recorder.calls == ["engine.release_memory", "policy.logprobs", "advantage", "policy.train",
+                              "policy.sync_weights", "engine.update_weights(policy.model)"]
     assert set(timer.metrics()) >= {"timing/train_s", "timing/weight_sync_s"}
