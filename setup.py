@@ -31,6 +31,7 @@ setup(
         "vllm": ["vllm>=0.8"],
         "wandb": ["wandb>=0.17"],  # trainer.wandb.enabled (aligner_ext/trackers.py)
         "mlflow": ["mlflow>=2.10"],  # trainer.mlflow.enabled
+        "liger": ["liger-kernel>=0.8.5"],  # policy.kernels=liger (CUDA)
         "dev": ["pytest>=8", "pytest-timeout>=2.3"],
         "bench": ["trl==1.16.0", "datasets>=4.7"],  # scripts/bench/grpo_step.py's TRL side
     },

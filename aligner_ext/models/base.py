@@ -115,6 +115,7 @@ class PolicyConfig:
     num_iterations: int = 1  # passes over each step batch against the stored old log-probs
     old_logprob_pass: str = "auto"  # auto: skipped when the step is one on-policy update (the training forward's detached log-probs are the old ones) | always
     logprob_chunk_size: int = 128  # sequence positions per log-softmax chunk (bounds [b, T, V] memory)
+    kernels: str = "auto"  # HF backend's training kernels: liger (Liger-Kernel's Triton RMSNorm, SwiGLU, RoPE; CUDA; extra liger; models/kernels.py) | none (transformers' modules) | auto (liger where it runs, measured faster; else none)
     tensor_model_parallel_size: int = 1  # megatron backend: GPUs each layer is split across (TP)
     pipeline_model_parallel_size: int = 1  # megatron backend: pipeline stages the layers are split into (PP)
     sequence_parallel: bool = False  # megatron backend: shard norm/dropout activations over TP ranks (TP > 1)
@@ -124,6 +125,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.old_logprob_pass not in ("auto", "always"):
             raise ValueError(f"policy.old_logprob_pass must be auto or always, got {self.old_logprob_pass!r}")
+        if self.kernels not in ("auto", "none", "liger"):
+            raise ValueError(f"policy.kernels must be auto, none or liger, got {self.kernels!r}")
 
 
 class Policy(abc.ABC):

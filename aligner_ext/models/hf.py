@@ -19,6 +19,7 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
 from aligner_ext.models.base import POLICIES, NonFiniteGuard, OptimConfig, Policy, PolicyConfig, update_metrics
+from aligner_ext.models.kernels import apply_kernels
 from aligner_ext.models.logprobs import token_logprobs
 
 
@@ -88,6 +89,7 @@ class HFPolicy(Policy):
         self.cfg = cfg
         device = resolve_device(cfg.device)
         self.model = model.to(device=device, dtype=resolve_dtype(cfg.dtype, device))
+        apply_kernels(self.model, cfg.kernels)
         optim = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),

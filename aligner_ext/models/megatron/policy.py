@@ -40,6 +40,7 @@ from megatron.core import parallel_state
 from transformers import PreTrainedModel
 
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.errors import ConfigError
 from aligner_ext.losses.base import Loss
 from aligner_ext.models.base import NonFiniteGuard, Policy, PolicyConfig, update_metrics
 from aligner_ext.models.hf import lr_lambda, resolve_dtype, split_rows
@@ -59,6 +60,9 @@ class MegatronPolicy(Policy):
     """A megatron-core GPTModel built from an HF model, trained with megatron-core's DDP and AdamW."""
 
     def __init__(self, model: PreTrainedModel, cfg: PolicyConfig, total_steps: int):
+        if cfg.kernels == "liger":
+            raise ConfigError(f"policy.kernels={cfg.kernels} is for the HF backend; the Megatron backend's layers "
+                              "are its layer spec's (models/megatron/model.py)")
         self.cfg = cfg
         self.device = init_distributed()
         init_model_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)

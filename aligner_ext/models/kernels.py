@@ -1,0 +1,54 @@
+"""Fused training kernels for the HF backend's model (`policy.kernels`).
+
+`liger`: Liger-Kernel's Triton RMSNorm, SwiGLU MLP and rotary embedding patched into the model
+instance (extra `liger`; a CUDA device; Llama / Qwen2 / Qwen3 decoders). Its fused linear
+cross-entropy is left off: the policy computes log-probs from hidden states itself
+(models/logprobs.py, chunked), so the model's own head forward never runs in training. Measured
+(docs/benchmarks.md) faster at 358M and 1.5B with less memory, so `auto` (the default) takes it
+where it runs: a CUDA device, a supported decoder, the package installed; `none` keeps transformers'
+modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+
+from aligner_ext.errors import ConfigError
+
+KERNELS = ("auto", "none", "liger")
+logger = logging.getLogger(__name__)
+LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2",
+                 "qwen3": "apply_liger_kernel_to_qwen3"}
+
+
+def apply_kernels(model, kernels: str) -> str:
+    """Patch `model` in place with the kernels `policy.kernels` names; the kernels applied (auto resolved)."""
+    if kernels == "auto":
+        kernels = "liger" if liger_runs(model) else "none"
+        logger.info("policy.kernels=auto: %s", kernels)
+    if kernels == "none":
+        return kernels
+    if next(model.parameters()).device.type != "cuda":
+        raise ConfigError("policy.kernels=liger runs Triton kernels: it needs the policy on a CUDA device")
+    patch_with_liger(model)
+    return kernels
+
+
+def liger_runs(model) -> bool:
+    """A CUDA device, a decoder Liger-Kernel patches, and the package importable."""
+    return (next(model.parameters()).device.type == "cuda" and model.config.model_type in LIGER_PATCHES
+            and importlib.util.find_spec("liger_kernel") is not None)
+
+
+def patch_with_liger(model) -> None:
+    model_type = model.config.model_type
+    if model_type not in LIGER_PATCHES:
+        raise ConfigError(f"policy.kernels=liger supports {', '.join(LIGER_PATCHES)} decoders, not {model_type!r}")
+    try:
+        liger = importlib.import_module("liger_kernel.transformers")
+    except ImportError as err:
+        raise ConfigError(f"policy.kernels=liger needs Liger-Kernel: pip install 'aligner_ext[liger]' ({err})") from err
+    getattr(liger, LIGER_PATCHES[model_type])(model=model, rope=True, rms_norm=True, swiglu=True,
+                                              cross_entropy=False, fused_linear_cross_entropy=False)
