@@ -209,3 +209,51 @@ def test_aligner_ext_serve_killed_mid_request_gives_retries_then_an_error(tiny_t
     finally:
         process.kill()
         process.wait()
+
+
+def two_rank_worker(rank: int, directory: str, urls: list[str]) -> None:
+    """One trainer rank of two (gloo): generate through the servers, split across ranks, then push weights."""
+    import torch.distributed as dist
+
+    from aligner_ext.generation.sharded import split_across_ranks
+    from aligner_ext.models.tiny import build_char_tokenizer
+
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
+    tok = build_char_tokenizer()
+    policy = small_model(tok)
+    engine = split_across_ranks(remote(policy, tok, urls, weight_sync="distributed", weight_sync_address="127.0.0.1",
+                                       max_prompts_per_request=2), enabled=True)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    prompts = [tok.encode(text) for text in TEXTS]
+    before = engine.generate(prompts, greedy)
+    torch.manual_seed(5)  # the same "update" on both ranks
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    engine.update_weights(policy)  # rank 0 pushes over its own group; rank 1 waits at the barrier
+    after = engine.generate(prompts, greedy)
+    torch.save({"before": [o.token_ids for o in before], "after": [o.token_ids for o in after]},
+               f"{directory}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_trainer_ranks_share_the_servers_and_rank_0_pushes_the_weights(tiny_tokenizer, tmp_path):
+    import torch.multiprocessing as mp
+
+    tok = tiny_tokenizer
+    model = small_model(tok)
+    prompts = [tok.encode(text) for text in TEXTS]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    with served(model, tok) as (url_a, server_a), served(model, tok) as (url_b, server_b):
+        mp.spawn(two_rank_worker, args=(str(tmp_path), [url_a, url_b]), nprocs=2, join=True)
+    updated = small_model(tok)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for param in updated.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    expected_before = [o.token_ids for o in engine_on(model, tok).generate(prompts, greedy)]
+    expected_after = [o.token_ids for o in engine_on(updated, tok).generate(prompts, greedy)]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got == {"before": expected_before, "after": expected_after}  # every rank has every output
+    assert server_a.weight_version == server_b.weight_version == 1  # one push, from rank 0 only
