@@ -31,6 +31,7 @@ tensor-parallel model plugs in as another decoder class with those three methods
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,14 @@ class SlotKVCache:
     @staticmethod
     def bytes_per_slot_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def copy_from(self, other: "SlotKVCache", sources: list[int], targets: list[int], length: int) -> None:
+        """Give slots `targets` the first `length` positions of `other`'s slots `sources` (kept prefixes;
+        positions past a shorter prefix are overwritten by its own tokens before they are read)."""
+        device = self.keys[0].device
+        sources, targets = torch.tensor(sources, device=device), torch.tensor(targets, device=device)
+        for mine, theirs in zip((*self.keys, *self.values), (*other.keys, *other.values)):
+            mine[targets, :, :length] = theirs[sources, :, :length]
 
     def copy_prefix(self, source: int, targets: list[int], length: int) -> None:
         """Give `targets` the first `length` positions of slot `source` (a shared prompt)."""
@@ -166,7 +175,7 @@ def layer_output(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights, 
 
 
 def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of q [b, H, s, d] over k, v [b, KVH, s, d] where `mask` [b, 1, s, s] is True."""
+    """Attention of q [b, H, s, d] over k, v [b, KVH, t, d] where `mask` [b, 1, s, t] is True."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -193,6 +202,32 @@ def attend_decode_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return flex_attention(q, keys, values, score_mod=add_bias, scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
 
 
+def decode_layer(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, cache_rows: torch.Tensor, bias: torch.Tensor, shape: Shape, scale: float,
+                 attend) -> torch.Tensor:
+    """One layer of a decode step, one token per row of `hidden` [b, 1, h]: its K/V written into the
+    layer's cache (`keys`, `values` [slots, KVH, length, d]) at `cache_rows` (rows of the cache seen
+    as [slots * KVH * length, d]), attention by `attend` over the first `bias.shape[1]` positions
+    under the additive mask `bias` [b, attended]. One function, so that torch.compile fuses the rotary
+    embedding with the cache write and the residual adds with the norms."""
+    dim = shape.head_dim
+    q, k, v = attention_inputs(hidden, w, cos, sin, shape)
+    keys.view(-1, dim).index_copy_(0, cache_rows, k.reshape(-1, dim))
+    values.view(-1, dim).index_copy_(0, cache_rows, v.reshape(-1, dim))
+    rows, attended = bias.shape
+    return layer_output(hidden, attend(q, keys[:rows, :, :attended], values[:rows, :, :attended], bias, scale), w, shape)
+
+
+def decode_layers(hidden: torch.Tensor, layers: list[LayerWeights], cos: torch.Tensor, sin: torch.Tensor,
+                  keys: list[torch.Tensor], values: list[torch.Tensor], cache_rows: torch.Tensor, bias: torch.Tensor,
+                  shape: Shape, scale: float, attend, layer=decode_layer) -> torch.Tensor:
+    """Every layer of a decode step (`decode_layer` for each; `layer` is its compiled form, or the
+    whole loop is compiled as one graph)."""
+    for w, layer_keys, layer_values in zip(layers, keys, values):
+        hidden = layer(hidden, w, cos, sin, layer_keys, layer_values, cache_rows, bias, shape, scale, attend)
+    return hidden
+
+
 def unsupported(config) -> str | None:
     """Why the decoder cannot run a model of this HF config, or None when it can."""
     model_type = getattr(config, "model_type", None)
@@ -207,7 +242,8 @@ def unsupported(config) -> str | None:
 class HFDecoder:
     """Prefill and decode steps of an HF Llama-family causal LM over a `SlotKVCache` (module docstring)."""
 
-    def __init__(self, model, compile: bool = False, fuse_projections: bool = False, attention: str = "sdpa"):
+    def __init__(self, model, compile: bool = False, fuse_projections: bool = False, attention: str = "sdpa",
+                 compile_scope: str = "layer"):
         config = model.config
         reason = unsupported(config)
         if reason:
@@ -225,13 +261,25 @@ class HFDecoder:
         # The decode step's layer functions; prefill keeps the eager ones (its shapes vary per call).
         if attention not in DECODE_ATTENTION:
             raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, got {attention!r}")
-        self.decode_inputs, self.decode_output = attention_inputs, layer_output
         self.decode_attention = attend_decode if attention == "sdpa" else attend_decode_flex
-        if compile:
-            self.decode_inputs = torch.compile(attention_inputs, dynamic=True)
-            self.decode_output = torch.compile(layer_output, dynamic=True)
-            if attention == "flex":  # eager FlexAttention is a reference implementation, slow on a GPU
-                self.decode_attention = torch.compile(attend_decode_flex, dynamic=True)
+        self.decode_layers = decode_layers
+        if compile and compile_scope == "step":
+            self.decode_layers = torch.compile(decode_layers, dynamic=True)
+        elif compile and compile_scope == "layer":
+            self.decode_layers = functools.partial(decode_layers, layer=torch.compile(decode_layer, dynamic=True))
+        elif compile:  # TEMPORARY: the previous scope, for the before/after measurement
+            inputs, output = torch.compile(attention_inputs, dynamic=True), torch.compile(layer_output, dynamic=True)
+            attend = torch.compile(attend_decode_flex, dynamic=True) if attention == "flex" else attend_decode
+
+            def parts(hidden, w, cos, sin, keys, values, cache_rows, bias, shape, scale, _):
+                dim = shape.head_dim
+                q, k, v = inputs(hidden, w, cos, sin, shape)
+                keys.view(-1, dim).index_copy_(0, cache_rows, k.reshape(-1, dim))
+                values.view(-1, dim).index_copy_(0, cache_rows, v.reshape(-1, dim))
+                rows, attended = bias.shape
+                return output(hidden, attend(q, keys[:rows, :, :attended], values[:rows, :, :attended], bias, scale), w, shape)
+
+            self.decode_layers = functools.partial(decode_layers, layer=parts)
 
     def _weights(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
@@ -279,28 +327,34 @@ class HFDecoder:
     def cache_bytes_per_slot_token(self) -> int:
         return SlotKVCache.bytes_per_slot_token(self.num_layers, self.shape.kv_heads, self.shape.head_dim, self.dtype)
 
-    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: SlotKVCache) -> torch.Tensor:
-        """Run right-padded prompts `ids` [b, s] (real lengths [b]) into `slots` [b]; float32 logits
-        [b, V] of each prompt's last token."""
-        width = ids.shape[1]
-        positions = torch.arange(width, device=ids.device).expand(len(ids), width)
-        causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
-        real = positions < lengths[:, None]  # [b, s] keys that are prompt tokens
-        mask = (causal[None] & real[:, None, :])[:, None]  # [b, 1, s, s]
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: SlotKVCache,
+                starts: torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompt tails `ids` [b, s] (real lengths [b]) into `slots` [b] at positions
+        `starts` [b] on: each slot already holds the K/V of its positions [0, start) (a prefix kept
+        from an earlier call, or none when start is 0). Float32 logits [b, V] of each tail's last token."""
+        width, device = ids.shape[1], ids.device
+        positions = starts[:, None] + torch.arange(width, device=device)[None]  # [b, s]
+        real_rows, real_columns = (torch.arange(width, device=device)[None] < lengths[:, None]).nonzero(as_tuple=True)
+        written_slots, written_positions = slots[real_rows], positions[real_rows, real_columns]
+        end = int((starts + lengths).max())
+        # Query i of a row sees cache positions <= start + i: its prefix and its own tail up to itself.
+        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None])[:, None]  # [b, 1, s, end]
         hidden, (cos, sin) = self._embed(ids, positions)
         for index, w in enumerate(self.layers):
             q, k, v = attention_inputs(hidden, w, cos, sin, self.shape)
-            cache.keys[index][slots, :, :width] = k
-            cache.values[index][slots, :, :width] = v
-            hidden = layer_output(hidden, attend_prefill(q, k, v, mask, self.scale), w, self.shape)
-        last = hidden[torch.arange(len(ids), device=ids.device), lengths - 1]  # [b, h]
+            keys, values = cache.keys[index], cache.values[index]
+            keys[written_slots, :, written_positions] = k.transpose(1, 2)[real_rows, real_columns]
+            values[written_slots, :, written_positions] = v.transpose(1, 2)[real_rows, real_columns]
+            attended = attend_prefill(q, keys[slots, :, :end], values[slots, :, :end], mask, self.scale)
+            hidden = layer_output(hidden, attended, w, self.shape)
+        last = hidden[torch.arange(len(ids), device=device), lengths - 1]  # [b, h]
         return self._logits(last)
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache, attended: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """One token per slot of [0, b): `ids`, `positions` [b], every position < `attended`; float32
         logits [b, V] of the next token (written into `out` when given)."""
-        rows, kv_heads, dim = len(ids), self.shape.kv_heads, self.shape.head_dim
+        rows, kv_heads = len(ids), self.shape.kv_heads
         visible = torch.arange(attended, device=ids.device)[None] <= positions[:, None]  # [b, attended]
         # One additive mask for every layer (a boolean one is converted by SDPA in each call).
         bias = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device).masked_fill_(~visible, float("-inf"))
@@ -308,13 +362,8 @@ class HFDecoder:
         heads = torch.arange(rows * kv_heads, device=ids.device).view(rows, kv_heads)
         cache_rows = (heads * cache.length + positions[:, None]).view(-1)
         hidden, (cos, sin) = self._embed(ids[:, None], positions[:, None])
-        for index, w in enumerate(self.layers):
-            q, k, v = self.decode_inputs(hidden, w, cos, sin, self.shape)
-            keys, values = cache.keys[index], cache.values[index]
-            keys.view(-1, dim).index_copy_(0, cache_rows, k.reshape(-1, dim))
-            values.view(-1, dim).index_copy_(0, cache_rows, v.reshape(-1, dim))
-            attended_out = self.decode_attention(q, keys[:rows, :, :attended], values[:rows, :, :attended], bias, self.scale)
-            hidden = self.decode_output(hidden, attended_out, w, self.shape)
+        hidden = self.decode_layers(hidden, self.layers, cos, sin, cache.keys, cache.values, cache_rows, bias,
+                                    self.shape, self.scale, self.decode_attention)
         return self._logits(hidden[:, 0], out)
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor):

@@ -2,11 +2,15 @@
 
 `generate` serves one call at a time, as the loop asks:
   1. allocate a `SlotKVCache` for the call (slots = min(max_batch_size, requests, what fits in
-     `kv_cache_memory_share` of free GPU memory), length = longest prompt + max_new_tokens); it
-     is freed when the call returns, so training never shares memory with it;
+     `kv_cache_memory_share` of free GPU memory), length = longest prompt + max_new_tokens); with
+     `prefix_cache` it is kept after the call (`KeptCache`) until the next call ends, the weights
+     change, or `release_memory` (which the loop calls before the policy trains, so training never
+     shares memory with it);
   2. admit waiting requests, in order, into free slots (lowest first) and prefill them together;
      requests with the same prompt ids in one admission are prefilled once and the KV rows copied
-     (`share_prompt_prefill`: a GRPO group's n samples, MTPO's H continuations);
+     (`share_prompt_prefill`: a GRPO group's n samples, MTPO's H continuations); a prompt that
+     extends a sequence of the kept cache by whole blocks of PREFIX_BLOCK tokens gets that prefix's
+     K/V copied and prefills only the rest (MTPO's round 2 continues round 1's answers);
   3. decode one token for slots [0, highest busy slot]: the step (decoder, sampler, advancing each
      slot's token, position and sampling counter) runs on the device from device-resident state;
      on a GPU it is replayed from a CUDA graph captured per (rows, attended length) bucket, and
@@ -23,8 +27,8 @@ prefill sharing. Finishing: EOS (unless `ignore_eos`), a stop token id or stop s
 this engine follows token for token (tests/unit/generation/test_rollout_engine.py).
 
 Runs Llama / Qwen2 / Qwen3 decoders (decoder.py) in the policy's dtype: bf16 on a GPU, float32 on
-the CPU (no CUDA graphs or compilation there). Not yet: paged blocks, a cache kept
-across calls (MTPO's round 2 prefills its prompt + answer again).
+the CPU (no CUDA graphs or compilation there). A slot holds one sequence for its life (no paged
+blocks): a prompt that extends a kept sequence copies its K/V rather than sharing them.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from aligner_ext.generation.hf import check_request, eos_ids_of
 from aligner_ext.generation.sampler import request_seed, sample
 from aligner_ext.generation.stopping import StopStringMatcher
 
+PREFIX_BLOCK = 16  # kept sequences are matched by whole blocks of this many tokens
 SMALL_ROW_BUCKETS = (1, 2, 4, 8)  # CUDA-graph row counts below 16; from 16 on, every multiple of 16
 LOOKAHEAD = 1  # decode steps launched before the host reads a step's tokens
 
@@ -54,10 +59,12 @@ class RolloutEngineConfig:
     max_batch_size: int = 256  # KV-cache slots: sequences decoded together
     kv_cache_memory_share: float = 0.5  # on a GPU, the share of free memory the KV cache may take (fewer slots if it does not fit)
     share_prompt_prefill: bool = True  # prefill identical prompts of one admission once and copy their KV rows
+    prefix_cache: bool = True  # keep a call's KV cache for the next call: a prompt that extends a kept sequence prefills only its new tokens (MTPO's round 2)
     cuda_graphs: bool = True  # on a GPU, replay the decode step from CUDA graphs (ignored on the CPU)
     compile: bool = True  # on a GPU, torch.compile the decode step's layer functions and the sampler (ignored on the CPU)
     attention: str = "sdpa"  # decode attention kernel: sdpa (torch SDPA: cuDNN / flash) | flex (FlexAttention, compiled on a GPU)
     fuse_projections: bool = True  # q/k/v and gate/up as one product each: the parameters become views of one buffer per group (no copy)
+    compile_scope: str = "layer"  # what one torch.compile graph holds: layer (one decoder layer, reused by all) | step (every layer) | parts
     attended_length_step: int = 128  # a decode step attends over the smallest multiple of this many cache positions that covers every sequence
 
     def __post_init__(self) -> None:
@@ -132,6 +139,48 @@ class _DecodeGraphs:
         return graph
 
 
+def block_hashes(tokens: list[int]):
+    """(end, hash) for each whole block of PREFIX_BLOCK tokens of `tokens`: the hash chains the
+    blocks before it, so equal hashes mean equal prefixes (up to a collision, checked on use)."""
+    key = 0
+    for end in range(PREFIX_BLOCK, len(tokens) + 1, PREFIX_BLOCK):
+        key = hash((key, tuple(tokens[end - PREFIX_BLOCK : end])))
+        yield end, key
+
+
+class KeptCache:
+    """A finished call's KV cache, kept for the next call (`prefix_cache`): per slot, the tokens whose
+    K/V it holds (the prompt and every generated token but the last, which was never fed back), and
+    their prefixes of whole blocks, so a later prompt that extends one prefills only its new tokens."""
+
+    def __init__(self, cache: SlotKVCache, sequences: dict[int, list[int]], weights: tuple):
+        self.cache, self.sequences, self.weights = cache, sequences, weights
+        self.blocks: dict[int, tuple[int, int]] = {}  # chain hash -> (slot, prefix length)
+        for slot, tokens in sequences.items():
+            for end, key in block_hashes(tokens):
+                self.blocks.setdefault(key, (slot, end))
+
+    def longest_prefix(self, prompt: list[int]) -> tuple[int, int]:
+        """(slot, length) of the longest kept prefix of `prompt` in whole blocks that leaves at least
+        its last token to prefill (its logits start the sampling); (-1, 0) when none."""
+        found = (-1, 0)
+        for _, key in block_hashes(prompt[:-1]):
+            hit = self.blocks.get(key)
+            if hit is None:
+                break
+            found = hit
+        slot, length = found
+        if length and self.sequences[slot][:length] != prompt[:length]:  # a hash collision
+            return -1, 0
+        return found
+
+
+def weights_fingerprint(model) -> tuple:
+    """Changes whenever a parameter is updated in place (its version counter) or replaced: a kept
+    KV cache is valid only for the weights that computed it."""
+    return tuple((param.data_ptr(), param._version) for param in model.parameters())
+
+
 @ENGINES.register("rollout")
 class RolloutEngine(GenerationEngine):
     """Continuous-batching generation over the policy's own weights (module docstring)."""
@@ -141,18 +190,24 @@ class RolloutEngine(GenerationEngine):
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.last_call: dict = {}  # what the latest call did (decode steps, graphs captured, their time)
+        self.kept: KeptCache | None = None  # the latest call's KV cache (prefix_cache)
         self.update_weights(model)
 
     def update_weights(self, policy_model) -> None:
         """Run the policy's parameters themselves (nothing is copied)."""
+        self.kept = None
         self.model = policy_model
         self.on_gpu = next(policy_model.parameters()).device.type == "cuda"
         compile = self.on_gpu and self.cfg.compile
         if getattr(self, "decoder", None) is None or self.decoder.model is not policy_model:
             self.decoder = HFDecoder(policy_model, compile=compile, fuse_projections=self.cfg.fuse_projections,
-                                     attention=self.cfg.attention)
+                                     attention=self.cfg.attention, compile_scope=self.cfg.compile_scope)
             self.sample = torch.compile(sample, dynamic=True) if compile else sample
         self.eos_ids = eos_ids_of(self.tokenizer, policy_model)
+
+    def release_memory(self) -> None:
+        """Drop the kept KV cache before the policy trains (each call's own cache is freed when it returns)."""
+        self.kept = None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         check_request(prompts, params)
@@ -161,11 +216,15 @@ class RolloutEngine(GenerationEngine):
         call_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         matcher = StopStringMatcher(params.stop, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         self.decoder.refresh()
+        weights = weights_fingerprint(self.model)
+        kept, self.kept = self.kept, None
+        if kept is not None and kept.weights != weights:
+            kept = None  # the weights changed since it was computed
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
-                return _Call(self, prompts, params, call_seed, matcher).run()
+                return _Call(self, prompts, params, call_seed, matcher, kept, weights).run()
         finally:
             self.model.train(was_training)
 
@@ -187,10 +246,15 @@ class _Call:
     """One `generate` call: its requests, slots, host bookkeeping and device state."""
 
     def __init__(self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, call_seed: int,
-                 matcher: StopStringMatcher):
+                 matcher: StopStringMatcher, kept: KeptCache | None, weights: tuple):
         self.engine, self.params, self.matcher = engine, params, matcher
         self.decoder = engine.decoder
         self.prompts = [list(prompt) for prompt in prompts]
+        self.weights = weights
+        # Per request: the kept slot and prefix length it starts from; the kept cache is released
+        # before this call allocates its own when no prompt extends a kept sequence.
+        self.prefixes = [kept.longest_prefix(prompt) if kept else (-1, 0) for prompt in self.prompts]
+        self.kept = kept if any(length for _, length in self.prefixes) else None
         self.seeds = [request_seed(call_seed, index) for index in range(len(prompts))]
         count = len(prompts)
         self.length = max(map(len, self.prompts)) + params.max_new_tokens
@@ -205,6 +269,8 @@ class _Call:
         self.stop_ids = np.array(params.stop_token_ids, dtype=np.int64)
         # Per slot: the request it holds (-1: free), as the host knows it.
         self.occupant = np.full(self.slot_total, -1, dtype=np.int64)
+        self.holder = np.full(self.slot_total, -1, dtype=np.int64)  # the last request a slot held (its K/V stay after it finishes)
+        self.prefilled_tokens = self.reused_tokens = 0
         self.free = list(range(self.slot_total))
         self.waiting = deque(range(count))
 
@@ -246,7 +312,12 @@ class _Call:
             torch.cuda.synchronize(device)
         self.engine.last_call = {"decode_steps": steps, "slots": self.slot_total,
                                  "graphs_captured": len(graphs.graphs) if graphs else 0,
-                                 "graph_capture_s": graphs.capture_s if graphs else 0.0}
+                                 "graph_capture_s": graphs.capture_s if graphs else 0.0,
+                                 "prefilled_tokens": self.prefilled_tokens, "prefix_reused_tokens": self.reused_tokens}
+        self.kept = None
+        if self.engine.cfg.prefix_cache:
+            self.engine.kept = KeptCache(cache, {int(slot): self.prompts[index] + self.tokens[index, : self.generated[index] - 1].tolist()
+                                                 for slot, index in enumerate(self.holder) if index >= 0}, self.weights)
         return [GenerationOutput(token_ids=self.tokens[index, :n].tolist(), finish_reason=self.finish[index] or "length",
                                  logprobs=self.logprobs[index, :n].tolist() if self.params.return_logprobs else None)
                 for index, n in enumerate(self.generated)]
@@ -290,36 +361,44 @@ class _Call:
         slots.seeds[slot_ids] = seeds
         slots.counters[slot_ids] = 1
         for index, slot in admitted:
-            self.occupant[slot] = index
+            self.occupant[slot] = self.holder[slot] = index
             slots.host_positions[slot] = len(self.prompts[index])
         self._accept(np.array(indices), tokens.cpu().numpy(), logprobs.cpu().numpy())
 
     def _prefill(self, admitted: list[tuple[int, int]]) -> torch.Tensor:
-        """Prefill the admitted (request, slot) pairs; float32 logits [len(admitted), V] of their last prompt token."""
+        """Prefill the admitted (request, slot) pairs; float32 logits [len(admitted), V] of their last
+        prompt token. A prompt that extends a kept sequence gets its prefix's K/V copied from the kept
+        cache and prefills only the rest."""
         device = self.decoder.device
         run_row: dict[tuple[int, ...], int] = {}  # prompt -> its row among the prefilled ones
-        runs: list[tuple[list[int], int]] = []  # (prompt, slot) prefilled
+        runs: list[tuple[int, int]] = []  # (request, slot) prefilled
         copies: dict[int, list[int]] = {}  # row prefilled -> slots that receive its KV rows
         rows = []  # the prefilled row of each admitted request
         for index, slot in admitted:
-            prompt = self.prompts[index]
-            key = tuple(prompt)
+            key = tuple(self.prompts[index])
             if self.engine.cfg.share_prompt_prefill and key in run_row:
                 copies.setdefault(run_row[key], []).append(slot)
             else:
                 run_row[key] = len(runs)
-                runs.append((prompt, slot))
+                runs.append((index, slot))
             rows.append(run_row[key])
-        width = max(len(prompt) for prompt, _ in runs)
-        ids = torch.full((len(runs), width), self.engine.pad_id, dtype=torch.long)
-        for row, (prompt, _) in enumerate(runs):
-            ids[row, : len(prompt)] = torch.tensor(prompt)
-        lengths = torch.tensor([len(prompt) for prompt, _ in runs])
+        starts = [self.prefixes[index][1] for index, _ in runs]
+        reused = [(self.prefixes[index][0], slot) for (index, slot), start in zip(runs, starts) if start]
+        if reused:
+            self.slots.cache.copy_from(self.kept.cache, *map(list, zip(*reused)), max(starts))
+        tails = [self.prompts[index][start:] for (index, _), start in zip(runs, starts)]
+        ids = torch.full((len(runs), max(map(len, tails))), self.engine.pad_id, dtype=torch.long)
+        for row, tail in enumerate(tails):
+            ids[row, : len(tail)] = torch.tensor(tail)
+        self.prefilled_tokens += sum(map(len, tails))
+        self.reused_tokens += sum(starts)
+        lengths = torch.tensor([len(tail) for tail in tails])
         slots = torch.tensor([slot for _, slot in runs])
-        logits = self.decoder.prefill(ids.to(device), lengths.to(device), slots.to(device), self.slots.cache)
+        logits = self.decoder.prefill(ids.to(device), lengths.to(device), slots.to(device), self.slots.cache,
+                                      torch.tensor(starts, device=device))
         for row, targets in copies.items():
-            prompt, slot = runs[row]
-            self.slots.cache.copy_prefix(slot, targets, len(prompt))
+            index, slot = runs[row]
+            self.slots.cache.copy_prefix(slot, targets, len(self.prompts[index]))
         return logits[torch.tensor(rows, device=device)]
 
     def _accept(self, requests: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:

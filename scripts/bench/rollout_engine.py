@@ -16,7 +16,15 @@ Engines (--engines):
   compiled_stop  the defaults with a stop string that never occurs (the per-token stop-string
               check of MTPO's first round: host-side decoding of each sequence's tail every step);
   compiled_unfused  the defaults with q/k/v and gate/up as separate products (fuse_projections=false);
-  compiled_flex  the defaults with FlexAttention for the decode attention (attention=flex).
+  compiled_flex  the defaults with FlexAttention for the decode attention (attention=flex);
+  compiled_step  the defaults with every layer of the decode step in one compiled graph (compile_scope=step);
+  compiled_parts the defaults with each layer's projections and its output compiled apart, the cache
+              write and attention eager between them (compile_scope=parts).
+
+--round2 ENGINES: MTPO's second round after the first, for each engine: every first-round sequence's prompt +
+its response + a 3-token question, ROUND2_COPIES times, continued for ROUND2_TOKENS tokens; the second
+call's time with the engine's kept cache (`prefix_cache`, default on) and without it (a fresh engine
+of the same settings but prefix_cache=false), and the prompt tokens the kept cache served.
 
 Checks (after the speed runs, on 16 prompts x 32 tokens; PASS/FAIL lines, exit 1 on a FAIL): greedy
 and seeded-sampled tokens of `graphs` identical to `eager` (the same kernels, replayed); each
@@ -60,17 +68,20 @@ ENGINE_SETTINGS = {
     "compiled_stop": {"cuda_graphs": True, "compile": True},
     "compiled_unfused": {"cuda_graphs": True, "compile": True, "fuse_projections": False},
     "compiled_flex": {"cuda_graphs": True, "compile": True, "attention": "flex"},
+    "compiled_step": {"cuda_graphs": True, "compile": True, "compile_scope": "step"},
+    "compiled_parts": {"cuda_graphs": True, "compile": True, "compile_scope": "parts"},
 }
+ROUND2_COPIES, ROUND2_TOKENS = 2, 64  # --round2: continuations per first-round sequence, and their length
 NEVER_STOP = "<never occurs>"
 
 
-def build_engine(name: str, model, tokenizer, sequences: int):
+def build_engine(name: str, model, tokenizer, sequences: int, **settings):
     from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
     from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
 
     if name == "hf":
         return HFGenerationEngine(model, tokenizer, HFEngineConfig(batch_size=sequences))
-    return RolloutEngine(model, tokenizer, RolloutEngineConfig(max_batch_size=sequences, **ENGINE_SETTINGS[name]))
+    return RolloutEngine(model, tokenizer, RolloutEngineConfig(max_batch_size=sequences, **ENGINE_SETTINGS[name], **settings))
 
 
 def workload(preset, tokenizer, seed: int = 0) -> list[list[int]]:
@@ -146,6 +157,28 @@ def check(engines: dict, model, prompts: list[list[int]], device: str) -> tuple[
     return results, lines
 
 
+def round2(name: str, engine, fresh, prompts: list[list[int]], response: int, device: str, repeats: int) -> dict:
+    """MTPO's second round timed after a first round, with the kept cache (`engine`) and without (`fresh`)."""
+    from aligner_ext.generation.base import SamplingParams
+
+    first = SamplingParams(max_new_tokens=response, temperature=1.0, ignore_eos=True, seed=3)
+    second = SamplingParams(max_new_tokens=ROUND2_TOKENS, temperature=1.0, ignore_eos=True, return_logprobs=True, seed=4)
+    result = {}
+    for label, each in (("kept", engine), ("fresh", fresh)):
+        times = []
+        for _ in range(repeats + 1):  # the first pair warms up the second round's shapes
+            answers = each.generate(prompts, first)
+            continued = [p + a.token_ids + p[:3] for p, a in zip(prompts, answers) for _ in range(ROUND2_COPIES)]
+            times.append(timed_call(each, continued, second, device)[0])
+        result[label] = {"median_s": statistics.median(times[1:]), "times": times,
+                         "prefix_reused_tokens": each.last_call.get("prefix_reused_tokens"),
+                         "prefilled_tokens": each.last_call.get("prefilled_tokens")}
+    print(f"ROUND2 {name}: kept cache {result['kept']['median_s']:.3f} s ({result['kept']['prefix_reused_tokens']:,} "
+          f"prompt tokens reused, {result['kept']['prefilled_tokens']:,} prefilled), fresh prefill "
+          f"{result['fresh']['median_s']:.3f} s", flush=True)
+    return result
+
+
 def profile(engine, prompts, params, device: str) -> dict:
     """Top kernels by device time over one call, and the device's busy share of its wall time."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -162,8 +195,9 @@ def profile(engine, prompts, params, device: str) -> dict:
     if device == "cuda":  # kernels only: CPU-side operator rows also carry their kernels' device time
         events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(getattr(e, attribute) for e in events) / 1e6
-    top = sorted(events, key=lambda e: getattr(e, attribute), reverse=True)[:15]
-    return {"wall_s": wall, "busy_s": busy, "busy_share": busy / wall,
+    top = sorted(events, key=lambda e: getattr(e, attribute), reverse=True)[:25]
+    return {"wall_s": wall, "busy_s": busy, "busy_share": busy / wall, "kernels": sum(e.count for e in events),
+            "decode_steps": dict(getattr(engine, "last_call", {})).get("decode_steps"),
             "top": [{"name": e.key[:90], "calls": e.count, "seconds": getattr(e, attribute) / 1e6} for e in top]}
 
 
@@ -173,6 +207,7 @@ def main() -> None:
     parser.add_argument("--engines", default="hf,eager,graphs,compiled,compiled_stop")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--round2", default="", help="engines whose second round to time (comma-separated)")
     parser.add_argument("--profile-engine", default="compiled")
     parser.add_argument("--profile-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None)
@@ -229,6 +264,18 @@ def main() -> None:
               f"{first_s:.2f} s, {stats['last_call']}", flush=True)
         write(report, out)
 
+    if args.round2:
+        report["round2"] = {}
+        for name, engine in engines.items():
+            if name not in args.round2.split(",") or name == "hf":
+                continue
+            try:
+                fresh = build_engine(name, model, tokenizer, sequences * ROUND2_COPIES, prefix_cache=False)
+                report["round2"][name] = round2(name, engine, fresh, prompts, response, device, args.repeats)
+            except Exception:  # noqa: BLE001
+                report["failures"][f"round2 {name}"] = traceback.format_exc(limit=5)
+        write(report, out)
+
     # After the speed runs, so that each engine's first call above is its real warm-up.
     checked = {name: engines.get(name) or build_engine(name, model, tokenizer, sequences)
                for name in ("hf", "eager", "graphs", "compiled") if device == "cuda" or name in ("hf", "eager")}
@@ -277,10 +324,19 @@ def render(report: dict) -> str:
     if "profile" in report:
         p = report["profile"]
         lines += ["", f"Profile of one `{p['engine']}` call, R = {p['tokens']}: wall {p['wall_s']:.3f} s, device busy "
-                      f"{p['busy_s']:.3f} s ({p['busy_share']:.0%}).", "",
+                      f"{p['busy_s']:.3f} s ({p['busy_share']:.0%}), {p['kernels']:,} kernels over "
+                      f"{p['decode_steps']} decoding steps and the prefill.", "",
                   "| kernel | calls | s | share of busy |", "| --- | --- | --- | --- |"]
         lines += [f"| `{t['name']}` | {t['calls']} | {t['seconds']:.4f} | {t['seconds'] / p['busy_s']:.1%} |"
                   for t in p["top"]]
+    if report.get("round2"):
+        lines += ["", f"MTPO's second round after the first ({ROUND2_COPIES} continuations of each sequence, "
+                      f"{ROUND2_TOKENS} tokens), seconds, median:", "",
+                  "| engine | kept cache | fresh prefill | faster | prompt tokens reused / prefilled |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {name} | {r['kept']['median_s']:.3f} | {r['fresh']['median_s']:.3f} | "
+                  f"{r['fresh']['median_s'] / r['kept']['median_s']:.2f}x | {r['kept']['prefix_reused_tokens']:,} / "
+                  f"{r['kept']['prefilled_tokens']:,} |" for name, r in report["round2"].items()]
     for name, why in report["failures"].items():
         lines += ["", f"FAILED {name}: {why.strip().splitlines()[-1]}"]
     return "\n".join(lines)
