@@ -20,10 +20,12 @@ then runs 4 matrix products per layer instead of 7, still without a copy of the 
 that later replaces a parameter's storage (`model.to`, a load that assigns) is noticed by `refresh`
 (called before every generate call), which fuses that layer again.
 
-A layer is two pure functions of tensors (`attention_inputs`, `layer_output`) with the attention
-between them, so `compile=True` hands the two to torch.compile once for all layers (every layer
-passes tensors of the same shapes) and the decode step, captured in a CUDA graph by the engine,
-runs fused kernels. Attention goes through `attend_prefill` / the decode attention, the one place
+A decode layer is two functions of tensors (`decode_inputs_written`: norm, projections, rotary
+embedding and the K/V cache write; `layer_output`) with the attention between them, so
+`compile=True` hands the two to torch.compile once for all layers (every layer passes tensors of
+the same shapes) and the decode step, captured in a CUDA graph by the engine, runs fused kernels.
+(Compiling the attention into the same graph, or every layer into one, was measured slower or
+compiled for minutes: docs/benchmarks.md.) Attention goes through `attend_prefill` / the decode attention, the one place
 to swap kernels: `attention="sdpa"` (torch SDPA: cuDNN or flash on a GPU) or `"flex"`
 (FlexAttention's decoding kernel, compiled with the layer functions' settings). The engine calls only `new_cache`, `prefill` and `decode`, so a
 tensor-parallel model plugs in as another decoder class with those three methods over its shards.
@@ -31,7 +33,6 @@ tensor-parallel model plugs in as another decoder class with those three methods
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -202,30 +203,18 @@ def attend_decode_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return flex_attention(q, keys, values, score_mod=add_bias, scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
 
 
-def decode_layer(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor, cache_rows: torch.Tensor, bias: torch.Tensor, shape: Shape, scale: float,
-                 attend) -> torch.Tensor:
-    """One layer of a decode step, one token per row of `hidden` [b, 1, h]: its K/V written into the
-    layer's cache (`keys`, `values` [slots, KVH, length, d]) at `cache_rows` (rows of the cache seen
-    as [slots * KVH * length, d]), attention by `attend` over the first `bias.shape[1]` positions
-    under the additive mask `bias` [b, attended]. One function, so that torch.compile fuses the rotary
-    embedding with the cache write and the residual adds with the norms."""
-    dim = shape.head_dim
+def decode_inputs_written(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
+                          keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, shape: Shape) -> torch.Tensor:
+    """The query [b, H, 1, d] of one token per row of `hidden` [b, 1, h] at `positions` [b], its K/V
+    written into the layer's cache (`keys`, `values` [slots, KVH, length, d]) at those positions, rows
+    [0, b) being slots [0, b). One function, so that torch.compile fuses the rotary embedding with the
+    cache write; the cache is indexed directly (a write through a view of it makes the compiled graph
+    copy the whole cache)."""
     q, k, v = attention_inputs(hidden, w, cos, sin, shape)
-    keys.view(-1, dim).index_copy_(0, cache_rows, k.reshape(-1, dim))
-    values.view(-1, dim).index_copy_(0, cache_rows, v.reshape(-1, dim))
-    rows, attended = bias.shape
-    return layer_output(hidden, attend(q, keys[:rows, :, :attended], values[:rows, :, :attended], bias, scale), w, shape)
-
-
-def decode_layers(hidden: torch.Tensor, layers: list[LayerWeights], cos: torch.Tensor, sin: torch.Tensor,
-                  keys: list[torch.Tensor], values: list[torch.Tensor], cache_rows: torch.Tensor, bias: torch.Tensor,
-                  shape: Shape, scale: float, attend, layer=decode_layer) -> torch.Tensor:
-    """Every layer of a decode step (`decode_layer` for each; `layer` is its compiled form, or the
-    whole loop is compiled as one graph)."""
-    for w, layer_keys, layer_values in zip(layers, keys, values):
-        hidden = layer(hidden, w, cos, sin, layer_keys, layer_values, cache_rows, bias, shape, scale, attend)
-    return hidden
+    slots = torch.arange(len(positions), device=positions.device)
+    keys[slots, :, positions] = k[:, :, 0]
+    values[slots, :, positions] = v[:, :, 0]
+    return q
 
 
 def unsupported(config) -> str | None:
@@ -242,8 +231,7 @@ def unsupported(config) -> str | None:
 class HFDecoder:
     """Prefill and decode steps of an HF Llama-family causal LM over a `SlotKVCache` (module docstring)."""
 
-    def __init__(self, model, compile: bool = False, fuse_projections: bool = False, attention: str = "sdpa",
-                 compile_scope: str = "layer"):
+    def __init__(self, model, compile: bool = False, fuse_projections: bool = False, attention: str = "sdpa"):
         config = model.config
         reason = unsupported(config)
         if reason:
@@ -261,25 +249,13 @@ class HFDecoder:
         # The decode step's layer functions; prefill keeps the eager ones (its shapes vary per call).
         if attention not in DECODE_ATTENTION:
             raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, got {attention!r}")
+        self.decode_inputs, self.decode_output = decode_inputs_written, layer_output
         self.decode_attention = attend_decode if attention == "sdpa" else attend_decode_flex
-        self.decode_layers = decode_layers
-        if compile and compile_scope == "step":
-            self.decode_layers = torch.compile(decode_layers, dynamic=True)
-        elif compile and compile_scope == "layer":
-            self.decode_layers = functools.partial(decode_layers, layer=torch.compile(decode_layer, dynamic=True))
-        elif compile:  # TEMPORARY: the previous scope, for the before/after measurement
-            inputs, output = torch.compile(attention_inputs, dynamic=True), torch.compile(layer_output, dynamic=True)
-            attend = torch.compile(attend_decode_flex, dynamic=True) if attention == "flex" else attend_decode
-
-            def parts(hidden, w, cos, sin, keys, values, cache_rows, bias, shape, scale, _):
-                dim = shape.head_dim
-                q, k, v = inputs(hidden, w, cos, sin, shape)
-                keys.view(-1, dim).index_copy_(0, cache_rows, k.reshape(-1, dim))
-                values.view(-1, dim).index_copy_(0, cache_rows, v.reshape(-1, dim))
-                rows, attended = bias.shape
-                return output(hidden, attend(q, keys[:rows, :, :attended], values[:rows, :, :attended], bias, scale), w, shape)
-
-            self.decode_layers = functools.partial(decode_layers, layer=parts)
+        if compile:
+            self.decode_inputs = torch.compile(decode_inputs_written, dynamic=True)
+            self.decode_output = torch.compile(layer_output, dynamic=True)
+            if attention == "flex":  # eager FlexAttention is a reference implementation, slow on a GPU
+                self.decode_attention = torch.compile(attend_decode_flex, dynamic=True)
 
     def _weights(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
@@ -316,10 +292,6 @@ class HFDecoder:
     def dtype(self) -> torch.dtype:
         return self.base.embed_tokens.weight.dtype
 
-    @property
-    def vocab_size(self) -> int:
-        return self.head.weight.shape[0]
-
     def new_cache(self, slots: int, length: int) -> SlotKVCache:
         return SlotKVCache(self.num_layers, slots, length, self.shape.kv_heads, self.shape.head_dim, self.dtype,
                            self.device)
@@ -350,28 +322,27 @@ class HFDecoder:
         last = hidden[torch.arange(len(ids), device=device), lengths - 1]  # [b, h]
         return self._logits(last)
 
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache, attended: int,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per slot of [0, b): `ids`, `positions` [b], every position < `attended`; float32
-        logits [b, V] of the next token (written into `out` when given)."""
-        rows, kv_heads = len(ids), self.shape.kv_heads
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache, attended: int) -> torch.Tensor:
+        """One token per slot of [0, b): `ids`, `positions` [b], every position < `attended`; logits
+        [b, V] of the next token in the model's dtype (the sampler reads them in float32: a float32
+        copy of a 152k vocabulary would cost a write and a read per step)."""
+        rows = len(ids)
         visible = torch.arange(attended, device=ids.device)[None] <= positions[:, None]  # [b, attended]
         # One additive mask for every layer (a boolean one is converted by SDPA in each call).
         bias = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device).masked_fill_(~visible, float("-inf"))
-        # Row of each (slot, kv head) at its position in a layer's cache seen as [slots * kv_heads * length, d].
-        heads = torch.arange(rows * kv_heads, device=ids.device).view(rows, kv_heads)
-        cache_rows = (heads * cache.length + positions[:, None]).view(-1)
         hidden, (cos, sin) = self._embed(ids[:, None], positions[:, None])
-        hidden = self.decode_layers(hidden, self.layers, cos, sin, cache.keys, cache.values, cache_rows, bias,
-                                    self.shape, self.scale, self.decode_attention)
-        return self._logits(hidden[:, 0], out)
+        for index, w in enumerate(self.layers):
+            keys, values = cache.keys[index], cache.values[index]
+            q = self.decode_inputs(hidden, w, cos, sin, keys, values, positions, self.shape)
+            attended_out = self.decode_attention(q, keys[:rows, :, :attended], values[:rows, :, :attended], bias, self.scale)
+            hidden = self.decode_output(hidden, attended_out, w, self.shape)
+        return self.head(self.base.norm(hidden[:, 0]))
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor):
         """Token embeddings [b, s, h] and the model's rotary (cos, sin) at `positions` [b, s]."""
         hidden = self.base.embed_tokens(ids)
         return hidden, self.base.rotary_emb(hidden, positions)
 
-    def _logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and output head; float32 logits."""
-        logits = self.head(self.base.norm(hidden))
-        return logits.float() if out is None else out.copy_(logits)
+        return self.head(self.base.norm(hidden)).float()

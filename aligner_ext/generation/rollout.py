@@ -64,7 +64,6 @@ class RolloutEngineConfig:
     compile: bool = True  # on a GPU, torch.compile the decode step's layer functions and the sampler (ignored on the CPU)
     attention: str = "sdpa"  # decode attention kernel: sdpa (torch SDPA: cuDNN / flash) | flex (FlexAttention, compiled on a GPU)
     fuse_projections: bool = True  # q/k/v and gate/up as one product each: the parameters become views of one buffer per group (no copy)
-    compile_scope: str = "layer"  # what one torch.compile graph holds: layer (one decoder layer, reused by all) | step (every layer) | parts
     attended_length_step: int = 128  # a decode step attends over the smallest multiple of this many cache positions that covers every sequence
 
     def __post_init__(self) -> None:
@@ -82,14 +81,13 @@ class _DeviceSlots:
     """What a decode step reads and advances, one row per KV-cache slot, on the device (static
     addresses, so CUDA graphs can replay over them), and the host's mirror of the positions."""
 
-    def __init__(self, cache: SlotKVCache, slots: int, vocab_size: int, device: torch.device):
+    def __init__(self, cache: SlotKVCache, slots: int, device: torch.device):
         self.cache = cache
         long = dict(dtype=torch.long, device=device)
         self.ids = torch.zeros(slots, **long)  # the token each slot feeds next: after a step, the one it sampled
         self.positions = torch.zeros(slots, **long)  # its position
         self.seeds = torch.zeros(slots, **long)  # the slot's request's sampling stream
         self.counters = torch.zeros(slots, **long)  # tokens its request has sampled so far
-        self.logits = torch.empty(slots, vocab_size, dtype=torch.float32, device=device)
         self.logprobs = torch.zeros(slots, dtype=torch.float32, device=device)
         self.host_positions = np.zeros(slots, dtype=np.int64)
 
@@ -201,7 +199,7 @@ class RolloutEngine(GenerationEngine):
         compile = self.on_gpu and self.cfg.compile
         if getattr(self, "decoder", None) is None or self.decoder.model is not policy_model:
             self.decoder = HFDecoder(policy_model, compile=compile, fuse_projections=self.cfg.fuse_projections,
-                                     attention=self.cfg.attention, compile_scope=self.cfg.compile_scope)
+                                     attention=self.cfg.attention)
             self.sample = torch.compile(sample, dynamic=True) if compile else sample
         self.eos_ids = eos_ids_of(self.tokenizer, policy_model)
 
@@ -277,7 +275,7 @@ class _Call:
     def run(self) -> list[GenerationOutput]:
         device = self.decoder.device
         cache = self.decoder.new_cache(self.slot_total, self.length)
-        self.slots = _DeviceSlots(cache, self.slot_total, self.decoder.vocab_size, device)
+        self.slots = _DeviceSlots(cache, self.slot_total, device)
         on_gpu = device.type == "cuda"
         graphs = _DecodeGraphs(self._step, self.slots, self.slot_total) if on_gpu and self.engine.cfg.cuda_graphs else None
         buffers = [(torch.zeros(self.slot_total, dtype=torch.long, pin_memory=on_gpu),
@@ -325,8 +323,7 @@ class _Call:
     def _step(self, rows: int, attended: int) -> None:
         """Decode, sample and advance slots [0, rows) on the device (what the CUDA graphs capture)."""
         slots, params = self.slots, self.params
-        logits = self.decoder.decode(slots.ids[:rows], slots.positions[:rows], slots.cache, attended,
-                                     out=slots.logits[:rows])
+        logits = self.decoder.decode(slots.ids[:rows], slots.positions[:rows], slots.cache, attended)
         tokens, logprobs = self.engine.sample(logits, params.temperature, params.top_p, params.top_k,
                                               slots.seeds[:rows], slots.counters[:rows])
         slots.logprobs[:rows].copy_(logprobs)

@@ -84,7 +84,9 @@ def request_seed(call_seed: int, index: int) -> int:
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seeds: torch.Tensor,
            counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [B] and their log-probs [B] from float32 `logits` [B, V]; `seeds`, `counters` [B] int64."""
+    """Tokens [B] and their log-probs [B] from `logits` [B, V], read in float32 (compiled, the upcast
+    fuses into the kernels that read them); `seeds`, `counters` [B] int64."""
+    logits = logits.float()
     if temperature == 0:
         token_ids = logits.argmax(dim=-1)
         log_probs = torch.log_softmax(logits, dim=-1)

@@ -16,10 +16,7 @@ Engines (--engines):
   compiled_stop  the defaults with a stop string that never occurs (the per-token stop-string
               check of MTPO's first round: host-side decoding of each sequence's tail every step);
   compiled_unfused  the defaults with q/k/v and gate/up as separate products (fuse_projections=false);
-  compiled_flex  the defaults with FlexAttention for the decode attention (attention=flex);
-  compiled_step  the defaults with every layer of the decode step in one compiled graph (compile_scope=step);
-  compiled_parts the defaults with each layer's projections and its output compiled apart, the cache
-              write and attention eager between them (compile_scope=parts).
+  compiled_flex  the defaults with FlexAttention for the decode attention (attention=flex).
 
 --round2 ENGINES: MTPO's second round after the first, for each engine: every first-round sequence's prompt +
 its response + a 3-token question, ROUND2_COPIES times, continued for ROUND2_TOKENS tokens; the second
@@ -68,8 +65,6 @@ ENGINE_SETTINGS = {
     "compiled_stop": {"cuda_graphs": True, "compile": True},
     "compiled_unfused": {"cuda_graphs": True, "compile": True, "fuse_projections": False},
     "compiled_flex": {"cuda_graphs": True, "compile": True, "attention": "flex"},
-    "compiled_step": {"cuda_graphs": True, "compile": True, "compile_scope": "step"},
-    "compiled_parts": {"cuda_graphs": True, "compile": True, "compile_scope": "parts"},
 }
 ROUND2_COPIES, ROUND2_TOKENS = 2, 64  # --round2: continuations per first-round sequence, and their length
 NEVER_STOP = "<never occurs>"
@@ -101,7 +96,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_call(engine, prompts, params, device: str) -> tuple[float, list]:
+def timed_call(engine, prompts, params, device: str, fresh: bool = True) -> tuple[float, list]:
+    """One call's seconds and outputs; `fresh`: without the cache kept from the previous call (as
+    in the loop, which releases it before training)."""
+    if fresh:
+        engine.release_memory()
     sync(device)
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
@@ -169,7 +168,7 @@ def round2(name: str, engine, fresh, prompts: list[list[int]], response: int, de
         for _ in range(repeats + 1):  # the first pair warms up the second round's shapes
             answers = each.generate(prompts, first)
             continued = [p + a.token_ids + p[:3] for p, a in zip(prompts, answers) for _ in range(ROUND2_COPIES)]
-            times.append(timed_call(each, continued, second, device)[0])
+            times.append(timed_call(each, continued, second, device, fresh=False)[0])
         result[label] = {"median_s": statistics.median(times[1:]), "times": times,
                          "prefix_reused_tokens": each.last_call.get("prefix_reused_tokens"),
                          "prefilled_tokens": each.last_call.get("prefilled_tokens")}
@@ -184,6 +183,7 @@ def profile(engine, prompts, params, device: str) -> dict:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    engine.release_memory()
     sync(device)
     start = time.perf_counter()
     with torch_profile(activities=activities) as prof:
@@ -208,7 +208,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--round2", default="", help="engines whose second round to time (comma-separated)")
-    parser.add_argument("--profile-engine", default="compiled")
+    parser.add_argument("--profile-engine", default="compiled", help="engines to profile (comma-separated)")
+    parser.add_argument("--no-checks", action="store_true", help="skip the token and log-prob checks")
     parser.add_argument("--profile-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -246,6 +247,7 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             first_s, outputs = timed_call(engine, prompts, params, device)
+            print(f"COMPILE {name}: {torch._dynamo.utils.compile_times(repr='str', aggregate=True)}"[:1500], flush=True)
             assert all(len(o.token_ids) == response for o in outputs), "a response is not R tokens"
             times = [timed_call(engine, prompts, params, device)[0] for _ in range(args.repeats)]
         except Exception:  # noqa: BLE001
@@ -277,20 +279,21 @@ def main() -> None:
         write(report, out)
 
     # After the speed runs, so that each engine's first call above is its real warm-up.
-    checked = {name: engines.get(name) or build_engine(name, model, tokenizer, sequences)
-               for name in ("hf", "eager", "graphs", "compiled") if device == "cuda" or name in ("hf", "eager")}
+    checked = {} if args.no_checks else {
+        name: engines.get(name) or build_engine(name, model, tokenizer, sequences)
+        for name in ("hf", "eager", "graphs", "compiled") if device == "cuda" or name in ("hf", "eager")}
     report["checks"], lines = check(checked, model, prompts, device)
     for verdict, text in lines:
         print(verdict, text, flush=True)
     report["check_lines"] = lines
-    if args.profile and args.profile_engine in engines:
-        params = SamplingParams(max_new_tokens=args.profile_tokens, temperature=1.0, ignore_eos=True,
-                                return_logprobs=True, seed=1)
+    params = SamplingParams(max_new_tokens=args.profile_tokens, temperature=1.0, ignore_eos=True, return_logprobs=True,
+                            seed=1)
+    for name in args.profile_engine.split(",") if args.profile else []:
         try:
-            report["profile"] = {"engine": args.profile_engine, "tokens": args.profile_tokens,
-                                 **profile(engines[args.profile_engine], prompts, params, device)}
+            report.setdefault("profiles", []).append({"engine": name, "tokens": args.profile_tokens,
+                                                      **profile(engines[name], prompts, params, device)})
         except Exception:  # noqa: BLE001
-            report["failures"]["profile"] = traceback.format_exc(limit=5)
+            report["failures"][f"profile {name}"] = traceback.format_exc(limit=5)
     print(write(report, out))
     sys.exit(1 if any(verdict == "FAIL" for verdict, _ in lines) or report["failures"] else 0)
 
@@ -321,8 +324,7 @@ def render(report: dict) -> str:
             if hf else f"| {name} | {s['median_s']:.3f} | {s['tokens_per_s']:,.0f} | {s['step_ms']:.2f} | - | "
                        f"{s['bound_share']:.1%} | {s['first_call_s']:.2f} | {graphs} | - |")
     lines += ["", "Checks: " + "; ".join(f"{verdict} {text}" for verdict, text in report.get("check_lines", []))]
-    if "profile" in report:
-        p = report["profile"]
+    for p in report.get("profiles", []):
         lines += ["", f"Profile of one `{p['engine']}` call, R = {p['tokens']}: wall {p['wall_s']:.3f} s, device busy "
                       f"{p['busy_s']:.3f} s ({p['busy_share']:.0%}), {p['kernels']:,} kernels over "
                       f"{p['decode_steps']} decoding steps and the prefill.", "",

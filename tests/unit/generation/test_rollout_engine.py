@@ -285,3 +285,32 @@ def test_flex_attention_decodes_the_hf_engine_greedy_tokens(tiny_tokenizer):
     assert [o.token_ids for o in outputs] == [e.token_ids for e in expected]
     for output, reference in zip(outputs, expected):
         assert output.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_writes_the_cache_and_computes_as_the_eager_one(tiny_tokenizer):
+    """torch.compile of the decode layer's functions (the GPU path; here compiled for the CPU): the same
+    logits and the same cache, written in place at each row's position and nowhere else."""
+    from aligner_ext.generation.decoder import HFDecoder
+
+    model = small_llama(tiny_tokenizer)
+    eager, compiled = HFDecoder(model), HFDecoder(model, compile=True)
+    caches = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        cache = eager.new_cache(6, 40)
+        for tensor in (*cache.keys, *cache.values):
+            tensor.normal_()
+        caches.append(cache)
+    before = [tensor.clone() for tensor in caches[1].keys]
+    with torch.inference_mode():
+        for ids, positions, attended in (([5, 6, 7, 8], [3, 7, 10, 2], 16), ([9, 10, 11, 12, 13], [4, 8, 11, 3, 30], 32)):
+            ids, positions = torch.tensor(ids), torch.tensor(positions)
+            expected = eager.decode(ids, positions, caches[0], attended)
+            torch.testing.assert_close(compiled.decode(ids, positions, caches[1], attended), expected, atol=1e-5, rtol=0)
+    for mine, reference in zip((*caches[1].keys, *caches[1].values), (*caches[0].keys, *caches[0].values)):
+        torch.testing.assert_close(mine, reference, atol=1e-5, rtol=0)
+    written = torch.zeros(6, 40, dtype=torch.bool)
+    written[[0, 1, 2, 3], [3, 7, 10, 2]] = written[[0, 1, 2, 3, 4], [4, 8, 11, 3, 30]] = True
+    changed = (caches[1].keys[0] != before[0]).any(dim=-1).any(dim=1)  # [slots, length]
+    assert torch.equal(changed, written)
