@@ -151,6 +151,12 @@ def build_fake_vllm_app(fake: FakeVllm):
             raise HTTPException(400, "Request body must be a JSON object")
         return body
 
+    async def json_with(request: Request, key: str) -> dict:
+        body = await json_object(request)
+        if body.get(key) is None:
+            raise HTTPException(400, f"Missing '{key}' in request body")
+        return body
+
     @app.post("/pause")
     def pause(mode: str = "abort", clear_cache: bool = True) -> dict:
         if mode not in ("abort", "wait", "keep"):
@@ -165,9 +171,7 @@ def build_fake_vllm_app(fake: FakeVllm):
 
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request) -> dict:
-        body = await json_object(request)
-        if body.get("method") is None:
-            raise HTTPException(400, "Missing 'method' in request body")
+        body = await json_with(request, "method")
         method = getattr(fake, body["method"], None) if body["method"] == "reload_weights" else None
         if method is None:
             raise HTTPException(500, f"AttributeError: worker has no method {body['method']!r}")
@@ -180,9 +184,7 @@ def build_fake_vllm_app(fake: FakeVllm):
 
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request) -> dict:
-        body = await json_object(request)
-        if body.get("init_info") is None:
-            raise HTTPException(400, "Missing 'init_info' in request body")
+        body = await json_with(request, "init_info")
         await run_in_threadpool(fake.join, parse_fields("init_info", body["init_info"], INIT_FIELDS, INIT_REQUIRED))
         return {"message": "Weight transfer initialized"}
 
@@ -196,9 +198,7 @@ def build_fake_vllm_app(fake: FakeVllm):
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> dict:
-        body = await json_object(request)
-        if body.get("update_info") is None:
-            raise HTTPException(400, "Missing 'update_info' in request body")
+        body = await json_with(request, "update_info")
         info = parse_fields("update_info", body["update_info"], UPDATE_FIELDS, UPDATE_REQUIRED)
         if not fake.update_active:
             raise HTTPException(500, "start_weight_update must be called before update_weights.")
