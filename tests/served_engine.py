@@ -11,10 +11,10 @@ from aligner_ext.serving.server import GenerationServer, ServeConfig, build_app
 
 
 @contextmanager
-def serve_in_thread(server: GenerationServer):
-    """Yield the base URL of `server` listening on 127.0.0.1; stop it on exit."""
+def serve_in_thread(server: GenerationServer, app=None):
+    """Yield the base URL of `server` (or of `app`, routes over it) listening on 127.0.0.1; stop it on exit."""
     port = free_port()
-    http = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="error"))
+    http = uvicorn.Server(uvicorn.Config(app or build_app(server), host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -16,8 +16,10 @@ parameters to every server (`weight_sync`): `disk` writes them as safetensors to
 (a directory the servers can read) and calls /update_weights_from_disk; `distributed` broadcasts
 every parameter from trainer rank 0 over a process group of its own (generation/weight_group.py;
 NCCL on GPUs, gloo on CPU) through /init_weights_update_group once and
-/update_weights_from_distributed each time (SGLang's endpoints; ours speaks them too); `none` leaves
-the servers' weights alone (they sample from the weights they loaded). docs/serving.md gives the costs.
+/update_weights_from_distributed each time; `none` leaves the servers' weights alone (they sample from
+the weights they loaded). Those are SGLang's endpoints, which ours speaks too (`server_kind=sglang`);
+`server_kind=vllm` drives vLLM's own weight-update routes instead (generation/remote_vllm.py).
+docs/serving.md gives the costs.
 """
 
 from __future__ import annotations
@@ -34,13 +36,23 @@ from pathlib import Path
 import torch
 
 from aligner_ext import distributed
+from aligner_ext.generation import remote_vllm
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
-from aligner_ext.generation.weight_group import WeightGroup, dtype_name
+from aligner_ext.generation.weight_group import WeightGroup, describe
 from aligner_ext.weights_file import save_weights
 
 logger = logging.getLogger(__name__)
 
 WEIGHT_SYNC_MODES = ("none", "disk", "distributed")
+SERVER_KINDS = ("sglang", "vllm")
+# what a server without the weight-update endpoints of `server_kind` is told
+MISSING_ENDPOINT_HINTS = {
+    "sglang": "SGLang's weight-update endpoints (SGLang, aligner-ext serve); for a vLLM server set "
+              "generator.remote.server_kind=vllm",
+    "vllm": "vLLM's weight-update routes, which vLLM serves only with VLLM_SERVER_DEV_MODE=1 (weight_sync=disk: "
+            "vLLM >= 0.16; distributed: vLLM >= 0.21 and --weight-transfer-config '{\"backend\": \"nccl\"}'); "
+            "for SGLang or aligner-ext serve set generator.remote.server_kind=sglang",
+}
 ROUTING = ("round_robin", "least_loaded")
 
 
@@ -61,11 +73,17 @@ class RemoteEngineConfig:
     weight_sync_dir: str | None = None  # disk: a directory the servers can read (the trainer writes model.safetensors there)
     weight_sync_address: str | None = None  # distributed: this machine's address as the servers reach it; unset: its host name
     weight_sync_port: int = 0  # distributed: TCP port of the weight group's store; 0 picks a free one
-    weight_sync_backend: str = "auto"  # distributed: nccl | gloo | auto (nccl when the policy is on a GPU)
+    weight_sync_backend: str = "auto"  # distributed: nccl | gloo | auto (nccl when the policy is on a GPU); vllm servers: nccl only
+    server_kind: str = "sglang"  # whose weight-update endpoints the servers speak: sglang (SGLang's; aligner-ext serve) | vllm (docs/serving.md)
 
     def __post_init__(self) -> None:
         if self.weight_sync not in WEIGHT_SYNC_MODES:
             raise ValueError(f"generator.remote.weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {self.weight_sync!r}")
+        if self.server_kind not in SERVER_KINDS:
+            raise ValueError(f"generator.remote.server_kind must be one of {', '.join(SERVER_KINDS)}, got {self.server_kind!r}")
+        if self.server_kind == "vllm" and self.weight_sync_backend == "gloo":
+            raise ValueError("generator.remote.weight_sync_backend=gloo: vLLM's workers receive weights over NCCL only "
+                             "(server_kind=vllm); use nccl or auto")
         if self.routing not in ROUTING:
             raise ValueError(f"generator.remote.routing must be one of {', '.join(ROUTING)}, got {self.routing!r}")
         for name in ("concurrency", "max_prompts_per_request"):
@@ -90,6 +108,7 @@ class _Server:
                                     max_retries=cfg.max_retries, timeout=cfg.timeout_s)
         self.admin = openai.OpenAI(base_url=self.url, api_key=cfg.api_key or "none", max_retries=0, timeout=cfg.timeout_s)
         self.model = cfg.model
+        self.kind = cfg.server_kind
         self.in_flight = 0
 
     def model_id(self) -> str:
@@ -100,10 +119,20 @@ class _Server:
     def post(self, path: str, payload: dict) -> dict:
         """A weight-update endpoint (not retried: a half-applied update is not safe to repeat); an error
         names the server and its answer."""
+        return self._admin_call(path, lambda: self.admin.post(path, body=payload, cast_to=object))
+
+    def get(self, path: str) -> dict:
+        return self._admin_call(path, lambda: self.admin.get(path, cast_to=object))
+
+    def _admin_call(self, path: str, call):
         import openai
 
         try:
-            return self.admin.post(path, body=payload, cast_to=object)
+            return call()
+        except openai.NotFoundError as err:
+            raise ServerError(f"generation server {self.url} has no {path} endpoint (404), which "
+                              f"generator.remote.server_kind={self.kind} calls: it takes "
+                              f"{MISSING_ENDPOINT_HINTS[self.kind]}") from err
         except openai.OpenAIError as err:
             raise ServerError(f"generation server {self.url}{path} failed: {type(err).__name__}: {err}") from err
 
@@ -207,38 +236,63 @@ class RemoteEngine(GenerationEngine):
         staging = directory / "model.safetensors.tmp"
         save_weights(model, staging)
         staging.replace(directory / "model.safetensors")  # servers never read a half-written file
-        self._on_every_server("/update_weights_from_disk", lambda rank: {"model_path": str(directory)})
+        if self.cfg.server_kind == "vllm":
+            remote_vllm.reload_from_disk(self._on_every_server, str(directory))
+        else:
+            self._on_every_server("/update_weights_from_disk", lambda index: {"model_path": str(directory)})
 
     def _push_distributed(self, model) -> None:
         named = list(model.named_parameters())
         if self._group is None:
             self._group = self._join_group(next(model.parameters()).device)
-        payload = {"names": [name for name, _ in named], "dtypes": [dtype_name(p.dtype) for _, p in named],
-                   "shapes": [list(p.shape) for _, p in named], "group_name": "weight_sync"}
-        pending = self._pool.submit(self._on_every_server, "/update_weights_from_distributed", lambda rank: payload)
-        for _, param in named:
-            self._group.broadcast(param.detach().contiguous())
-        pending.result()
 
-    def _join_group(self, device: torch.device) -> WeightGroup:
-        backend = self.cfg.weight_sync_backend
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
+        def broadcast_while(path: str, payload: dict) -> None:
+            """POST `payload` to every server while rank 0 broadcasts every parameter, in order."""
+            pending = self._pool.submit(self._on_every_server, path, lambda index: payload)
+            for _, param in named:
+                self._group.broadcast(param.detach().contiguous())
+            pending.result()
+
+        if self.cfg.server_kind == "vllm":
+            remote_vllm.push(self._on_every_server, broadcast_while, named)
+        else:
+            names, dtypes, shapes = describe(named)
+            broadcast_while("/update_weights_from_distributed",
+                            {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": "weight_sync"})
+
+    def _join_group(self, device: torch.device):
+        """The trainer's end (rank 0) of the weight group, joined with every server."""
         address = self.cfg.weight_sync_address or socket.gethostname()
         port = self.cfg.weight_sync_port or distributed.free_port()
-        world = len(self.servers) + 1
-        payload = {"master_address": address, "master_port": port, "world_size": world, "backend": backend,
-                   "group_name": "weight_sync"}
-        joining = self._pool.submit(self._on_every_server, "/init_weights_update_group",
-                                    lambda rank: {**payload, "rank_offset": rank})
-        group = WeightGroup(address, port, 0, world, backend)  # returns once every server has joined
+        if self.cfg.server_kind == "vllm":
+            open_rank0 = remote_vllm.nccl_rank0(device)
+            offsets, world = remote_vllm.ranks([int(server.get("/get_world_size")["world_size"])
+                                                for server in self.servers])
+            path = "/init_weight_transfer_engine"
+
+            def payload_for(index: int) -> dict:
+                return remote_vllm.init_payload(address, port, offsets[index], world)
+        else:
+            backend = self.cfg.weight_sync_backend
+            if backend == "auto":
+                backend = "nccl" if device.type == "cuda" else "gloo"
+            world = len(self.servers) + 1  # server i is rank i + 1
+            path = "/init_weights_update_group"
+
+            def payload_for(index: int) -> dict:
+                return {"master_address": address, "master_port": port, "world_size": world, "backend": backend,
+                        "group_name": "weight_sync", "rank_offset": index + 1}
+
+            def open_rank0(address: str, port: int, world: int) -> WeightGroup:
+                return WeightGroup(address, port, 0, world, backend)
+        joining = self._pool.submit(self._on_every_server, path, payload_for)
+        group = open_rank0(address, port, world)  # returns once every server has joined
         joining.result()
         return group
 
     def _on_every_server(self, path: str, payload_for) -> None:
-        """POST `payload_for(rank)` to every server at once (server i is rank i + 1 of the weight group)."""
+        """POST `payload_for(i)` to every server i (0, 1, ...) at once."""
         with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
-            answers = [pool.submit(server.post, path, payload_for(rank))
-                       for rank, server in enumerate(self.servers, start=1)]
+            answers = [pool.submit(server.post, path, payload_for(index)) for index, server in enumerate(self.servers)]
             for answer in answers:
                 answer.result()

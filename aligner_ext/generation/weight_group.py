@@ -19,6 +19,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def describe(named: list[tuple[str, torch.Tensor]]) -> tuple[list[str], list[str], list[list[int]]]:
+    """(names, dtype names, shapes) of the tensors a broadcast sends, in order."""
+    return [name for name, _ in named], [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named]
+
+
 class WeightGroup:
     """One member of the weight-broadcast group; rank 0 (the trainer) hosts the store."""
 
