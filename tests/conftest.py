@@ -1,8 +1,13 @@
 """Shared fixtures: the built-in character tokenizer, a very small Llama-architecture model, and a
 factory of minimal experience batches."""
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter (read when Triton is first imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow

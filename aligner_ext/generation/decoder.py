@@ -25,23 +25,29 @@ embedding and the K/V cache write; `layer_output`) with the attention between th
 `compile=True` hands the two to torch.compile once for all layers (every layer passes tensors of
 the same shapes) and the decode step, captured in a CUDA graph by the engine, runs fused kernels.
 (Compiling the attention into the same graph, or every layer into one, was measured slower or
-compiled for minutes: docs/benchmarks.md.) Attention goes through `attend_prefill` / the decode attention, the one place
-to swap kernels: `attention="sdpa"` (torch SDPA: cuDNN or flash on a GPU) or `"flex"`
-(FlexAttention's decoding kernel, compiled with the layer functions' settings). The engine calls only `new_cache`, `prefill` and `decode`, so a
-tensor-parallel model plugs in as another decoder class with those three methods over its shards.
+compiled for minutes: docs/benchmarks.md.)
+
+Attention goes through `attend_prefill` and one of DECODE_ATTENTION, the one place to swap kernels:
+`attention="sdpa"` (torch SDPA: cuDNN or flash on a GPU, under an additive mask), `"flex"`
+(FlexAttention, compiled with the layer functions' settings) or `"triton"` (our split-KV kernel,
+decode_attention.py, which reads each sequence's cache up to its own position). The engine calls
+only `new_cache`, `prefill` and `decode`, so a tensor-parallel model plugs in as another decoder
+class with those three methods over its shards.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from aligner_ext.generation import decode_attention
+from aligner_ext.generation.decode_attention import attend_decode_triton
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-DECODE_ATTENTION = ("sdpa", "flex")
 
 
 class SlotKVCache:
@@ -203,6 +209,30 @@ def attend_decode_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return flex_attention(q, keys, values, score_mod=add_bias, scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
 
 
+def additive_mask(positions: torch.Tensor, attended: int, dtype: torch.dtype) -> torch.Tensor:
+    """[b, attended]: 0 where a row sees a cache position (up to its own), -inf elsewhere (one mask for
+    every layer: a boolean one is converted by SDPA in each call)."""
+    visible = torch.arange(attended, device=positions.device)[None] <= positions[:, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+
+
+class DecodeAttention(NamedTuple):
+    """A decode attention kernel: `attend(q, keys, values, mask, scale)` with the `mask` that
+    `mask_of(positions, attended, dtype)` builds once per step; `compiled` says whether torch.compile
+    runs it on a GPU (with the layer functions' settings)."""
+
+    mask_of: Callable
+    attend: Callable
+    compiled: bool
+
+
+DECODE_ATTENTION = {
+    "sdpa": DecodeAttention(additive_mask, attend_decode, False),
+    "flex": DecodeAttention(additive_mask, attend_decode_flex, True),  # eager FlexAttention is a slow reference
+    "triton": DecodeAttention(lambda positions, attended, dtype: positions, attend_decode_triton, False),
+}
+
+
 def decode_inputs_written(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
                           keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, shape: Shape) -> torch.Tensor:
     """The query [b, H, 1, d] of one token per row of `hidden` [b, 1, h] at `positions` [b], its K/V
@@ -249,13 +279,15 @@ class HFDecoder:
         # The decode step's layer functions; prefill keeps the eager ones (its shapes vary per call).
         if attention not in DECODE_ATTENTION:
             raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, got {attention!r}")
-        self.decode_inputs, self.decode_output = decode_inputs_written, layer_output
-        self.decode_attention = attend_decode if attention == "sdpa" else attend_decode_flex
+        if attention == "triton" and not decode_attention.available():
+            raise ValueError("decode attention triton needs the triton package (it comes with torch's CUDA builds)")
+        self.attention = DECODE_ATTENTION[attention]
+        self.decode_inputs, self.decode_output, self.decode_attention = decode_inputs_written, layer_output, self.attention.attend
         if compile:
             self.decode_inputs = torch.compile(decode_inputs_written, dynamic=True)
             self.decode_output = torch.compile(layer_output, dynamic=True)
-            if attention == "flex":  # eager FlexAttention is a reference implementation, slow on a GPU
-                self.decode_attention = torch.compile(attend_decode_flex, dynamic=True)
+            if self.attention.compiled:
+                self.decode_attention = torch.compile(self.attention.attend, dynamic=True)
 
     def _weights(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
@@ -327,14 +359,12 @@ class HFDecoder:
         [b, V] of the next token in the model's dtype (the sampler reads them in float32: a float32
         copy of a 152k vocabulary would cost a write and a read per step)."""
         rows = len(ids)
-        visible = torch.arange(attended, device=ids.device)[None] <= positions[:, None]  # [b, attended]
-        # One additive mask for every layer (a boolean one is converted by SDPA in each call).
-        bias = torch.zeros(visible.shape, dtype=self.dtype, device=ids.device).masked_fill_(~visible, float("-inf"))
+        mask = self.attention.mask_of(positions, attended, self.dtype)
         hidden, (cos, sin) = self._embed(ids[:, None], positions[:, None])
         for index, w in enumerate(self.layers):
             keys, values = cache.keys[index], cache.values[index]
             q = self.decode_inputs(hidden, w, cos, sin, keys, values, positions, self.shape)
-            attended_out = self.decode_attention(q, keys[:rows, :, :attended], values[:rows, :, :attended], bias, self.scale)
+            attended_out = self.decode_attention(q, keys[:rows, :, :attended], values[:rows, :, :attended], mask, self.scale)
             hidden = self.decode_output(hidden, attended_out, w, self.shape)
         return self.head(self.base.norm(hidden[:, 0]))
 

@@ -62,7 +62,7 @@ class RolloutEngineConfig:
     prefix_cache: bool = True  # keep a call's KV cache for the next call: a prompt that extends a kept sequence prefills only its new tokens (MTPO's round 2)
     cuda_graphs: bool = True  # on a GPU, replay the decode step from CUDA graphs (ignored on the CPU)
     compile: bool = True  # on a GPU, torch.compile the decode step's layer functions and the sampler (ignored on the CPU)
-    attention: str = "sdpa"  # decode attention kernel: sdpa (torch SDPA: cuDNN / flash) | flex (FlexAttention, compiled on a GPU)
+    attention: str = "sdpa"  # decode attention kernel: sdpa (torch SDPA: cuDNN / flash) | flex (FlexAttention, compiled on a GPU) | triton (split-KV Triton kernel, GPU)
     fuse_projections: bool = True  # q/k/v and gate/up as one product each: the parameters become views of one buffer per group (no copy)
     attended_length_step: int = 128  # a decode step attends over the smallest multiple of this many cache positions that covers every sequence
 

@@ -16,7 +16,9 @@ Engines (--engines):
   compiled_stop  the defaults with a stop string that never occurs (the per-token stop-string
               check of MTPO's first round: host-side decoding of each sequence's tail every step);
   compiled_unfused  the defaults with q/k/v and gate/up as separate products (fuse_projections=false);
-  compiled_flex  the defaults with FlexAttention for the decode attention (attention=flex).
+  compiled_flex  the defaults with FlexAttention for the decode attention (attention=flex);
+  compiled_sdpa, compiled_triton  the defaults with torch SDPA (cuDNN) / the Triton split-KV kernel
+              (generation/decode_attention.py) for the decode attention.
 
 --round2 ENGINES: MTPO's second round after the first, for each engine: every first-round sequence's prompt +
 its response + a 3-token question, ROUND2_COPIES times, continued for ROUND2_TOKENS tokens; the second
@@ -65,6 +67,8 @@ ENGINE_SETTINGS = {
     "compiled_stop": {"cuda_graphs": True, "compile": True},
     "compiled_unfused": {"cuda_graphs": True, "compile": True, "fuse_projections": False},
     "compiled_flex": {"cuda_graphs": True, "compile": True, "attention": "flex"},
+    "compiled_sdpa": {"cuda_graphs": True, "compile": True, "attention": "sdpa"},
+    "compiled_triton": {"cuda_graphs": True, "compile": True, "attention": "triton"},
 }
 ROUND2_COPIES, ROUND2_TOKENS = 2, 64  # --round2: continuations per first-round sequence, and their length
 NEVER_STOP = "<never occurs>"
@@ -150,9 +154,9 @@ def check(engines: dict, model, prompts: list[list[int]], device: str) -> tuple[
             results[name] = recomputed_gap(model, subset, out)
             lines.append(("INFO", f"{name}: |engine - recomputed log-prob| mean {results[name]['mean']:.2e}, "
                                   f"max {results[name]['max']:.2e}"))
-        if "compiled" in results and "eager" in results:
-            ok = results["compiled"]["mean"] <= 1.5 * results["eager"]["mean"] + 2e-3
-            lines.append(("PASS" if ok else "FAIL", "compiled's log-prob mismatch within 1.5x eager's + 2e-3"))
+        for name in [name for name in results if name.startswith("compiled")] if "eager" in results else []:
+            ok = results[name]["mean"] <= 1.5 * results["eager"]["mean"] + 2e-3
+            lines.append(("PASS" if ok else "FAIL", f"{name}'s log-prob mismatch within 1.5x eager's + 2e-3"))
     return results, lines
 
 
@@ -281,7 +285,8 @@ def main() -> None:
     # After the speed runs, so that each engine's first call above is its real warm-up.
     checked = {} if args.no_checks else {
         name: engines.get(name) or build_engine(name, model, tokenizer, sequences)
-        for name in ("hf", "eager", "graphs", "compiled") if device == "cuda" or name in ("hf", "eager")}
+        for name in ("hf", "eager", "graphs", "compiled", *[name for name in engines if name.startswith("compiled_")])
+        if device == "cuda" or name in ("hf", "eager")}
     report["checks"], lines = check(checked, model, prompts, device)
     for verdict, text in lines:
         print(verdict, text, flush=True)

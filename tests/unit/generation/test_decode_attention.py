@@ -1,0 +1,66 @@
+"""The Triton split-KV decode attention (generation/decode_attention.py), run by Triton's interpreter
+on the CPU: against a float64 reference, reading nothing past a sequence's position, and inside the
+rollout engine, whose greedy tokens it leaves those of the HF engine."""
+
+import pytest
+import torch
+
+from aligner_ext.generation import decode_attention
+from aligner_ext.generation.base import SamplingParams
+from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
+from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
+from aligner_ext.models.tiny import TinyModelConfig, build_tiny_model
+
+pytest.importorskip("triton", reason="the CPU build of torch has no Triton; setup_env.sh installs it for these tests")
+
+
+@pytest.fixture
+def interpreted():
+    """The module, its kernels built for Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET
+    before anything imports Triton)."""
+    if not torch.cuda.is_available():
+        assert type(decode_attention._split_kernel).__name__ == "InterpretedFunction", "TRITON_INTERPRET was set too late"
+    return decode_attention
+
+
+def reference(q, keys, values, positions, scale):
+    """float64 softmax attention of each row's query heads over cache positions [0, position]."""
+    batch, heads, _, dim = q.shape
+    group = heads // keys.shape[1]
+    out = torch.empty(batch, heads, 1, dim, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            k = keys[b, h // group, : positions[b] + 1].double()
+            v = values[b, h // group, : positions[b] + 1].double()
+            weights = torch.softmax(k @ q[b, h, 0].double() * scale, dim=0)
+            out[b, h, 0] = weights @ v
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,length", [(6, 2, 32, 300), (7, 1, 64, 130), (4, 4, 16, 64)])
+def test_matches_a_float64_reference_and_reads_nothing_past_the_position(interpreted, heads, kv_heads, dim, length):
+    torch.manual_seed(0)
+    batch, slots = 4, 6
+    keys, values = torch.randn(slots, kv_heads, length, dim), torch.randn(slots, kv_heads, length, dim)
+    positions = torch.tensor([length - 1, 0, 129 % length, 63])
+    for b, position in enumerate(positions):  # what lies past a position is never read
+        keys[b, :, position + 1 :] = float("nan")
+        values[b, :, position + 1 :] = float("nan")
+    q = torch.randn(batch, 1, heads, dim).transpose(1, 2)  # strided, as the decoder's query is
+    out = interpreted.attend_decode_triton(q, keys[:batch], values[:batch], positions, dim**-0.5)
+    expected = reference(q, keys, values, positions, dim**-0.5)
+    assert out.shape == (batch, heads, 1, dim)
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-5
+
+
+def test_the_engine_with_triton_attention_gives_the_hf_engine_greedy_tokens(interpreted, tiny_tokenizer):
+    tok = tiny_tokenizer
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                                  intermediate_size=128, seed=1)).eval()
+    prompts = [tok.encode(text) for text in ("hello there", "a", "what is 2+2?", "hello there")]
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, return_logprobs=True)
+    expected = HFGenerationEngine(model, tok, HFEngineConfig()).generate(prompts, params)
+    outputs = RolloutEngine(model, tok, RolloutEngineConfig(attention="triton", max_batch_size=3)).generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [e.token_ids for e in expected]
+    for output, reference_output in zip(outputs, expected):
+        assert output.logprobs == pytest.approx(reference_output.logprobs, abs=1e-5)
