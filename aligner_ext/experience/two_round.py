@@ -29,7 +29,9 @@ Decisions (docs/variants/mtpo.md; tests/unit/experience/test_mtpo_two_round.py p
   sampled, as in single-round GRPO with `rollout.stop`.
 - Round 1 and round 2 are seeded by (seed, step, round), so a resumed run repeats both rounds.
 - Round 2 sends each prompt + answer H times; with `generator.hf.reuse_prompt_prefill` the HF
-  engine prefills it once and copies its KV cache. `timing/mtpo_round{1,2}_s` and
+  engine prefills it once and copies its KV cache; the rollout engine does the same and, from its
+  kept cache (`generator.rollout.prefix_cache`), copies round 1's K/V of prompt + answer instead of
+  prefilling them again. `timing/mtpo_round{1,2}_s` and
   `mtpo/round2_time_ratio` measure both rounds every step.
 """
 

@@ -23,7 +23,7 @@ that later replaces a parameter's storage (`model.to`, a load that assigns) is n
 A decode layer is two functions of tensors (`decode_inputs_written`: norm, projections, rotary
 embedding and the K/V cache write; `layer_output`) with the attention between them, so
 `compile=True` hands the two to torch.compile once for all layers (every layer passes tensors of
-the same shapes) and the decode step, captured in a CUDA graph by the engine, runs fused kernels.
+the same shapes; only the rows and the cache's slots and length are dynamic, `compile_varying`) and the decode step, captured in a CUDA graph by the engine, runs fused kernels.
 (Compiling the attention into the same graph, or every layer into one, was measured slower or
 compiled for minutes: docs/benchmarks.md.)
 
@@ -209,6 +209,22 @@ def attend_decode_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return flex_attention(q, keys, values, score_mod=add_bias, scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
 
 
+def compile_varying(fn: Callable, varying: dict[int, tuple[int, ...]]) -> Callable:
+    """torch.compile of `fn` with static shapes except the dimensions `varying` names (argument index ->
+    dims): the rows of a decode step and a call's cache slots and length. Weights and head sizes stay
+    static, so one compilation serves every call and compiles in about half the time that fully
+    dynamic shapes take (docs/benchmarks.md)."""
+    compiled = torch.compile(fn, dynamic=False)
+
+    def call(*args):
+        for index, dims in varying.items():
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(args[index], dim)
+        return compiled(*args)
+
+    return call
+
+
 def additive_mask(positions: torch.Tensor, attended: int, dtype: torch.dtype) -> torch.Tensor:
     """[b, attended]: 0 where a row sees a cache position (up to its own), -inf elsewhere (one mask for
     every layer: a boolean one is converted by SDPA in each call)."""
@@ -284,10 +300,12 @@ class HFDecoder:
         self.attention = DECODE_ATTENTION[attention]
         self.decode_inputs, self.decode_output, self.decode_attention = decode_inputs_written, layer_output, self.attention.attend
         if compile:
-            self.decode_inputs = torch.compile(decode_inputs_written, dynamic=True)
-            self.decode_output = torch.compile(layer_output, dynamic=True)
+            rows, cache = (0,), (0, 2)  # a step's rows; a cache's slots and length
+            self.decode_inputs = compile_varying(decode_inputs_written, {0: rows, 2: rows, 3: rows, 4: cache, 5: cache,
+                                                                          6: rows})
+            self.decode_output = compile_varying(layer_output, {0: rows, 1: rows})
             if self.attention.compiled:
-                self.decode_attention = torch.compile(self.attention.attend, dynamic=True)
+                self.decode_attention = compile_varying(self.attention.attend, {0: rows, 1: cache, 2: cache, 3: (0, 1)})
 
     def _weights(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp

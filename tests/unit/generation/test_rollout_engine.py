@@ -314,3 +314,19 @@ def test_the_compiled_decode_step_writes_the_cache_and_computes_as_the_eager_one
     written[[0, 1, 2, 3], [3, 7, 10, 2]] = written[[0, 1, 2, 3, 4], [4, 8, 11, 3, 30]] = True
     changed = (caches[1].keys[0] != before[0]).any(dim=-1).any(dim=1)  # [slots, length]
     assert torch.equal(changed, written)
+
+
+@pytest.mark.slow
+def test_the_compiled_sampler_draws_the_eager_samplers_tokens_at_any_row_count():
+    from aligner_ext.generation.decoder import compile_varying
+    from aligner_ext.generation.sampler import sample
+
+    compiled = compile_varying(sample, {0: (0,), 4: (0,), 5: (0,)})
+    torch.manual_seed(0)
+    for rows in (5, 9, 3):
+        logits = torch.randn(rows, 300)
+        seeds, counters = torch.arange(rows) * 7919, torch.arange(rows) + 2
+        tokens, logprobs = compiled(logits, 0.7, 1.0, 0, seeds, counters)
+        expected_tokens, expected_logprobs = sample(logits, 0.7, 1.0, 0, seeds, counters)
+        assert torch.equal(tokens, expected_tokens)
+        torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
