@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
-from aligner_ext.generation.decoder import DECODE_ATTENTION, HFDecoder, SlotKVCache, compile_varying
+from aligner_ext.generation.decoder import DECODE_ATTENTION, HFDecoder, SlotKVCache
 from aligner_ext.generation.hf import check_request, eos_ids_of
 from aligner_ext.generation.sampler import request_seed, sample
 from aligner_ext.generation.stopping import StopStringMatcher
@@ -200,7 +200,9 @@ class RolloutEngine(GenerationEngine):
         if getattr(self, "decoder", None) is None or self.decoder.model is not policy_model:
             self.decoder = HFDecoder(policy_model, compile=compile, fuse_projections=self.cfg.fuse_projections,
                                      attention=self.cfg.attention)
-            self.sample = compile_varying(sample, {0: (0,), 4: (0,), 5: (0,)}) if compile else sample
+            # Fully dynamic: with a static 152k vocabulary Inductor folds the sampler's hash constants
+            # into an int32 literal that overflows (torch 2.11, Triton 3.6).
+            self.sample = torch.compile(sample, dynamic=True) if compile else sample
         self.eos_ids = eos_ids_of(self.tokenizer, policy_model)
 
     def release_memory(self) -> None:

@@ -318,10 +318,9 @@ def test_the_compiled_decode_step_writes_the_cache_and_computes_as_the_eager_one
 
 @pytest.mark.slow
 def test_the_compiled_sampler_draws_the_eager_samplers_tokens_at_any_row_count():
-    from aligner_ext.generation.decoder import compile_varying
     from aligner_ext.generation.sampler import sample
 
-    compiled = compile_varying(sample, {0: (0,), 4: (0,), 5: (0,)})
+    compiled = torch.compile(sample, dynamic=True)  # as the engine compiles it on a GPU
     torch.manual_seed(0)
     for rows in (5, 9, 3):
         logits = torch.randn(rows, 300)
