@@ -2,8 +2,9 @@
 
 Why our own: cuDNN's SDPA runs the decode step's attention (one query row per head, a few hundred
 cached positions, an additive mask) at about 40% of the memory bandwidth (docs/benchmarks.md), and
-FlexAttention compiled with dynamic shapes was 27x slower still; the libraries with decode kernels
-(flashinfer) do not install on our machines as they are. The kernel is flash-decoding:
+FlexAttention compiled with dynamic shapes was 27x slower still; flashinfer's decode kernels are not
+on our GPU machine (its 62 MB wheel and its dependencies, the CUTLASS DSL among them, exceed what a
+device call carries). The kernel is flash-decoding:
 
     grid (sequence b, K/V head g, split s)   each program reads K/V positions
                                              [s * SPLIT, min((s + 1) * SPLIT, position_b + 1)) of
