@@ -20,8 +20,9 @@ then runs 4 matrix products per layer instead of 7, still without a copy of the 
 that later replaces a parameter's storage (`model.to`, a load that assigns) is noticed by `refresh`
 (called before every generate call), which fuses that layer again.
 
-A decode layer is two functions of tensors (`decode_inputs_written`: norm, projections, rotary
-embedding and the K/V cache write; `layer_output`) with the attention between them, so
+A decode layer is two functions of tensors (`decode_inputs_written`: the residual add left by the
+layer before, norm, projections, rotary embedding and the K/V cache write; `layer_output_parts`)
+with the attention between them, so
 `compile=True` hands the two to torch.compile once for all layers (every layer passes tensors of
 the same shapes; only the rows and the cache's slots and length are dynamic, `compile_varying`) and the decode step, captured in a CUDA graph by the engine, runs fused kernels.
 (Compiling the attention into the same graph, or every layer into one, was measured slower or
@@ -173,12 +174,21 @@ def attention_inputs(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor, s
     return q, k, v.transpose(1, 2)
 
 
-def layer_output(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights, shape: Shape) -> torch.Tensor:
-    """The layer's output from its input `hidden` [b, s, h] and the attention output [b, H, s, d]."""
+def layer_output_parts(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights,
+                       shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's output from its input `hidden` [b, s, h] and the attention output [b, H, s, d], as
+    two terms to add: the hidden state after attention and the MLP's output (a decode step leaves the
+    sum to the next layer's first kernel, which fuses it with the norm)."""
     batch, width, _ = hidden.shape
     hidden = hidden + F.linear(attended.transpose(1, 2).reshape(batch, width, -1), w.o, w.o_bias)
     gate, up = project(rms_norm(hidden, w.post_norm, shape.eps), w.gate_up)
-    return hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+    return hidden, F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def layer_output(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights, shape: Shape) -> torch.Tensor:
+    """The layer's output (`layer_output_parts` summed)."""
+    hidden, mlp = layer_output_parts(hidden, attended, w, shape)
+    return hidden + mlp
 
 
 def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -249,18 +259,21 @@ DECODE_ATTENTION = {
 }
 
 
-def decode_inputs_written(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
-                          keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, shape: Shape) -> torch.Tensor:
-    """The query [b, H, 1, d] of one token per row of `hidden` [b, 1, h] at `positions` [b], its K/V
-    written into the layer's cache (`keys`, `values` [slots, KVH, length, d]) at those positions, rows
-    [0, b) being slots [0, b). One function, so that torch.compile fuses the rotary embedding with the
-    cache write; the cache is indexed directly (a write through a view of it makes the compiled graph
-    copy the whole cache)."""
+def decode_inputs_written(hidden: torch.Tensor, mlp: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
+                          sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                          shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer input `hidden + mlp` (the previous layer's two output terms, `layer_output_parts`) of
+    one token per row [b, 1, h] at `positions` [b], and its query [b, H, 1, d]; its K/V written into the
+    layer's cache (`keys`, `values` [slots, KVH, length, d]) at those positions, rows [0, b) being slots
+    [0, b). One function, so that torch.compile fuses the residual add with the norm and the rotary
+    embedding with the cache write; the cache is indexed directly (a write through a view of it makes
+    the compiled graph copy the whole cache)."""
+    hidden = hidden + mlp
     q, k, v = attention_inputs(hidden, w, cos, sin, shape)
     slots = torch.arange(len(positions), device=positions.device)
     keys[slots, :, positions] = k[:, :, 0]
     values[slots, :, positions] = v[:, :, 0]
-    return q
+    return hidden, q
 
 
 def unsupported(config) -> str | None:
@@ -298,12 +311,13 @@ class HFDecoder:
         if attention == "triton" and not decode_attention.available():
             raise ValueError("decode attention triton needs the triton package (it comes with torch's CUDA builds)")
         self.attention = DECODE_ATTENTION[attention]
-        self.decode_inputs, self.decode_output, self.decode_attention = decode_inputs_written, layer_output, self.attention.attend
+        self.decode_inputs, self.decode_output = decode_inputs_written, layer_output_parts
+        self.decode_attention = self.attention.attend
         if compile:
             rows, cache = (0,), (0, 2)  # a step's rows; a cache's slots and length
-            self.decode_inputs = compile_varying(decode_inputs_written, {0: rows, 2: rows, 3: rows, 4: cache, 5: cache,
-                                                                          6: rows})
-            self.decode_output = compile_varying(layer_output, {0: rows, 1: rows})
+            self.decode_inputs = compile_varying(decode_inputs_written, {0: rows, 1: rows, 3: rows, 4: rows, 5: cache,
+                                                                          6: cache, 7: rows})
+            self.decode_output = compile_varying(layer_output_parts, {0: rows, 1: rows})
             if self.attention.compiled:
                 self.decode_attention = compile_varying(self.attention.attend, {0: rows, 1: cache, 2: cache, 3: (0, 1)})
 
@@ -379,12 +393,13 @@ class HFDecoder:
         rows = len(ids)
         mask = self.attention.mask_of(positions, attended, self.dtype)
         hidden, (cos, sin) = self._embed(ids[:, None], positions[:, None])
+        mlp = torch.zeros_like(hidden)  # the first layer's input has no second term
         for index, w in enumerate(self.layers):
             keys, values = cache.keys[index], cache.values[index]
-            q = self.decode_inputs(hidden, w, cos, sin, keys, values, positions, self.shape)
+            hidden, q = self.decode_inputs(hidden, mlp, w, cos, sin, keys, values, positions, self.shape)
             attended_out = self.decode_attention(q, keys[:rows, :, :attended], values[:rows, :, :attended], mask, self.scale)
-            hidden = self.decode_output(hidden, attended_out, w, self.shape)
-        return self.head(self.base.norm(hidden[:, 0]))
+            hidden, mlp = self.decode_output(hidden, attended_out, w, self.shape)
+        return self.head(self.base.norm((hidden + mlp)[:, 0]))
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor):
         """Token embeddings [b, s, h] and the model's rotary (cos, sin) at `positions` [b, s]."""
