@@ -66,18 +66,13 @@ class SlotKVCache:
         return 2 * num_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
     def copy_from(self, other: "SlotKVCache", sources: list[int], targets: list[int], length: int) -> None:
-        """Give slots `targets` the first `length` positions of `other`'s slots `sources` (kept prefixes;
-        positions past a shorter prefix are overwritten by its own tokens before they are read)."""
+        """Give slots `targets` the first `length` positions of `other`'s slots `sources` (`other` may be
+        this cache: a shared prompt's rows; or a kept cache: prefixes, where positions past a shorter
+        prefix are overwritten by its own tokens before they are read)."""
         device = self.keys[0].device
         sources, targets = torch.tensor(sources, device=device), torch.tensor(targets, device=device)
         for mine, theirs in zip((*self.keys, *self.values), (*other.keys, *other.values)):
             mine[targets, :, :length] = theirs[sources, :, :length]
-
-    def copy_prefix(self, source: int, targets: list[int], length: int) -> None:
-        """Give `targets` the first `length` positions of slot `source` (a shared prompt)."""
-        index = torch.tensor(targets, device=self.keys[0].device)
-        for cache in (*self.keys, *self.values):
-            cache[index, :, :length] = cache[source, :, :length]
 
 
 class Projection(NamedTuple):
@@ -222,8 +217,8 @@ def attend_decode_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 def compile_varying(fn: Callable, varying: dict[int, tuple[int, ...]]) -> Callable:
     """torch.compile of `fn` with static shapes except the dimensions `varying` names (argument index ->
     dims): the rows of a decode step and a call's cache slots and length. Weights and head sizes stay
-    static, so one compilation serves every call and compiles in about half the time that fully
-    dynamic shapes take (docs/benchmarks.md)."""
+    static, so one compilation serves every call, with no recompilation (on the CPU it compiled in
+    half the time that fully dynamic shapes took; docs/benchmarks.md)."""
     compiled = torch.compile(fn, dynamic=False)
 
     def call(*args):

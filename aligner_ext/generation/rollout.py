@@ -397,7 +397,7 @@ class _Call:
                                       torch.tensor(starts, device=device))
         for row, targets in copies.items():
             index, slot = runs[row]
-            self.slots.cache.copy_prefix(slot, targets, len(self.prompts[index]))
+            self.slots.cache.copy_from(self.slots.cache, [slot] * len(targets), targets, len(self.prompts[index]))
         return logits[torch.tensor(rows, device=device)]
 
     def _accept(self, requests: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:

@@ -17,8 +17,8 @@ Engines (--engines):
               check of MTPO's first round: host-side decoding of each sequence's tail every step);
   compiled_unfused  the defaults with q/k/v and gate/up as separate products (fuse_projections=false);
   compiled_flex  the defaults with FlexAttention for the decode attention (attention=flex);
-  compiled_sdpa, compiled_triton  the defaults with torch SDPA (cuDNN) / the Triton split-KV kernel
-              (generation/decode_attention.py) for the decode attention.
+  compiled_triton  the defaults with the Triton split-KV kernel (generation/decode_attention.py) for
+              the decode attention (the defaults use torch SDPA, cuDNN on an H100).
 
 --round2 ENGINES: MTPO's second round after the first, for each engine: every first-round sequence's prompt +
 its response + a 3-token question, ROUND2_COPIES times, continued for ROUND2_TOKENS tokens; the second
@@ -67,7 +67,6 @@ ENGINE_SETTINGS = {
     "compiled_stop": {"cuda_graphs": True, "compile": True},
     "compiled_unfused": {"cuda_graphs": True, "compile": True, "fuse_projections": False},
     "compiled_flex": {"cuda_graphs": True, "compile": True, "attention": "flex"},
-    "compiled_sdpa": {"cuda_graphs": True, "compile": True, "attention": "sdpa"},
     "compiled_triton": {"cuda_graphs": True, "compile": True, "attention": "triton"},
 }
 ROUND2_COPIES, ROUND2_TOKENS = 2, 64  # --round2: continuations per first-round sequence, and their length
@@ -251,7 +250,6 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             first_s, outputs = timed_call(engine, prompts, params, device)
-            print(f"COMPILE {name}: {torch._dynamo.utils.compile_times(repr='str', aggregate=True)}"[:1500], flush=True)
             assert all(len(o.token_ids) == response for o in outputs), "a response is not R tokens"
             times = [timed_call(engine, prompts, params, device)[0] for _ in range(args.repeats)]
         except Exception:  # noqa: BLE001
