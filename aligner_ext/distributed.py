@@ -93,17 +93,18 @@ def share(count: int, rank_index: int, world: int) -> range:
     return range(begin, begin + base + (rank_index < extra))
 
 
-def map_split(fn: Callable[[list[Item]], list[Result]], items: list[Item]) -> list[Result]:
+def map_split(fn: Callable[[list[Item]], list[Result]], items: list[Item], group=None) -> list[Result]:
     """`fn` over this rank's `share` of `items`; every rank returns the results of all items, in order.
 
-    `fn` maps a list to a list of the same length. Collective: every rank must call it with the same
-    number of items. Without a process group of several ranks this is `fn(items)`. If `fn` raises on
-    some rank, every rank raises (that rank its own exception, the others an error naming it) rather
-    than waiting forever in the gather.
+    `fn` maps a list to a list of the same length. Collective over `group` (default: every rank):
+    each of its ranks must call it with the same number of items; ranks are numbered within it.
+    Without a group of several ranks this is `fn(items)`. If `fn` raises on some rank, every rank
+    raises (that rank its own exception, the others an error naming it) rather than waiting forever
+    in the gather.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return fn(items)
-    world, me = dist.get_world_size(), dist.get_rank()
+    world, me = dist.get_world_size(group), dist.get_rank(group)
     mine = share(len(items), me, world)
     failure = None
     try:
@@ -111,7 +112,7 @@ def map_split(fn: Callable[[list[Item]], list[Result]], items: list[Item]) -> li
     except Exception as err:  # re-raised below, after the other ranks have heard of it
         failure, local = err, ("error", f"{type(err).__name__}: {err}")
     parts: list = [None] * world
-    dist.all_gather_object(parts, local)
+    dist.all_gather_object(parts, local, group=group)
     if failure is not None:
         raise failure
     failed = [f"rank {index}: {value}" for index, (status, value) in enumerate(parts) if status == "error"]

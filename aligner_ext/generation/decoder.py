@@ -1,5 +1,10 @@
 """A decoder-only transformer run step by step over an external KV cache, on the policy's own weights.
 
+`Decoder` holds the prefill and decode steps over a model's layer weights (`LayerWeights`); its
+subclasses say where the weights come from: `HFDecoder` (here) an HF module's,
+`models/megatron/decoder.MegatronDecoder` a Megatron GPTModel's tensor-parallel shards (with the
+sums over the ranks between the layer functions).
+
 `HFDecoder` computes a transformers Llama / Qwen2 / Qwen3 causal LM with its own functions over
 the policy's parameter tensors (referenced, never copied: after an optimizer step it computes with
 the new values). The math is the transformers modules', op for op (RMSNorm in float32, rotary
@@ -32,8 +37,7 @@ Attention goes through `attend_prefill` and one of DECODE_ATTENTION, the one pla
 `attention="sdpa"` (torch SDPA: cuDNN or flash on a GPU, under an additive mask), `"flex"`
 (FlexAttention, compiled with the layer functions' settings) or `"triton"` (our split-KV kernel,
 decode_attention.py, which reads each sequence's cache up to its own position). The engine calls
-only `new_cache`, `prefill` and `decode`, so a tensor-parallel model plugs in as another decoder
-class with those three methods over its shards.
+only `new_cache`, `prefill`, `decode` and `refresh`.
 """
 
 from __future__ import annotations
@@ -139,12 +143,31 @@ def fuse_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 class Shape(NamedTuple):
-    """The constants a layer's functions need."""
+    """The constants a layer's functions need (head counts of this rank's shard under tensor
+    parallelism)."""
 
     num_heads: int
     kv_heads: int
     head_dim: int
     eps: float
+    qkv_per_group: bool = False  # the fused q/k/v output is laid out per K/V group (Megatron), not q then k then v
+
+
+def split_qkv(x: torch.Tensor, projection: Projection, shape: Shape) -> tuple[torch.Tensor, ...]:
+    """q, k, v of `x` [b, s, h], each [b, s, heads, d]. Megatron's fused layout holds, for each K/V
+    group g, the rows of its query heads, then k_g, then v_g: query head g * (H / KVH) + j uses K/V
+    head g, as transformers' repeat_kv has it."""
+    batch, width, _ = x.shape
+    if not shape.qkv_per_group:
+        q, k, v = project(x, projection)
+        return (q.reshape(batch, width, shape.num_heads, shape.head_dim),
+                k.reshape(batch, width, shape.kv_heads, shape.head_dim),
+                v.reshape(batch, width, shape.kv_heads, shape.head_dim))
+    per_group = shape.num_heads // shape.kv_heads
+    grouped = F.linear(x, projection.weights[0], projection.biases[0])
+    grouped = grouped.reshape(batch, width, shape.kv_heads, per_group + 2, shape.head_dim)
+    q = grouped[:, :, :, :per_group].reshape(batch, width, shape.num_heads, shape.head_dim)
+    return q, grouped[:, :, :, per_group], grouped[:, :, :, per_group + 1]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -158,15 +181,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def attention_inputs(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
                      shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [b, H, s, d], k and v [b, KVH, s, d] of `hidden` [b, s, h], rotated to their positions."""
-    batch, width, _ = hidden.shape
-    q, k, v = project(rms_norm(hidden, w.input_norm, shape.eps), w.qkv)
-    q = q.reshape(batch, width, shape.num_heads, shape.head_dim)
-    k = k.reshape(batch, width, shape.kv_heads, shape.head_dim)
-    v = v.reshape(batch, width, shape.kv_heads, shape.head_dim)
+    q, k, v = split_qkv(rms_norm(hidden, w.input_norm, shape.eps), w.qkv, shape)
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, shape.eps), rms_norm(k, w.k_norm, shape.eps)
     q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     return q, k, v.transpose(1, 2)
+
+
+def out_projection(attended: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+    """The attention output [b, H, s, d] projected back to [b, s, h] (under tensor parallelism this
+    rank's partial sum)."""
+    batch, _, width, _ = attended.shape
+    return F.linear(attended.transpose(1, 2).reshape(batch, width, -1), w.o, w.o_bias)
+
+
+def residual_mlp(hidden: torch.Tensor, projected: torch.Tensor, w: LayerWeights,
+                 shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden state after attention (`hidden` plus the projected attention output) and the MLP's
+    output of it (under tensor parallelism this rank's partial sum)."""
+    hidden = hidden + projected
+    gate, up = project(rms_norm(hidden, w.post_norm, shape.eps), w.gate_up)
+    return hidden, F.linear(F.silu(gate) * up, w.down, w.down_bias)
 
 
 def layer_output_parts(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights,
@@ -174,16 +209,7 @@ def layer_output_parts(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWei
     """The layer's output from its input `hidden` [b, s, h] and the attention output [b, H, s, d], as
     two terms to add: the hidden state after attention and the MLP's output (a decode step leaves the
     sum to the next layer's first kernel, which fuses it with the norm)."""
-    batch, width, _ = hidden.shape
-    hidden = hidden + F.linear(attended.transpose(1, 2).reshape(batch, width, -1), w.o, w.o_bias)
-    gate, up = project(rms_norm(hidden, w.post_norm, shape.eps), w.gate_up)
-    return hidden, F.linear(F.silu(gate) * up, w.down, w.down_bias)
-
-
-def layer_output(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights, shape: Shape) -> torch.Tensor:
-    """The layer's output (`layer_output_parts` summed)."""
-    hidden, mlp = layer_output_parts(hidden, attended, w, shape)
-    return hidden + mlp
+    return residual_mlp(hidden, out_projection(attended, w), w, shape)
 
 
 def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -282,8 +308,117 @@ def unsupported(config) -> str | None:
     return None
 
 
-class HFDecoder:
-    """Prefill and decode steps of an HF Llama-family causal LM over a `SlotKVCache` (module docstring)."""
+class Decoder:
+    """Prefill and decode steps over a `SlotKVCache` for a model whose layers are `LayerWeights`
+    (module docstring). A subclass supplies the weights (`layers`, `shape`, `scale`), the embedding
+    and the output head; under tensor parallelism it also supplies `reduce`, the in-place sum of a
+    partial result over the ranks (after the attention's and the MLP's output projections), which
+    then splits each layer's output between two compiled functions with the sums between them."""
+
+    layers: list[LayerWeights]
+    shape: Shape
+    scale: float
+    reduce: Callable[[torch.Tensor], None] | None = None
+
+    def __init__(self, compile: bool, attention: str):
+        if attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, got {attention!r}")
+        if attention == "triton" and not decode_attention.available():
+            raise ValueError("decode attention triton needs the triton package (it comes with torch's CUDA builds)")
+        self.num_layers = len(self.layers)
+        self.attention = DECODE_ATTENTION[attention]
+        # The decode step's layer functions; prefill keeps the eager ones (its shapes vary per call).
+        self.decode_inputs, self.decode_parts, self.decode_mlp = decode_inputs_written, layer_output_parts, residual_mlp
+        self.decode_attention = self.attention.attend
+        if compile:
+            rows, cache = (0,), (0, 2)  # a step's rows; a cache's slots and length
+            self.decode_inputs = compile_varying(decode_inputs_written, {0: rows, 1: rows, 3: rows, 4: rows, 5: cache,
+                                                                          6: cache, 7: rows})
+            self.decode_parts = compile_varying(layer_output_parts, {0: rows, 1: rows})
+            self.decode_mlp = compile_varying(residual_mlp, {0: rows, 1: rows})
+            if self.attention.compiled:
+                self.decode_attention = compile_varying(self.attention.attend, {0: rows, 1: cache, 2: cache, 3: (0, 1)})
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def refresh(self) -> None:
+        """Called before every generate call: pick up parameters whose storage was replaced."""
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Token embeddings [b, s, h] and the rotary (cos, sin) at `positions` [b, s]."""
+        raise NotImplementedError
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head: logits [b, V] in the model's dtype from hidden states [b, h]."""
+        raise NotImplementedError
+
+    def new_cache(self, slots: int, length: int) -> SlotKVCache:
+        return SlotKVCache(self.num_layers, slots, length, self.shape.kv_heads, self.shape.head_dim, self.dtype,
+                           self.device)
+
+    def cache_bytes_per_slot_token(self) -> int:
+        return SlotKVCache.bytes_per_slot_token(self.num_layers, self.shape.kv_heads, self.shape.head_dim, self.dtype)
+
+    def _output_parts(self, hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights, parts: Callable,
+                      mlp: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer_output_parts` by `parts`; under tensor parallelism the projection, its sum over the
+        ranks, `mlp` (`residual_mlp`) and the sum of its output instead."""
+        if self.reduce is None:
+            return parts(hidden, attended, w, self.shape)
+        projected = out_projection(attended, w)
+        self.reduce(projected)
+        hidden, output = mlp(hidden, projected, w, self.shape)
+        self.reduce(output)
+        return hidden, output
+
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: SlotKVCache,
+                starts: torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompt tails `ids` [b, s] (real lengths [b]) into `slots` [b] at positions
+        `starts` [b] on: each slot already holds the K/V of its positions [0, start) (a prefix kept
+        from an earlier call, or none when start is 0). Float32 logits [b, V] of each tail's last token."""
+        width, device = ids.shape[1], ids.device
+        positions = starts[:, None] + torch.arange(width, device=device)[None]  # [b, s]
+        real_rows, real_columns = (torch.arange(width, device=device)[None] < lengths[:, None]).nonzero(as_tuple=True)
+        written_slots, written_positions = slots[real_rows], positions[real_rows, real_columns]
+        end = int((starts + lengths).max())
+        # Query i of a row sees cache positions <= start + i: its prefix and its own tail up to itself.
+        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None])[:, None]  # [b, 1, s, end]
+        hidden, (cos, sin) = self._embed(ids, positions)
+        for index, w in enumerate(self.layers):
+            q, k, v = attention_inputs(hidden, w, cos, sin, self.shape)
+            keys, values = cache.keys[index], cache.values[index]
+            keys[written_slots, :, written_positions] = k.transpose(1, 2)[real_rows, real_columns]
+            values[written_slots, :, written_positions] = v.transpose(1, 2)[real_rows, real_columns]
+            attended = attend_prefill(q, keys[slots, :, :end], values[slots, :, :end], mask, self.scale)
+            hidden, mlp = self._output_parts(hidden, attended, w, layer_output_parts, residual_mlp)
+            hidden = hidden + mlp
+        last = hidden[torch.arange(len(ids), device=device), lengths - 1]  # [b, h]
+        return self._head(last).float()
+
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache, attended: int) -> torch.Tensor:
+        """One token per slot of [0, b): `ids`, `positions` [b], every position < `attended`; logits
+        [b, V] of the next token in the model's dtype (the sampler reads them in float32: a float32
+        copy of a 152k vocabulary would cost a write and a read per step)."""
+        rows = len(ids)
+        mask = self.attention.mask_of(positions, attended, self.dtype)
+        hidden, (cos, sin) = self._embed(ids[:, None], positions[:, None])
+        mlp = torch.zeros_like(hidden)  # the first layer's input has no second term
+        for index, w in enumerate(self.layers):
+            keys, values = cache.keys[index], cache.values[index]
+            hidden, q = self.decode_inputs(hidden, mlp, w, cos, sin, keys, values, positions, self.shape)
+            attended_out = self.decode_attention(q, keys[:rows, :, :attended], values[:rows, :, :attended], mask, self.scale)
+            hidden, mlp = self._output_parts(hidden, attended_out, w, self.decode_parts, self.decode_mlp)
+        return self._head((hidden + mlp)[:, 0])
+
+
+class HFDecoder(Decoder):
+    """An HF Llama-family causal LM's own modules and parameters (module docstring)."""
 
     def __init__(self, model, compile: bool = False, fuse_projections: bool = False, attention: str = "sdpa"):
         config = model.config
@@ -293,28 +428,13 @@ class HFDecoder:
         self.model = model
         self.base = model.get_decoder()
         first = self.base.layers[0]
-        self.num_layers = len(self.base.layers)
         self.shape = Shape(config.num_attention_heads, config.num_key_value_heads, first.self_attn.head_dim,
                            first.input_layernorm.variance_epsilon)
         self.scale = first.self_attn.scaling
         self.fuse_projections = fuse_projections
         self.layers = [self._weights(layer) for layer in self.base.layers]
-        self.head = model.get_output_embeddings()
-        # The decode step's layer functions; prefill keeps the eager ones (its shapes vary per call).
-        if attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, got {attention!r}")
-        if attention == "triton" and not decode_attention.available():
-            raise ValueError("decode attention triton needs the triton package (it comes with torch's CUDA builds)")
-        self.attention = DECODE_ATTENTION[attention]
-        self.decode_inputs, self.decode_output = decode_inputs_written, layer_output_parts
-        self.decode_attention = self.attention.attend
-        if compile:
-            rows, cache = (0,), (0, 2)  # a step's rows; a cache's slots and length
-            self.decode_inputs = compile_varying(decode_inputs_written, {0: rows, 1: rows, 3: rows, 4: rows, 5: cache,
-                                                                          6: cache, 7: rows})
-            self.decode_output = compile_varying(layer_output_parts, {0: rows, 1: rows})
-            if self.attention.compiled:
-                self.decode_attention = compile_varying(self.attention.attend, {0: rows, 1: cache, 2: cache, 3: (0, 1)})
+        self.output = model.get_output_embeddings()
+        super().__init__(compile, attention)
 
     def _weights(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
@@ -351,56 +471,9 @@ class HFDecoder:
     def dtype(self) -> torch.dtype:
         return self.base.embed_tokens.weight.dtype
 
-    def new_cache(self, slots: int, length: int) -> SlotKVCache:
-        return SlotKVCache(self.num_layers, slots, length, self.shape.kv_heads, self.shape.head_dim, self.dtype,
-                           self.device)
-
-    def cache_bytes_per_slot_token(self) -> int:
-        return SlotKVCache.bytes_per_slot_token(self.num_layers, self.shape.kv_heads, self.shape.head_dim, self.dtype)
-
-    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: SlotKVCache,
-                starts: torch.Tensor) -> torch.Tensor:
-        """Run right-padded prompt tails `ids` [b, s] (real lengths [b]) into `slots` [b] at positions
-        `starts` [b] on: each slot already holds the K/V of its positions [0, start) (a prefix kept
-        from an earlier call, or none when start is 0). Float32 logits [b, V] of each tail's last token."""
-        width, device = ids.shape[1], ids.device
-        positions = starts[:, None] + torch.arange(width, device=device)[None]  # [b, s]
-        real_rows, real_columns = (torch.arange(width, device=device)[None] < lengths[:, None]).nonzero(as_tuple=True)
-        written_slots, written_positions = slots[real_rows], positions[real_rows, real_columns]
-        end = int((starts + lengths).max())
-        # Query i of a row sees cache positions <= start + i: its prefix and its own tail up to itself.
-        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None])[:, None]  # [b, 1, s, end]
-        hidden, (cos, sin) = self._embed(ids, positions)
-        for index, w in enumerate(self.layers):
-            q, k, v = attention_inputs(hidden, w, cos, sin, self.shape)
-            keys, values = cache.keys[index], cache.values[index]
-            keys[written_slots, :, written_positions] = k.transpose(1, 2)[real_rows, real_columns]
-            values[written_slots, :, written_positions] = v.transpose(1, 2)[real_rows, real_columns]
-            attended = attend_prefill(q, keys[slots, :, :end], values[slots, :, :end], mask, self.scale)
-            hidden = layer_output(hidden, attended, w, self.shape)
-        last = hidden[torch.arange(len(ids), device=device), lengths - 1]  # [b, h]
-        return self._logits(last)
-
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache, attended: int) -> torch.Tensor:
-        """One token per slot of [0, b): `ids`, `positions` [b], every position < `attended`; logits
-        [b, V] of the next token in the model's dtype (the sampler reads them in float32: a float32
-        copy of a 152k vocabulary would cost a write and a read per step)."""
-        rows = len(ids)
-        mask = self.attention.mask_of(positions, attended, self.dtype)
-        hidden, (cos, sin) = self._embed(ids[:, None], positions[:, None])
-        mlp = torch.zeros_like(hidden)  # the first layer's input has no second term
-        for index, w in enumerate(self.layers):
-            keys, values = cache.keys[index], cache.values[index]
-            hidden, q = self.decode_inputs(hidden, mlp, w, cos, sin, keys, values, positions, self.shape)
-            attended_out = self.decode_attention(q, keys[:rows, :, :attended], values[:rows, :, :attended], mask, self.scale)
-            hidden, mlp = self.decode_output(hidden, attended_out, w, self.shape)
-        return self.head(self.base.norm((hidden + mlp)[:, 0]))
-
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor):
-        """Token embeddings [b, s, h] and the model's rotary (cos, sin) at `positions` [b, s]."""
         hidden = self.base.embed_tokens(ids)
         return hidden, self.base.rotary_emb(hidden, positions)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and output head; float32 logits."""
-        return self.head(self.base.norm(hidden)).float()
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(self.base.norm(hidden))

@@ -37,6 +37,7 @@ import heapq
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -192,14 +193,18 @@ class RolloutEngine(GenerationEngine):
         self.update_weights(model)
 
     def update_weights(self, policy_model) -> None:
-        """Run the policy's parameters themselves (nothing is copied)."""
+        """Run the policy's parameters themselves (nothing is copied): an HF model's, or those of a
+        model that provides `rollout_decoder(compile, fuse_projections, attention)` (the Megatron
+        backend's `MegatronGenerationModel`)."""
         self.kept = None
         self.model = policy_model
         self.on_gpu = next(policy_model.parameters()).device.type == "cuda"
         compile = self.on_gpu and self.cfg.compile
         if getattr(self, "decoder", None) is None or self.decoder.model is not policy_model:
-            self.decoder = HFDecoder(policy_model, compile=compile, fuse_projections=self.cfg.fuse_projections,
-                                     attention=self.cfg.attention)
+            # A backend's model may bring its own decoder (the Megatron backend's shards); else an HF model's.
+            make_decoder = getattr(policy_model, "rollout_decoder", None) or partial(HFDecoder, policy_model)
+            self.decoder = make_decoder(compile=compile, fuse_projections=self.cfg.fuse_projections,
+                                        attention=self.cfg.attention)
             # Fully dynamic: with a static 152k vocabulary Inductor folds the sampler's hash constants
             # into an int32 literal that overflows (torch 2.11, Triton 3.6).
             self.sample = torch.compile(sample, dynamic=True) if compile else sample

@@ -1,7 +1,10 @@
 """Generation split across the processes of a torchrun run: each rank samples a share of every call.
 
-Every rank holds a full copy of the model the engine samples from (the policy's HF module; the
-megatron backend gathers its shards into it after each update), so any rank can serve any request.
+Either every rank holds a whole model the engine samples from (the policy's HF module, or the
+Megatron backend's HF copy refitted after each update), so any rank can serve any request; or the
+engine decodes on the Megatron backend's tensor-parallel shards, where the TP ranks of one DP rank
+decode the same requests together, so the split runs over the data-parallel group (the engine's
+model names it: `split_group`) and W, r below are that group's size and rank.
 `RankSplitEngine` wraps the configured engine: for each `generate` call, rank r of W continues its
 contiguous share of the prompts (`distributed.share`: the first `len % W` ranks take one more),
 then the outputs are all-gathered (`distributed.map_split`), so every rank returns the same full
@@ -39,14 +42,19 @@ class RankSplitEngine(GenerationEngine):
     """`inner` on this rank's share of each call's prompts; every rank returns all outputs, in order.
 
     A collective: every rank must call `generate` with the same number of prompts and the same params.
+    With `group` (an engine on tensor-parallel shards: the data-parallel group), shares and seeds go
+    by the rank within it, so the ranks that hold one model's shards get the same share and seed and
+    decode it together.
     """
 
-    def __init__(self, inner: GenerationEngine):
+    def __init__(self, inner: GenerationEngine, group=None):
         self.inner = inner
+        self.group = group
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        share_params = replace(params, seed=rank_seed(params, distributed.rank(), distributed.world_size()))
-        return distributed.map_split(lambda share: self.inner.generate(share, share_params), prompts)
+        world, rank_index = dist.get_world_size(self.group), dist.get_rank(self.group)
+        share_params = replace(params, seed=rank_seed(params, rank_index, world))
+        return distributed.map_split(lambda share: self.inner.generate(share, share_params), prompts, self.group)
 
     def release_memory(self) -> None:
         self.inner.release_memory()
@@ -63,8 +71,9 @@ def rank_seed(params: SamplingParams, rank_index: int, world: int) -> int | None
     return seed * world + rank_index
 
 
-def split_across_ranks(engine: GenerationEngine, enabled: bool) -> GenerationEngine:
-    """`engine` wrapped in a RankSplitEngine if `enabled` and the process group has several ranks."""
-    if enabled and dist.is_initialized() and dist.get_world_size() > 1:
-        return RankSplitEngine(engine)
+def split_across_ranks(engine: GenerationEngine, enabled: bool, group=None) -> GenerationEngine:
+    """`engine` wrapped in a RankSplitEngine over `group` (default: every rank) if `enabled` and the
+    group has several ranks."""
+    if enabled and dist.is_initialized() and dist.get_world_size(group) > 1:
+        return RankSplitEngine(engine, group)
     return engine

@@ -11,6 +11,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -129,10 +130,19 @@ class PolicyConfig:
             raise ValueError(f"policy.kernels must be auto, none or liger, got {self.kernels!r}")
 
 
+class Reference(Protocol):
+    """The KL penalty's reference: a frozen copy of the starting policy."""
+
+    def logprobs(self, batch: ExperienceBatch, temperature: float) -> torch.Tensor:
+        """Log-probs [B, R] of the response tokens, float32 on the CPU, zero past each response."""
+
+
 class Policy(abc.ABC):
     """A trainable policy."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # the HF module checkpoints save; None for a backend that keeps no HF copy
+    device: torch.device  # where it trains
+    restores_own_weights: bool = False  # `load_sharded` restores the weights: a resume skips the checkpoint's model.safetensors
     def fills_old_logprobs(self, batch_size: int) -> bool:
         """Whether `train` would fill a batch of this size that has no old log-probs from its own
         forward (the on-policy shortcut, trainer/loop.py): the loss then sees old = current, detached."""
@@ -153,6 +163,15 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
+
+    @abc.abstractmethod
+    def frozen_reference(self) -> Reference:
+        """The KL reference, built from the weights the policy starts from (call before any training)."""
+
+    def generation_model(self, engine_name: str) -> torch.nn.Module:
+        """What the generation engine `engine_name` runs, handed to it again after each update
+        (`engine.update_weights`). Default: `model`."""
+        return self.model
 
     def sync_weights(self) -> None:
         """Bring `model` (what the generation engine samples and checkpoints save) up to date after

@@ -87,8 +87,8 @@ class HFPolicy(Policy):
 
     def __init__(self, model: PreTrainedModel, cfg: PolicyConfig, total_steps: int):
         self.cfg = cfg
-        device = resolve_device(cfg.device)
-        self.model = model.to(device=device, dtype=resolve_dtype(cfg.dtype, device))
+        self.device = resolve_device(cfg.device)
+        self.model = model.to(device=self.device, dtype=resolve_dtype(cfg.dtype, self.device))
         apply_kernels(self.model, cfg.kernels)
         optim = cfg.optim
         self.optimizer = torch.optim.AdamW(
@@ -199,6 +199,9 @@ class HFPolicy(Policy):
 
     def save_pretrained(self, directory: str) -> None:
         self.model.save_pretrained(directory, safe_serialization=True)
+
+    def frozen_reference(self) -> "FrozenReference":
+        return FrozenReference(self.model, self.cfg.logprob_chunk_size, self.cfg.micro_batch_size)
 
 
 class FrozenReference:

@@ -246,7 +246,7 @@ def build_server(cfg) -> GenerationServer:
     device = resolve_device(cfg.policy.device)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(cfg.policy.dtype, device)).to(device)
     model.eval()
-    name = generation_engine_name(cfg, model)
+    name = generation_engine_name(cfg, model.config, device)
     if name == "remote":
         raise ConfigError("generator.engine=remote cannot be served: choose the engine the server runs (hf, rollout, auto)")
     logger.info("serving %s with the %s engine", model_dir, name)

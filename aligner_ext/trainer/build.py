@@ -24,8 +24,8 @@ from aligner_ext.generation.base import ENGINES, GenerationEngine
 from aligner_ext.generation.decoder import unsupported
 from aligner_ext.generation.sharded import split_across_ranks
 from aligner_ext.losses.base import LOSSES, Loss
-from aligner_ext.models.base import POLICIES, Policy
-from aligner_ext.models.hf import FrozenReference, resolve_device
+from aligner_ext.models.base import POLICIES, Policy, Reference
+from aligner_ext.models.hf import resolve_device
 from aligner_ext.models.tiny import build_char_tokenizer, build_tiny_model
 from aligner_ext.models.warmup import supervised_warmup
 from aligner_ext.rewards.manager import RewardManager
@@ -40,8 +40,9 @@ class Components:
 
     tokenizer: object
     policy: Policy
-    reference: FrozenReference | None
+    reference: Reference | None
     engine: GenerationEngine
+    generation_model: torch.nn.Module  # what the engine runs (`Policy.generation_model`), handed to it after each update
     rewards: RewardManager
     maker: ExperienceMaker
     advantage: object
@@ -50,13 +51,14 @@ class Components:
     val_loader: PromptLoader | None  # None when there is no validation set
 
 
-def generation_engine_name(cfg: RunConfig, model) -> str:
+def generation_engine_name(cfg: RunConfig, model_config, device: torch.device) -> str:
     """`generator.engine`, with `auto` resolved: the rollout engine where the benchmarks measure it
-    faster (docs/benchmarks.md: the HF backend on a GPU, a decoder it runs), else the HF engine."""
+    faster (docs/benchmarks.md: on a GPU, for a decoder it runs, on the HF backend or on the Megatron
+    backend's shards without pipeline stages), else the HF engine."""
     if cfg.generator.engine != "auto":
         return cfg.generator.engine
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    return "rollout" if on_gpu and cfg.policy.backend == "hf" and unsupported(model.config) is None else "hf"
+    runs_there = cfg.policy.backend == "hf" or cfg.policy.pipeline_model_parallel_size == 1
+    return "rollout" if device.type == "cuda" and runs_there and unsupported(model_config) is None else "hf"
 
 
 def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
@@ -129,12 +131,11 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         raise
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     policy = POLICIES.get(cfg.policy.backend)(model, cfg.policy, cfg.trainer.total_steps)
-    reference = None
-    if cfg.loss.kl_coef > 0:
-        reference = FrozenReference(policy.model, cfg.policy.logprob_chunk_size, cfg.policy.micro_batch_size)
-    engine_name = generation_engine_name(cfg, policy.model)
-    engine = split_across_ranks(ENGINES.get(engine_name)(policy.model, tokenizer, getattr(cfg.generator, engine_name)),
-                                cfg.generator.split_across_ranks)
+    reference = policy.frozen_reference() if cfg.loss.kl_coef > 0 else None
+    engine_name = generation_engine_name(cfg, model.config, policy.device)
+    generation_model = policy.generation_model(engine_name)
+    engine = split_across_ranks(ENGINES.get(engine_name)(generation_model, tokenizer, getattr(cfg.generator, engine_name)),
+                                cfg.generator.split_across_ranks, getattr(generation_model, "split_group", None))
     ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=engine, rewards=rewards)
     advantage = ADVANTAGES.get(cfg.algorithm.adv_estimator).from_context(ctx)
     loss = LOSSES.get(cfg.algorithm.loss).from_context(ctx)
@@ -148,7 +149,8 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         raise
     rewards.start()  # the workers start up while the first rollouts generate
     return Components(
-        tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, rewards=ctx.rewards,
+        tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, generation_model=generation_model,
+        rewards=ctx.rewards,
         maker=maker, advantage=advantage, loss=loss, train_loader=train_loader, val_loader=val_loader,
     )
 

@@ -170,15 +170,16 @@ class Checkpointer:
             if _sha256(file) != expected["sha256"]:
                 raise CorruptCheckpoint(f"{file}: its SHA-256 differs from the manifest's (corrupted)")
 
-    def save(self, step: int, model: torch.nn.Module, tokenizer, state: dict[str, Any],
+    def save(self, step: int, model: torch.nn.Module | None, tokenizer, state: dict[str, Any],
              save_sharded: Callable[[Path], None] | None = None) -> Path:
         """Write step `step`; `state` holds everything but the weights (optimizer, loader, ...).
         Every process calls this; the main process's `state` and `model` are written (they must be
-        the same on all), and `save_sharded(directory)` runs on every process inside the new checkpoint."""
+        the same on all; no `model.safetensors` when `model` is None: `save_sharded` holds the
+        weights), and `save_sharded(directory)` runs on every process inside the new checkpoint."""
         final = self.directory / f"step_{step}"
         tmp = self.directory / f".step_{step}.tmp"
         if is_main_process():
-            poisoned = [name for name, tensor in model.state_dict().items()
+            poisoned = [] if model is None else [name for name, tensor in model.state_dict().items()
                         if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
             if poisoned:  # a resume from it could only fail or train on garbage: keep the previous checkpoint
                 raise RuntimeError(f"not saving step {step}: non-finite values in {len(poisoned)} weight tensor(s) "
@@ -193,7 +194,8 @@ class Checkpointer:
         barrier()
         if is_main_process():
             torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
-            save_weights(model, tmp / "model.safetensors")
+            if model is not None:
+                save_weights(model, tmp / "model.safetensors")
             tokenizer.save_pretrained(str(tmp / "tokenizer"))
             _write_manifest(tmp, step)
             follow_umask(tmp)
@@ -215,8 +217,18 @@ class Checkpointer:
         self._prune(keep=final)
         logger.info("saved checkpoint %s", final)
 
-    def load(self, path: Path, model: torch.nn.Module) -> dict[str, Any]:
-        """Load the weights into `model` and the RNG states; return the rest of the saved state."""
+    def load(self, path: Path, model: torch.nn.Module | None) -> dict[str, Any]:
+        """Load the weights into `model` (none when it is None: the policy restores its own from its
+        sharded state) and the RNG states; return the rest of the saved state."""
+        if model is not None:
+            self._load_weights(path, model)
+        state = load_trainer_state(path / STATE_FILE)
+        set_rng_state(state["rng"])
+        logger.info("resumed from %s (step %d)", path, state["step"])
+        return state
+
+    @staticmethod
+    def _load_weights(path: Path, model: torch.nn.Module) -> None:
         try:
             missing, unexpected = load_weights(model, path / "model.safetensors")
         except SafetensorError as err:  # unverified (older) checkpoints only: a verified file parses
@@ -225,10 +237,6 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} does not fit the model: {err}") from err
         if missing or unexpected:
             raise CheckpointError(f"checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
-        state = load_trainer_state(path / STATE_FILE)
-        set_rng_state(state["rng"])
-        logger.info("resumed from %s (step %d)", path, state["step"])
-        return state
 
     def _prune(self, keep: Path) -> None:
         if self.keep_last <= 0:

@@ -144,7 +144,7 @@ def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, 
         metrics = parts.policy.train(batch, parts.loss, temperature)
     with timer("weight_sync"):
         parts.policy.sync_weights()
-        parts.engine.update_weights(parts.policy.model)
+        parts.engine.update_weights(parts.generation_model)
     metrics.update(parts.advantage.metrics())
     metrics.update(batch_metrics(batch))
     return metrics
@@ -193,7 +193,7 @@ def resume(cfg: RunConfig, parts: Components, checkpointer: Checkpointer) -> tup
     for path in candidates:
         try:
             checkpointer.verify(path)
-            state = checkpointer.load(path, parts.policy.model)
+            state = checkpointer.load(path, None if parts.policy.restores_own_weights else parts.policy.model)
             break
         except CorruptCheckpoint as err:
             failures.append(str(err))
@@ -209,5 +209,5 @@ def resume(cfg: RunConfig, parts: Components, checkpointer: Checkpointer) -> tup
     parts.policy.load_state_dict(state["policy"])
     parts.train_loader.load_state_dict(state["loader"])
     parts.maker.load_state_dict(state["maker"])
-    parts.engine.update_weights(parts.policy.model)
+    parts.engine.update_weights(parts.generation_model)
     return state["step"], state["eval_before"]

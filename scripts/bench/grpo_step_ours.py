@@ -148,7 +148,7 @@ def main() -> None:
     write_json(args.out, {
         "system": args.system or ("ours" if args.engine == "hf" else f"ours_{args.engine}"), "variant": args.variant, "startup_s": startup_s, "warmup_steps": args.warmup,
         "steps": steps, "settings": {"overrides": settings,
-                                     "policy_dtype": str(parts.policy.model.dtype),
+                                     "policy_dtype": str(next(parts.generation_model.parameters()).dtype),
                                      "forward_passes_per_step": forward_passes},
     })
 

@@ -18,7 +18,9 @@ Engines (--engines):
   compiled_unfused  the defaults with q/k/v and gate/up as separate products (fuse_projections=false);
   compiled_flex  the defaults with FlexAttention for the decode attention (attention=flex);
   compiled_triton  the defaults with the Triton split-KV kernel (generation/decode_attention.py) for
-              the decode attention (the defaults use torch SDPA, cuDNN on an H100).
+              the decode attention (the defaults use torch SDPA, cuDNN on an H100);
+  compiled_megatron  the defaults on a Megatron GPTModel built from the same weights at TP=1
+              (models/megatron/decoder.py: what the Megatron backend generates with; needs megatron-core).
 
 --round2 ENGINES: MTPO's second round after the first, for each engine: every first-round sequence's prompt +
 its response + a 3-token question, ROUND2_COPIES times, continued for ROUND2_TOKENS tokens; the second
@@ -68,6 +70,7 @@ ENGINE_SETTINGS = {
     "compiled_unfused": {"cuda_graphs": True, "compile": True, "fuse_projections": False},
     "compiled_flex": {"cuda_graphs": True, "compile": True, "attention": "flex"},
     "compiled_triton": {"cuda_graphs": True, "compile": True, "attention": "triton"},
+    "compiled_megatron": {"cuda_graphs": True, "compile": True},
 }
 ROUND2_COPIES, ROUND2_TOKENS = 2, 64  # --round2: continuations per first-round sequence, and their length
 NEVER_STOP = "<never occurs>"
@@ -79,7 +82,26 @@ def build_engine(name: str, model, tokenizer, sequences: int, **settings):
 
     if name == "hf":
         return HFGenerationEngine(model, tokenizer, HFEngineConfig(batch_size=sequences))
+    if name.endswith("_megatron"):
+        model = megatron_model(model)
     return RolloutEngine(model, tokenizer, RolloutEngineConfig(max_batch_size=sequences, **ENGINE_SETTINGS[name], **settings))
+
+
+def megatron_model(model):
+    """A TP=1 Megatron GPTModel with `model`'s weights, as the Megatron backend hands it to the engine."""
+    from megatron.core import parallel_state
+
+    from aligner_ext.models.megatron import convert
+    from aligner_ext.models.megatron.decoder import MegatronGenerationModel
+    from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
+    from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
+
+    if not parallel_state.model_parallel_is_initialized():
+        init_distributed()
+        init_model_parallel(1, 1)
+    core = build_gpt_model(model.config, transformer_config(model.config, 1, 1, model.dtype), model.device)
+    convert.load_shard(core, convert.hf_to_megatron_shard(model.state_dict(), model.config, 1, 1, 0, 0))
+    return MegatronGenerationModel(core.eval(), model.config, model.generation_config)
 
 
 def workload(preset, tokenizer, seed: int = 0) -> list[list[int]]:

@@ -8,9 +8,13 @@ each DP rank 2). Each layout is one launch (~20 s). Asserted:
   (MegatronPolicy._check_replicated would raise otherwise);
 - rank 0 alone wrote: one metrics line per step, one TensorBoard event file, 2 samples per step;
 - it trained: every metric finite, a gradient at every step, exported weights moved from the start;
-- with the KL term (DP=2): the KL to the reference is ~0 at step 1 (the policy starts as the
-  reference) and positive after the first update.
-The numerics of each layout are pinned against HF by test_megatron_tp_pp.py.
+- with the KL term (DP=2; TP=2 with the sharded reference): the KL to the reference is ~0 at step
+  1 (the policy starts as the reference) and positive after the first update.
+- TP=2 with the rollout engine on the GPTModel's shards (`generator.engine=rollout`, the HF copy
+  dropped): checkpoints hold the distributed checkpoint and no `model.safetensors`, a resumed run
+  continues from them, and the export gathers the shards.
+The numerics of each layout are pinned against HF by test_megatron_tp_pp.py, the sharded
+generation by test_megatron_rollout.py.
 """
 
 import json
@@ -33,7 +37,10 @@ COMMON = [o for o in OVERRIDES if o.split("=")[0] not in REPLACED] + [
     "policy.tensor_model_parallel_size=1", "trainer.total_steps=2", "trainer.save_every=0", "policy.micro_batch_size=4",
 ]
 # DP=2 also runs a KL term: the reference log-probs are split across the ranks (FrozenReference).
-LAYOUTS = {"pp2": ["policy.pipeline_model_parallel_size=2"], "dp2": ["loss.kl_coef=0.01"]}
+LAYOUTS = {"pp2": ["policy.pipeline_model_parallel_size=2"], "dp2": ["loss.kl_coef=0.01"],
+           "tp2_rollout": ["policy.tensor_model_parallel_size=2", "generator.engine=rollout", "loss.kl_coef=0.01",
+                           "trainer.save_every=1"]}
+KL_LAYOUTS = ("dp2", "tp2_rollout")
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -59,8 +66,8 @@ def test_rank_0_alone_logs_finite_metrics_of_every_step(run):
 
 def test_the_kl_term_sees_the_policy_leave_the_reference(run):
     layout, run_dir = run
-    if layout != "dp2":
-        pytest.skip("the KL term runs at DP=2")
+    if layout not in KL_LAYOUTS:
+        pytest.skip(f"the KL term runs at {', '.join(KL_LAYOUTS)}")
     history = records(run_dir)
     assert abs(history[1]["loss/kl"]) < 1e-6  # Megatron and HF float32 log-probs of the same weights
     assert history[2]["loss/kl"] > 1e-6
@@ -73,3 +80,15 @@ def test_the_exported_policy_trained_away_from_the_start(run):
     base = load_file(str(run_dir / "base_model" / "model.safetensors"))
     assert base.keys() <= exported.keys()
     assert max((exported[k] - base[k]).abs().max().item() for k in base) > 1e-4
+
+
+def test_generating_on_the_shards_checkpoints_them_alone_and_resumes(run, tmp_path):
+    layout, run_dir = run
+    if layout != "tp2_rollout":
+        pytest.skip("the rollout engine on the shards runs at tp2_rollout")
+    step_2 = run_dir / "checkpoints" / "step_2"
+    assert sorted(p.name for p in step_2.iterdir()) == ["manifest.json", "megatron", "tokenizer", "trainer_state.pt"]
+    launch(run_dir.parent, layout, COMMON + LAYOUTS[layout] + ["trainer.total_steps=3", "trainer.resume=true"])
+    history = records(run_dir)
+    assert [r["step"] for r in history][-2:] == [2, 3]  # one more step after the resumed step 2
+    assert all(math.isfinite(v) for v in history[-1].values())

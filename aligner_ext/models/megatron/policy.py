@@ -9,10 +9,15 @@ masks are False, `forward.pad_rows`).
 - `train`: per mini-batch, the loss's global counts are taken over the *whole* mini-batch (all DP
   ranks), each micro-batch loss divides by them, DDP sums gradients over DP (optimizer.py), so the
   update does not depend on the DP size or the micro-batch split (tests/megatron).
-- Weights for generation and checkpoints: `self.model` is an HF model on this rank's device;
-  `sync_weights` (called by the loop after each `train`, in its weight-sync stage) copies the
-  Megatron weights into it in memory (`weights.py`), so the HF generation engine and the
-  checkpoint see the current policy without a disk round trip; `save_pretrained` syncs itself.
+- Weights for generation (`generation_model`): the rollout engine decodes on the GPTModel's own
+  shards (`decoder.py`); the HF copy `self.model` is then dropped (None: no full copy of the
+  weights on any rank), checkpoints hold the distributed checkpoint alone and `save_pretrained`
+  gathers the shards into a transient host model to write. Any other engine samples the HF copy,
+  moved to this rank's device; `sync_weights` (called by the loop after each `train`, in its
+  weight-sync stage) copies the Megatron weights into it in memory (`weights.py`), so the engine
+  and the checkpoint see the current policy without a disk round trip.
+- The KL reference (`frozen_reference`) is a second GPTModel of the starting weights, sharded and
+  scheduled as the policy (frozen, no optimizer).
 
 Under the training loop every process runs the same loop on the same seeds, so every rank samples
 the same batch; `_check_replicated` verifies this (a fingerprint all-gathered per call) and raises
@@ -37,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.errors import ConfigError
@@ -48,6 +53,7 @@ from aligner_ext.models.megatron import convert, dist_checkpoint
 from aligner_ext.models.megatron.forward import (
     Packed, filler_rows, forward_backward, forward_logprobs, pack, pad_rows,
 )
+from aligner_ext.models.megatron.decoder import MegatronGenerationModel
 from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
 from aligner_ext.models.megatron.optimizer import apply_settings, build_optimizer, clipped_step, set_lr, wrap_ddp
 from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
@@ -59,6 +65,8 @@ PACK_PAD_ID = 0  # fills the columns after each row's real tokens; never attende
 class MegatronPolicy(Policy):
     """A megatron-core GPTModel built from an HF model, trained with megatron-core's DDP and AdamW."""
 
+    restores_own_weights = True  # the distributed checkpoint holds them (save_sharded)
+
     def __init__(self, model: PreTrainedModel, cfg: PolicyConfig, total_steps: int):
         if cfg.kernels == "liger":
             raise ConfigError(f"policy.kernels={cfg.kernels} is for the HF backend; the Megatron backend's layers "
@@ -66,13 +74,10 @@ class MegatronPolicy(Policy):
         self.cfg = cfg
         self.device = init_distributed()
         init_model_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
-        self.hf_config = model.config
-        dtype = resolve_dtype(cfg.dtype, self.device)
-        self.model = model.to(device=self.device, dtype=dtype)
-        config = transformer_config(model.config, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                                    dtype, cfg.sequence_parallel)
-        self.core = build_gpt_model(model.config, config, self.device)
-        self._load_core_from_hf()
+        self.hf_config, self.generation_config = model.config, model.generation_config
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.model = model.to(dtype=self.dtype)  # stays on the host until an engine samples it (generation_model)
+        self.core = self._core_from_hf()
         self.ddp = wrap_ddp(self.core, cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, cfg.use_distributed_optimizer)
         self.lr_at = lr_lambda(cfg.optim, total_steps)
@@ -80,16 +85,37 @@ class MegatronPolicy(Policy):
         self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_in_a_row)
         set_lr(self.optimizer, cfg.optim.lr * self.lr_at(0))
 
-    def _load_core_from_hf(self) -> None:
+    def _core_from_hf(self) -> torch.nn.Module:
+        """This rank's GPTModel with its shard of the HF copy's weights."""
         tp, pp = self.cfg.tensor_model_parallel_size, self.cfg.pipeline_model_parallel_size
+        config = transformer_config(self.hf_config, tp, pp, self.dtype, self.cfg.sequence_parallel)
+        core = build_gpt_model(self.hf_config, config, self.device)
         shard = convert.hf_to_megatron_shard(
             self.model.state_dict(), self.hf_config, tp, pp,
             parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
         )
-        convert.load_shard(self.core, shard)
+        convert.load_shard(core, shard)
+        return core
+
+    def frozen_reference(self) -> "MegatronReference":
+        if self.model is None:
+            raise RuntimeError("the KL reference is built from the starting weights: call frozen_reference before "
+                               "generation_model drops the HF copy")
+        return MegatronReference(self)
+
+    def generation_model(self, engine_name: str) -> torch.nn.Module:
+        """The rollout engine runs the GPTModel's shards, and the HF copy is dropped; any other engine
+        samples the HF copy on this rank's device, refitted after each update (module docstring)."""
+        if engine_name == "rollout":
+            self.model = None
+            return MegatronGenerationModel(self.core, self.hf_config, self.generation_config)
+        return self.model.to(self.device)
 
     def sync_weights(self) -> None:
-        """Copy the current Megatron weights into `self.model`, in place on the device (`weights.py`)."""
+        """Copy the current Megatron weights into the HF copy, in place on its device (`weights.py`);
+        nothing without one."""
+        if self.model is None:
+            return
         refit_hf_model(self.core, self.model, self.hf_config)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the copies are queued: the loop's timer should see them
@@ -132,8 +158,14 @@ class MegatronPolicy(Policy):
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_replicated(batch)
         self.ddp.eval()
+        return self.logprobs_of(self.ddp, batch, temperature)
+
+    def logprobs_of(self, model: torch.nn.Module, batch: ExperienceBatch, temperature: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy [B, R] of `model` (the policy's or the reference's GPTModel, laid out
+        as the policy's) on every rank: each DP rank scores its rows, then they are all-gathered."""
         packed, per_rank, _ = self._micro_batches(batch)
-        lp, ent = forward_logprobs(self.ddp, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
+        lp, ent = forward_logprobs(model, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
                                    temperature)
         both = torch.stack([lp[:per_rank], ent[:per_rank]])
         dp = parallel_state.get_data_parallel_world_size()
@@ -203,7 +235,14 @@ class MegatronPolicy(Policy):
         set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
 
     def save_sharded(self, directory: Path) -> None:
-        """Write the weights and optimizer state into `directory/megatron` (collective)."""
+        """Write the weights and optimizer state into `directory/megatron` (collective); refuse weights
+        holding NaN or infinity on any rank (the checkpointer's own check reads the HF copy, which a
+        run generating on the shards does not keep)."""
+        finite = torch.tensor([all(bool(torch.isfinite(p).all()) for p in self.core.parameters())], device=self.device)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():
+            raise RuntimeError(f"not saving {directory.name}: non-finite values in the policy's weights; the last "
+                               "finite checkpoint stays the latest")
         dist_checkpoint.save(directory / dist_checkpoint.DIRECTORY, self.core, self.optimizer)
 
     def load_sharded(self, directory: Path) -> None:
@@ -212,8 +251,28 @@ class MegatronPolicy(Policy):
         self.sync_weights()
 
     def save_pretrained(self, directory: str) -> None:
-        """Write the current weights as an HF checkpoint (rank 0 writes; every rank waits)."""
-        self.sync_weights()
+        """Write the current weights as an HF checkpoint (rank 0 writes; every rank waits). Without an
+        HF copy the shards are gathered into a transient one on the host."""
+        if self.model is None:
+            model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
+            model.generation_config = self.generation_config
+            refit_hf_model(self.core, model, self.hf_config)
+        else:
+            self.sync_weights()
+            model = self.model
         if dist.get_rank() == 0:
-            self.model.save_pretrained(directory, safe_serialization=True)
+            model.save_pretrained(directory, safe_serialization=True)
         dist.barrier()
+
+
+class MegatronReference:
+    """The KL reference: a frozen GPTModel of the policy's starting weights, with the policy's layout
+    (TP / PP shards, DP split of the rows, micro-batches)."""
+
+    def __init__(self, policy: MegatronPolicy):
+        self.policy = policy
+        self.core = policy._core_from_hf().eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def logprobs(self, batch: ExperienceBatch, temperature: float) -> torch.Tensor:
+        return self.policy.logprobs_of(self.core, batch, temperature)[0]

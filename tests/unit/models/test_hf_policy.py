@@ -141,7 +141,7 @@ def one_loop_step(model, tokenizer, advantage, **overrides):
 
     policy = CountingPolicy(copy.deepcopy(model), PolicyConfig(device="cpu", dtype="float64", **overrides), 10)
     engine = SimpleNamespace(update_weights=lambda model: None, release_memory=lambda: None)
-    parts = SimpleNamespace(policy=policy, reference=None, advantage=advantage, engine=engine,
+    parts = SimpleNamespace(policy=policy, reference=None, advantage=advantage, engine=engine, generation_model=policy.model,
                             loss=ClippedPGLoss(ClippedPGLoss.Config()))
     batch = ragged_batch(len(tokenizer))
     batch.rewards = batch.correct = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0])

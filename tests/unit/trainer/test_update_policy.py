@@ -44,7 +44,7 @@ class Recorder:
         self.calls.append("engine.release_memory")
 
     def update_weights(self, model):
-        self.calls.append(f"engine.update_weights({'policy.model' if model is self.model else 'other'})")
+        self.calls.append(f"engine.update_weights({'generation_model' if model is self.model else 'other'})")
 
 
 def two_sample_batch() -> ExperienceBatch:
@@ -60,10 +60,11 @@ def two_sample_batch() -> ExperienceBatch:
 
 def test_engine_gets_the_weights_after_the_policy_synced_them():
     recorder = Recorder()
-    parts = SimpleNamespace(policy=recorder, reference=None, advantage=recorder, engine=recorder, loss=None)
+    parts = SimpleNamespace(policy=recorder, reference=None, advantage=recorder, engine=recorder, loss=None,
+                            generation_model=recorder.model)
     timer = StageTimer()
     update_policy(parts, two_sample_batch(), timer, temperature=1.0)
     # the engine frees what it holds before any training-side pass, and gets the weights after the sync
     assert recorder.calls == ["engine.release_memory", "policy.logprobs", "advantage", "policy.train",
-                              "policy.sync_weights", "engine.update_weights(policy.model)"]
+                              "policy.sync_weights", "engine.update_weights(generation_model)"]
     assert set(timer.metrics()) >= {"timing/train_s", "timing/weight_sync_s"}
