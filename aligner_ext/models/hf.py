@@ -39,6 +39,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
+def cast_model(model: PreTrainedModel, device: torch.device | None = None, dtype: torch.dtype | None = None
+               ) -> PreTrainedModel:
+    """`model.to(device, dtype)` with the rotary embedding's inverse frequencies kept in float32.
+
+    `.to(dtype)` casts every floating buffer, transformers' `inv_freq` included: rounded to bf16, the
+    angle of position 500 moves by up to ~0.1 rad, a different model from the one the Megatron
+    backend (megatron-core keeps them in float32), the rollout engine on its shards and the
+    generation servers compute, which shows as a log-prob mismatch between them. They are computed
+    again from the config, in float32.
+    """
+    model.to(device=device, dtype=dtype)
+    for module in model.modules():
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(module, "rope_type"):
+            exact = type(module)(module.config)
+            for name in ("inv_freq", "original_inv_freq"):
+                if hasattr(module, name):
+                    setattr(module, name, getattr(exact, name).to(module.inv_freq.device))
+    return model
+
+
 def lr_lambda(cfg: OptimConfig, total_steps: int):
     """Multiplier of the peak lr at a given RL step: linear warm-up, then constant/linear/cosine
     (`OptimConfig` has checked the schedule's name)."""
@@ -88,7 +108,7 @@ class HFPolicy(Policy):
     def __init__(self, model: PreTrainedModel, cfg: PolicyConfig, total_steps: int):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.model = model.to(device=self.device, dtype=resolve_dtype(cfg.dtype, self.device))
+        self.model = cast_model(model, self.device, resolve_dtype(cfg.dtype, self.device))
         apply_kernels(self.model, cfg.kernels)
         optim = cfg.optim
         self.optimizer = torch.optim.AdamW(

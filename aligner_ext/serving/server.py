@@ -236,7 +236,7 @@ def build_server(cfg) -> GenerationServer:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from aligner_ext.generation.base import ENGINES
-    from aligner_ext.models.hf import resolve_device, resolve_dtype
+    from aligner_ext.models.hf import cast_model, resolve_device, resolve_dtype
     from aligner_ext.trainer.build import generation_engine_name, model_directory
 
     model_dir = model_directory(cfg, Path(cfg.trainer.output_dir) / cfg.trainer.run_name)
@@ -244,7 +244,7 @@ def build_server(cfg) -> GenerationServer:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     device = resolve_device(cfg.policy.device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(cfg.policy.dtype, device)).to(device)
+    model = cast_model(AutoModelForCausalLM.from_pretrained(model_dir), device, resolve_dtype(cfg.policy.dtype, device))
     model.eval()
     name = generation_engine_name(cfg, model.config, device)
     if name == "remote":

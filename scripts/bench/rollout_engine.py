@@ -61,6 +61,7 @@ import torch  # noqa: E402
 
 from grpo_step import floors, measure_hardware  # noqa: E402
 from grpo_step_lib import PRESETS, build_model_and_tokenizer, model_counts, prompt_ids, random_content  # noqa: E402
+from aligner_ext.models.hf import cast_model  # noqa: E402
 
 ENGINE_SETTINGS = {
     "eager": {"cuda_graphs": False, "compile": False},
@@ -249,7 +250,7 @@ def main() -> None:
         names = [name for name in names if ENGINE_SETTINGS.get(name, {}).get("cuda_graphs") is not True]
     hardware = measure_hardware(device)
     model, tokenizer = build_model_and_tokenizer(preset)
-    model = model.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32).eval()
+    model = cast_model(model, device, torch.bfloat16 if device == "cuda" else torch.float32).eval()
     hardware["model"] = model_counts(model.config)
     floor = floors(preset, hardware)
     prompts = workload(preset, tokenizer)

@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from grpo_step_lib import PRESETS, build_model_and_tokenizer  # noqa: E402
 from rollout_engine import sync, timed_call, workload  # noqa: E402
+from aligner_ext.models.hf import cast_model  # noqa: E402
 
 
 def median_seconds(fn, repeats: int, device: str) -> float:
@@ -66,7 +67,7 @@ def main() -> None:
     preset = PRESETS[args.preset]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = build_model_and_tokenizer(preset)
-    model = model.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32).eval()
+    model = cast_model(model, device, torch.bfloat16 if device == "cuda" else torch.float32).eval()
     prompts = workload(preset, tokenizer)
     params = SamplingParams(max_new_tokens=preset.response_length, temperature=1.0, return_logprobs=True,
                             ignore_eos=True, seed=0)

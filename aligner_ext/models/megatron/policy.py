@@ -48,7 +48,7 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.errors import ConfigError
 from aligner_ext.losses.base import Loss
 from aligner_ext.models.base import NonFiniteGuard, Policy, PolicyConfig, update_metrics
-from aligner_ext.models.hf import lr_lambda, resolve_dtype, split_rows
+from aligner_ext.models.hf import cast_model, lr_lambda, resolve_dtype, split_rows
 from aligner_ext.models.megatron import convert, dist_checkpoint
 from aligner_ext.models.megatron.forward import (
     Packed, filler_rows, forward_backward, forward_logprobs, pack, pad_rows,
@@ -76,7 +76,7 @@ class MegatronPolicy(Policy):
         init_model_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
         self.hf_config, self.generation_config = model.config, model.generation_config
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.model = model.to(dtype=self.dtype)  # stays on the host until an engine samples it (generation_model)
+        self.model = cast_model(model, dtype=self.dtype)  # on the host until an engine samples it (generation_model)
         self.core = self._core_from_hf()
         self.ddp = wrap_ddp(self.core, cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, cfg.use_distributed_optimizer)

@@ -198,3 +198,20 @@ def test_a_batch_without_old_logprobs_is_refused_for_several_updates(tiny_model,
     batch.advantages = batch.response_mask.double()
     with pytest.raises(ValueError, match="one update only"):
         policy.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), temperature=1.0)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_a_bf16_policy_keeps_the_rotary_frequencies_in_float32(tiny_tokenizer, head_dim):
+    """`.to(bfloat16)` would round transformers' inv_freq buffer (0.3162 -> 0.3164 at d=16), moving late
+    positions' angles; the policy recomputes it in float32: 1 / 10000^(2i/d), here in float64."""
+    from aligner_ext.models.tiny import TinyModelConfig, build_tiny_model
+
+    model = build_tiny_model(tiny_tokenizer, TinyModelConfig(hidden_size=4 * head_dim, num_layers=1, num_heads=4,
+                                                             num_kv_heads=2, intermediate_size=64))
+    policy = HFPolicy(model, PolicyConfig(device="cpu", dtype="bfloat16"), total_steps=1)
+    rotary = policy.model.model.rotary_emb
+    exact = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    assert next(policy.model.parameters()).dtype == torch.bfloat16
+    for buffer in (rotary.inv_freq, rotary.original_inv_freq):
+        assert buffer.dtype == torch.float32
+        torch.testing.assert_close(buffer.double(), exact, rtol=1e-7, atol=0)
