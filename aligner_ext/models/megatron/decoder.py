@@ -55,12 +55,15 @@ class MegatronGenerationModel(torch.nn.Module):
         return MegatronDecoder(self, compile=compile, attention=attention)
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+def inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies of default RoPE, as transformers computes them."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+
+
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [b, s, head_dim] of default RoPE at `positions` [b, s], as transformers computes them
-    (inverse frequencies and angles in float32, the halves repeated, cast to the model's dtype)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
-                                / head_dim))
+    """cos, sin [b, s, head_dim] at `positions` [b, s] (angles in float32, the halves repeated, cast
+    to the model's dtype, as transformers does)."""
     angles = positions.float()[..., None] * inv_freq
     table = torch.cat([angles, angles], dim=-1)
     return table.cos().to(dtype), table.sin().to(dtype)
@@ -88,7 +91,7 @@ class MegatronDecoder(Decoder):
         self.final_norm = core.decoder.final_layernorm
         self.output = output_weight(core)
         self.vocab_size = model.config.vocab_size
-        self.theta = rope_theta(model.config)
+        self.inv_freq = inverse_frequencies(config.kv_channels, rope_theta(model.config), self.embedding.device)
         if tp > 1:
             self.reduce = self._sum_over_group
         super().__init__(compile, attention)
@@ -117,13 +120,15 @@ class MegatronDecoder(Decoder):
         dist.all_reduce(partial, group=self.group)
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor):
-        rows = self.embedding.shape[0]
-        local = ids - self.tensor_rank * rows
-        outside = (local < 0) | (local >= rows)
-        hidden = F.embedding(local.masked_fill(outside, 0), self.embedding).masked_fill(outside[..., None], 0.0)
-        if self.reduce is not None:
+        if self.reduce is None:
+            hidden = F.embedding(ids, self.embedding)
+        else:  # this rank's vocabulary rows: the ids outside them look up zeros, the sum fills them in
+            rows = self.embedding.shape[0]
+            local = ids - self.tensor_rank * rows
+            outside = (local < 0) | (local >= rows)
+            hidden = F.embedding(local.masked_fill(outside, 0), self.embedding).masked_fill(outside[..., None], 0.0)
             self.reduce(hidden)
-        return hidden, rotary_tables(positions, self.shape.head_dim, self.theta, hidden.dtype)
+        return hidden, rotary_tables(positions, self.inv_freq, hidden.dtype)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(self.final_norm(hidden), self.output)  # [b, V_padded / TP]
