@@ -116,11 +116,13 @@ class PolicyConfig:
     num_iterations: int = 1  # passes over each step batch against the stored old log-probs
     old_logprob_pass: str = "auto"  # auto: skipped when the step is one on-policy update (the training forward's detached log-probs are the old ones) | always
     logprob_chunk_size: int = 128  # sequence positions per log-softmax chunk (bounds [b, T, V] memory)
-    kernels: str = "auto"  # HF backend's training kernels: liger (Liger-Kernel's Triton RMSNorm, SwiGLU, RoPE; CUDA; extra liger; models/kernels.py) | none (transformers' modules) | auto (liger where it runs, measured faster; else none)
+    kernels: str = "auto"  # training kernels: liger (HF backend: Liger-Kernel's Triton RMSNorm, SwiGLU, RoPE, models/kernels.py; megatron backend: Liger's RMSNorm and megatron-core's fused SwiGLU, models/megatron/model.py, less memory; CUDA; extra liger) | none (the plain modules) | auto (HF backend: liger where it runs, measured faster; megatron backend: none, measured slower at 1.5B)
     tensor_model_parallel_size: int = 1  # megatron backend: GPUs each layer is split across (TP)
     pipeline_model_parallel_size: int = 1  # megatron backend: pipeline stages the layers are split into (PP)
     sequence_parallel: bool = False  # megatron backend: shard norm/dropout activations over TP ranks (TP > 1)
     use_distributed_optimizer: bool = False  # megatron backend: shard optimizer state over data-parallel ranks
+    micro_batch_tokens: int = 0  # megatron backend: pack whole sequences end to end into micro-batches of at most this many tokens (no compute on pads; a longer sequence goes alone); 0 = micro_batch_size rows per micro-batch, padded
+    recompute_activations: bool = False  # megatron backend: keep only each layer's input and recompute the layer in the backward (less memory, ~1/3 more compute)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self) -> None:
@@ -128,6 +130,8 @@ class PolicyConfig:
             raise ValueError(f"policy.old_logprob_pass must be auto or always, got {self.old_logprob_pass!r}")
         if self.kernels not in ("auto", "none", "liger"):
             raise ValueError(f"policy.kernels must be auto, none or liger, got {self.kernels!r}")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"policy.micro_batch_tokens must be >= 0 (0 = off), got {self.micro_batch_tokens}")
 
 
 class Reference(Protocol):

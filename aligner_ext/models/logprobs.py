@@ -83,7 +83,7 @@ def over_chunks(chunk_fn, hidden: torch.Tensor, weight: torch.Tensor, targets: t
     (activation checkpointing) instead of keeping its logits."""
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     parts_lp, parts_ent = [], []
-    for start in range(0, hidden.shape[1], chunk_size):
+    for start in range(0, max(hidden.shape[1], 1), chunk_size):  # no position: one empty chunk, graph kept
         args = (hidden[:, start : start + chunk_size], weight, targets[:, start : start + chunk_size])
         lp, ent = checkpoint(chunk_fn, *args, use_reentrant=False) if recompute else chunk_fn(*args)
         parts_lp.append(lp)

@@ -1,4 +1,5 @@
-"""The Megatron sequence layout: rows rolled so prompts start at column 0, and filler rows."""
+"""The Megatron sequence layouts: rows rolled so prompts start at column 0, filler rows, and
+sequences packed end to end under a token budget."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo  # noqa: E402
-from aligner_ext.models.megatron.forward import pack, pad_rows  # noqa: E402
+from aligner_ext.models.megatron.forward import pack, pack_sequences, pad_rows, token_micro_batches  # noqa: E402
 from aligner_ext.models.megatron.model import pack_rows  # noqa: E402
 
 PAD = 99
@@ -47,4 +48,36 @@ def test_pad_rows_adds_rows_that_count_nowhere():
 def test_pack_pads_the_width_for_sequence_parallel():
     packed = pack(_batch(2), PAD, torch.device("cpu"), multiple_of=4)  # width 5 -> 8
     assert packed.ids.shape == (2, 8) and packed.ids[:, 5:].eq(PAD).all()
-    assert packed.response_columns.tolist() == [[1, 2, 3]] * 2
+    # row r's hidden states sit at flat index r * 8 + column: columns 1, 2, 3 predict its 3 response tokens
+    assert packed.response_index.tolist() == [1, 2, 3, 9, 10, 11]
+
+
+def _ragged() -> ExperienceBatch:
+    """Row 0: prompt [5] (left-padded), response [7, 8]; row 1: prompt [1, 2], response [3] then a pad."""
+    return ExperienceBatch(
+        prompt_ids=torch.tensor([[0, 5], [1, 2]]), prompt_mask=torch.tensor([[0, 1], [1, 1]], dtype=torch.bool),
+        response_ids=torch.tensor([[7, 8], [3, 0]]), response_valid=torch.tensor([[1, 1], [1, 0]], dtype=torch.bool),
+        response_mask=torch.tensor([[1, 1], [1, 0]], dtype=torch.bool), group_ids=torch.arange(2),
+        samples=[SampleInfo(row=None) for _ in range(2)],
+    )
+
+
+def test_pack_sequences_lays_the_real_tokens_end_to_end_with_their_own_positions():
+    packed = pack_sequences(_ragged(), PAD, torch.device("cpu"), multiple_of=4)  # 3 + 3 tokens -> 8
+    assert packed.ids.tolist() == [[5, 7, 8, 1, 2, 3, PAD, PAD]]
+    assert packed.positions.tolist() == [[0, 1, 2, 0, 1, 2, 0, 1]]  # each sequence from 0; the tail pad too
+    assert packed.boundaries.cu_seqlens_q.tolist() == [0, 3, 6, 8] and packed.boundaries.max_seqlen_q == 3
+    # token 7 is predicted by the hidden state of 5 (index 0), 8 by 7's (1), 3 by 2's (4)
+    assert packed.response_index.tolist() == [0, 1, 4]
+    assert packed.response_ids.tolist() == [7, 8, 3]
+
+
+def test_pack_sequences_pads_to_the_width_a_pipeline_needs():
+    packed = pack_sequences(_ragged(), PAD, torch.device("cpu"), width=10)
+    assert packed.ids.shape == (1, 10) and packed.boundaries.cu_seqlens_q.tolist() == [0, 3, 6, 10]
+
+
+def test_token_micro_batches_fill_the_budget_longest_first():
+    # lengths 5, 3, 4, 2, 9 under 8: 9 alone; then 5 (+3), 4 (+2)
+    assert token_micro_batches([5, 3, 4, 2, 9], 8) == [[4], [0, 1], [2, 3]]
+    assert token_micro_batches([2, 2, 2], 100) == [[0, 1, 2]]

@@ -35,9 +35,12 @@ from megatron_cases import batch_tensors, build_model, hf_configs, torchrun  # n
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("worker.py")
-LAYOUTS = ["tp2_pp1", "tp1_pp2", "tp2_pp1_sp"]  # _sp: sequence parallel
+# _sp: sequence parallel; _packed: sequences packed end to end under a token budget (worker.py)
+LAYOUTS = ["tp2_pp1", "tp1_pp2", "tp2_pp1_sp", "tp2_pp1_packed", "tp1_pp2_packed", "tp2_pp1_sp_packed"]
 TRAIN_CASES = ["llama", "qwen3"]
-TRAIN_LAYOUTS = ["tp2_pp1", "tp1_pp2", "tp1_pp1", "tp2_pp1_sp"]  # tp1_pp1 is DP=2 on two processes
+# tp1_pp1 is DP=2 on two processes; _packed trains with micro_batch_tokens and activation recomputation
+TRAIN_LAYOUTS = ["tp2_pp1", "tp1_pp2", "tp1_pp1", "tp2_pp1_sp", "tp2_pp1_sp_packed", "tp1_pp2_packed",
+                 "tp1_pp1_packed"]
 POLICY_CFG = PolicyConfig(backend="megatron", dtype="float32", device="cpu", micro_batch_size=1, mini_batch_size=2,
                           logprob_chunk_size=3, optim=OptimConfig(lr=1e-2, eps=1e-4, grad_clip=1.0))
 OLD_OFFSET = torch.tensor([[0.3, -0.3, 0.0, 0.1], [-0.4, 0.0, 0.0, 0.0], [0.05, 0.2, -0.25, 0.0]])

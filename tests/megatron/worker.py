@@ -3,8 +3,10 @@
 For every case directory under the work directory (an HF checkpoint + `batch.pt`) and every layout
 TP=2 / PP=2: build this rank's GPTModel from the HF weights (convert.py), compute the response
 log-probs and entropy (forward.py), a zeroed HF model refitted from it (weights.py), and (through
-megatron-core's DDP) the gradient of the sum of valid response log-probs, converted back to HF names.
-Rank 0 writes `<case>/tp{T}_pp{P}.pt`; the test compares with HF.
+megatron-core's DDP) the gradient of the sum of valid response log-probs, converted back to HF names;
+with micro-batches of padded rows, and (`_packed`) with the sequences packed end to end under a
+token budget that puts rows 0 and 2 together and row 1 alone (out of order).
+Rank 0 writes `<case>/tp{T}_pp{P}[_sp][_packed].pt`; the test compares with HF.
 """
 
 import dataclasses
@@ -27,12 +29,19 @@ from megatron.core import parallel_state
 
 MICRO_BATCH = 2
 CHUNK = 3
+TOKEN_BUDGET = 12  # rows of 7, 6 and 5 tokens: [0, 2] and [1]
 
 
-def micro_batches(batch: ExperienceBatch, device, multiple_of: int) -> list[forward.Packed]:
+def micro_batches(batch: ExperienceBatch, device, multiple_of: int, packed: bool) -> tuple[list[forward.Packed], list[int]]:
+    """The micro-batches and the batch rows they hold, in order."""
+    if packed:
+        groups = forward.token_micro_batches(batch.attention_mask.sum(dim=1).tolist(), TOKEN_BUDGET)
+        assert groups == [[0, 2], [1]]
+        width = max(int(batch.select(g).attention_mask.sum()) for g in groups)  # equal shapes for PP
+        return [forward.pack_sequences(batch.select(g), 0, device, multiple_of, width) for g in groups], [0, 2, 1]
     parts = [batch.select(list(range(start, min(len(batch), start + MICRO_BATCH))))
              for start in range(0, len(batch), MICRO_BATCH)]
-    return [forward.pack(forward.pad_rows(part, MICRO_BATCH), 0, device, multiple_of) for part in parts]
+    return [forward.pack(forward.pad_rows(part, MICRO_BATCH), 0, device, multiple_of) for part in parts], [0, 1, 2]
 
 
 def gathered_shards(shard: dict) -> dict:
@@ -43,7 +52,7 @@ def gathered_shards(shard: dict) -> dict:
     return dict(everything)
 
 
-def run_case(case: Path, tp: int, pp: int, sp: bool, device) -> None:
+def run_case(case: Path, tp: int, pp: int, sp: bool, packed: bool, device) -> None:
     hf_config = AutoConfig.from_pretrained(case)
     hf_state = load_file(case / "model.safetensors")
     tensors = torch.load(case / "batch.pt")
@@ -53,17 +62,18 @@ def run_case(case: Path, tp: int, pp: int, sp: bool, device) -> None:
     model = build_gpt_model(hf_config, transformer_config(hf_config, tp, pp, torch.float32, sp), device)
     stage, rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
     convert.load_shard(model, convert.hf_to_megatron_shard(hf_state, hf_config, tp, pp, rank, stage))
-    packed = micro_batches(batch, device, tp if sp else 1)
-    lp, ent = forward.forward_logprobs(model, packed, hf_config.vocab_size, CHUNK, 1.0)
-    result = {"logprobs": lp[: len(batch)], "entropy": ent[: len(batch)], "refit": refit_into_zeros(model, hf_config)}
+    micro, rows = micro_batches(batch, device, tp if sp else 1, packed)
+    lp, ent = forward.forward_logprobs(model, micro, hf_config.vocab_size, CHUNK, 1.0)
+    order = torch.tensor(rows).argsort()  # back to the batch's row order
+    result = {"logprobs": lp[order], "entropy": ent[order], "refit": refit_into_zeros(model, hf_config)}
     ddp = wrap_ddp(model, use_distributed_optimizer=False)
     ddp.zero_grad_buffer()
-    forward.forward_backward(ddp, packed, hf_config.vocab_size, CHUNK, 1.0,
+    forward.forward_backward(ddp, micro, hf_config.vocab_size, CHUNK, 1.0,
                              lambda lp, micro: ((lp * micro.response_valid).sum(), {}))
     grads = gathered_shards({name: p.main_grad.detach().clone() for name, p in model.named_parameters()})
     result["grads"] = convert.megatron_to_hf(grads, hf_config, tp, pp)
     if dist.get_rank() == 0:
-        torch.save(result, case / layout_name(tp, pp, sp))
+        torch.save(result, case / layout_name(tp, pp, sp, packed=packed))
 
 
 def refit_into_zeros(model, hf_config) -> dict:
@@ -76,15 +86,17 @@ def refit_into_zeros(model, hf_config) -> dict:
     return target.state_dict()
 
 
-def layout_name(tp: int, pp: int, sp: bool, prefix: str = "") -> str:
-    return f"{prefix}tp{tp}_pp{pp}{'_sp' if sp else ''}.pt"
+def layout_name(tp: int, pp: int, sp: bool, prefix: str = "", packed: bool = False) -> str:
+    return f"{prefix}tp{tp}_pp{pp}{'_sp' if sp else ''}{'_packed' if packed else ''}.pt"
 
 
-def train_case(case: Path, tp: int, pp: int, sp: bool) -> None:
+def train_case(case: Path, tp: int, pp: int, sp: bool, packed: bool = False) -> None:
+    """One train call; `packed`: micro-batches under a token budget, with activation recomputation."""
     model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32)
     setup = torch.load(case / "train_setup.pt", weights_only=False)
     cfg = dataclasses.replace(setup["policy_cfg"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              sequence_parallel=sp)
+                              sequence_parallel=sp, micro_batch_tokens=TOKEN_BUDGET if packed else 0,
+                              recompute_activations=packed)
     policy = MegatronPolicy(model, cfg, total_steps=4)
     batch = setup["batch"]
     lp, ent = policy.logprobs(batch, 1.0)
@@ -95,7 +107,7 @@ def train_case(case: Path, tp: int, pp: int, sp: bool) -> None:
     if dist.get_rank() == 0:
         state = {k: v.clone() for k, v in policy.model.state_dict().items()}
         torch.save({"logprobs": lp, "entropy": ent, "metrics": metrics, "new_logprobs": new_lp, "state": state},
-                   case / layout_name(tp, pp, sp, "train_"))
+                   case / layout_name(tp, pp, sp, "train_", packed))
 
 
 def guard_case(case: Path) -> None:
@@ -121,10 +133,13 @@ def main() -> None:
     root = Path(sys.argv[1])
     for case in sorted(p for p in root.iterdir() if p.is_dir()):
         for tp, pp, sp in ((2, 1, False), (1, 2, False), (2, 1, True)):
-            run_case(case, tp, pp, sp, device)
+            for packed in (False, True):
+                run_case(case, tp, pp, sp, packed, device)
     for name in (root / "train_cases.txt").read_text().split():
         for tp, pp, sp in ((2, 1, False), (1, 2, False), (1, 1, False), (2, 1, True)):  # (1, 1): DP=2
             train_case(root / name, tp, pp, sp)
+        for tp, pp, sp in ((2, 1, True), (1, 2, False), (1, 1, False)):
+            train_case(root / name, tp, pp, sp, packed=True)
     guard_case(root / "llama")
     dist.barrier()
     dist.destroy_process_group()

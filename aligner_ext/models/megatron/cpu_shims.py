@@ -27,9 +27,13 @@ Not covered: megatron-core's distributed optimizer and its bf16 mixed-precision 
 `param.type()` against CUDA tensor type names, so `use_distributed_optimizer` and bf16 training run
 on GPUs only; the CPU tests train in float32.
 
+Activation recomputation (`policy.recompute_activations`) one more:
+7. megatron-core's checkpoint function saves and restores the CUDA generator state around the
+   recomputed layers: on the CPU both are no-ops (nothing is drawn there, see 2).
+
 And tied embeddings with PP > 1 one more:
 
-6. `Tensor.cuda()` returns the tensor itself: GPTModel moves the last stage's copy of the embedding
+8. `Tensor.cuda()` returns the tensor itself: GPTModel moves the last stage's copy of the embedding
    to the GPU before all-reducing it with the first stage's. (On a CPU-only torch build `.cuda()`
    can only fail, so no working code path changes.)
 
@@ -49,6 +53,10 @@ def _cpu_device() -> str:
 
 
 def _no_sync() -> None:
+    return None
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> None:
     return None
 
 
@@ -73,7 +81,7 @@ class _TorchOnCpu:
 
 
 def apply_cpu_shims() -> None:
-    """Apply shims 1, 2, 4, 5 and 6 above (idempotent). Raises if CUDA is available."""
+    """Apply shims 1, 2, 4, 5, 7 and 8 above (idempotent). Raises if CUDA is available."""
     global _applied
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_shims is for CPU-only runs; CUDA is available on this machine")
@@ -88,6 +96,7 @@ def apply_cpu_shims() -> None:
     torch.cuda.synchronize = _no_sync
     torch.Tensor.cuda = _stay_on_cpu
     mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    mcore_random._get_cuda_rng_state = mcore_random._set_cuda_rng_state = _no_cuda_rng_state
     for module in (schedules, optimizer, clip_grads, mcore_utils):
         module.torch = _TorchOnCpu()
     _applied = True

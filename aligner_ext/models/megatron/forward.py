@@ -2,8 +2,15 @@
 
 The same code serves every layout: with PP = 1 the schedule is a loop over micro-batches; with PP > 1
 it is megatron-core's 1F1B pipeline, which passes [s, b, H] activations between stages. A
-micro-batch enters as `Packed` (rows rolled by `model.pack_rows`); the last stage gathers the
-hidden states at the response columns and computes vocab-parallel log-probs (`logprobs.py`).
+micro-batch enters as `Packed`, in one of two layouts:
+- `pack`: b rows of equal width, each rolled by `model.pack_rows` (pads after each sequence, computed);
+- `pack_sequences`: the sequences end to end in one row (b = 1) with their boundaries, so no
+  position is a pad (but the few that round the row up to a multiple of TP); attention stays within
+  each sequence (`SDPAttention`), positions restart at 0 per sequence. `token_micro_batches` groups
+  rows under a token budget (`policy.micro_batch_tokens`).
+The last stage gathers the hidden states that predict the *valid* response tokens only (no output
+projection for pads) and computes vocab-parallel log-probs (`logprobs.py`), scattered back to [b, R]
+(zero where a response has ended).
 
 - `forward_logprobs`: forward only; results live on the last pipeline stage and are broadcast to
   the other stages, so every rank returns the same [B, R] tensors.
@@ -12,8 +19,9 @@ hidden states at the response columns and computes vocab-parallel log-probs (`lo
   the number of micro-batches nor by a token count: the caller's value is already normalised by
   the global counts of the update (losses/base.py), and gradients add up across micro-batches.
 
-All micro-batches of one call must have the same shape (pipeline p2p buffers are sized once);
-`pad_rows` makes the last one full with rows that count nowhere (masks all False).
+All micro-batches of one call must have the same shape under PP > 1 (pipeline p2p buffers are sized
+once): `pad_rows` makes the last one full with rows that count nowhere (masks all False), and packed
+rows are padded to the call's longest.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import unwrap_model
 
@@ -37,23 +47,72 @@ from aligner_ext.models.megatron.model import output_weight, pack_rows, stage_fo
 class Packed:
     """One micro-batch in the Megatron layout, on the model's device."""
 
-    ids: torch.Tensor  # [b, S] int64, rows rolled so each prompt starts at column 0
-    positions: torch.Tensor  # [b, S] int64 column index
-    response_columns: torch.Tensor  # [b, R] int64 column whose hidden state predicts response token t
-    response_ids: torch.Tensor  # [b, R] int64
+    ids: torch.Tensor  # [b, S] int64: rolled rows (`pack`) or b = 1 sequences end to end (`pack_sequences`)
+    positions: torch.Tensor  # [b, S] int64 position of each token in its own sequence
+    response_index: torch.Tensor  # [N] int64 index into the flattened [b * S] hidden states predicting each valid response token
+    response_ids: torch.Tensor  # [N] int64 those tokens (row-major over the batch's response_valid)
     batch: ExperienceBatch  # the micro-batch itself (advantages, masks) for the loss
+    boundaries: PackedSeqParams | None = None  # the sequences' cumulative lengths when packed
+
+
+def _valid_responses(micro: ExperienceBatch, first_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(response_index, response_ids) of the valid response tokens, where response token t of row i
+    is predicted by flat index first_index[i] + t."""
+    valid = micro.response_valid
+    index = first_index.unsqueeze(1) + torch.arange(valid.shape[1])
+    return index[valid], micro.response_ids[valid]
 
 
 def pack(micro: ExperienceBatch, pad_token_id: int, device: torch.device, multiple_of: int = 1) -> Packed:
-    """`micro` in the Megatron layout; the width is padded to a multiple of `multiple_of` (sequence parallel)."""
+    """`micro` in the rolled-rows layout; the width is padded to a multiple of `multiple_of` (sequence parallel)."""
     input_ids = micro.input_ids
     extra = -input_ids.shape[1] % multiple_of
     if extra:
         input_ids = torch.cat([input_ids, input_ids.new_full((len(micro), extra), pad_token_id)], dim=1)
     ids, positions, columns = pack_rows(micro.prompt_mask, input_ids, pad_token_id)
-    columns = columns[:, : micro.response_ids.shape[1]]
-    return Packed(ids.to(device), positions.to(device), columns.to(device), micro.response_ids.to(device),
-                  micro.to(device))
+    width = ids.shape[1]
+    index, response_ids = _valid_responses(micro, torch.arange(len(micro)) * width + columns[:, 0])
+    return Packed(ids.to(device), positions.to(device), index.to(device), response_ids.to(device), micro.to(device))
+
+
+def pack_sequences(micro: ExperienceBatch, pad_token_id: int, device: torch.device, multiple_of: int = 1,
+                   width: int = 0) -> Packed:
+    """`micro`'s sequences (prompt without its left padding, then the valid response) end to end in
+    one row, padded to a multiple of `multiple_of` and to at least `width` (PP's equal shapes)."""
+    prompt_lengths, response_lengths = micro.prompt_mask.sum(dim=1), micro.response_valid.sum(dim=1)
+    if bool((prompt_lengths == 0).any()):
+        raise ValueError(f"rows {torch.nonzero(prompt_lengths == 0).flatten().tolist()} have an empty prompt")
+    lengths = prompt_lengths + response_lengths
+    total = int(lengths.sum())
+    padded = max(width, total + (-total % multiple_of))
+    padded += -padded % multiple_of
+    ids = torch.full((1, padded), pad_token_id, dtype=torch.long)
+    ids[0, :total] = micro.input_ids[micro.attention_mask.bool()]  # row by row: prompt, then response
+    sizes = lengths.tolist() + ([padded - total] if padded > total else [])  # the tail pad is a sequence of its own
+    positions = torch.cat([torch.arange(n) for n in sizes]).unsqueeze(0)
+    cu_seqlens = F.pad(torch.tensor(sizes).cumsum(0), (1, 0)).to(torch.int32)
+    index, response_ids = _valid_responses(micro, cu_seqlens[: len(micro)].long() + prompt_lengths - 1)
+    cu_seqlens = cu_seqlens.to(device)
+    boundaries = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=max(sizes), max_seqlen_kv=max(sizes))
+    return Packed(ids.to(device), positions.to(device), index.to(device), response_ids.to(device), micro.to(device),
+                  boundaries)
+
+
+def token_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Rows grouped so each group's total length stays within `budget` tokens (a longer row alone):
+    longest first, each into the first group with room (first-fit decreasing)."""
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        target = next((g for g, free in enumerate(room) if free >= lengths[row]), None)
+        if target is None:
+            groups.append([])
+            room.append(budget)
+            target = len(groups) - 1
+        groups[target].append(row)
+        room[target] -= lengths[row]
+    return groups
 
 
 def filler_rows(batch: ExperienceBatch, rows: int) -> ExperienceBatch:
@@ -73,12 +132,18 @@ def pad_rows(micro: ExperienceBatch, rows: int) -> ExperienceBatch:
 
 def last_stage_logprobs(model, hidden: torch.Tensor, packed: Packed, vocab_size: int, chunk_size: int,
                         with_entropy: bool, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [b, R] (and entropy) from the last stage's hidden states [s, b, H] (or [s/TP, b, H] with SP)."""
+    """Log-probs [b, R] (and entropy) from the last stage's hidden states [s, b, H] (or [s/TP, b, H]
+    with SP), computed at the valid response tokens only and zero elsewhere."""
     hidden = enter_tensor_parallel_region(hidden, model.config.sequence_parallel).transpose(0, 1)  # [b, s, H]
-    index = packed.response_columns.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    response_hidden = hidden.gather(1, index)
-    return vocab_parallel_logprobs(response_hidden, output_weight(model), packed.response_ids, vocab_size,
-                                   chunk_size, with_entropy, temperature)
+    response_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.response_index).unsqueeze(0)
+    lp, ent = vocab_parallel_logprobs(response_hidden, output_weight(model), packed.response_ids.unsqueeze(0),
+                                      vocab_size, chunk_size, with_entropy, temperature)
+    valid = packed.batch.response_valid
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(valid.shape).masked_scatter(valid, values[0])
+
+    return scatter(lp), scatter(ent) if with_entropy else None
 
 
 def _run(model, micro_batches: list[Packed], reduce_fn: Callable, forward_only: bool) -> list:
@@ -93,7 +158,7 @@ def _run(model, micro_batches: list[Packed], reduce_fn: Callable, forward_only: 
 
     def forward_step(data_iterator, stage_model):
         packed = next(data_iterator)
-        hidden = stage_forward(unwrap_model(stage_model), packed.ids, packed.positions)
+        hidden = stage_forward(unwrap_model(stage_model), packed.ids, packed.positions, packed.boundaries)
 
         def reduce(output, non_loss_data: bool = False):
             return reduce_fn(packed, output)
@@ -122,8 +187,8 @@ def forward_logprobs(model, micro_batches: list[Packed], vocab_size: int, chunk_
 
     with torch.no_grad():
         outputs = _run(model, micro_batches, reduce_fn, forward_only=True)
-    rows = sum(p.ids.shape[0] for p in micro_batches)
-    width = micro_batches[0].response_ids.shape[1]
+    rows = sum(len(p.batch) for p in micro_batches)
+    width = micro_batches[0].batch.response_valid.shape[1]
     device = micro_batches[0].ids.device
     result = torch.cat(outputs, dim=1) if outputs else torch.empty(2, rows, width, device=device)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:

@@ -33,11 +33,14 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+from aligner_ext.models.attention import packed_causal_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 VOCAB_DIVISIBLE_BY = 128
@@ -47,7 +50,9 @@ class SDPAttention(MegatronModule):
     """Core attention through torch SDPA: causal, grouped-query, no mask, no dropout.
 
     Takes query [s, b, heads, d] and key/value [s, b, groups, d] (this rank's heads) and returns
-    [s, b, heads * d], the contract of megatron-core's `DotProductAttention`.
+    [s, b, heads * d], the contract of megatron-core's `DotProductAttention`. A packed micro-batch
+    (b = 1, several sequences end to end) passes `PackedSeqParams` in the sbhd format with the
+    sequences' cumulative lengths: each sequence then attends to itself alone (`models/attention.py`).
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -59,9 +64,14 @@ class SDPAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPAttention is causal by construction; pass attention_mask=None, no bias, no packing")
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("SDPAttention is causal by construction; pass attention_mask=None and no bias")
         seq, batch, heads, dim = query.shape
+        if packed_seq_params is not None:
+            out = packed_causal_attention(query.squeeze(1), key.squeeze(1), value.squeeze(1),
+                                          packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q,
+                                          self.softmax_scale)
+            return out.reshape(seq, batch, heads * dim)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads
@@ -82,6 +92,17 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
+
+
+class LigerRMSNorm(RMSNorm):
+    """`RMSNorm` through Liger-Kernel's Triton kernel (one pass forward, one backward; "llama" casting
+    is HF's formula above). GPU only: `block_spec` picks it for `kernels="liger"`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+        # in_place=False: megatron-core's residual path still reads the incoming gradient
+        return LigerRMSNormFunction.apply(x, self.weight, self.eps, 0.0, "llama", False)
 
 
 def head_dim(hf_config) -> int:
@@ -130,8 +151,17 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
 
 
 def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, dtype: torch.dtype,
-                       sequence_parallel: bool = False) -> TransformerConfig:
-    """The megatron-core TransformerConfig of an HF Llama / Qwen2 / Qwen3 config."""
+                       sequence_parallel: bool = False, kernels: str = "none", recompute: bool = False
+                       ) -> TransformerConfig:
+    """The megatron-core TransformerConfig of an HF Llama / Qwen2 / Qwen3 config.
+
+    `kernels="liger"` (GPUs) also turns on megatron-core's own fused SwiGLU (`bias_activation_fusion`,
+    a torch.compile'd kernel); `block_spec` adds Liger's RMSNorm. `recompute` keeps only each layer's
+    input in the forward and recomputes the layer in the backward (megatron-core's full, uniform
+    activation recomputation, one layer per checkpoint): less memory, about a third more compute.
+    """
+    if kernels not in ("none", "liger"):
+        raise ValueError(f"kernels must be none or liger (auto is resolved by the policy), got {kernels!r}")
     check_hf_config(hf_config)
     if hf_config.num_key_value_heads % tensor_parallel:
         raise ValueError(
@@ -159,7 +189,7 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
         qk_layernorm=hf_config.model_type == "qwen3",
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
+        bias_activation_fusion=kernels == "liger",
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -177,18 +207,23 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
         # and the gradient norm and checkpoint sharding read that mark
         perform_initialization=True,
         calculate_per_token_loss=True,  # losses arrive normalised by global counts: schedules must not rescale
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
     )
 
 
 def block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
-    """This pipeline stage's layers: the local layer spec with `SDPAttention` and `RMSNorm`."""
+    """This pipeline stage's layers: the local layer spec with `SDPAttention` and `RMSNorm` (Liger's
+    where the config fuses kernels, `transformer_config(kernels="liger")`)."""
+    norm = LigerRMSNorm if config.bias_activation_fusion else RMSNorm
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     attention.core_attention = SDPAttention
-    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    layer.input_layernorm = layer.pre_mlp_layernorm = norm
     if config.qk_layernorm:
-        attention.q_layernorm = attention.k_layernorm = RMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+        attention.q_layernorm = attention.k_layernorm = norm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)
 
 
 def build_gpt_model(hf_config, config: TransformerConfig, device: torch.device) -> GPTModel:
@@ -214,22 +249,24 @@ def output_weight(model: GPTModel) -> torch.Tensor:
     return model.output_layer.weight
 
 
-def stage_forward(model: GPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def stage_forward(model: GPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
     """Run this pipeline stage: [s, b, H] hidden states (after the final norm on the last stage).
 
     Args:
-        input_ids: [b, s] int64 (rows from `pack_rows`); read on the first stage only.
-        position_ids: [b, s] int64 column index (used by the embedding; RoPE uses columns).
+        input_ids: [b, s] int64 (`pack_rows` rows, or b = 1 packed sequences); read on the first stage only.
+        position_ids: [b, s] int64, the same in every row: each token's position in its own sequence.
+        packed_seq_params: the sequences' boundaries when the row holds several (`SDPAttention`).
 
-    On a later stage the input comes from `model.set_input_tensor` (the pipeline schedule sets it).
-    Uses GPTModel's `_preprocess` (embedding + rotary table), stable in megatron-core 0.16.
+    RoPE is taken from `position_ids` (megatron-core's own `_preprocess` would rotate by column,
+    which a packed row's later sequences do not start at). On a later stage the input comes from
+    `model.set_input_tensor` (the pipeline schedule sets it).
     """
-    preprocessed = model._preprocess(
-        input_ids=input_ids, position_ids=position_ids, decoder_input=None,
-        inference_context=None, packed_seq_params=None,
-    )
-    decoder_input, rotary_pos_emb = preprocessed[0], preprocessed[1]
-    return model.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary_pos_emb)
+    decoder_input = model.embedding(input_ids=input_ids, position_ids=position_ids) if model.pre_process else None
+    positions = position_ids[0]
+    rotary_pos_emb = model.rotary_pos_emb(int(positions.max()) + 1)[positions]  # [s, 1, 1, d]
+    return model.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary_pos_emb,
+                         packed_seq_params=packed_seq_params)
 
 
 def pack_rows(prompt_mask: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int

@@ -35,6 +35,7 @@ the HF backend.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -51,7 +52,7 @@ from aligner_ext.models.base import NonFiniteGuard, Policy, PolicyConfig, update
 from aligner_ext.models.hf import cast_model, lr_lambda, resolve_dtype, split_rows
 from aligner_ext.models.megatron import convert, dist_checkpoint
 from aligner_ext.models.megatron.forward import (
-    Packed, filler_rows, forward_backward, forward_logprobs, pack, pad_rows,
+    Packed, filler_rows, forward_backward, forward_logprobs, pack, pack_sequences, pad_rows, token_micro_batches,
 )
 from aligner_ext.models.megatron.decoder import MegatronGenerationModel
 from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
@@ -62,17 +63,29 @@ from aligner_ext.models.megatron.weights import refit_hf_model
 PACK_PAD_ID = 0  # fills the columns after each row's real tokens; never attended to by a real token
 
 
+def megatron_kernels(kernels: str, device: torch.device) -> str:
+    """`policy.kernels` for the GPTModel's layers: liger = Liger-Kernel's RMSNorm and megatron-core's
+    fused SwiGLU (model.py). Decision: auto is none here. Measured at 1.5B on one H100
+    (docs/benchmarks.md) the fused kernels cut the GPU's time per train call by ~30% and peak memory
+    by 10 GiB, but the host then cannot launch work fast enough and the call takes longer."""
+    if kernels == "auto":
+        return "none"
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    if kernels == "liger" and (device.type != "cuda" or not installed):
+        raise ConfigError("policy.kernels=liger runs Triton kernels: it needs a CUDA device and Liger-Kernel "
+                          "(pip install 'aligner_ext[liger]')")
+    return kernels
+
+
 class MegatronPolicy(Policy):
     """A megatron-core GPTModel built from an HF model, trained with megatron-core's DDP and AdamW."""
 
     restores_own_weights = True  # the distributed checkpoint holds them (save_sharded)
 
     def __init__(self, model: PreTrainedModel, cfg: PolicyConfig, total_steps: int):
-        if cfg.kernels == "liger":
-            raise ConfigError(f"policy.kernels={cfg.kernels} is for the HF backend; the Megatron backend's layers "
-                              "are its layer spec's (models/megatron/model.py)")
         self.cfg = cfg
         self.device = init_distributed()
+        self.kernels = megatron_kernels(cfg.kernels, self.device)
         init_model_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
         self.hf_config, self.generation_config = model.config, model.generation_config
         self.dtype = resolve_dtype(cfg.dtype, self.device)
@@ -88,7 +101,8 @@ class MegatronPolicy(Policy):
     def _core_from_hf(self) -> torch.nn.Module:
         """This rank's GPTModel with its shard of the HF copy's weights."""
         tp, pp = self.cfg.tensor_model_parallel_size, self.cfg.pipeline_model_parallel_size
-        config = transformer_config(self.hf_config, tp, pp, self.dtype, self.cfg.sequence_parallel)
+        config = transformer_config(self.hf_config, tp, pp, self.dtype, self.cfg.sequence_parallel, self.kernels,
+                                    self.cfg.recompute_activations)
         core = build_gpt_model(self.hf_config, config, self.device)
         shard = convert.hf_to_megatron_shard(
             self.model.state_dict(), self.hf_config, tp, pp,
@@ -120,20 +134,31 @@ class MegatronPolicy(Policy):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the copies are queued: the loop's timer should see them
 
-    def _micro_batches(self, batch: ExperienceBatch) -> tuple[list[Packed], int, int]:
-        """This DP rank's rows as equal micro-batches; also (rows per rank, this rank's real rows)."""
+    def _micro_batches(self, batch: ExperienceBatch) -> tuple[list[Packed], torch.Tensor, int]:
+        """This DP rank's rows as micro-batches; also, for the rows of the micro-batches in order, their
+        index among this rank's rows (fillers: >= the real count), and the rows per rank.
+
+        With `micro_batch_tokens` the rows are packed under that token budget (`pack_sequences`),
+        otherwise split into equal micro-batches of `micro_batch_size` rows (`pack`)."""
         dp = parallel_state.get_data_parallel_world_size()
         per_rank = math.ceil(len(batch) / dp)
         start = parallel_state.get_data_parallel_rank() * per_rank
         rows = list(range(start, min(len(batch), start + per_rank)))
         local = batch.select(rows) if rows else filler_rows(batch, 1)  # fewer rows than DP ranks
+        multiple = self.cfg.tensor_model_parallel_size if self.core.config.sequence_parallel else 1
+        if self.cfg.micro_batch_tokens > 0:
+            groups = token_micro_batches(local.attention_mask.sum(dim=1).tolist(), self.cfg.micro_batch_tokens)
+            width = 0
+            if self.cfg.pipeline_model_parallel_size > 1:  # every micro-batch of a pipeline has one shape
+                width = max(int(local.select(g).attention_mask.sum()) for g in groups)
+            packed = [pack_sequences(local.select(g), PACK_PAD_ID, self.device, multiple, width) for g in groups]
+            return packed, torch.tensor([row for group in groups for row in group]), per_rank
         size = per_rank if self.cfg.micro_batch_size <= 0 else min(self.cfg.micro_batch_size, per_rank)
         count = math.ceil(per_rank / size)
         local = pad_rows(local, count * size)
-        multiple = self.cfg.tensor_model_parallel_size if self.core.config.sequence_parallel else 1
         packed = [pack(local.select(list(range(i * size, (i + 1) * size))), PACK_PAD_ID, self.device, multiple)
                   for i in range(count)]
-        return packed, per_rank, len(rows)
+        return packed, torch.arange(count * size), per_rank
 
     def _check_replicated(self, batch: ExperienceBatch) -> None:
         """Raise if any rank holds a different batch than rank 0 (sizes and a checksum of ids and advantages)."""
@@ -164,10 +189,12 @@ class MegatronPolicy(Policy):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy [B, R] of `model` (the policy's or the reference's GPTModel, laid out
         as the policy's) on every rank: each DP rank scores its rows, then they are all-gathered."""
-        packed, per_rank, _ = self._micro_batches(batch)
+        packed, order, per_rank = self._micro_batches(batch)
         lp, ent = forward_logprobs(model, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
                                    temperature)
-        both = torch.stack([lp[:per_rank], ent[:per_rank]])
+        kept = (order < per_rank).to(lp.device)
+        both = lp.new_zeros(2, per_rank, lp.shape[1])
+        both[:, order.to(lp.device)[kept]] = torch.stack([lp[kept], ent[kept]])
         dp = parallel_state.get_data_parallel_world_size()
         parts = [torch.empty_like(both) for _ in range(dp)]
         dist.all_gather(parts, both.contiguous(), group=parallel_state.get_data_parallel_group())

@@ -1,0 +1,63 @@
+"""Causal attention over packed sequences: several sequences laid end to end in one row, each
+attending only to its own earlier tokens (a block-diagonal causal mask), so a packed micro-batch
+computes nothing on pads.
+
+On a GPU, `torch.nn.attention.varlen.varlen_attn` (FlashAttention over cumulative lengths; torch >=
+2.10); where its signature has no `enable_gqa` (torch 2.11), key/value heads are repeated to the
+query heads first. Elsewhere (the CPU tests) each sequence goes through SDPA on its own slice, the
+same mathematics. Measured (docs/benchmarks.md, scripts/bench/attention_varlen.py): on the H100 the
+varlen kernel over 16 packed sequences costs about what SDPA costs on the same rows padded, and the
+per-sequence loop 20x more, so the loop is the CPU path only.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _varlen_kernel():
+    """(varlen_attn, whether it takes enable_gqa), or None where torch has no varlen attention."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int, scale: float | None = None) -> torch.Tensor:
+    """Attention of packed sequences.
+
+    Args:
+        query: [T, heads, d]; key, value: [T, kv_heads, d] (kv_heads divides heads).
+        cu_seqlens: [N + 1] int32 sequence boundaries (0, len_0, len_0 + len_1, ..., T).
+        max_seqlen: the longest sequence (the kernel's tile bound).
+        scale: softmax scale; None is 1 / sqrt(d).
+
+    Returns:
+        [T, heads, d].
+    """
+    kernel = _varlen_kernel()
+    if query.is_cuda and kernel is not None:
+        varlen_attn, takes_gqa = kernel
+        extra = {}
+        if key.shape[1] != query.shape[1]:
+            if takes_gqa:
+                extra["enable_gqa"] = True
+            else:
+                group = query.shape[1] // key.shape[1]
+                key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
+        return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
+                           window_size=(-1, 0), **extra)
+    bounds = cu_seqlens.tolist()
+    parts = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [heads, n, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[0] != q.shape[0])
+        parts.append(out.transpose(0, 1))
+    return torch.cat(parts)
