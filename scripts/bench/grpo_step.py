@@ -9,7 +9,9 @@ One call runs, each in its own process and one after another (the device otherwi
      log-probs of the probe;
   2. every system of --systems (ours, ours_rollout with `generator.engine=rollout`, ours_rollout_prev
      its earlier settings, ours_liger with Liger-Kernel's training kernels, ours_megatron the Megatron
-     backend at TP=1 generating on its GPTModel, ours_megatron_distopt the same with the distributed optimizer (OURS below): scripts/bench/grpo_step_ours.py; trl_default, trl_fast, trl_cb: scripts/bench/grpo_step_trl.py):
+     backend at TP=1 generating on its GPTModel and training on packed micro-batches,
+     ours_megatron_distopt the same with activation recomputation and the distributed optimizer
+     (OURS below): scripts/bench/grpo_step_ours.py; trl_default, trl_fast, trl_cb: scripts/bench/grpo_step_trl.py):
      `--warmup` steps, then `--steps` measured steps;
   3. every variant of --variants on our loop (`--variant-steps` measured steps each, with the engine
      of --variant-engine);
@@ -60,8 +62,9 @@ SYSTEMS = ("ours", "ours_rollout", "ours_rollout_prev", "ours_liger", "ours_mega
 OURS = {"ours": ("hf", []), "ours_rollout": ("rollout", []),
         "ours_rollout_prev": ("rollout", ["generator.rollout.fuse_projections=false", "policy.old_logprob_pass=always"]),
         "ours_liger": ("rollout", ["policy.kernels=liger"]),
-        "ours_megatron": ("rollout", ["policy.backend=megatron"]),
-        "ours_megatron_distopt": ("rollout", ["policy.backend=megatron", "policy.use_distributed_optimizer=true"])}
+        "ours_megatron": ("rollout", ["policy.backend=megatron", "policy.micro_batch_tokens=8192"]),
+        "ours_megatron_distopt": ("rollout", ["policy.backend=megatron", "policy.micro_batch_tokens=8192",
+                                              "policy.recompute_activations=true", "policy.use_distributed_optimizer=true"])}
 VARIANTS = ("dapo", "cpo", "mtpo", "graded_prompt")
 PHASES = ("generation", "logprobs", "train", "weight_sync", "rewards", "other")
 
