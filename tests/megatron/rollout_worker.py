@@ -27,6 +27,7 @@ from megatron.core import parallel_state
 
 
 def main(root: Path, tp: int, split: bool) -> None:
+    torch.set_num_threads(1)
     device = init_distributed()
     init_model_parallel(tp, 1)
     tokenizer = build_char_tokenizer()
@@ -48,6 +49,9 @@ def main(root: Path, tp: int, split: bool) -> None:
                     "sampled": [(o.token_ids, o.logprobs, o.finish_reason) for o in sampled],
                     "kv_heads": engine.inner.decoder.shape.kv_heads if split else engine.decoder.shape.kv_heads},
                    case / name)
+    # a process exiting with the gloo group alive can abort ("terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
