@@ -84,7 +84,7 @@ def pack_sequences(micro: ExperienceBatch, pad_token_id: int, device: torch.devi
         raise ValueError(f"rows {torch.nonzero(prompt_lengths == 0).flatten().tolist()} have an empty prompt")
     lengths = prompt_lengths + response_lengths
     total = int(lengths.sum())
-    padded = max(width, total + (-total % multiple_of))
+    padded = max(width, total)
     padded += -padded % multiple_of
     ids = torch.full((1, padded), pad_token_id, dtype=torch.long)
     ids[0, :total] = micro.input_ids[micro.attention_mask.bool()]  # row by row: prompt, then response

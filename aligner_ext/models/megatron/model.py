@@ -15,11 +15,12 @@ Transformer Engine or flash-attn, and every norm (input, pre-MLP, final, Qwen3's
 megatron-core's sequence-parallel gradient all-reduce; megatron-core's torch norm refuses sequence
 parallelism, and its fused norms need Apex or Transformer Engine.
 
-Sequence layout: megatron-core's GPTModel applies RoPE by column (it ignores `position_ids` for
-RoPE), while our batches are left-padded. `pack_rows` therefore rolls each row left so the prompt
-starts at column 0: columns then equal HF's position ids (counted over real tokens), every pad
-sits after the real tokens, and a plain causal mask keeps real tokens from seeing any pad. No
-padding mask is needed at all.
+Sequence layout: our batches are left-padded, and attention takes no padding mask. `pack_rows`
+therefore rolls each row left so the prompt starts at column 0: columns then equal HF's position
+ids (counted over real tokens), every pad sits after the real tokens, and a plain causal mask keeps
+real tokens from seeing any pad. `stage_forward` takes RoPE from the position ids rather than from
+the column (megatron-core's own `_preprocess`), so a packed row (forward.pack_sequences), whose
+later sequences start mid-row, is rotated per sequence too.
 
 Vocabulary padding: the embedding and output layer are padded to a multiple of 128 rows
 (megatron's usual `make_vocab_size_divisible_by`), independent of TP so a checkpoint reshards; the
