@@ -20,7 +20,7 @@ from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
 from aligner_ext.models.base import POLICIES, NonFiniteGuard, OptimConfig, Policy, PolicyConfig, update_metrics
 from aligner_ext.models.kernels import apply_kernels
-from aligner_ext.models.logprobs import token_logprobs
+from aligner_ext.models.logprobs import fused_logprobs
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,9 +77,9 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
 
 def response_logprobs(
     model: PreTrainedModel, batch: ExperienceBatch, chunk_size: int, with_entropy: bool, temperature: float,
-    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [b, R] (and entropy) of `batch.response_ids` under `model`, on the model's device."""
+    """Log-probs [b, R] (and no-grad entropy) of `batch.response_ids` under `model`, on the model's
+    device: computed at the valid response tokens only (`fused_logprobs`), zero elsewhere."""
     device = model.device
     prompt_width, response_width = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     hidden = model.base_model(
@@ -88,11 +88,16 @@ def response_logprobs(
         position_ids=batch.position_ids.to(device),
         use_cache=False,
     ).last_hidden_state
-    # The logits at column P-1+t predict response token t.
-    hidden = hidden[:, prompt_width - 1 : prompt_width - 1 + response_width]
+    # The hidden state at column P-1+t predicts response token t.
+    valid = batch.response_valid.to(device)
+    hidden = hidden[:, prompt_width - 1 : prompt_width - 1 + response_width][valid]
     head = model.get_output_embeddings().weight
-    return token_logprobs(hidden, head, batch.response_ids.to(device), chunk_size, with_entropy, temperature,
-                          entropy_grad)
+    lp, ent = fused_logprobs(hidden, head, batch.response_ids.to(device)[valid], chunk_size, with_entropy, temperature)
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(valid.shape).masked_scatter(valid, values)
+
+    return scatter(lp), scatter(ent) if with_entropy else None
 
 
 def split_rows(size: int, chunk: int) -> list[range]:
@@ -172,8 +177,7 @@ class HFPolicy(Policy):
         filled_lp, filled_ent = [], []
         for rows in split_rows(len(mini), self.cfg.micro_batch_size):
             micro = mini.select(list(rows)).to(self.model.device)
-            logprobs, entropy = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, fill, temperature,
-                                                  entropy_grad=False)
+            logprobs, entropy = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, fill, temperature)
             if fill:
                 mask = micro.response_valid
                 micro.old_logprobs, micro.entropy = logprobs.detach() * mask, entropy.detach() * mask

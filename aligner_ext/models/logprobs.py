@@ -1,92 +1,161 @@
-"""Token log-probs (and entropy) from hidden states, chunked over positions so a float32
-[b, T, vocab] tensor never exists at once.
+"""Token log-probs (and entropy) from final hidden states: one fused, chunked head for both backends.
 
-For a chunk of positions: logits = hidden @ W^T in the hidden dtype, upcast to float32, divided by
-the sampling temperature, log_softmax, gather the targets; entropy = -sum_v p_v log p_v.
+For N tokens with final hidden states h [N, H], the output projection W [V, H] and targets y [N]:
 
-With autograd on, each chunk runs under `torch.utils.checkpoint` (non-reentrant): the forward keeps
-only the chunk's inputs, and the backward recomputes that chunk's logits, so both passes hold at most
-one chunk of [b, chunk, vocab] at a time (tests/unit/models/test_logprobs.py records every tensor
-that either pass creates). Without autograd the chunks are simply computed one after another.
+    z = h W^T / T                                  (T: the sampling temperature)
+    log p(y) = z_y - lse(z),   lse(z) = m + log sum_v exp(z_v - m),   m = max_v z_v
+    entropy  = lse(z) - sum_v p_v z_v               (a metric: no gradient)
+    dL/dz_v  = g (1[v = y] - exp(z_v - lse)) / T    (g = dL/dlog p(y); needs only lse)
+    dL/dh = (dL/dz) W,   dL/dW = (dL/dz)^T h
 
-Decision: values are computed in float32, or float64 when the hidden states are float64 (tests use
-that for exact gradient comparisons); the output has that dtype.
+`fused_logprobs` runs this `chunk_size` tokens at a time inside one autograd function. The forward
+keeps the inputs and lse per token, never logits; the backward recomputes a chunk's logits (one
+matrix product), turns them into their gradient in the hidden dtype, and accumulates the weight's
+gradient in place into one buffer. Memory holds one [chunk, V] block of logits (and of their
+gradient) at a time, and each chunk's logits are read twice in the hidden dtype (statistics, then
+gradient), where log_softmax, gather and their backward in float32 made about a dozen passes.
+
+The per-element work is two functions, `chunk_statistics` and `logit_gradient`: on CUDA compiled
+by torch.compile (each becomes fused kernels), on the CPU run as they are. Values are computed in
+float32, or float64 when the hidden states are float64 (tests use that for exact comparisons).
+
+Vocabulary-parallel heads (the Megatron backend's TP ranks, megatron/logprobs.py): W is this rank's
+rows [offset, offset + V_local) of the (padded) projection. A `VocabSlice` says which of its columns
+are real (the padding rows are left out of every sum) and how to combine the per-rank statistics
+(all-reduces of the max, of the rescaled sums and of the target logit, which only the rank holding
+the target has), so every rank gets the global lse. Each rank's backward then gives its rows' weight
+gradient and a partial dL/dh, which the caller sums over TP.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
-from torch.utils.checkpoint import checkpoint
+
+Statistics = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # max, sum of exp, target logit, sum of exp * z
 
 
-def logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, temperature: float = 1.0,
-    entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [b, T] of `targets` [b, T] under `logits` [b, T, V], and entropy [b, T] if asked.
-
-    Logits are upcast to at least float32 before the temperature and the softmax. With
-    `entropy_grad=False` the entropy is a metric without a graph (which would keep a [b, T, V] tensor).
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(logp.exp() * logp).sum(dim=-1)
-    return token_logp, entropy
+def chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, columns: int, inv_temperature: float,
+                     with_entropy: bool) -> Statistics:
+    """Per-row statistics of z = logits[:, :columns] * inv_temperature in float32 (float64 for float64):
+    the max m, sum_v exp(z_v - m), z at the target (0 where the target is not among these columns)
+    and, with entropy, sum_v exp(z_v - m) z_v (else zeros)."""
+    z = logits[:, :columns].to(torch.promote_types(logits.dtype, torch.float32)) * inv_temperature
+    if columns == 0:  # a TP rank whose rows are all padding: nothing to add to any sum
+        nothing = z.new_zeros(z.shape[0])
+        return nothing - torch.inf, nothing, nothing, nothing
+    peak = z.amax(dim=-1)
+    weights = torch.exp(z - peak.unsqueeze(-1))
+    here = (targets >= 0) & (targets < columns)
+    target_logit = torch.where(here, z.gather(1, targets.clamp(0, columns - 1).unsqueeze(-1)).squeeze(-1), 0.0)
+    weighted = (weights * z).sum(dim=-1) if with_entropy else torch.zeros_like(peak)
+    return peak, weights.sum(dim=-1), target_logit, weighted
 
 
-def token_logprobs(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    targets: torch.Tensor,
-    chunk_size: int,
-    with_entropy: bool,
-    temperature: float = 1.0,
-    entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of `targets` given the final hidden states, `chunk_size` positions at a time.
+def logit_gradient(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor, columns: int,
+                   inv_temperature: float) -> torch.Tensor:
+    """dL/dlogits [c, V_local] in the logits' dtype: grad * (1[v = y] - softmax_v) / T on the real
+    columns, zero on the padding ones."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) * inv_temperature
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    probs = torch.exp(z - lse.unsqueeze(-1))
+    onehot = (vocab == targets.unsqueeze(-1)).to(probs.dtype)
+    result = grad.unsqueeze(-1) * (onehot - probs) * inv_temperature
+    return torch.where(vocab < columns, result, 0.0).to(logits.dtype)
+
+
+_compiled: dict[str, Callable] = {}
+
+
+def _kernel(name: str, device: torch.device) -> Callable:
+    """`chunk_statistics` or `logit_gradient`, compiled once (shapes dynamic) on CUDA, as is elsewhere."""
+    plain = {"statistics": chunk_statistics, "gradient": logit_gradient}[name]
+    if device.type != "cuda":
+        return plain
+    if name not in _compiled:
+        _compiled[name] = torch.compile(plain, dynamic=True)
+    return _compiled[name]
+
+
+@dataclass(frozen=True)
+class VocabSlice:
+    """Which vocabulary this head's rows cover: rows [offset, offset + columns) hold real tokens (rows
+    beyond `columns` are padding); `combine` merges every slice's statistics (identity for the whole
+    vocabulary)."""
+
+    offset: int = 0
+    columns: int | None = None  # None: every row of the weight is real
+    combine: Callable[[Statistics], Statistics] | None = None
+
+
+class _FusedHead(torch.autograd.Function):
+    """(log-probs [N], entropy [N]) of `targets` from `hidden` [N, H] and `weight` [V_local, H]."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, vocab):
+        columns = weight.shape[0] if vocab.columns is None else vocab.columns
+        local = targets - vocab.offset
+        statistics = _kernel("statistics", hidden.device)
+        parts = []
+        for start in range(0, hidden.shape[0], chunk_size):
+            logits = hidden[start : start + chunk_size] @ weight.T
+            part = statistics(logits, local[start : start + chunk_size], columns, 1.0 / temperature, with_entropy)
+            parts.append(torch.stack(part))
+        width = torch.promote_types(hidden.dtype, torch.float32)
+        stats = torch.cat(parts, dim=1) if parts else hidden.new_zeros((4, 0), dtype=width)
+        peak, total, target_logit, weighted = vocab.combine(tuple(stats)) if vocab.combine else tuple(stats)
+        lse = peak + torch.log(total)
+        entropy = lse - weighted / total if with_entropy else lse.new_zeros(0)
+        ctx.save_for_backward(hidden, weight, local, lse)
+        ctx.settings = (temperature, chunk_size, columns)
+        ctx.mark_non_differentiable(entropy)
+        return target_logit - lse, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, local, lse = ctx.saved_tensors
+        temperature, chunk_size, columns = ctx.settings
+        gradient = _kernel("gradient", hidden.device)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = hidden[rows] @ weight.T
+            grad_logits = gradient(logits, lse[rows], local[rows], grad_logprobs[rows], columns, 1.0 / temperature)
+            if grad_hidden is not None:
+                torch.mm(grad_logits, weight, out=grad_hidden[rows])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.T, hidden[rows])
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
+                   with_entropy: bool, temperature: float = 1.0, vocab: VocabSlice = VocabSlice()
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of `targets` given final hidden states, `chunk_size` tokens at a time.
 
     Args:
-        hidden: [b, T, H] final hidden states; position t predicts targets[:, t].
-        lm_head_weight: [V, H] output projection, same dtype as `hidden`.
-        targets: [b, T] int64 token ids.
-        chunk_size: positions per chunk (> 0); the last chunk may be shorter.
-        with_entropy: also return the entropy of each position's distribution.
-        temperature: the sampling temperature the logits are divided by.
-        entropy_grad: whether the entropy carries gradient (False: a metric, no graph kept).
+        hidden: [N, H] final hidden states; row i predicts targets[i].
+        weight: [V_local, H] output projection (or this rank's slice, `vocab`), dtype of `hidden`.
+        targets: [N] int64 token ids (global ids when the weight is a slice).
+        chunk_size: tokens per chunk (> 0); bounds the [chunk, V_local] logits held at once.
+        with_entropy: also return each token's entropy (no gradient).
+        temperature: the sampling temperature the logits are divided by (> 0).
+        vocab: the slice of the vocabulary the weight's rows cover (default: all of it).
 
     Returns:
-        logprobs [b, T] and entropy [b, T] (or None), float32 (float64 for float64 hidden states).
+        log-probs [N] float32 (float64 for float64 inputs), with gradient to `hidden` and `weight`
+        when autograd is on, and entropy [N] or None.
     """
     if chunk_size <= 0:
         raise ValueError(f"logprob chunk_size must be > 0, got {chunk_size}")
-    if hidden.dtype != lm_head_weight.dtype:
-        raise ValueError(f"hidden states are {hidden.dtype} but the lm head weight is {lm_head_weight.dtype}")
-    if hidden.shape[:2] != targets.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree on [b, T]")
-
-    def chunk_fn(hidden_chunk: torch.Tensor, weight: torch.Tensor, target_chunk: torch.Tensor):
-        return logprobs_from_logits(hidden_chunk @ weight.T, target_chunk, with_entropy, temperature, entropy_grad)
-
-    return over_chunks(chunk_fn, hidden, lm_head_weight, targets, chunk_size, with_entropy)
-
-
-def over_chunks(chunk_fn, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Apply `chunk_fn(hidden_chunk, weight, target_chunk) -> (logprobs, entropy)` to `chunk_size`
-    positions at a time and concatenate; under autograd each chunk is recomputed in the backward
-    (activation checkpointing) instead of keeping its logits."""
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    parts_lp, parts_ent = [], []
-    for start in range(0, max(hidden.shape[1], 1), chunk_size):  # no position: one empty chunk, graph kept
-        args = (hidden[:, start : start + chunk_size], weight, targets[:, start : start + chunk_size])
-        lp, ent = checkpoint(chunk_fn, *args, use_reentrant=False) if recompute else chunk_fn(*args)
-        parts_lp.append(lp)
-        parts_ent.append(ent)
-    entropy = torch.cat(parts_ent, dim=1) if with_entropy else None
-    return torch.cat(parts_lp, dim=1), entropy
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden states are {hidden.dtype} but the lm head weight is {weight.dtype}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [N, H] and targets {tuple(targets.shape)} [N]")
+    logprobs, entropy = _FusedHead.apply(hidden, weight, targets, temperature, chunk_size, with_entropy, vocab)
+    return logprobs, entropy if with_entropy else None

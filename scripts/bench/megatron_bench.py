@@ -219,7 +219,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--response", type=int, default=512)
     parser.add_argument("--micro", type=int, default=8)
-    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=PolicyConfig().logprob_chunk_size,
+                        help="policy.logprob_chunk_size (default: the library's)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--set", action="append", default=[], help="PolicyConfig field=value (repeatable)")
     parser.add_argument("--no-reference", dest="reference", action="store_false",

@@ -13,6 +13,9 @@ One torchrun launch (tests/megatron/worker.py, 2 processes) runs every case and 
   relative on loss and norm, 2e-5 absolute on weights (which move by up to 2e-2; measured <= 4e-6).
 - the in-place refit of an HF model from the GPTModel at TP=2, PP=2 and TP=2 + SP (`weights.py`): every
   HF parameter, zeroed first, equals the weights the GPTModel was loaded from, bit for bit.
+- one on-policy update on a batch without old log-probs (the loop's shortcut) at TP=2 + SP packed,
+  PP=2 packed and DP=2: the train call fills the old log-probs and entropy from its own forward
+  (equal to the HF backend's separate pass) and updates as the HF backend does after that pass.
 - the guard of the replicated loop: a batch that differs on one rank raises with the reason (on both
   ranks, so nothing hangs). (Checkpoints resume at another layout: test_dist_checkpoint.py.)
 """
@@ -147,6 +150,33 @@ def test_one_train_call_matches_the_hf_backend(cases, name, layout):
     for key, weight in expected["state"].items():
         assert torch.allclose(result["state"][key], weight, atol=2e-5, rtol=0), key
     assert torch.allclose(result["new_logprobs"], expected["new_logprobs"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["tp2_pp1_sp_packed", "tp1_pp2_packed", "tp1_pp1"])
+def test_one_on_policy_update_fills_the_old_logprobs_from_its_own_forward(cases, layout):
+    """A batch without old log-probs, one update: the train call stores the log-probs and entropy of
+    the weights before its update, and updates as the HF backend does after a separate pass."""
+    from transformers import AutoModelForCausalLM
+
+    case = cases / "llama"
+    setup = torch.load(case / "train_setup.pt", weights_only=False)
+    cfg = dataclasses.replace(setup["policy_cfg"], backend="hf", micro_batch_size=64, mini_batch_size=0)
+    policy = HFPolicy(AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32), cfg, total_steps=4)
+    batch = setup["batch"]
+    batch.old_logprobs, batch.entropy = policy.logprobs(batch, 1.0)
+    expected = policy.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), 1.0)
+    result = torch.load(case / f"on_policy_{layout}.pt", weights_only=False)
+    assert torch.allclose(result["old_logprobs"], batch.old_logprobs, atol=1e-5, rtol=0)
+    assert torch.allclose(result["entropy"], batch.entropy, atol=1e-5, rtol=0)
+    assert (result["old_logprobs"][~batch.response_valid] == 0).all()
+    assert result["metrics"]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    for key in ("loss/total", "loss/pg", "actor/grad_norm", "actor/num_updates"):
+        assert result["metrics"][key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    for key, weight in policy.model.state_dict().items():
+        assert torch.allclose(result["state"][key], weight, atol=2e-5, rtol=0), key
+    moved = max(float((policy.model.state_dict()[k] - v).abs().max()) for k, v in
+                AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32).state_dict().items())
+    assert moved > 1e-3  # the update moved the weights
 
 
 def test_a_batch_differing_between_ranks_is_refused(cases):

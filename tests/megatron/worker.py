@@ -110,6 +110,25 @@ def train_case(case: Path, tp: int, pp: int, sp: bool, packed: bool = False) -> 
                    case / layout_name(tp, pp, sp, "train_", packed))
 
 
+def on_policy_case(case: Path, tp: int, pp: int, sp: bool, packed: bool) -> None:
+    """One update on a batch without old log-probs (the on-policy shortcut): the train call fills them
+    and the entropy from its own forward."""
+    model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32)
+    setup = torch.load(case / "train_setup.pt", weights_only=False)
+    cfg = dataclasses.replace(setup["policy_cfg"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              sequence_parallel=sp, micro_batch_tokens=TOKEN_BUDGET if packed else 0,
+                              mini_batch_size=0)
+    policy = MegatronPolicy(model, cfg, total_steps=4)
+    batch = setup["batch"]
+    assert policy.fills_old_logprobs(len(batch))
+    metrics = policy.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), 1.0)
+    policy.sync_weights()
+    if dist.get_rank() == 0:
+        state = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        torch.save({"old_logprobs": batch.old_logprobs, "entropy": batch.entropy, "metrics": metrics, "state": state},
+                   case / layout_name(tp, pp, sp, "on_policy_", packed))
+
+
 def guard_case(case: Path) -> None:
     """At TP=2: a batch that differs on rank 1 is refused."""
     model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32)
@@ -140,6 +159,8 @@ def main() -> None:
             train_case(root / name, tp, pp, sp)
         for tp, pp, sp in ((2, 1, True), (1, 2, False), (1, 1, False)):
             train_case(root / name, tp, pp, sp, packed=True)
+    for tp, pp, sp, packed in ((2, 1, True, True), (1, 2, False, True), (1, 1, False, False)):
+        on_policy_case(root / "llama", tp, pp, sp, packed)
     guard_case(root / "llama")
     dist.barrier()
     dist.destroy_process_group()

@@ -18,6 +18,9 @@ projection for pads) and computes vocab-parallel log-probs (`logprobs.py`), scat
   The model config sets `calculate_per_token_loss`, so the schedule neither divides the value by
   the number of micro-batches nor by a token count: the caller's value is already normalised by
   the global counts of the update (losses/base.py), and gradients add up across micro-batches.
+  With `fill_old_logprobs` (the on-policy shortcut, trainer/loop.py) each micro-batch's own
+  log-probs, detached, are its old log-probs, and its entropy is computed as well; both come back
+  on every rank as `forward_logprobs` returns them.
 
 All micro-batches of one call must have the same shape under PP > 1 (pipeline p2p buffers are sized
 once): `pad_rows` makes the last one full with rows that count nowhere (masks all False), and packed
@@ -135,13 +138,13 @@ def last_stage_logprobs(model, hidden: torch.Tensor, packed: Packed, vocab_size:
     """Log-probs [b, R] (and entropy) from the last stage's hidden states [s, b, H] (or [s/TP, b, H]
     with SP), computed at the valid response tokens only and zero elsewhere."""
     hidden = enter_tensor_parallel_region(hidden, model.config.sequence_parallel).transpose(0, 1)  # [b, s, H]
-    response_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.response_index).unsqueeze(0)
-    lp, ent = vocab_parallel_logprobs(response_hidden, output_weight(model), packed.response_ids.unsqueeze(0),
-                                      vocab_size, chunk_size, with_entropy, temperature)
+    response_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, packed.response_index)
+    lp, ent = vocab_parallel_logprobs(response_hidden, output_weight(model), packed.response_ids, vocab_size,
+                                      chunk_size, with_entropy, temperature)
     valid = packed.batch.response_valid
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
-        return values.new_zeros(valid.shape).masked_scatter(valid, values[0])
+        return values.new_zeros(valid.shape).masked_scatter(valid, values)
 
     return scatter(lp), scatter(ent) if with_entropy else None
 
@@ -187,26 +190,44 @@ def forward_logprobs(model, micro_batches: list[Packed], vocab_size: int, chunk_
 
     with torch.no_grad():
         outputs = _run(model, micro_batches, reduce_fn, forward_only=True)
-    rows = sum(len(p.batch) for p in micro_batches)
-    width = micro_batches[0].batch.response_valid.shape[1]
-    device = micro_batches[0].ids.device
-    result = torch.cat(outputs, dim=1) if outputs else torch.empty(2, rows, width, device=device)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(result, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
+    result = _on_every_stage(outputs, micro_batches)
     return result[0], result[1]
 
 
+def _on_every_stage(parts: list[torch.Tensor], micro_batches: list[Packed]) -> torch.Tensor:
+    """The last stage's [2, b, R] blocks (log-probs, entropy) of the micro-batches, concatenated to
+    [2, sum of b, R] and broadcast over PP (the other stages hold none)."""
+    rows = sum(len(p.batch) for p in micro_batches)
+    width = micro_batches[0].batch.response_valid.shape[1]
+    device = micro_batches[0].ids.device
+    result = torch.cat(parts, dim=1) if parts else torch.empty(2, rows, width, device=device)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(result, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    return result
+
+
 def forward_backward(model, micro_batches: list[Packed], vocab_size: int, chunk_size: int, temperature: float,
-                     step_fn: Callable[[torch.Tensor, ExperienceBatch], tuple[torch.Tensor, dict]]) -> list[dict]:
+                     step_fn: Callable[[torch.Tensor, ExperienceBatch], tuple[torch.Tensor, dict]],
+                     fill_old_logprobs: bool = False) -> tuple[list[dict], torch.Tensor | None]:
     """Forward and backward of `step_fn(logprobs [b, R], micro)` -> (scalar, metrics) per micro-batch.
 
-    Returns the metrics dicts (on the last pipeline stage; empty on the others).
+    Returns the metrics dicts (on the last pipeline stage; empty on the others) and, with
+    `fill_old_logprobs`, the old log-probs and entropy the micro-batches were given, [2, sum of b, R]
+    float32 on every rank (else None).
     """
+    filled = []
 
     def reduce_fn(packed: Packed, hidden: torch.Tensor):
-        lp, _ = last_stage_logprobs(unwrap_model(model), hidden, packed, vocab_size, chunk_size, False, temperature)
-        value, metrics = step_fn(lp, packed.batch)
+        lp, ent = last_stage_logprobs(unwrap_model(model), hidden, packed, vocab_size, chunk_size, fill_old_logprobs,
+                                      temperature)
+        micro = packed.batch
+        if fill_old_logprobs:
+            valid = micro.response_valid
+            micro = dataclasses.replace(micro, old_logprobs=lp.detach() * valid, entropy=ent * valid)
+            filled.append(torch.stack([micro.old_logprobs.float(), micro.entropy.float()]))
+        value, metrics = step_fn(lp, micro)
         return value, torch.ones((), dtype=torch.int, device=value.device), metrics
 
-    return _run(model, micro_batches, reduce_fn, forward_only=False)
+    outputs = _run(model, micro_batches, reduce_fn, forward_only=False)
+    return outputs, _on_every_stage(filled, micro_batches) if fill_old_logprobs else None

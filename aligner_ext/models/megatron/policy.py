@@ -65,12 +65,13 @@ PACK_PAD_ID = 0  # fills the columns after each row's real tokens; never attende
 
 def megatron_kernels(kernels: str, device: torch.device) -> str:
     """`policy.kernels` for the GPTModel's layers: liger = Liger-Kernel's RMSNorm and megatron-core's
-    fused SwiGLU (model.py). Decision: auto is none here. Measured at 1.5B on one H100
-    (docs/benchmarks.md) the fused kernels cut the GPU's time per train call by ~30% and peak memory
-    by 10 GiB, but the host then cannot launch work fast enough and the call takes longer."""
-    if kernels == "auto":
-        return "none"
+    fused SwiGLU (model.py). Decision: auto is liger where it runs (a CUDA device, the package
+    installed), as on the HF backend. Measured at 1.5B on one H100 with a GRPO step's batch (256
+    sequences, docs/benchmarks.md) the train call is 1.18x faster and holds 13 GiB less; on a small
+    batch (32 sequences) it was slower, the host then launching kernels slower than the GPU ran them."""
     installed = importlib.util.find_spec("liger_kernel") is not None
+    if kernels == "auto":
+        return "liger" if device.type == "cuda" and installed else "none"
     if kernels == "liger" and (device.type != "cuda" or not installed):
         raise ConfigError("policy.kernels=liger runs Triton kernels: it needs a CUDA device and Liger-Kernel "
                           "(pip install 'aligner_ext[liger]')")
@@ -192,9 +193,16 @@ class MegatronPolicy(Policy):
         packed, order, per_rank = self._micro_batches(batch)
         lp, ent = forward_logprobs(model, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
                                    temperature)
-        kept = (order < per_rank).to(lp.device)
-        both = lp.new_zeros(2, per_rank, lp.shape[1])
-        both[:, order.to(lp.device)[kept]] = torch.stack([lp[kept], ent[kept]])
+        return self._gather_rows(torch.stack([lp, ent]), order, per_rank, batch)
+
+    def _gather_rows(self, local: torch.Tensor, order: torch.Tensor, per_rank: int, batch: ExperienceBatch
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropy) [B, R] of the whole batch on the CPU, from this DP rank's [2, rows of
+        its micro-batches, R] (`_micro_batches`' order and rows per rank): fillers dropped, rows put
+        back in order, all-gathered over DP, zero past each response."""
+        kept = (order < per_rank).to(local.device)
+        both = local.new_zeros(2, per_rank, local.shape[2])
+        both[:, order.to(local.device)[kept]] = local[:, kept]
         dp = parallel_state.get_data_parallel_world_size()
         parts = [torch.empty_like(both) for _ in range(dp)]
         dist.all_gather(parts, both.contiguous(), group=parallel_state.get_data_parallel_group())
@@ -202,14 +210,24 @@ class MegatronPolicy(Policy):
         mask = batch.response_valid
         return result[0] * mask, result[1] * mask
 
+    def fills_old_logprobs(self, batch_size: int) -> bool:
+        """One optimizer update per step: the policy that trains is the one that generated."""
+        return self.cfg.num_iterations == 1 and len(split_rows(batch_size, self.cfg.mini_batch_size)) == 1
+
     def train(self, batch: ExperienceBatch, loss: Loss, temperature: float) -> dict[str, float]:
         self._check_replicated(batch)
         self.ddp.train()
         totals: dict[str, float] = defaultdict(float)
         grad_norms, skipped = [], 0
+        fill = batch.old_logprobs is None  # the on-policy shortcut: this pass's log-probs are the old ones
+        if fill and not self.fills_old_logprobs(len(batch)):
+            raise ValueError("a batch without old log-probs trains in one update only (trainer/loop.py decides)")
         for _ in range(self.cfg.num_iterations):
             for mini_rows in split_rows(len(batch), self.cfg.mini_batch_size):
-                update, grad_norm = self._update(batch.select(list(mini_rows)), loss, temperature)
+                mini = batch.select(list(mini_rows))
+                update, grad_norm = self._update(mini, loss, temperature)
+                if fill:  # one mini-batch: the whole batch
+                    batch.old_logprobs, batch.entropy = mini.old_logprobs, mini.entropy
                 if grad_norm is None:
                     skipped += 1
                     continue
@@ -224,13 +242,17 @@ class MegatronPolicy(Policy):
 
     def _update(self, mini: ExperienceBatch, loss: Loss, temperature: float) -> tuple[dict[str, float], float | None]:
         """One optimizer update on a mini-batch (global counts over all of it), over micro-batches;
-        the gradient norm is None when the guard skipped the update."""
+        the gradient norm is None when the guard skipped the update. A mini-batch without old
+        log-probs gets them (and its entropy) from this forward."""
         counts = loss.global_counts(mini)
-        packed, _, _ = self._micro_batches(mini)
+        packed, order, per_rank = self._micro_batches(mini)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = forward_backward(self.ddp, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
-                                   temperature, lambda logprobs, micro: loss(logprobs, micro, counts))
+        fill = mini.old_logprobs is None
+        outputs, filled = forward_backward(self.ddp, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
+                                           temperature, lambda logprobs, micro: loss(logprobs, micro, counts), fill)
+        if fill:
+            mini.old_logprobs, mini.entropy = self._gather_rows(filled, order, per_rank, mini)
         grad_norm = clipped_step(self.optimizer, self.cfg.optim.grad_clip, self.guard.admit)
         return self._reduce_metrics(outputs), grad_norm
 
