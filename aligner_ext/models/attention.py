@@ -8,10 +8,15 @@ query heads first. Elsewhere (the CPU tests) each sequence goes through SDPA on 
 same mathematics. Measured (docs/benchmarks.md, scripts/bench/attention_varlen.py): on the H100 the
 varlen kernel over 16 packed sequences costs about what SDPA costs on the same rows padded, and the
 per-sequence loop 20x more, so the loop is the CPU path only.
+
+Both backends use it: the Megatron backend from its core attention (`megatron/model.py`), the HF
+backend through transformers' attention interface (`hf_packed_attention`, which registers it
+under its own implementation name and switches a model to it for one packed forward).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -61,3 +66,41 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[0] != q.shape[0])
         parts.append(out.transpose(0, 1))
     return torch.cat(parts)
+
+
+HF_PACKED_ATTENTION = "aligner_packed"
+
+
+def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-interface contract over one packed row: query [1, heads, S, d],
+    key / value [1, kv_heads, S, d], the boundaries in kwargs (`cu_seq_lens_q`, `max_length_q`,
+    as transformers names them) -> ([1, S, heads, d], no weights)."""
+    if query.shape[0] != 1 or "cu_seq_lens_q" not in kwargs:
+        raise ValueError("packed attention takes one row with its cu_seq_lens_q / max_length_q")
+    out = packed_causal_attention(*(t[0].transpose(0, 1) for t in (query, key, value)), kwargs["cu_seq_lens_q"],
+                                  kwargs["max_length_q"], scaling)
+    return out.unsqueeze(0), None
+
+
+@functools.cache
+def _register_hf_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(HF_PACKED_ATTENTION, _hf_attention)
+    AttentionMaskInterface.register(HF_PACKED_ATTENTION, lambda *args, **kwargs: None)  # the boundaries are the mask
+
+
+@contextlib.contextmanager
+def hf_packed_attention(model):
+    """Within the block, `model`'s attention layers attend within each packed sequence (pass the
+    boundaries as `cu_seq_lens_q` / `max_length_q` to its forward); its own implementation (SDPA for
+    generation and padded rows) is back afterwards."""
+    _register_hf_attention()
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = HF_PACKED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

@@ -121,7 +121,7 @@ class PolicyConfig:
     pipeline_model_parallel_size: int = 1  # megatron backend: pipeline stages the layers are split into (PP)
     sequence_parallel: bool = False  # megatron backend: shard norm/dropout activations over TP ranks (TP > 1)
     use_distributed_optimizer: bool = False  # megatron backend: shard optimizer state over data-parallel ranks
-    micro_batch_tokens: int = 0  # megatron backend: pack whole sequences end to end into micro-batches of at most this many tokens (no compute on pads; a longer sequence goes alone); 0 = micro_batch_size rows per micro-batch, padded
+    micro_batch_tokens: int = 0  # pack whole sequences end to end into micro-batches of at most this many tokens (both backends; no compute on pads; a longer sequence goes alone); 0 = micro_batch_size rows per micro-batch, padded
     recompute_activations: bool = False  # megatron backend: keep only each layer's input and recompute the layer in the backward (less memory, ~1/3 more compute)
     optim: OptimConfig = field(default_factory=OptimConfig)
 

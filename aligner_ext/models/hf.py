@@ -1,10 +1,13 @@
 """Policy backend on plain PyTorch + transformers (CPU or one GPU).
 
-Log-probs come from the base model's hidden states through the chunked log-softmax of
-`models/logprobs.py`, so a float32 [b, T, vocab] tensor never exists at once. A training call splits
-the step batch into mini-batches (one optimizer update each) and micro-batches (gradient
-accumulation); the loss divides by the mini-batch's global counts, so the gradient does not depend on
-the micro-batch size.
+Log-probs come from the base model's hidden states at the valid response tokens through the fused
+head of `models/logprobs.py`, so no [tokens, vocab] tensor of all tokens exists. A training call
+splits the step batch into mini-batches (one optimizer update each) and micro-batches (gradient
+accumulation): `policy.micro_batch_size` rows padded to a common width, or with
+`policy.micro_batch_tokens` rows packed end to end under that token budget (`models/packing.py`;
+attention kept within each sequence through `models/attention.hf_packed_attention`, no compute on
+pads). The loss divides by the mini-batch's global counts, so the gradient depends neither on the
+micro-batch size nor on packing.
 """
 
 from __future__ import annotations
@@ -19,8 +22,12 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
 from aligner_ext.models.base import POLICIES, NonFiniteGuard, OptimConfig, Policy, PolicyConfig, update_metrics
+from aligner_ext.models.attention import hf_packed_attention
 from aligner_ext.models.kernels import apply_kernels
 from aligner_ext.models.logprobs import fused_logprobs
+from aligner_ext.models.packing import pack_end_to_end, token_micro_batches
+
+PACK_PAD_ID = 0  # fills a packed row's tail; a sequence of its own, attended to by no real token
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,27 +84,65 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
 
 def response_logprobs(
     model: PreTrainedModel, batch: ExperienceBatch, chunk_size: int, with_entropy: bool, temperature: float,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [b, R] (and no-grad entropy) of `batch.response_ids` under `model`, on the model's
-    device: computed at the valid response tokens only (`fused_logprobs`), zero elsewhere."""
+    device: computed at the valid response tokens only (`fused_logprobs`), zero elsewhere. `packed`:
+    the rows go through the model end to end in one row (`packing.pack_end_to_end`)."""
     device = model.device
-    prompt_width, response_width = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    hidden = model.base_model(
-        input_ids=batch.input_ids.to(device),
-        attention_mask=batch.attention_mask.to(device),
-        position_ids=batch.position_ids.to(device),
-        use_cache=False,
-    ).last_hidden_state
-    # The hidden state at column P-1+t predicts response token t.
     valid = batch.response_valid.to(device)
-    hidden = hidden[:, prompt_width - 1 : prompt_width - 1 + response_width][valid]
+    if packed:
+        row = pack_end_to_end(batch, PACK_PAD_ID)
+        boundaries = row.cu_seqlens.to(device)
+        with hf_packed_attention(model):
+            hidden = model.base_model(
+                input_ids=row.ids.to(device), position_ids=row.positions.to(device), use_cache=False,
+                cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=row.max_seqlen,
+                max_length_k=row.max_seqlen,
+            ).last_hidden_state
+        hidden, targets = hidden[0].index_select(0, row.response_index.to(device)), row.response_ids.to(device)
+    else:
+        prompt_width, response_width = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+        hidden = model.base_model(
+            input_ids=batch.input_ids.to(device),
+            attention_mask=batch.attention_mask.to(device),
+            position_ids=batch.position_ids.to(device),
+            use_cache=False,
+        ).last_hidden_state
+        # The hidden state at column P-1+t predicts response token t.
+        hidden = hidden[:, prompt_width - 1 : prompt_width - 1 + response_width][valid]
+        targets = batch.response_ids.to(device)[valid]
     head = model.get_output_embeddings().weight
-    lp, ent = fused_logprobs(hidden, head, batch.response_ids.to(device)[valid], chunk_size, with_entropy, temperature)
+    lp, ent = fused_logprobs(hidden, head, targets, chunk_size, with_entropy, temperature)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(valid.shape).masked_scatter(valid, values)
 
     return scatter(lp), scatter(ent) if with_entropy else None
+
+
+def micro_batch_rows(batch: ExperienceBatch, cfg: PolicyConfig) -> list[list[int]]:
+    """The rows of each micro-batch: packed under `micro_batch_tokens` (longest first) when set,
+    else `micro_batch_size` rows in order."""
+    if cfg.micro_batch_tokens > 0:
+        return token_micro_batches(batch.attention_mask.sum(dim=1).tolist(), cfg.micro_batch_tokens)
+    return [list(rows) for rows in split_rows(len(batch), cfg.micro_batch_size)]
+
+
+@torch.no_grad()
+def score(model: PreTrainedModel, batch: ExperienceBatch, cfg: PolicyConfig, with_entropy: bool, temperature: float
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """No-grad log-probs (and entropy) [B, R] float32 on the CPU, in the batch's row order, computed
+    in the micro-batches `micro_batch_rows` gives."""
+    lp = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+    ent = torch.zeros_like(lp) if with_entropy else None
+    for rows in micro_batch_rows(batch, cfg):
+        part_lp, part_ent = response_logprobs(model, batch.select(rows), cfg.logprob_chunk_size, with_entropy,
+                                              temperature, packed=cfg.micro_batch_tokens > 0)
+        lp[rows] = part_lp.float().cpu()
+        if with_entropy:
+            ent[rows] = part_ent.float().cpu()
+    return lp, ent
 
 
 def split_rows(size: int, chunk: int) -> list[range]:
@@ -123,20 +168,13 @@ class HFPolicy(Policy):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
         self.guard = NonFiniteGuard(optim.max_nonfinite_in_a_row)
 
-    @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         was_training = self.model.training
         self.model.eval()
-        parts_lp, parts_ent = [], []
-        for rows in split_rows(len(batch), self.cfg.micro_batch_size):
-            lp, ent = response_logprobs(
-                self.model, batch.select(list(rows)), self.cfg.logprob_chunk_size, True, temperature
-            )
-            parts_lp.append(lp.float().cpu())
-            parts_ent.append(ent.float().cpu())
+        lp, ent = score(self.model, batch, self.cfg, True, temperature)
         self.model.train(was_training)
         mask = batch.response_valid
-        return torch.cat(parts_lp) * mask, torch.cat(parts_ent) * mask
+        return lp * mask, ent * mask
 
     def fills_old_logprobs(self, batch_size: int) -> bool:
         """One optimizer update per step: the policy that trains is the one that generated."""
@@ -174,22 +212,25 @@ class HFPolicy(Policy):
         total_loss = torch.zeros((), device=self.model.device)
         self.optimizer.zero_grad(set_to_none=True)
         fill = mini.old_logprobs is None
-        filled_lp, filled_ent = [], []
-        for rows in split_rows(len(mini), self.cfg.micro_batch_size):
-            micro = mini.select(list(rows)).to(self.model.device)
-            logprobs, entropy = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, fill, temperature)
+        if fill:
+            filled_lp = torch.zeros(mini.response_ids.shape, dtype=torch.float32)
+            filled_ent = torch.zeros_like(filled_lp)
+        for rows in micro_batch_rows(mini, self.cfg):
+            micro = mini.select(rows).to(self.model.device)
+            logprobs, entropy = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, fill, temperature,
+                                                  packed=self.cfg.micro_batch_tokens > 0)
             if fill:
                 mask = micro.response_valid
                 micro.old_logprobs, micro.entropy = logprobs.detach() * mask, entropy.detach() * mask
-                filled_lp.append(micro.old_logprobs)
-                filled_ent.append(micro.entropy)
+                filled_lp[rows] = micro.old_logprobs.float().cpu()
+                filled_ent[rows] = micro.entropy.float().cpu()
             value, micro_metrics = loss(logprobs, micro, counts)
             value.backward()
             total_loss += value.detach()
             for key, number in micro_metrics.items():
                 metrics[key] += float(number)
         if fill:
-            mini.old_logprobs, mini.entropy = torch.cat(filled_lp).float().cpu(), torch.cat(filled_ent).float().cpu()
+            mini.old_logprobs, mini.entropy = filled_lp, filled_ent
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         if not self.guard.admit(grad_norm, float(total_loss)):
@@ -225,7 +266,7 @@ class HFPolicy(Policy):
         self.model.save_pretrained(directory, safe_serialization=True)
 
     def frozen_reference(self) -> "FrozenReference":
-        return FrozenReference(self.model, self.cfg.logprob_chunk_size, self.cfg.micro_batch_size)
+        return FrozenReference(self.model, self.cfg)
 
 
 class FrozenReference:
@@ -236,26 +277,19 @@ class FrozenReference:
     forward costs 1/W of the batch per rank instead of all of it.
     """
 
-    def __init__(self, model: PreTrainedModel, chunk_size: int, micro_batch_size: int):
+    def __init__(self, model: PreTrainedModel, cfg: PolicyConfig):
         import copy
 
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.chunk_size = chunk_size
-        self.micro_batch_size = micro_batch_size
+        self.cfg = cfg  # its micro-batching and log-prob chunks
 
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> torch.Tensor:
         """Log-probs [B, R] of the response tokens, float32 on the CPU, zero past each response."""
         rows = map_split(lambda mine: list(self._score(batch, mine, temperature)), list(range(len(batch))))
         return torch.stack(rows) * batch.response_valid
 
-    @torch.no_grad()
     def _score(self, batch: ExperienceBatch, rows: list[int], temperature: float) -> torch.Tensor:
         """Log-probs of `rows` of the batch [len(rows), R], in micro-batches."""
         if not rows:
             return batch.response_ids.new_zeros((0, batch.response_ids.shape[1]), dtype=torch.float32)
-        parts = [
-            response_logprobs(self.model, batch.select([rows[i] for i in part]), self.chunk_size, False,
-                              temperature)[0].float().cpu()
-            for part in split_rows(len(rows), self.micro_batch_size)
-        ]
-        return torch.cat(parts)
+        return score(self.model, batch.select(rows), self.cfg, False, temperature)[0]

@@ -1,4 +1,5 @@
-"""Megatron backend on GPUs: log-prob agreement with HF and GRPO training-step throughput.
+"""Megatron backend on GPUs: log-prob agreement with HF and GRPO training-step throughput (also the
+HF backend's policy on one GPU, `--backend hf`, for the same training measurements).
 
 Run under torchrun, one process per GPU (scripts/bench/megatron_gpu.sh). For each layout named on
 the command line (tp1, tp1_distopt on one GPU; tp2, tp2_sp, dp2, dp2_distopt on 2 GPUs) it builds a
@@ -39,7 +40,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.base import OptimConfig, PolicyConfig
-from aligner_ext.models.hf import response_logprobs
+from aligner_ext.models.hf import HFPolicy, response_logprobs
 from aligner_ext.models.megatron.parallel import init_distributed
 from aligner_ext.models.megatron.policy import MegatronPolicy
 
@@ -155,20 +156,20 @@ def run_layout(name: str, args, peak: float) -> dict:
         hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     batch = synthetic_batch(args, config.vocab_size)
     valid = batch.response_valid
-    result = {"layout": name, "tp": tp, "dp": dist.get_world_size() // tp, "sequence_parallel": sequence_parallel,
+    result = {"backend": args.backend, "layout": name, "tp": tp, "dp": dist.get_world_size() // tp, "sequence_parallel": sequence_parallel,
               "distributed_optimizer": distributed_optimizer}
     if args.reference:
         reference = copy.deepcopy(hf_model).float().eval()
         ref_lp = hf_logprobs(reference, batch, args.chunk)
         del reference
         result["logprob_err_hf_bf16_vs_hf_fp32"] = errors(hf_logprobs(hf_model, batch, args.chunk), ref_lp, valid)
-    cfg = PolicyConfig(backend="megatron", dtype="bfloat16", micro_batch_size=args.micro, logprob_chunk_size=args.chunk,
-                       tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+    cfg = PolicyConfig(backend=args.backend, dtype="bfloat16", micro_batch_size=args.micro,
+                       logprob_chunk_size=args.chunk, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
                        use_distributed_optimizer=distributed_optimizer, optim=OptimConfig(lr=1e-5),
                        **parse_settings(args.set))
-    policy = MegatronPolicy(hf_model, cfg, total_steps=args.steps + 2)
+    policy = (MegatronPolicy if args.backend == "megatron" else HFPolicy)(hf_model, cfg, total_steps=args.steps + 2)
     del hf_model
-    if not args.hf_copy:
+    if args.backend == "megatron" and not args.hf_copy:
         policy.generation_model("rollout")
     torch.cuda.empty_cache()
     if args.reference:
@@ -215,6 +216,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("layouts", nargs="+", choices=sorted(LAYOUTS))
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen0_5b")
+    parser.add_argument("--backend", choices=["megatron", "hf"], default="megatron",
+                        help="hf: the HF backend's policy on one GPU (layout tp1), for the same measurements")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--response", type=int, default=512)

@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo  # noqa: E402
-from aligner_ext.models.megatron.forward import pack, pack_sequences, pad_rows, token_micro_batches  # noqa: E402
+from aligner_ext.models.megatron.forward import pack, pack_sequences, pad_rows  # noqa: E402
 from aligner_ext.models.megatron.model import pack_rows  # noqa: E402
 
 PAD = 99
@@ -75,9 +75,3 @@ def test_pack_sequences_lays_the_real_tokens_end_to_end_with_their_own_positions
 def test_pack_sequences_pads_to_the_width_a_pipeline_needs():
     packed = pack_sequences(_ragged(), PAD, torch.device("cpu"), width=10)
     assert packed.ids.shape == (1, 10) and packed.boundaries.cu_seqlens_q.tolist() == [0, 3, 6, 10]
-
-
-def test_token_micro_batches_fill_the_budget_longest_first():
-    # lengths 5, 3, 4, 2, 9 under 8: 9 alone; then 5 (+3), 4 (+2)
-    assert token_micro_batches([5, 3, 4, 2, 9], 8) == [[4], [0, 1], [2, 3]]
-    assert token_micro_batches([2, 2, 2], 100) == [[0, 1, 2]]

@@ -25,6 +25,7 @@ from aligner_ext.models.megatron.optimizer import wrap_ddp
 from aligner_ext.models.megatron.policy import MegatronPolicy
 from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
 from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
+from aligner_ext.models.packing import token_micro_batches
 from megatron.core import parallel_state
 
 MICRO_BATCH = 2
@@ -35,7 +36,7 @@ TOKEN_BUDGET = 12  # rows of 7, 6 and 5 tokens: [0, 2] and [1]
 def micro_batches(batch: ExperienceBatch, device, multiple_of: int, packed: bool) -> tuple[list[forward.Packed], list[int]]:
     """The micro-batches and the batch rows they hold, in order."""
     if packed:
-        groups = forward.token_micro_batches(batch.attention_mask.sum(dim=1).tolist(), TOKEN_BUDGET)
+        groups = token_micro_batches(batch.attention_mask.sum(dim=1).tolist(), TOKEN_BUDGET)
         assert groups == [[0, 2], [1]]
         width = max(int(batch.select(g).attention_mask.sum()) for g in groups)  # equal shapes for PP
         return [forward.pack_sequences(batch.select(g), 0, device, multiple_of, width) for g in groups], [0, 2, 1]

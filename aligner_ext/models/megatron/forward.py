@@ -6,7 +6,7 @@ micro-batch enters as `Packed`, in one of two layouts:
 - `pack`: b rows of equal width, each rolled by `model.pack_rows` (pads after each sequence, computed);
 - `pack_sequences`: the sequences end to end in one row (b = 1) with their boundaries, so no
   position is a pad (but the few that round the row up to a multiple of TP); attention stays within
-  each sequence (`SDPAttention`), positions restart at 0 per sequence. `token_micro_batches` groups
+  each sequence (`SDPAttention`), positions restart at 0 per sequence. `packing.token_micro_batches` groups
   rows under a token budget (`policy.micro_batch_tokens`).
 The last stage gathers the hidden states that predict the *valid* response tokens only (no output
 projection for pads) and computes vocab-parallel log-probs (`logprobs.py`), scattered back to [b, R]
@@ -35,7 +35,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -44,6 +43,7 @@ from megatron.core.utils import unwrap_model
 from aligner_ext.batch import ExperienceBatch, concat_batches
 from aligner_ext.models.megatron.logprobs import enter_tensor_parallel_region, vocab_parallel_logprobs
 from aligner_ext.models.megatron.model import output_weight, pack_rows, stage_forward
+from aligner_ext.models.packing import pack_end_to_end, valid_responses
 
 
 @dataclass
@@ -58,14 +58,6 @@ class Packed:
     boundaries: PackedSeqParams | None = None  # the sequences' cumulative lengths when packed
 
 
-def _valid_responses(micro: ExperienceBatch, first_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(response_index, response_ids) of the valid response tokens, where response token t of row i
-    is predicted by flat index first_index[i] + t."""
-    valid = micro.response_valid
-    index = first_index.unsqueeze(1) + torch.arange(valid.shape[1])
-    return index[valid], micro.response_ids[valid]
-
-
 def pack(micro: ExperienceBatch, pad_token_id: int, device: torch.device, multiple_of: int = 1) -> Packed:
     """`micro` in the rolled-rows layout; the width is padded to a multiple of `multiple_of` (sequence parallel)."""
     input_ids = micro.input_ids
@@ -74,48 +66,20 @@ def pack(micro: ExperienceBatch, pad_token_id: int, device: torch.device, multip
         input_ids = torch.cat([input_ids, input_ids.new_full((len(micro), extra), pad_token_id)], dim=1)
     ids, positions, columns = pack_rows(micro.prompt_mask, input_ids, pad_token_id)
     width = ids.shape[1]
-    index, response_ids = _valid_responses(micro, torch.arange(len(micro)) * width + columns[:, 0])
+    index, response_ids = valid_responses(micro, torch.arange(len(micro)) * width + columns[:, 0])
     return Packed(ids.to(device), positions.to(device), index.to(device), response_ids.to(device), micro.to(device))
 
 
 def pack_sequences(micro: ExperienceBatch, pad_token_id: int, device: torch.device, multiple_of: int = 1,
                    width: int = 0) -> Packed:
-    """`micro`'s sequences (prompt without its left padding, then the valid response) end to end in
-    one row, padded to a multiple of `multiple_of` and to at least `width` (PP's equal shapes)."""
-    prompt_lengths, response_lengths = micro.prompt_mask.sum(dim=1), micro.response_valid.sum(dim=1)
-    if bool((prompt_lengths == 0).any()):
-        raise ValueError(f"rows {torch.nonzero(prompt_lengths == 0).flatten().tolist()} have an empty prompt")
-    lengths = prompt_lengths + response_lengths
-    total = int(lengths.sum())
-    padded = max(width, total)
-    padded += -padded % multiple_of
-    ids = torch.full((1, padded), pad_token_id, dtype=torch.long)
-    ids[0, :total] = micro.input_ids[micro.attention_mask.bool()]  # row by row: prompt, then response
-    sizes = lengths.tolist() + ([padded - total] if padded > total else [])  # the tail pad is a sequence of its own
-    positions = torch.cat([torch.arange(n) for n in sizes]).unsqueeze(0)
-    cu_seqlens = F.pad(torch.tensor(sizes).cumsum(0), (1, 0)).to(torch.int32)
-    index, response_ids = _valid_responses(micro, cu_seqlens[: len(micro)].long() + prompt_lengths - 1)
-    cu_seqlens = cu_seqlens.to(device)
+    """`micro`'s sequences end to end in one row (`packing.pack_end_to_end`), padded to a multiple of
+    `multiple_of` and to at least `width` (PP's equal shapes), with megatron-core's boundaries."""
+    row = pack_end_to_end(micro, pad_token_id, multiple_of, width)
+    cu_seqlens = row.cu_seqlens.to(device)
     boundaries = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                                 max_seqlen_q=max(sizes), max_seqlen_kv=max(sizes))
-    return Packed(ids.to(device), positions.to(device), index.to(device), response_ids.to(device), micro.to(device),
-                  boundaries)
-
-
-def token_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Rows grouped so each group's total length stays within `budget` tokens (a longer row alone):
-    longest first, each into the first group with room (first-fit decreasing)."""
-    groups: list[list[int]] = []
-    room: list[int] = []
-    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
-        target = next((g for g, free in enumerate(room) if free >= lengths[row]), None)
-        if target is None:
-            groups.append([])
-            room.append(budget)
-            target = len(groups) - 1
-        groups[target].append(row)
-        room[target] -= lengths[row]
-    return groups
+                                 max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen)
+    return Packed(row.ids.to(device), row.positions.to(device), row.response_index.to(device),
+                  row.response_ids.to(device), micro.to(device), boundaries)
 
 
 def filler_rows(batch: ExperienceBatch, rows: int) -> ExperienceBatch:

@@ -52,13 +52,14 @@ from aligner_ext.models.base import NonFiniteGuard, Policy, PolicyConfig, update
 from aligner_ext.models.hf import cast_model, lr_lambda, resolve_dtype, split_rows
 from aligner_ext.models.megatron import convert, dist_checkpoint
 from aligner_ext.models.megatron.forward import (
-    Packed, filler_rows, forward_backward, forward_logprobs, pack, pack_sequences, pad_rows, token_micro_batches,
+    Packed, filler_rows, forward_backward, forward_logprobs, pack, pack_sequences, pad_rows,
 )
 from aligner_ext.models.megatron.decoder import MegatronGenerationModel
 from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
 from aligner_ext.models.megatron.optimizer import apply_settings, build_optimizer, clipped_step, set_lr, wrap_ddp
 from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
 from aligner_ext.models.megatron.weights import refit_hf_model
+from aligner_ext.models.packing import token_micro_batches
 
 PACK_PAD_ID = 0  # fills the columns after each row's real tokens; never attended to by a real token
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.hf import FrozenReference
 from aligner_ext.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
@@ -32,7 +33,7 @@ def worker(rank: int, directory: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
     model, vocab = float64_model()
-    reference = FrozenReference(model, chunk_size=3, micro_batch_size=2)
+    reference = FrozenReference(model, PolicyConfig(logprob_chunk_size=3, micro_batch_size=2))
     forwarded: list[int] = []
     reference.model.get_input_embeddings().register_forward_hook(
         lambda module, args, output: forwarded.append(args[0].shape[0]))  # rows embedded = rows forwarded
