@@ -54,11 +54,10 @@ class Components:
 def generation_engine_name(cfg: RunConfig, model_config, device: torch.device) -> str:
     """`generator.engine`, with `auto` resolved: the rollout engine where the benchmarks measure it
     faster (docs/benchmarks.md: on a GPU, for a decoder it runs, on the HF backend or on the Megatron
-    backend's shards without pipeline stages), else the HF engine."""
+    backend's shards), else the HF engine."""
     if cfg.generator.engine != "auto":
         return cfg.generator.engine
-    runs_there = cfg.policy.backend == "hf" or cfg.policy.pipeline_model_parallel_size == 1
-    return "rollout" if device.type == "cuda" and runs_there and unsupported(model_config) is None else "hf"
+    return "rollout" if device.type == "cuda" and unsupported(model_config) is None else "hf"
 
 
 def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:

@@ -10,6 +10,9 @@ each DP rank 2). Each layout is one launch (~20 s). Asserted:
 - it trained: every metric finite, a gradient at every step, exported weights moved from the start;
 - with the KL term (DP=2; TP=2 with the sharded reference): the KL to the reference is ~0 at step
   1 (the policy starts as the reference) and positive after the first update.
+- PP=2 with the rollout engine on the stages gathered in memory (`decoder.PipelineGather`): the
+  sampling log-probs of step 2 (after an update) equal the trainer's (the other stage's copy was
+  refreshed after the update).
 - TP=2 with the rollout engine on the GPTModel's shards (`generator.engine=rollout`, the HF copy
   dropped): checkpoints hold the distributed checkpoint and no `model.safetensors`, a resumed run
   continues from them, and the export gathers the shards.
@@ -37,7 +40,7 @@ COMMON = [o for o in OVERRIDES if o.split("=")[0] not in REPLACED] + [
     "policy.tensor_model_parallel_size=1", "trainer.total_steps=2", "trainer.save_every=0", "policy.micro_batch_size=4",
 ]
 # DP=2 also runs a KL term: the reference log-probs are split across the ranks (FrozenReference).
-LAYOUTS = {"pp2": ["policy.pipeline_model_parallel_size=2"], "dp2": ["loss.kl_coef=0.01"],
+LAYOUTS = {"pp2": ["policy.pipeline_model_parallel_size=2", "generator.engine=rollout"], "dp2": ["loss.kl_coef=0.01"],
            "tp2_rollout": ["policy.tensor_model_parallel_size=2", "generator.engine=rollout", "loss.kl_coef=0.01",
                            "trainer.save_every=1"]}
 KL_LAYOUTS = ("dp2", "tp2_rollout")
@@ -92,3 +95,11 @@ def test_generating_on_the_shards_checkpoints_them_alone_and_resumes(run, tmp_pa
     history = records(run_dir)
     assert [r["step"] for r in history][-2:] == [2, 3]  # one more step after the resumed step 2
     assert all(math.isfinite(v) for v in history[-1].values())
+
+
+def test_generation_after_an_update_runs_the_updated_weights(run):
+    """Float32 on the CPU: the engine's log-probs of its samples equal the trainer's to ~1e-6 when it
+    decodes the weights the trainer holds; stale weights of one stage would differ by the update."""
+    layout, run_dir = run
+    history = records(run_dir)
+    assert history[2]["rollout/logprob_diff_max"] < 1e-4, layout

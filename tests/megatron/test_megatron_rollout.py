@@ -9,6 +9,11 @@ torchrun (gloo), against the HF model the shards were cut from.
 - TP=2 x DP=2 (4 processes) with the trainer's rank split over the data-parallel group: the two
   ranks of a TP pair decode the same share with the same seed, so every rank returns, in order,
   what the HF model's rollout engine samples for each share with that share's seed.
+- PP=2 (2 processes): each rank holds one stage and gathers the other's weights in memory
+  (`PipelineGather`): the same greedy and sampled outputs as the HF model; after every parameter is
+  scaled by 1.01 and `refresh` runs, the greedy outputs and log-probs of the equally scaled HF
+  model (stale copies of the other stage would give the old log-probs); with the rank split the
+  two pipeline ranks decode one share each.
 """
 
 from dataclasses import replace
@@ -43,9 +48,11 @@ def cases(tmp_path_factory):
     for name, config in hf_configs().items():
         config.eos_token_id = tokenizer.eos_token_id
         build_model(config).save_pretrained(root / name)
-    torchrun([str(WORKER), str(root), "2"], timeout=240)
-    torchrun([str(WORKER), str(root), "1"], timeout=240)
-    torchrun([str(WORKER), str(root), "2", "split"], processes=4, timeout=300)
+    torchrun([str(WORKER), str(root), "2", "1"], timeout=240)
+    torchrun([str(WORKER), str(root), "1", "1"], timeout=240)
+    torchrun([str(WORKER), str(root), "2", "1", "split"], processes=4, timeout=300)
+    torchrun([str(WORKER), str(root), "1", "2"], timeout=240)
+    torchrun([str(WORKER), str(root), "1", "2", "split"], timeout=240)
     return root
 
 
@@ -83,14 +90,39 @@ def test_sharded_generation_equals_the_hf_models(cases, name, tp):
         assert result["kv_heads"] == model.config.num_key_value_heads // tp
 
 
+@pytest.mark.parametrize("layout, ranks", [("tp2_split", 4), ("tp1_pp2_split", 2)])
 @pytest.mark.parametrize("name", sorted(hf_configs()))
-def test_the_rank_split_shares_requests_over_data_parallel_groups(cases, name):
+def test_the_rank_split_shares_requests_over_data_parallel_and_pipeline_ranks(cases, name, layout, ranks):
+    """TP2 x DP2: two shares, each decoded by a TP pair; PP=2: each pipeline rank decodes one share."""
     model, tokenizer, prompts = hf_side(cases / name)
     engine = RolloutEngine(model, tokenizer, RolloutEngineConfig())
     expected = []
-    for dp_rank in range(2):
-        mine = share(len(prompts), dp_rank, 2)
-        params = replace(SAMPLED, seed=rank_seed(SAMPLED, dp_rank, 2))
+    for share_rank in range(2):
+        mine = share(len(prompts), share_rank, 2)
+        params = replace(SAMPLED, seed=rank_seed(SAMPLED, share_rank, 2))
         expected += outputs(engine, params, prompts[mine.start : mine.stop])
-    for rank in range(4):
-        assert_same(torch.load(cases / name / f"rollout_tp2_split_rank{rank}.pt")["sampled"], expected)
+    for rank in range(ranks):
+        assert_same(torch.load(cases / name / f"rollout_{layout}_rank{rank}.pt")["sampled"], expected)
+
+
+def scaled(model):
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.01)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(hf_configs()))
+def test_pipeline_stages_gathered_in_memory_generate_as_the_hf_model(cases, name):
+    model, tokenizer, prompts = hf_side(cases / name)
+    greedy = outputs(HFGenerationEngine(model, tokenizer, HFEngineConfig()), GREEDY, prompts)
+    sampled = outputs(RolloutEngine(model, tokenizer, RolloutEngineConfig()), SAMPLED, prompts)
+    after_step = outputs(HFGenerationEngine(scaled(model), tokenizer, HFEngineConfig()), GREEDY, prompts)
+    moved = max(abs(a - b) for (_, new, _), (_, old, _) in zip(after_step, greedy) for a, b in zip(new, old))
+    assert moved > 1e-3  # the scaled model's log-probs differ from the unscaled ones
+    for rank in range(2):
+        result = torch.load(cases / name / f"rollout_tp1_pp2_rank{rank}.pt")
+        assert_same(result["greedy"], greedy)
+        assert_same(result["sampled"], sampled)
+        assert_same(result["greedy_scaled"], after_step)
+

@@ -20,39 +20,163 @@ requests over the data-parallel groups only, `generation/sharded.py`). The rotar
 computed here (HF's default RoPE; `model.rope_theta` refuses scaled variants) from each token's own
 position, as in the HF decoder.
 
-Pipeline parallelism is not served yet: a stage holds only its layers, and decoding needs them all
-(the error says so; generate with `generator.engine=hf` on the refitted HF copy there).
+With pipeline parallelism a stage holds only its layers, and decoding needs them all: the model is
+resharded in memory (`PipelineGather`). Every rank keeps, next to its own stage's parameters (used
+in place), a flat buffer per other stage of the same pipeline, filled by one broadcast per stage over
+the PP group (the embedding comes with the first stage, the final norm and output head with the
+last), and refilled after each optimizer step (`refresh`, from the policy's `sync_weights`). So each
+rank holds its TP shard of every layer (never more than a TP shard), decodes alone, and the rank
+split shares a call's requests over the data-parallel and the pipeline ranks together (the ranks
+with the same TP rank).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
-from aligner_ext.generation.decoder import Decoder, LayerWeights, Projection, Shape
+from aligner_ext.generation.decoder import Decoder, LayerWeights, Projection, Shape, rms_norm
 from aligner_ext.models.megatron.model import output_weight, rope_theta
 
 
 class MegatronGenerationModel(torch.nn.Module):
     """The GPTModel (a submodule, so `parameters()`, `eval()` and `train()` reach it) with the HF
-    config and generation config the engine reads (EOS ids, architecture)."""
+    config and generation config the engine reads (EOS ids, architecture); with PP > 1 also the
+    other stages' weights (`PipelineGather`)."""
 
     def __init__(self, core: torch.nn.Module, hf_config, generation_config):
         super().__init__()
         self.core = core
         self.config = hf_config
         self.generation_config = generation_config
-        # the rank split shares requests over this group: the TP ranks of one DP rank decode together
-        self.split_group = parallel_state.get_data_parallel_group()
+        self.pipeline = PipelineGather(core) if parallel_state.get_pipeline_model_parallel_world_size() > 1 else None
+        # the rank split shares requests over this group: the TP ranks of one replica decode together
+        self.split_group = (parallel_state.get_data_parallel_group() if self.pipeline is None
+                            else _same_tensor_rank_group())
+
+    def refresh(self) -> None:
+        """Bring the other stages' weights up to date after an optimizer step (nothing without PP)."""
+        if self.pipeline is not None:
+            self.pipeline.refresh()
+
+    def weights(self) -> "StageWeights":
+        """Every layer's parameters by name, in order, and the embedding, final norm and output head."""
+        if self.pipeline is not None:
+            return self.pipeline.weights()
+        return stage_weights(self.core)
 
     def rollout_decoder(self, compile: bool = False, fuse_projections: bool = False, attention: str = "sdpa"):
         """The rollout engine's decoder over these shards (`fuse_projections` is moot: Megatron's
         q/k/v and gate/up matrices are fused already)."""
         return MegatronDecoder(self, compile=compile, attention=attention)
+
+
+@dataclass
+class StageWeights:
+    """Named parameters of a stage's layers (in order) and of its ends, where it has them."""
+
+    layers: list[dict[str, torch.Tensor]]
+    ends: dict[str, torch.Tensor]  # embedding (first stage); final_norm, output (last stage)
+
+
+def stage_weights(core) -> StageWeights:
+    """This rank's stage of the GPTModel as `StageWeights` (its parameters themselves)."""
+    ends = {}
+    if core.pre_process:
+        ends["embedding"] = core.embedding.word_embeddings.weight
+    if core.post_process:
+        ends["final_norm"] = core.decoder.final_layernorm.weight
+        ends["output"] = output_weight(core)
+    return StageWeights([dict(layer.named_parameters()) for layer in core.decoder.layers], ends)
+
+
+class PipelineGather:
+    """Every stage's weights on every rank of a pipeline (module docstring): this stage's parameters
+    in place, the others' in one flat buffer per stage, filled by a broadcast from that stage."""
+
+    def __init__(self, core):
+        self.group = parallel_state.get_pipeline_model_parallel_group()
+        self.ranks = dist.get_process_group_ranks(self.group)
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.own = stage_weights(core)
+        layer = self.own.layers[0]
+        hidden, rows = core.config.hidden_size, self._local_vocab_rows(core)
+        self.stages: list[StageWeights] = []
+        self.flat: list[torch.Tensor | None] = []
+        for stage in range(len(self.ranks)):
+            if stage == self.stage:
+                self.stages.append(self.own)
+                self.flat.append(None)
+                continue
+            shapes = [{name: tensor.shape for name, tensor in layer.items()} for _ in self.own.layers]
+            ends = {}
+            if stage == 0:
+                ends["embedding"] = (rows, hidden)
+            if stage == len(self.ranks) - 1:
+                ends.update(final_norm=(hidden,), output=(rows, hidden))
+            flat = torch.empty(sum(math.prod(s) for named in shapes for s in named.values())
+                               + sum(math.prod(s) for s in ends.values()), dtype=layer_dtype(layer),
+                               device=next(iter(layer.values())).device)
+            views = iter(_views(flat, [s for named in shapes for s in named.values()] + list(ends.values())))
+            self.stages.append(StageWeights([{name: next(views) for name in named} for named in shapes],
+                                            {name: next(views) for name in ends}))
+            self.flat.append(flat)
+        self.refresh()
+
+    @staticmethod
+    def _local_vocab_rows(core) -> int:
+        """This rank's rows of the (padded) vocabulary, the same on every stage."""
+        return core.vocab_size // parallel_state.get_tensor_model_parallel_world_size()
+
+    def refresh(self) -> None:
+        """One broadcast per stage over the PP group: the owner sends its parameters, flattened."""
+        for stage, rank in enumerate(self.ranks):
+            if stage == self.stage:
+                tensors = [t for named in self.own.layers for t in named.values()] + list(self.own.ends.values())
+                dist.broadcast(torch.cat([t.detach().reshape(-1) for t in tensors]), src=rank, group=self.group)
+            else:
+                dist.broadcast(self.flat[stage], src=rank, group=self.group)
+
+    def weights(self) -> StageWeights:
+        ends = {}
+        for stage in self.stages:
+            ends.update(stage.ends)
+        return StageWeights([named for stage in self.stages for named in stage.layers], ends)
+
+
+def layer_dtype(named: dict[str, torch.Tensor]) -> torch.dtype:
+    dtypes = {tensor.dtype for tensor in named.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"a layer's parameters have several dtypes {dtypes}: the pipeline gather sends one buffer")
+    return dtypes.pop()
+
+
+def _views(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    """Consecutive views of `flat` with these shapes."""
+    views, start = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        views.append(flat[start : start + size].view(shape))
+        start += size
+    return views
+
+
+def _same_tensor_rank_group():
+    """The process group of the ranks with this rank's TP rank (data-parallel and pipeline ranks
+    together); every rank creates every such group, in the same order, as torch requires."""
+    tensor_ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(tensor_ranks, parallel_state.get_tensor_model_parallel_rank())
+    mine = None
+    for tensor_rank in sorted(set(tensor_ranks)):
+        group = dist.new_group([rank for rank, value in enumerate(tensor_ranks) if value == tensor_rank])
+        if tensor_rank == parallel_state.get_tensor_model_parallel_rank():
+            mine = group
+    return mine
 
 
 def inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
@@ -73,23 +197,20 @@ class MegatronDecoder(Decoder):
     """Prefill and decode over this rank's shards of a GPTModel (module docstring)."""
 
     def __init__(self, model: MegatronGenerationModel, compile: bool = False, attention: str = "sdpa"):
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError("the rollout engine on the Megatron model needs pipeline_model_parallel_size=1 (a "
-                             "stage holds only its layers); use generator.engine=hf with pipeline parallelism")
         self.model = model
-        core = model.core
-        config = core.config
+        config = model.core.config
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.group = parallel_state.get_tensor_model_parallel_group()
         self.tensor_parallel, self.tensor_rank = tp, parallel_state.get_tensor_model_parallel_rank()
-        layers = core.decoder.layers
+        weights = model.weights()
+        self.eps = config.layernorm_epsilon
         self.shape = Shape(config.num_attention_heads // tp, config.num_query_groups // tp, config.kv_channels,
-                           layers[0].input_layernorm.eps, qkv_per_group=True)
+                           self.eps, qkv_per_group=True)
         self.scale = 1.0 / math.sqrt(config.kv_channels)
-        self.layers = [self._weights(layer) for layer in layers]
-        self.embedding = core.embedding.word_embeddings.weight  # [V_padded / TP, H]
-        self.final_norm = core.decoder.final_layernorm
-        self.output = output_weight(core)
+        self.layers = [self._weights(named) for named in weights.layers]
+        self.embedding = weights.ends["embedding"]  # [V_padded / TP, H]
+        self.final_norm = weights.ends["final_norm"]
+        self.output = weights.ends["output"]
         self.vocab_size = model.config.vocab_size
         self.inv_freq = inverse_frequencies(config.kv_channels, rope_theta(model.config), self.embedding.device)
         if tp > 1:
@@ -97,16 +218,16 @@ class MegatronDecoder(Decoder):
         super().__init__(compile, attention)
 
     @staticmethod
-    def _weights(layer) -> LayerWeights:
-        attention, mlp = layer.self_attention, layer.mlp
-        qkv = attention.linear_qkv
-        # the local spec puts an IdentityOp where a model has no q/k norm (Qwen3 has them)
-        q_norm, k_norm = (getattr(norm, "weight", None) for norm in (attention.q_layernorm, attention.k_layernorm))
-        fc1 = mlp.linear_fc1.weight
+    def _weights(named: dict[str, torch.Tensor]) -> LayerWeights:
+        """A layer's parameters by megatron-core's names (no q/k norm entries where a model has none:
+        the local spec puts an IdentityOp there; Qwen3 has them)."""
+        qkv, fc1 = named["self_attention.linear_qkv.weight"], named["mlp.linear_fc1.weight"]
         return LayerWeights(
-            layer.input_layernorm.weight, Projection((qkv.weight,), (qkv.bias,), (qkv.weight.shape[0],)),
-            q_norm, k_norm, attention.linear_proj.weight, None, layer.pre_mlp_layernorm.weight,
-            Projection((fc1,), (None,), (fc1.shape[0] // 2, fc1.shape[0] // 2)), mlp.linear_fc2.weight, None)
+            named["input_layernorm.weight"],
+            Projection((qkv,), (named.get("self_attention.linear_qkv.bias"),), (qkv.shape[0],)),
+            named.get("self_attention.q_layernorm.weight"), named.get("self_attention.k_layernorm.weight"),
+            named["self_attention.linear_proj.weight"], None, named["pre_mlp_layernorm.weight"],
+            Projection((fc1,), (None,), (fc1.shape[0] // 2, fc1.shape[0] // 2)), named["mlp.linear_fc2.weight"], None)
 
     @property
     def device(self) -> torch.device:
@@ -131,7 +252,7 @@ class MegatronDecoder(Decoder):
         return hidden, rotary_tables(positions, self.inv_freq, hidden.dtype)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(self.final_norm(hidden), self.output)  # [b, V_padded / TP]
+        logits = F.linear(rms_norm(hidden, self.final_norm, self.eps), self.output)  # [b, V_padded / TP]
         if self.tensor_parallel > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tensor_parallel)]
             dist.all_gather(parts, logits, group=self.group)

@@ -92,6 +92,7 @@ class MegatronPolicy(Policy):
         self.hf_config, self.generation_config = model.config, model.generation_config
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model = cast_model(model, dtype=self.dtype)  # on the host until an engine samples it (generation_model)
+        self.generation: MegatronGenerationModel | None = None  # the rollout engine's model, once asked for
         self.core = self._core_from_hf()
         self.ddp = wrap_ddp(self.core, cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, cfg.use_distributed_optimizer)
@@ -124,12 +125,15 @@ class MegatronPolicy(Policy):
         samples the HF copy on this rank's device, refitted after each update (module docstring)."""
         if engine_name == "rollout":
             self.model = None
-            return MegatronGenerationModel(self.core, self.hf_config, self.generation_config)
+            self.generation = MegatronGenerationModel(self.core, self.hf_config, self.generation_config)
+            return self.generation
         return self.model.to(self.device)
 
     def sync_weights(self) -> None:
-        """Copy the current Megatron weights into the HF copy, in place on its device (`weights.py`);
-        nothing without one."""
+        """Bring what generates up to date: with PP > 1 the rollout engine's copies of the other
+        stages (`decoder.PipelineGather`); the HF copy, in place on its device (`weights.py`)."""
+        if self.generation is not None:
+            self.generation.refresh()
         if self.model is None:
             return
         refit_hf_model(self.core, self.model, self.hf_config)

@@ -1,6 +1,6 @@
 """`generator.engine=auto` (the default) picks the rollout engine only where it is measured faster:
 on a GPU with a decoder the rollout engine runs, on the HF backend or on the Megatron backend's
-shards without pipeline stages; the HF engine everywhere else."""
+shards (with pipeline stages resharded in memory); the HF engine everywhere else."""
 
 import pytest
 import torch
@@ -15,8 +15,8 @@ from aligner_ext.trainer.build import generation_engine_name
     ("cpu", ["policy.backend=hf"], LlamaConfig(), "hf"),  # CUDA graphs and compilation are GPU-only; the HF engine is the CPU reference
     ("cuda", ["policy.backend=megatron"], LlamaConfig(), "rollout"),  # on the GPTModel's shards
     ("cpu", ["policy.backend=megatron"], LlamaConfig(), "hf"),
-    # a pipeline stage holds only its layers: the HF engine samples the refitted HF copy
-    ("cuda", ["policy.backend=megatron", "policy.pipeline_model_parallel_size=2"], LlamaConfig(), "hf"),
+    # every rank gathers the other stages' layers (decoder.PipelineGather)
+    ("cuda", ["policy.backend=megatron", "policy.pipeline_model_parallel_size=2"], LlamaConfig(), "rollout"),
     ("cuda", ["policy.backend=hf"], GPT2Config(), "hf"),  # an architecture the rollout engine does not run
 ])
 def test_auto_resolves_by_device_backend_and_architecture(device, overrides, config, expected):
