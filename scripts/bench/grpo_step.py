@@ -8,8 +8,9 @@ One call runs, each in its own process and one after another (the device otherwi
      rows, log-prob probe), measures the matrix rate and the copy bandwidth, and the float32
      log-probs of the probe;
   2. every system of --systems (ours, ours_rollout with `generator.engine=rollout`, ours_rollout_prev
-     its earlier settings, ours_liger with Liger-Kernel's training kernels, ours_megatron the Megatron
-     backend at TP=1 generating on its GPTModel and training on packed micro-batches,
+     its earlier settings, ours_liger with Liger-Kernel's training kernels, ours_packed training on
+     packed micro-batches of 16384 tokens, ours_megatron the Megatron backend at TP=1 generating on
+     its GPTModel and training on packed micro-batches (8192 tokens; ours_megatron_16k 16384),
      ours_megatron_distopt the same with activation recomputation and the distributed optimizer
      (OURS below): scripts/bench/grpo_step_ours.py; trl_default, trl_fast, trl_cb: scripts/bench/grpo_step_trl.py):
      `--warmup` steps, then `--steps` measured steps;
@@ -53,16 +54,19 @@ sys.path.insert(0, str(HERE))
 
 from grpo_step_lib import PRESETS, Preset, write_json, write_workspace  # noqa: E402
 
-SYSTEMS = ("ours", "ours_rollout", "ours_rollout_prev", "ours_liger", "ours_megatron", "ours_megatron_distopt",
-           "trl_default", "trl_fast", "trl_cb")
+SYSTEMS = ("ours", "ours_rollout", "ours_rollout_prev", "ours_liger", "ours_packed", "ours_megatron",
+           "ours_megatron_16k", "ours_megatron_distopt", "trl_default", "trl_fast", "trl_cb")
 # Our systems: the engine and the settings they add to the benchmark's overrides. ours_rollout_prev is
 # the rollout engine as first measured (separate q/k/v and gate/up products, the old-log-prob pass
 # always run): the "before" of later speed changes, in the same call. ours_liger trains with Liger-Kernel's
-# fused norm / SwiGLU / RoPE (policy.kernels=liger; carry its wheel in .whl).
+# fused norm / SwiGLU / RoPE (policy.kernels=liger; carry its wheel in .whl). ours_packed and the
+# Megatron systems train on sequences packed under a token budget (policy.micro_batch_tokens).
 OURS = {"ours": ("hf", []), "ours_rollout": ("rollout", []),
         "ours_rollout_prev": ("rollout", ["generator.rollout.fuse_projections=false", "policy.old_logprob_pass=always"]),
         "ours_liger": ("rollout", ["policy.kernels=liger"]),
+        "ours_packed": ("rollout", ["policy.micro_batch_tokens=16384"]),
         "ours_megatron": ("rollout", ["policy.backend=megatron", "policy.micro_batch_tokens=8192"]),
+        "ours_megatron_16k": ("rollout", ["policy.backend=megatron", "policy.micro_batch_tokens=16384"]),
         "ours_megatron_distopt": ("rollout", ["policy.backend=megatron", "policy.micro_batch_tokens=8192",
                                               "policy.recompute_activations=true", "policy.use_distributed_optimizer=true"])}
 VARIANTS = ("dapo", "cpo", "mtpo", "graded_prompt")
