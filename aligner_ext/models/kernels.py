@@ -1,4 +1,5 @@
-"""Fused training kernels for the HF backend's model (`policy.kernels`).
+"""Fused training kernels for the HF backend's model (`policy.kernels`), and `compiled_on_cuda`, how
+the library's own small elementwise functions become fused kernels on GPUs.
 
 `liger`: Liger-Kernel's Triton RMSNorm, SwiGLU MLP and rotary embedding patched into the model
 instance (extra `liger`; a CUDA device; Llama / Qwen2 / Qwen3 decoders). Its fused linear
@@ -11,9 +12,12 @@ modules.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
+
+import torch
 
 from aligner_ext.errors import ConfigError
 
@@ -52,3 +56,20 @@ def patch_with_liger(model) -> None:
         raise ConfigError(f"policy.kernels=liger needs Liger-Kernel: pip install 'aligner_ext[liger]' ({err})") from err
     getattr(liger, LIGER_PATCHES[model_type])(model=model, rope=True, rms_norm=True, swiglu=True,
                                               cross_entropy=False, fused_linear_cross_entropy=False)
+
+
+def compiled_on_cuda(fn):
+    """`fn` compiled by torch.compile (shapes dynamic, compiled once, on first use) when its first
+    argument is a CUDA tensor, and run as it is elsewhere (the CPU tests run the same code)."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if not args[0].is_cuda:
+            return fn(*args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(*args, **kwargs)
+
+    return call

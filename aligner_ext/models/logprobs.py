@@ -34,9 +34,12 @@ from typing import Callable
 
 import torch
 
+from aligner_ext.models.kernels import compiled_on_cuda
+
 Statistics = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # max, sum of exp, target logit, sum of exp * z
 
 
+@compiled_on_cuda
 def chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, columns: int, inv_temperature: float,
                      with_entropy: bool) -> Statistics:
     """Per-row statistics of z = logits[:, :columns] * inv_temperature in float32 (float64 for float64):
@@ -54,6 +57,7 @@ def chunk_statistics(logits: torch.Tensor, targets: torch.Tensor, columns: int, 
     return peak, weights.sum(dim=-1), target_logit, weighted
 
 
+@compiled_on_cuda
 def logit_gradient(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor, columns: int,
                    inv_temperature: float) -> torch.Tensor:
     """dL/dlogits [c, V_local] in the logits' dtype: grad * (1[v = y] - softmax_v) / T on the real
@@ -64,19 +68,6 @@ def logit_gradient(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tenso
     onehot = (vocab == targets.unsqueeze(-1)).to(probs.dtype)
     result = grad.unsqueeze(-1) * (onehot - probs) * inv_temperature
     return torch.where(vocab < columns, result, 0.0).to(logits.dtype)
-
-
-_compiled: dict[str, Callable] = {}
-
-
-def _kernel(name: str, device: torch.device) -> Callable:
-    """`chunk_statistics` or `logit_gradient`, compiled once (shapes dynamic) on CUDA, as is elsewhere."""
-    plain = {"statistics": chunk_statistics, "gradient": logit_gradient}[name]
-    if device.type != "cuda":
-        return plain
-    if name not in _compiled:
-        _compiled[name] = torch.compile(plain, dynamic=True)
-    return _compiled[name]
 
 
 @dataclass(frozen=True)
@@ -97,11 +88,10 @@ class _FusedHead(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, vocab):
         columns = weight.shape[0] if vocab.columns is None else vocab.columns
         local = targets - vocab.offset
-        statistics = _kernel("statistics", hidden.device)
         parts = []
         for start in range(0, hidden.shape[0], chunk_size):
             logits = hidden[start : start + chunk_size] @ weight.T
-            part = statistics(logits, local[start : start + chunk_size], columns, 1.0 / temperature, with_entropy)
+            part = chunk_statistics(logits, local[start : start + chunk_size], columns, 1.0 / temperature, with_entropy)
             parts.append(torch.stack(part))
         width = torch.promote_types(hidden.dtype, torch.float32)
         stats = torch.cat(parts, dim=1) if parts else hidden.new_zeros((4, 0), dtype=width)
@@ -117,13 +107,12 @@ class _FusedHead(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, local, lse = ctx.saved_tensors
         temperature, chunk_size, columns = ctx.settings
-        gradient = _kernel("gradient", hidden.device)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             logits = hidden[rows] @ weight.T
-            grad_logits = gradient(logits, lse[rows], local[rows], grad_logprobs[rows], columns, 1.0 / temperature)
+            grad_logits = logit_gradient(logits, lse[rows], local[rows], grad_logprobs[rows], columns, 1.0 / temperature)
             if grad_hidden is not None:
                 torch.mm(grad_logits, weight, out=grad_hidden[rows])
             if grad_weight is not None:

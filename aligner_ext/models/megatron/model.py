@@ -30,6 +30,7 @@ padded rows are zero and masked out of every softmax (`logprobs.py`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,18 +43,39 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from aligner_ext.models.attention import packed_causal_attention
+from aligner_ext.models.kernels import compiled_on_cuda
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 VOCAB_DIVISIBLE_BY = 128
+
+
+@dataclass
+class SequenceLayout(PackedSeqParams):
+    """megatron-core's `PackedSeqParams` (sbhd format; the sequences' cumulative lengths when a row
+    holds several, else None) with the rotary tables of the tokens: `stage_forward` builds it once
+    per forward and the layers hand it, untouched, to their core attention (`SDPAttention`)."""
+
+    rotary_cos: torch.Tensor | None = None  # [s, 1, 1, d] in the model's dtype
+    rotary_sin: torch.Tensor | None = None
+
+
+@compiled_on_cuda
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [s, b, heads, d] rotated as HF's (and megatron-core's unfused) RoPE: x cos + rotate_half(x) sin,
+    in x's dtype; one fused kernel forward and one backward on GPUs."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class SDPAttention(MegatronModule):
     """Core attention through torch SDPA: causal, grouped-query, no mask, no dropout.
 
     Takes query [s, b, heads, d] and key/value [s, b, groups, d] (this rank's heads) and returns
-    [s, b, heads * d], the contract of megatron-core's `DotProductAttention`. A packed micro-batch
-    (b = 1, several sequences end to end) passes `PackedSeqParams` in the sbhd format with the
-    sequences' cumulative lengths: each sequence then attends to itself alone (`models/attention.py`).
+    [s, b, heads * d], the contract of megatron-core's `DotProductAttention`. RoPE is applied here
+    (`apply_rotary`, from the `SequenceLayout`'s tables; `stage_forward` hands megatron-core no
+    rotary embedding, whose own unfused chain recomputed cos and sin in every layer). A packed
+    micro-batch (b = 1, several sequences end to end) carries the sequences' cumulative lengths:
+    each sequence then attends to itself alone (`models/attention.py`).
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -68,7 +90,9 @@ class SDPAttention(MegatronModule):
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("SDPAttention is causal by construction; pass attention_mask=None and no bias")
         seq, batch, heads, dim = query.shape
-        if packed_seq_params is not None:
+        query = apply_rotary(query, packed_seq_params.rotary_cos, packed_seq_params.rotary_sin)
+        key = apply_rotary(key, packed_seq_params.rotary_cos, packed_seq_params.rotary_sin)
+        if packed_seq_params.cu_seqlens_q is not None:
             out = packed_causal_attention(query.squeeze(1), key.squeeze(1), value.squeeze(1),
                                           packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q,
                                           self.softmax_scale)
@@ -260,14 +284,17 @@ def stage_forward(model: GPTModel, input_ids: torch.Tensor, position_ids: torch.
         packed_seq_params: the sequences' boundaries when the row holds several (`SDPAttention`).
 
     RoPE is taken from `position_ids` (megatron-core's own `_preprocess` would rotate by column,
-    which a packed row's later sequences do not start at). On a later stage the input comes from
-    `model.set_input_tensor` (the pipeline schedule sets it).
+    which a packed row's later sequences do not start at): cos and sin once per forward, in the
+    model's dtype, applied in the core attention (`SequenceLayout`). On a later stage the input
+    comes from `model.set_input_tensor` (the pipeline schedule sets it).
     """
     decoder_input = model.embedding(input_ids=input_ids, position_ids=position_ids) if model.pre_process else None
     positions = position_ids[0]
-    rotary_pos_emb = model.rotary_pos_emb(int(positions.max()) + 1)[positions]  # [s, 1, 1, d]
-    return model.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary_pos_emb,
-                         packed_seq_params=packed_seq_params)
+    angles = model.rotary_pos_emb(int(positions.max()) + 1)[positions]  # [s, 1, 1, d] float32
+    boundaries = vars(packed_seq_params) if packed_seq_params is not None else {"qkv_format": "sbhd"}
+    layout = SequenceLayout(**boundaries, rotary_cos=angles.cos().to(model.config.params_dtype),
+                            rotary_sin=angles.sin().to(model.config.params_dtype))
+    return model.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=None, packed_seq_params=layout)
 
 
 def pack_rows(prompt_mask: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int
