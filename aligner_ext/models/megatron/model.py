@@ -9,8 +9,9 @@ Configurations outside this (RoPE scaling, sliding windows, MLP or output biases
 the field named, rather than built slightly wrong.
 
 Layer spec: megatron-core's local spec with the core attention replaced by `SDPAttention`, which
-calls torch's `scaled_dot_product_attention` (causal, GQA) so GPUs get fused kernels without
-Transformer Engine or flash-attn, and every norm (input, pre-MLP, final, Qwen3's q/k) replaced by
+applies RoPE (one fused kernel per q and k on GPUs) and calls torch's
+`scaled_dot_product_attention` (causal, GQA) so GPUs get fused kernels without Transformer Engine
+or flash-attn, and every norm (input, pre-MLP, final, Qwen3's q/k) replaced by
 `RMSNorm`: HF's formula (normalise in float32, cast back, then scale), and its weight marked for
 megatron-core's sequence-parallel gradient all-reduce; megatron-core's torch norm refuses sequence
 parallelism, and its fused norms need Apex or Transformer Engine.
