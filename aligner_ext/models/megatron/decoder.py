@@ -16,7 +16,8 @@ GPTModel's parameters themselves (nothing copied, nothing to sync after an optim
 
 So every rank of a TP group computes the same logits and, from the same seeds, samples the same
 tokens: the ranks of a TP group decode the same requests in lockstep (the rank split shares a call's
-requests over the data-parallel groups only, `generation/sharded.py`). The rotary embedding is
+requests over the other ranks, `generation/sharded.py`: the data-parallel ones, and with PP the
+pipeline ones too, below). The rotary embedding is
 computed here (HF's default RoPE; `model.rope_theta` refuses scaled variants) from each token's own
 position, as in the HF decoder.
 
@@ -104,8 +105,10 @@ class PipelineGather:
         self.ranks = dist.get_process_group_ranks(self.group)
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.own = stage_weights(core)
-        layer = self.own.layers[0]
-        hidden, rows = core.config.hidden_size, self._local_vocab_rows(core)
+        first = self.own.layers[0]
+        layer_shapes = [{name: tensor.shape for name, tensor in first.items()}] * len(self.own.layers)  # every stage alike
+        hidden = core.config.hidden_size
+        rows = core.vocab_size // parallel_state.get_tensor_model_parallel_world_size()  # this rank's vocabulary rows
         self.stages: list[StageWeights] = []
         self.flat: list[torch.Tensor | None] = []
         for stage in range(len(self.ranks)):
@@ -113,25 +116,19 @@ class PipelineGather:
                 self.stages.append(self.own)
                 self.flat.append(None)
                 continue
-            shapes = [{name: tensor.shape for name, tensor in layer.items()} for _ in self.own.layers]
             ends = {}
             if stage == 0:
                 ends["embedding"] = (rows, hidden)
             if stage == len(self.ranks) - 1:
                 ends.update(final_norm=(hidden,), output=(rows, hidden))
-            flat = torch.empty(sum(math.prod(s) for named in shapes for s in named.values())
-                               + sum(math.prod(s) for s in ends.values()), dtype=layer_dtype(layer),
-                               device=next(iter(layer.values())).device)
-            views = iter(_views(flat, [s for named in shapes for s in named.values()] + list(ends.values())))
-            self.stages.append(StageWeights([{name: next(views) for name in named} for named in shapes],
+            shapes = [shape for named in layer_shapes for shape in named.values()] + list(ends.values())
+            flat = torch.empty(sum(math.prod(shape) for shape in shapes), dtype=layer_dtype(first),
+                               device=next(iter(first.values())).device)
+            views = iter(_views(flat, shapes))
+            self.stages.append(StageWeights([{name: next(views) for name in named} for named in layer_shapes],
                                             {name: next(views) for name in ends}))
             self.flat.append(flat)
         self.refresh()
-
-    @staticmethod
-    def _local_vocab_rows(core) -> int:
-        """This rank's rows of the (padded) vocabulary, the same on every stage."""
-        return core.vocab_size // parallel_state.get_tensor_model_parallel_world_size()
 
     def refresh(self) -> None:
         """One broadcast per stage over the PP group: the owner sends its parameters, flattened."""

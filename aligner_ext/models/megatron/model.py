@@ -90,6 +90,8 @@ class SDPAttention(MegatronModule):
                 packed_seq_params=None):
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("SDPAttention is causal by construction; pass attention_mask=None and no bias")
+        if not isinstance(packed_seq_params, SequenceLayout):
+            raise ValueError("SDPAttention takes the SequenceLayout stage_forward builds (rotary tables, boundaries)")
         seq, batch, heads, dim = query.shape
         query = apply_rotary(query, packed_seq_params.rotary_cos, packed_seq_params.rotary_sin)
         key = apply_rotary(key, packed_seq_params.rotary_cos, packed_seq_params.rotary_sin)
