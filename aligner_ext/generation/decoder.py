@@ -35,9 +35,10 @@ compiled for minutes: docs/benchmarks.md.)
 
 Attention goes through `attend_prefill` and one of DECODE_ATTENTION, the one place to swap kernels:
 `attention="sdpa"` (torch SDPA: cuDNN or flash on a GPU, under an additive mask), `"flex"`
-(FlexAttention, compiled with the layer functions' settings) or `"triton"` (our split-KV kernel,
-decode_attention.py, which reads each sequence's cache up to its own position). The engine calls
-only `new_cache`, `prefill`, `decode` and `refresh`.
+(FlexAttention, compiled with the layer functions' settings) or `"triton"` (our flash-decoding
+kernel, decode_attention.py, which reads each sequence's cache up to its own position); `"auto"`
+is triton on a GPU and sdpa on the CPU. The engine calls only `new_cache`, `prefill`, `decode` and
+`refresh`.
 """
 
 from __future__ import annotations
@@ -266,18 +267,33 @@ def additive_mask(positions: torch.Tensor, attended: int, dtype: torch.dtype) ->
 class DecodeAttention(NamedTuple):
     """A decode attention kernel: `attend(q, keys, values, mask, scale)` with the `mask` that
     `mask_of(positions, attended, dtype)` builds once per step; `compiled` says whether torch.compile
-    runs it on a GPU (with the layer functions' settings)."""
+    runs it on a GPU (with the layer functions' settings); `reads_to_position` that it reads each
+    sequence's cache only up to its position, so the engine passes the whole cache (one CUDA graph per
+    batch size) instead of the positions up to the longest sequence's."""
 
     mask_of: Callable
     attend: Callable
     compiled: bool
+    reads_to_position: bool = False
 
 
 DECODE_ATTENTION = {
     "sdpa": DecodeAttention(additive_mask, attend_decode, False),
     "flex": DecodeAttention(additive_mask, attend_decode_flex, True),  # eager FlexAttention is a slow reference
-    "triton": DecodeAttention(lambda positions, attended, dtype: positions, attend_decode_triton, False),
+    "triton": DecodeAttention(lambda positions, attended, dtype: positions, attend_decode_triton, False, True),
 }
+ATTENTION_CHOICES = ("auto", *DECODE_ATTENTION)
+
+
+def resolve_attention(attention: str, device: torch.device) -> str:
+    """`auto`: the Triton kernel on a GPU (1.4-2.5x cuDNN's SDPA, docs/benchmarks.md), SDPA elsewhere."""
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"decode attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}")
+    if attention == "auto":
+        return "triton" if device.type == "cuda" and decode_attention.available() else "sdpa"
+    if attention == "triton" and not decode_attention.available():
+        raise ValueError("decode attention triton needs the triton package (it comes with torch's CUDA builds)")
+    return attention
 
 
 def decode_inputs_written(hidden: torch.Tensor, mlp: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
@@ -321,12 +337,9 @@ class Decoder:
     reduce: Callable[[torch.Tensor], None] | None = None
 
     def __init__(self, compile: bool, attention: str):
-        if attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode attention must be one of {', '.join(DECODE_ATTENTION)}, got {attention!r}")
-        if attention == "triton" and not decode_attention.available():
-            raise ValueError("decode attention triton needs the triton package (it comes with torch's CUDA builds)")
         self.num_layers = len(self.layers)
-        self.attention = DECODE_ATTENTION[attention]
+        self.attention_name = resolve_attention(attention, self.device)
+        self.attention = DECODE_ATTENTION[self.attention_name]
         # The decode step's layer functions; prefill keeps the eager ones (its shapes vary per call).
         self.decode_inputs, self.decode_parts, self.decode_mlp = decode_inputs_written, layer_output_parts, residual_mlp
         self.decode_attention = self.attention.attend
@@ -420,7 +433,7 @@ class Decoder:
 class HFDecoder(Decoder):
     """An HF Llama-family causal LM's own modules and parameters (module docstring)."""
 
-    def __init__(self, model, compile: bool = False, fuse_projections: bool = False, attention: str = "sdpa"):
+    def __init__(self, model, compile: bool = False, fuse_projections: bool = False, attention: str = "auto"):
         config = model.config
         reason = unsupported(config)
         if reason:

@@ -13,7 +13,8 @@
      K/V copied and prefills only the rest (MTPO's round 2 continues round 1's answers);
   3. decode one token for slots [0, highest busy slot]: the step (decoder, sampler, advancing each
      slot's token, position and sampling counter) runs on the device from device-resident state;
-     on a GPU it is replayed from a CUDA graph captured per (rows, attended length) bucket, and
+     on a GPU it is replayed from a CUDA graph captured per (rows, attended length) bucket (per rows
+     alone with the Triton attention, which reads each sequence to its own position), and
      the host launches the next step before reading this one's tokens (one step of look-ahead),
      so the GPU never waits for the host's bookkeeping;
   4. the host reads the sampled tokens, checks finishes for all slots at once (numpy), and frees
@@ -43,9 +44,9 @@ import numpy as np
 import torch
 
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
-from aligner_ext.generation.decoder import DECODE_ATTENTION, HFDecoder, SlotKVCache
+from aligner_ext.generation.decoder import ATTENTION_CHOICES, HFDecoder, SlotKVCache
 from aligner_ext.generation.hf import check_request, eos_ids_of
-from aligner_ext.generation.sampler import request_seed, sample
+from aligner_ext.generation.sampler import request_seed, row_keys, sample
 from aligner_ext.generation.stopping import StopStringMatcher
 
 PREFIX_BLOCK = 16  # kept sequences are matched by whole blocks of this many tokens
@@ -63,17 +64,17 @@ class RolloutEngineConfig:
     prefix_cache: bool = True  # keep a call's KV cache for the next call: a prompt that extends a kept sequence prefills only its new tokens (MTPO's round 2)
     cuda_graphs: bool = True  # on a GPU, replay the decode step from CUDA graphs (ignored on the CPU)
     compile: bool = True  # on a GPU, torch.compile the decode step's layer functions and the sampler (ignored on the CPU)
-    attention: str = "sdpa"  # decode attention kernel: sdpa (torch SDPA: cuDNN / flash) | flex (FlexAttention, compiled on a GPU) | triton (split-KV Triton kernel, GPU)
+    attention: str = "auto"  # decode attention kernel: auto (triton on a GPU, sdpa on the CPU) | sdpa (torch SDPA: cuDNN / flash) | flex (FlexAttention, compiled on a GPU) | triton (flash-decoding Triton kernel, GPU)
     fuse_projections: bool = True  # q/k/v and gate/up as one product each: the parameters become views of one buffer per group (no copy)
-    attended_length_step: int = 128  # a decode step attends over the smallest multiple of this many cache positions that covers every sequence
+    attended_length_step: int = 128  # sdpa / flex: a decode step attends over the smallest multiple of this many cache positions that covers every sequence (triton reads each sequence to its own position)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"generator.rollout.max_batch_size must be >= 1, got {self.max_batch_size}")
         if not 0 < self.kv_cache_memory_share <= 1:
             raise ValueError(f"generator.rollout.kv_cache_memory_share must be in (0, 1], got {self.kv_cache_memory_share}")
-        if self.attention not in DECODE_ATTENTION:
-            raise ValueError(f"generator.rollout.attention must be one of {', '.join(DECODE_ATTENTION)}, got {self.attention!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"generator.rollout.attention must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}")
         if self.attended_length_step < 1:
             raise ValueError(f"generator.rollout.attended_length_step must be >= 1, got {self.attended_length_step}")
 
@@ -98,11 +99,15 @@ class _DeviceSlots:
 
 class _DecodeGraphs:
     """The decode step captured as CUDA graphs, one per (rows bucket, attended length), over one
-    call's `_DeviceSlots` (graphs hold its addresses, so they live as long as the call)."""
+    call's `_DeviceSlots` (graphs hold its addresses, so they live as long as the call). `warmed`
+    (the engine's, kept across calls) holds the step shapes that have run before under `context`
+    (the call's slots and sampling settings): their kernels are compiled and tuned, so they are
+    captured without running the step first."""
 
-    def __init__(self, step, slots: _DeviceSlots, count: int):
+    def __init__(self, step, slots: _DeviceSlots, count: int, warmed: set, context: tuple):
         self.step = step
         self.slots = slots
+        self.warmed, self.context = warmed, context
         self.buckets = sorted({b for b in SMALL_ROW_BUCKETS if b < count} | set(range(16, count, 16)) | {count})
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -118,17 +123,21 @@ class _DecodeGraphs:
         graph.replay()
 
     def _capture(self, rows: int, attended: int) -> torch.cuda.CUDAGraph:
-        """Run the step once (compiles and tunes kernels for these shapes, then restores the slots'
-        state; the K/V it writes are those the replay writes), then capture it."""
+        """Run the step once if its shape has not run before (compiles and tunes kernels for these
+        shapes, then restores the slots' state; the K/V it writes are those the replay writes), then
+        capture it."""
         started = time.perf_counter()
-        saved = [tensor.clone() for tensor in self.slots.small_state()]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.step(rows, attended)
-            for tensor, value in zip(self.slots.small_state(), saved):
-                tensor.copy_(value)
-        torch.cuda.current_stream().wait_stream(stream)
+        shape = (rows, attended, *self.context)
+        if shape not in self.warmed:
+            saved = [tensor.clone() for tensor in self.slots.small_state()]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.step(rows, attended)
+                for tensor, value in zip(self.slots.small_state(), saved):
+                    tensor.copy_(value)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.warmed.add(shape)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.step(rows, attended)
@@ -205,9 +214,11 @@ class RolloutEngine(GenerationEngine):
             make_decoder = getattr(policy_model, "rollout_decoder", None) or partial(HFDecoder, policy_model)
             self.decoder = make_decoder(compile=compile, fuse_projections=self.cfg.fuse_projections,
                                         attention=self.cfg.attention)
+            self.warmed_steps: set = set()  # decode-step shapes run before (`_DecodeGraphs`)
             # Fully dynamic: with a static 152k vocabulary Inductor folds the sampler's hash constants
             # into an int32 literal that overflows (torch 2.11, Triton 3.6).
             self.sample = torch.compile(sample, dynamic=True) if compile else sample
+            self.row_keys = torch.compile(row_keys, dynamic=True) if compile else row_keys
         self.eos_ids = eos_ids_of(self.tokenizer, policy_model)
 
     def release_memory(self) -> None:
@@ -284,7 +295,10 @@ class _Call:
         cache = self.decoder.new_cache(self.slot_total, self.length)
         self.slots = _DeviceSlots(cache, self.slot_total, device)
         on_gpu = device.type == "cuda"
-        graphs = _DecodeGraphs(self._step, self.slots, self.slot_total) if on_gpu and self.engine.cfg.cuda_graphs else None
+        graphs = None
+        if on_gpu and self.engine.cfg.cuda_graphs:
+            context = (self.slot_total, self.length, self.params.temperature, self.params.top_p, self.params.top_k)
+            graphs = _DecodeGraphs(self._step, self.slots, self.slot_total, self.engine.warmed_steps, context)
         buffers = [(torch.zeros(self.slot_total, dtype=torch.long, pin_memory=on_gpu),
                     torch.zeros(self.slot_total, dtype=torch.float32, pin_memory=on_gpu)) for _ in range(LOOKAHEAD + 1)]
         in_flight: deque = deque()
@@ -297,6 +311,8 @@ class _Call:
                 rows = int(busy[-1]) + 1
                 step = self.engine.cfg.attended_length_step
                 attended = min(self.length, -(-(int(self.slots.host_positions[busy].max()) + 1) // step) * step)
+                if self.decoder.attention.reads_to_position:
+                    attended = self.length  # one graph per batch size
                 if graphs is not None:
                     rows = graphs.rows_for(rows)
                     graphs(rows, attended)
@@ -331,8 +347,8 @@ class _Call:
         """Decode, sample and advance slots [0, rows) on the device (what the CUDA graphs capture)."""
         slots, params = self.slots, self.params
         logits = self.decoder.decode(slots.ids[:rows], slots.positions[:rows], slots.cache, attended)
-        tokens, logprobs = self.engine.sample(logits, params.temperature, params.top_p, params.top_k,
-                                              slots.seeds[:rows], slots.counters[:rows])
+        keys = self.engine.row_keys(slots.seeds[:rows], slots.counters[:rows])
+        tokens, logprobs = self.engine.sample(logits, params.temperature, params.top_p, params.top_k, keys)
         slots.logprobs[:rows].copy_(logprobs)
         slots.ids[:rows].copy_(tokens)
         slots.positions[:rows].add_(1).clamp_(max=self.length - 1)
@@ -357,8 +373,8 @@ class _Call:
         slot_ids = torch.tensor([slot for _, slot in admitted], device=device)
         logits = self._prefill(admitted)
         seeds = torch.tensor([self.seeds[index] for index in indices], dtype=torch.long, device=device)
-        tokens, logprobs = sample(logits, self.params.temperature, self.params.top_p, self.params.top_k, seeds,
-                                  torch.zeros_like(seeds))
+        tokens, logprobs = sample(logits, self.params.temperature, self.params.top_p, self.params.top_k,
+                                  row_keys(seeds, torch.zeros_like(seeds)))
         slots = self.slots
         slots.ids[slot_ids] = tokens
         slots.positions[slot_ids] = torch.tensor([len(self.prompts[index]) for index in indices], device=device)
@@ -400,9 +416,11 @@ class _Call:
         slots = torch.tensor([slot for _, slot in runs])
         logits = self.decoder.prefill(ids.to(device), lengths.to(device), slots.to(device), self.slots.cache,
                                       torch.tensor(starts, device=device))
-        for row, targets in copies.items():
-            index, slot = runs[row]
-            self.slots.cache.copy_from(self.slots.cache, [slot] * len(targets), targets, len(self.prompts[index]))
+        if copies:  # one copy for every shared prompt (positions past a shorter prompt are rewritten before use)
+            sources = [runs[row][1] for row, targets in copies.items() for _ in targets]
+            targets = [slot for slot_list in copies.values() for slot in slot_list]
+            self.slots.cache.copy_from(self.slots.cache, sources, targets,
+                                       max(len(self.prompts[runs[row][0]]) for row in copies))
         return logits[torch.tensor(rows, device=device)]
 
     def _accept(self, requests: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray) -> None:

@@ -138,6 +138,12 @@ def main() -> None:
         record["trained_sequences"] = len(batch)
         record["trained_tokens"] = int((batch.prompt_mask.sum() + batch.response_valid.sum()).item()) if len(batch) else 0
         record["metrics"] = {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
+        if step == 0:  # where the warm-up went: torch.compile's time per compiled function, the engine's graphs
+            from torch._dynamo.utils import compile_times
+
+            record["compile_times"] = compile_times(repr="str", aggregate=True)
+            record["engine_last_call"] = dict(getattr(parts.engine, "last_call", {}))
+            print(record["compile_times"], record["engine_last_call"], flush=True)
         steps.append(record)
         print(f"[ours {args.engine} {args.variant}] step {step}: {record['step_s']:.2f} s "
               + " ".join(f"{k}={v:.2f}" for k, v in sorted(record["phases_s"].items())), flush=True)

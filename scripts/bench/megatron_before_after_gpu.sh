@@ -6,12 +6,7 @@
 # from $PREV (a `git archive` of the earlier commit) and from this tree. Files under $OUT.
 # Usage there (carry .whl, .devsite and .prev):  PREV=.prev bash scripts/bench/megatron_before_after_gpu.sh
 set -uo pipefail
-out=$(realpath -m "${OUT:-megatron_before_after_out}")
-mkdir -p "$out"
-ln -sfn "$PWD/.whl" "$PREV/.whl"
-ln -sfn "$PWD/.devsite" "$PREV/.devsite"
-cp scripts/bench/megatron_bench.py scripts/bench/megatron_gpu.sh scripts/bench/gpu_env.sh scripts/bench/grpo_step*.py \
-  "$PREV/scripts/bench/"
+source "$(dirname "$0")/prev_tree.sh" megatron_before_after_out scripts/bench/megatron_bench.py scripts/bench/megatron_gpu.sh scripts/bench/gpu_env.sh scripts/bench/grpo_step*.py
 train="tp1 --preset qwen1_5b --batch 256 --no-reference --steps 2 --set micro_batch_tokens=16384"
 step=(--preset qwen1_5b --systems ours_megatron_16k --variants "" --steps 3 --warmup 1 --timeout 200)
 for side in before after; do

@@ -12,13 +12,13 @@ Engines (--engines):
   hf          the HF engine (generation/hf.py), one batch of every sequence;
   eager       the rollout engine with cuda_graphs=false, compile=false;
   graphs      cuda_graphs=true, compile=false;
-  compiled    cuda_graphs=true, compile=true (the engine's defaults);
+  compiled    cuda_graphs=true, compile=true (the engine's defaults: attention=auto, the Triton kernel on a GPU);
   compiled_stop  the defaults with a stop string that never occurs (the per-token stop-string
               check of MTPO's first round: host-side decoding of each sequence's tail every step);
   compiled_unfused  the defaults with q/k/v and gate/up as separate products (fuse_projections=false);
   compiled_flex  the defaults with FlexAttention for the decode attention (attention=flex);
-  compiled_triton  the defaults with the Triton split-KV kernel (generation/decode_attention.py) for
-              the decode attention (the defaults use torch SDPA, cuDNN on an H100);
+  compiled_triton  the defaults with the Triton kernel (generation/decode_attention.py) named explicitly;
+  compiled_sdpa  the defaults with torch SDPA (cuDNN on an H100) for the decode attention;
   compiled_megatron  the defaults on a Megatron GPTModel built from the same weights at TP=1
               (models/megatron/decoder.py: what the Megatron backend generates with; needs megatron-core).
 
@@ -71,6 +71,7 @@ ENGINE_SETTINGS = {
     "compiled_unfused": {"cuda_graphs": True, "compile": True, "fuse_projections": False},
     "compiled_flex": {"cuda_graphs": True, "compile": True, "attention": "flex"},
     "compiled_triton": {"cuda_graphs": True, "compile": True, "attention": "triton"},
+    "compiled_sdpa": {"cuda_graphs": True, "compile": True, "attention": "sdpa"},
     "compiled_megatron": {"cuda_graphs": True, "compile": True},
 }
 ROUND2_COPIES, ROUND2_TOKENS = 2, 64  # --round2: continuations per first-round sequence, and their length

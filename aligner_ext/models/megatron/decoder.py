@@ -71,7 +71,7 @@ class MegatronGenerationModel(torch.nn.Module):
             return self.pipeline.weights()
         return stage_weights(self.core)
 
-    def rollout_decoder(self, compile: bool = False, fuse_projections: bool = False, attention: str = "sdpa"):
+    def rollout_decoder(self, compile: bool = False, fuse_projections: bool = False, attention: str = "auto"):
         """The rollout engine's decoder over these shards (`fuse_projections` is moot: Megatron's
         q/k/v and gate/up matrices are fused already)."""
         return MegatronDecoder(self, compile=compile, attention=attention)
@@ -193,7 +193,7 @@ def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.
 class MegatronDecoder(Decoder):
     """Prefill and decode over this rank's shards of a GPTModel (module docstring)."""
 
-    def __init__(self, model: MegatronGenerationModel, compile: bool = False, attention: str = "sdpa"):
+    def __init__(self, model: MegatronGenerationModel, compile: bool = False, attention: str = "auto"):
         self.model = model
         config = model.core.config
         tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -37,8 +37,15 @@ def reference(q, keys, values, positions, scale):
     return out
 
 
+CONFIGS = {"split": decode_attention.KernelConfig(split=128, block=64, warps=4, stages=2),
+           "small blocks": decode_attention.KernelConfig(split=64, block=32, warps=2, stages=1),
+           "one program per sequence": decode_attention.KernelConfig(split=0, block=32, warps=4, stages=3)}
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("heads,kv_heads,dim,length", [(6, 2, 32, 300), (7, 1, 64, 130), (4, 4, 16, 64)])
-def test_matches_a_float64_reference_and_reads_nothing_past_the_position(interpreted, heads, kv_heads, dim, length):
+def test_matches_a_float64_reference_and_reads_nothing_past_the_position(interpreted, heads, kv_heads, dim, length,
+                                                                          config):
     torch.manual_seed(0)
     batch, slots = 4, 6
     keys, values = torch.randn(slots, kv_heads, length, dim), torch.randn(slots, kv_heads, length, dim)
@@ -47,7 +54,7 @@ def test_matches_a_float64_reference_and_reads_nothing_past_the_position(interpr
         keys[b, :, position + 1 :] = float("nan")
         values[b, :, position + 1 :] = float("nan")
     q = torch.randn(batch, 1, heads, dim).transpose(1, 2)  # strided, as the decoder's query is
-    out = interpreted.attend_decode_triton(q, keys[:batch], values[:batch], positions, dim**-0.5)
+    out = interpreted.attend_decode_triton(q, keys[:batch], values[:batch], positions, dim**-0.5, config)
     expected = reference(q, keys, values, positions, dim**-0.5)
     assert out.shape == (batch, heads, 1, dim)
     assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-5
