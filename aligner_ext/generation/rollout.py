@@ -46,7 +46,7 @@ import torch
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.decoder import ATTENTION_CHOICES, HFDecoder, SlotKVCache
 from aligner_ext.generation.hf import check_request, eos_ids_of
-from aligner_ext.generation.sampler import request_seed, row_keys, sample
+from aligner_ext.generation.sampler import request_seed, sample
 from aligner_ext.generation.stopping import StopStringMatcher
 
 PREFIX_BLOCK = 16  # kept sequences are matched by whole blocks of this many tokens
@@ -218,7 +218,6 @@ class RolloutEngine(GenerationEngine):
             # Fully dynamic: with a static 152k vocabulary Inductor folds the sampler's hash constants
             # into an int32 literal that overflows (torch 2.11, Triton 3.6).
             self.sample = torch.compile(sample, dynamic=True) if compile else sample
-            self.row_keys = torch.compile(row_keys, dynamic=True) if compile else row_keys
         self.eos_ids = eos_ids_of(self.tokenizer, policy_model)
 
     def release_memory(self) -> None:
@@ -347,8 +346,8 @@ class _Call:
         """Decode, sample and advance slots [0, rows) on the device (what the CUDA graphs capture)."""
         slots, params = self.slots, self.params
         logits = self.decoder.decode(slots.ids[:rows], slots.positions[:rows], slots.cache, attended)
-        keys = self.engine.row_keys(slots.seeds[:rows], slots.counters[:rows])
-        tokens, logprobs = self.engine.sample(logits, params.temperature, params.top_p, params.top_k, keys)
+        tokens, logprobs = self.engine.sample(logits, params.temperature, params.top_p, params.top_k,
+                                              slots.seeds[:rows], slots.counters[:rows])
         slots.logprobs[:rows].copy_(logprobs)
         slots.ids[:rows].copy_(tokens)
         slots.positions[:rows].add_(1).clamp_(max=self.length - 1)
@@ -373,8 +372,8 @@ class _Call:
         slot_ids = torch.tensor([slot for _, slot in admitted], device=device)
         logits = self._prefill(admitted)
         seeds = torch.tensor([self.seeds[index] for index in indices], dtype=torch.long, device=device)
-        tokens, logprobs = sample(logits, self.params.temperature, self.params.top_p, self.params.top_k,
-                                  row_keys(seeds, torch.zeros_like(seeds)))
+        tokens, logprobs = sample(logits, self.params.temperature, self.params.top_p, self.params.top_k, seeds,
+                                  torch.zeros_like(seeds))
         slots = self.slots
         slots.ids[slot_ids] = tokens
         slots.positions[slot_ids] = torch.tensor([len(self.prompts[index]) for index in indices], device=device)

@@ -27,19 +27,18 @@ from grpo_step import measure_hardware  # noqa: E402
 from aligner_ext.generation import sampler  # noqa: E402
 
 
-def previous_step(root: Path):
-    """The earlier checkout's sampler as the engine called it: (logits, T, seeds, counters) -> tokens, log-probs."""
-    spec = importlib.util.spec_from_file_location("previous_sampler", root / "aligner_ext" / "generation" / "sampler.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def engine_step(module):
+    """`module`'s sampler compiled as the engine compiles it: (logits, T, seeds, counters) -> tokens, log-probs."""
     compiled = torch.compile(module.sample, dynamic=True)
     return lambda logits, temperature, seeds, counters: compiled(logits, temperature, 1.0, 0, seeds, counters)
 
 
-def current_step():
-    """This tree's sampler as the engine calls it: the row keys, then the race, each compiled."""
-    keys, sample = torch.compile(sampler.row_keys, dynamic=True), torch.compile(sampler.sample, dynamic=True)
-    return lambda logits, temperature, seeds, counters: sample(logits, temperature, 1.0, 0, keys(seeds, counters))
+def previous_module(root: Path):
+    """The sampler module of the earlier checkout under `root`."""
+    spec = importlib.util.spec_from_file_location("previous_sampler", root / "aligner_ext" / "generation" / "sampler.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
@@ -53,9 +52,9 @@ def main() -> None:
     logits = torch.randn(args.rows, args.vocab, device="cuda", dtype=torch.bfloat16) * 3
     seeds = torch.tensor([sampler.request_seed(1, i) for i in range(args.rows)], device="cuda")
     counters = torch.full((args.rows,), 7, device="cuda")
-    steps = {"current": current_step()}
+    steps = {"current": engine_step(sampler)}
     if args.previous:
-        steps["previous"] = previous_step(args.previous)
+        steps["previous"] = engine_step(previous_module(args.previous))
     print(f"| sampler | temperature | us per call | share of the copy bandwidth (logits read once) | tokens as current |\n"
           f"| --- | --- | --- | --- | --- |")
     for temperature in (1.0, 0.0):

@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from aligner_ext.generation.base import SamplingParams
 from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
 from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
-from aligner_ext.generation.sampler import RACE_CHUNK, gumbel_argmax, request_seed, row_keys, uniforms
+from aligner_ext.generation.sampler import RACE_CHUNK, gumbel_argmax, request_seed, uniforms
 from aligner_ext.models.tiny import TinyModelConfig, build_tiny_model
 
 TEXTS = ["hello there", "a", "what is 2+2?", "xyzxyzxyzxyz", "hello there", "Q: name a colour."]
@@ -164,16 +164,16 @@ def test_the_engine_samples_the_current_weights_without_a_copy(tiny_tokenizer):
 
 def test_counter_based_uniforms():
     seeds = torch.tensor([request_seed(7, i) for i in range(200)])
-    values = uniforms(row_keys(seeds, torch.zeros_like(seeds)), 50)  # 10,000 numbers
+    values = uniforms(seeds, torch.zeros_like(seeds), 50)  # 10,000 numbers
     assert values.shape == (200, 50) and values.dtype == torch.float32
     assert values.min() > 0 and values.max() < 1
     assert len(set(values.flatten().tolist())) > 9970  # 23 bits: a few collisions by chance (birthday: ~6)
     assert abs(values.mean().item() - 0.5) < 0.0116  # 4 standard errors of the mean (0.0029)
     assert abs(values.var().item() - 1 / 12) < 0.004  # uniform variance 1/12; its standard error ~0.0008
     # entry (b, i) depends on (seed, counter, i) only: the same with another width, new for the next token
-    assert torch.equal(values, uniforms(row_keys(seeds, torch.zeros_like(seeds)), 50))
-    assert torch.equal(uniforms(row_keys(seeds, torch.zeros_like(seeds)), 25), values[:, :25])
-    following = uniforms(row_keys(seeds, torch.ones_like(seeds)), 50)
+    assert torch.equal(values, uniforms(seeds, torch.zeros_like(seeds), 50))
+    assert torch.equal(uniforms(seeds, torch.zeros_like(seeds), 25), values[:, :25])
+    following = uniforms(seeds, torch.ones_like(seeds), 50)
     assert (following != values).float().mean() > 0.999
 
 
@@ -185,8 +185,8 @@ def test_the_two_stage_race_over_a_large_vocabulary_is_the_one_stage_argmax_and_
     probs = torch.full((width,), 1e-12)
     probs[[10, RACE_CHUNK + 52, width - 1]] = torch.tensor([0.5, 0.3, 0.2])  # one likely token per chunk
     scores = probs.log().expand(rows, width).contiguous()
-    tokens = gumbel_argmax(scores, row_keys(seeds, counters))
-    noise = -torch.log(-torch.log(uniforms(row_keys(seeds, counters), width)))
+    tokens = gumbel_argmax(scores, seeds, counters)
+    noise = -torch.log(-torch.log(uniforms(seeds, counters, width)))
     assert torch.equal(tokens, (scores + noise).argmax(dim=-1))
     counts = torch.bincount(tokens, minlength=width)[[10, RACE_CHUNK + 52, width - 1]].double()
     assert counts.sum() == rows
@@ -335,12 +335,11 @@ def test_the_compiled_sampler_draws_the_eager_samplers_tokens_at_any_row_count()
     from aligner_ext.generation.sampler import sample
 
     compiled = torch.compile(sample, dynamic=True)  # as the engine compiles it on a GPU
-    compiled_keys = torch.compile(row_keys, dynamic=True)
     torch.manual_seed(0)
     for rows in (5, 9, 3):
         logits = torch.randn(rows, 300)
         seeds, counters = torch.arange(rows) * 7919, torch.arange(rows) + 2
-        tokens, logprobs = compiled(logits, 0.7, 1.0, 0, compiled_keys(seeds, counters))
-        expected_tokens, expected_logprobs = sample(logits, 0.7, 1.0, 0, row_keys(seeds, counters))
+        tokens, logprobs = compiled(logits, 0.7, 1.0, 0, seeds, counters)
+        expected_tokens, expected_logprobs = sample(logits, 0.7, 1.0, 0, seeds, counters)
         assert torch.equal(tokens, expected_tokens)
         torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
