@@ -21,7 +21,8 @@
      the slot of a finished sequence; the next waiting request takes it at the next admission. A
      step launched before the host saw a sequence finish computes one token for it that is dropped.
 
-Sampling (sampler.py) draws each request from its own stream, seeded by (call seed, request index),
+Sampling (sampler.py; on a GPU the default draw by the Triton race of sample_kernel.py) draws each
+request from its own stream, seeded by (call seed, request index),
 so its tokens do not depend on which requests share its batch, on the slot count or on the
 prefill sharing. Finishing: EOS (unless `ignore_eos`), a stop token id or stop string ("stop"), or
 `max_new_tokens` ("length"); EOS and stops are kept, as in the HF engine (hf.py), whose semantics
@@ -45,6 +46,7 @@ import torch
 
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.decoder import ATTENTION_CHOICES, HFDecoder, SlotKVCache
+from aligner_ext.generation import sample_kernel
 from aligner_ext.generation.hf import check_request, eos_ids_of
 from aligner_ext.generation.sampler import request_seed, sample
 from aligner_ext.generation.stopping import StopStringMatcher
@@ -63,7 +65,7 @@ class RolloutEngineConfig:
     share_prompt_prefill: bool = True  # prefill identical prompts of one admission once and copy their KV rows
     prefix_cache: bool = True  # keep a call's KV cache for the next call: a prompt that extends a kept sequence prefills only its new tokens (MTPO's round 2)
     cuda_graphs: bool = True  # on a GPU, replay the decode step from CUDA graphs (ignored on the CPU)
-    compile: bool = True  # on a GPU, torch.compile the decode step's layer functions and the sampler (ignored on the CPU)
+    compile: bool = True  # on a GPU, torch.compile the decode step's layer functions and the sampler, and draw with the Triton race (ignored on the CPU)
     attention: str = "auto"  # decode attention kernel: auto (triton on a GPU, sdpa on the CPU) | sdpa (torch SDPA: cuDNN / flash) | flex (FlexAttention, compiled on a GPU) | triton (flash-decoding Triton kernel, GPU)
     fuse_projections: bool = True  # q/k/v and gate/up as one product each: the parameters become views of one buffer per group (no copy)
     attended_length_step: int = 128  # sdpa / flex: a decode step attends over the smallest multiple of this many cache positions that covers every sequence (triton reads each sequence to its own position)
@@ -218,6 +220,8 @@ class RolloutEngine(GenerationEngine):
             # Fully dynamic: with a static 152k vocabulary Inductor folds the sampler's hash constants
             # into an int32 literal that overflows (torch 2.11, Triton 3.6).
             self.sample = torch.compile(sample, dynamic=True) if compile else sample
+            if compile and sample_kernel.available():
+                self.sample = partial(_draw, self.sample)
         self.eos_ids = eos_ids_of(self.tokenizer, policy_model)
 
     def release_memory(self) -> None:
@@ -255,6 +259,15 @@ class RolloutEngine(GenerationEngine):
                                    "or shorten prompts / max_new_tokens")
             slots = min(slots, fits)
         return slots
+
+
+def _draw(compiled_sample, logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seeds: torch.Tensor,
+          counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compiled engine's sampler: the Triton race (sample_kernel.py) for the default draw
+    (temperature > 0, no top-k or top-p), the compiled torch sampler for the others."""
+    if temperature > 0 and top_p >= 1.0 and not 0 < top_k < logits.shape[-1]:
+        return sample_kernel.gumbel_sample(logits, temperature, seeds, counters)
+    return compiled_sample(logits, temperature, top_p, top_k, seeds, counters)
 
 
 class _Call:

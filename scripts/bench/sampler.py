@@ -1,5 +1,6 @@
 """The rollout engine's sampler alone (generation/sampler.py), compiled as the engine compiles it, at a
-decode step's shape: rows x vocabulary bf16 logits, temperature 1 (the Gumbel race) and greedy; with
+decode step's shape: rows x vocabulary bf16 logits, temperature 1 (the Gumbel race) and greedy, and
+the Triton race (sample_kernel.py, what a compiled engine draws with at temperature > 0); with
 --previous DIR, also the sampler of an earlier checkout (DIR holds its tree), whose tokens must be
 identical for the same requests.
 
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 
 from decode_attention import graph_time  # noqa: E402
 from grpo_step import measure_hardware  # noqa: E402
-from aligner_ext.generation import sampler  # noqa: E402
+from aligner_ext.generation import sample_kernel, sampler  # noqa: E402
 
 
 def engine_step(module):
@@ -59,9 +60,14 @@ def main() -> None:
           f"| --- | --- | --- | --- | --- |")
     for temperature in (1.0, 0.0):
         reference = steps["current"](logits, temperature, seeds, counters)[0]
+        if temperature > 0:
+            steps["triton race"] = lambda logits, temperature, seeds, counters: sample_kernel.gumbel_sample(
+                logits, temperature, seeds, counters)
+        else:
+            steps.pop("triton race", None)
         for name, step in steps.items():
             seconds = graph_time(lambda step=step: step(logits, temperature, seeds, counters))
-            same = torch.equal(step(logits, temperature, seeds, counters)[0], reference)
+            same = torch.equal(step(logits, temperature, seeds, counters)[0], reference)  # log() may round apart
             print(f"| {name} | {temperature} | {seconds * 1e6:.1f} | {logits.numel() * 2 / seconds / bandwidth:.0%} "
                   f"| {'identical' if same else 'DIFFERENT'} |", flush=True)
 
