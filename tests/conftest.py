@@ -1,27 +1,12 @@
 """Shared fixtures: the built-in character tokenizer, a very small Llama-architecture model, and a
 factory of minimal experience batches."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter (read when Triton is first imported)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    try:
-        import triton.runtime.interpreter as triton_interpreter
-    except ImportError:
-        triton_interpreter = None
-    if triton_interpreter is not None and hasattr(triton_interpreter, "_patch_lang_tensor"):
-        # The interpreter holds a scalar as a 1-element array and turns it into a loop bound with int(),
-        # which numpy >= 2.4 refuses for arrays of one dimension: read the element instead.
-        patch_lang_tensor = triton_interpreter._patch_lang_tensor
+from triton_interpreter import use_on_cpu
 
-        def _patch_lang_tensor(tensor, scope):
-            patch_lang_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        triton_interpreter._patch_lang_tensor = _patch_lang_tensor
+use_on_cpu()  # Triton kernels run in Triton's interpreter without a GPU (before anything imports Triton)
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow

@@ -14,6 +14,8 @@ torchrun (gloo), against the HF model the shards were cut from.
   scaled by 1.01 and `refresh` runs, the greedy outputs and log-probs of the equally scaled HF
   model (stale copies of the other stage would give the old log-probs); with the rank split the
   two pipeline ranks decode one share each.
+- TP=2 with the Triton decode attention (the default on a GPU; Triton's interpreter here): the same
+  outputs as the HF model's engines.
 """
 
 from dataclasses import replace
@@ -49,6 +51,7 @@ def cases(tmp_path_factory):
         config.eos_token_id = tokenizer.eos_token_id
         build_model(config).save_pretrained(root / name)
     torchrun([str(WORKER), str(root), "2", "1"], timeout=240)
+    torchrun([str(WORKER), str(root), "2", "1", "triton"], timeout=240)
     torchrun([str(WORKER), str(root), "1", "1"], timeout=240)
     torchrun([str(WORKER), str(root), "2", "1", "split"], processes=4, timeout=300)
     torchrun([str(WORKER), str(root), "1", "2"], timeout=240)
@@ -77,7 +80,7 @@ def hf_side(case: Path):
 
 
 @pytest.mark.parametrize("name", sorted(hf_configs()))
-@pytest.mark.parametrize("tp", [2, 1])
+@pytest.mark.parametrize("tp", [2, 1, "2_triton"])
 def test_sharded_generation_equals_the_hf_models(cases, name, tp):
     model, tokenizer, prompts = hf_side(cases / name)
     greedy = outputs(HFGenerationEngine(model, tokenizer, HFEngineConfig()), GREEDY, prompts)
@@ -87,7 +90,7 @@ def test_sharded_generation_equals_the_hf_models(cases, name, tp):
         result = torch.load(cases / name / f"rollout_tp{tp}_rank{rank}.pt")
         assert_same(result["greedy"], greedy)
         assert_same(result["sampled"], sampled)
-        assert result["kv_heads"] == model.config.num_key_value_heads // tp
+        assert result["kv_heads"] == model.config.num_key_value_heads // int(str(tp)[0])
 
 
 @pytest.mark.parametrize("layout, ranks", [("tp2_split", 4), ("tp1_pp2_split", 2)])
