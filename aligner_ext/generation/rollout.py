@@ -44,9 +44,9 @@ from functools import partial
 import numpy as np
 import torch
 
+from aligner_ext.generation import sample_kernel
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.decoder import ATTENTION_CHOICES, HFDecoder, SlotKVCache
-from aligner_ext.generation import sample_kernel
 from aligner_ext.generation.hf import check_request, eos_ids_of
 from aligner_ext.generation.sampler import request_seed, sample
 from aligner_ext.generation.stopping import StopStringMatcher
