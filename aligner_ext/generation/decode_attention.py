@@ -62,7 +62,7 @@ def _processors(device: torch.device) -> int:
 
 def choose_config(sequences: int, kv_heads: int, length: int, dim: int, device: torch.device) -> KernelConfig:
     """One program per sequence and K/V head when there are at least as many as the GPU has
-    multiprocessors (a GRPO batch: 87-96% of the copy bandwidth at Qwen2.5-1.5B's shape, 256 sequences,
+    multiprocessors (a GRPO batch: 87-97% of the copy bandwidth at Qwen2.5-1.5B's shape, 256 sequences,
     docs/benchmarks.md); fewer sequences split the cache so that every multiprocessor gets work."""
     block = max(MIN_ROWS, BLOCK_ELEMENTS // dim)
     programs, processors = sequences * kv_heads, _processors(device)

@@ -61,13 +61,13 @@ def graph_time(fn) -> float:
     return start.elapsed_time(end) / 1e3 / (REPLAYS * CALLS_PER_GRAPH)
 
 
-def previous_kernel(root: Path):
-    """`attend_decode_triton` of the checkout under `root`, loaded as a module of its own."""
-    path = root / "aligner_ext" / "generation" / "decode_attention.py"
-    spec = importlib.util.spec_from_file_location("previous_decode_attention", path)
+def module_of_tree(root: Path, relative: str):
+    """The module at `relative` (e.g. "aligner_ext/generation/sampler.py") of the checkout under
+    `root`, loaded apart from this tree's."""
+    spec = importlib.util.spec_from_file_location(f"previous_{Path(relative).stem}", root / relative)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.attend_decode_triton
+    return module
 
 
 def configs(grid: dict[str, tuple[int, ...]]) -> list[decode_attention.KernelConfig]:
@@ -163,7 +163,8 @@ def main() -> None:
     args = parser.parse_args()
     grid = {key: tuple(int(value) for value in getattr(args, key).split(",")) for key in GRID}
     hardware = measure_hardware("cuda")
-    previous = previous_kernel(args.previous) if args.previous else None
+    previous = (module_of_tree(args.previous, "aligner_ext/generation/decode_attention.py").attend_decode_triton
+                if args.previous else None)
     report = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv), "hardware": hardware,
               "presets": {}}
     for name in args.presets.split(","):

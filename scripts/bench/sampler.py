@@ -14,7 +14,6 @@ Prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from decode_attention import graph_time  # noqa: E402
+from decode_attention import graph_time, module_of_tree  # noqa: E402
 from grpo_step import measure_hardware  # noqa: E402
 from aligner_ext.generation import sample_kernel, sampler  # noqa: E402
 
@@ -32,14 +31,6 @@ def engine_step(module):
     """`module`'s sampler compiled as the engine compiles it: (logits, T, seeds, counters) -> tokens, log-probs."""
     compiled = torch.compile(module.sample, dynamic=True)
     return lambda logits, temperature, seeds, counters: compiled(logits, temperature, 1.0, 0, seeds, counters)
-
-
-def previous_module(root: Path):
-    """The sampler module of the earlier checkout under `root`."""
-    spec = importlib.util.spec_from_file_location("previous_sampler", root / "aligner_ext" / "generation" / "sampler.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -55,17 +46,13 @@ def main() -> None:
     counters = torch.full((args.rows,), 7, device="cuda")
     steps = {"current": engine_step(sampler)}
     if args.previous:
-        steps["previous"] = engine_step(previous_module(args.previous))
+        steps["previous"] = engine_step(module_of_tree(args.previous, "aligner_ext/generation/sampler.py"))
     print(f"| sampler | temperature | us per call | share of the copy bandwidth (logits read once) | tokens as current |\n"
           f"| --- | --- | --- | --- | --- |")
+    race = {"triton race": sample_kernel.gumbel_sample}  # temperature > 0 only
     for temperature in (1.0, 0.0):
         reference = steps["current"](logits, temperature, seeds, counters)[0]
-        if temperature > 0:
-            steps["triton race"] = lambda logits, temperature, seeds, counters: sample_kernel.gumbel_sample(
-                logits, temperature, seeds, counters)
-        else:
-            steps.pop("triton race", None)
-        for name, step in steps.items():
+        for name, step in {**steps, **(race if temperature > 0 else {})}.items():
             seconds = graph_time(lambda step=step: step(logits, temperature, seeds, counters))
             same = torch.equal(step(logits, temperature, seeds, counters)[0], reference)  # log() may round apart
             print(f"| {name} | {temperature} | {seconds * 1e6:.1f} | {logits.numel() * 2 / seconds / bandwidth:.0%} "
