@@ -1,5 +1,5 @@
-"""Fused training kernels for the HF backend's model (`policy.kernels`), and `compiled_on_cuda`, how
-the library's own small elementwise functions become fused kernels on GPUs.
+"""Fused training kernels for the HF backend's model (`policy.kernels`), and the library's use of
+torch.compile.
 
 `liger`: Liger-Kernel's Triton RMSNorm, SwiGLU MLP and rotary embedding patched into the model
 instance (extra `liger`; a CUDA device; Llama / Qwen2 / Qwen3 decoders). Its fused linear
@@ -8,6 +8,9 @@ cross-entropy is left off: the policy computes log-probs from hidden states itse
 (docs/benchmarks.md) faster at 358M and 1.5B with less memory, so `auto` (the default) takes it
 where it runs: a CUDA device, a supported decoder, the package installed; `none` keeps transformers'
 modules.
+
+`start_compile_workers` starts torch.compile's worker processes early; `compiled_on_cuda` is how
+the library's own small elementwise functions become fused kernels on GPUs.
 """
 
 from __future__ import annotations
@@ -56,6 +59,16 @@ def patch_with_liger(model) -> None:
         raise ConfigError(f"policy.kernels=liger needs Liger-Kernel: pip install 'aligner_ext[liger]' ({err})") from err
     getattr(liger, LIGER_PATCHES[model_type])(model=model, rope=True, rms_norm=True, swiglu=True,
                                               cross_entropy=False, fused_linear_cross_entropy=False)
+
+
+def start_compile_workers() -> None:
+    """Start torch.compile's pool of compile worker processes now, not at the first compilation.
+    Why: until its workers have imported torch (seconds), Inductor compiles each Triton kernel in
+    this process, one after another; started while a GPU run loads, the pool compiles the first
+    step's kernels in parallel. `TORCH_WARM_POOL=0` turns it off, as it does torch's own start."""
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
 
 
 def compiled_on_cuda(fn):

@@ -26,6 +26,7 @@ from aligner_ext.generation.sharded import split_across_ranks
 from aligner_ext.losses.base import LOSSES, Loss
 from aligner_ext.models.base import POLICIES, Policy, Reference
 from aligner_ext.models.hf import resolve_device
+from aligner_ext.models.kernels import start_compile_workers
 from aligner_ext.models.tiny import build_char_tokenizer, build_tiny_model
 from aligner_ext.models.warmup import supervised_warmup
 from aligner_ext.rewards.manager import RewardManager
@@ -117,6 +118,8 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     reward function) is checked before the model loads; the plug-ins' batch contracts once they are
     built (trainer/contracts.py)."""
     model_dir = model_directory(cfg, run_dir)
+    if resolve_device(cfg.policy.device).type == "cuda":
+        start_compile_workers()  # ready for the first compilation (models/kernels.py)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

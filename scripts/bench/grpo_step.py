@@ -310,6 +310,8 @@ def main() -> None:
     parser.add_argument("--variant-steps", type=int, default=None, help="measured steps per variant (preset's)")
     parser.add_argument("--variant-engine", default="hf", choices=("hf", "rollout"), help="generator.engine of the variant runs")
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--profile-first-step", action="store_true",
+                        help="our systems run their first step under cProfile (<out>/<system>.first_step_profile.txt)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per worker process")
     parser.add_argument("--budget", type=float, default=float("inf"),
                         help="seconds for the whole call: a worker gets at most what is left, and the report is "
@@ -346,6 +348,7 @@ def main() -> None:
             engine, settings = OURS[system]
             script, extra = "grpo_step_ours.py", ["--engine", engine, "--system", system,
                                                   *[arg for setting in settings for arg in ("--set", setting)]]
+            extra += ["--profile-first-step"] if args.profile_first_step else []
         else:
             script, extra = "grpo_step_trl.py", ["--mode", system.removeprefix("trl_")]
         result, why = run_worker(system, [sys.executable, str(HERE / script), *common, *extra, "--steps", str(args.steps),

@@ -14,7 +14,9 @@ import time
 STARTED = time.perf_counter()
 
 import argparse  # noqa: E402
+import cProfile  # noqa: E402
 import json  # noqa: E402
+import pstats  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -92,6 +94,15 @@ class GenerationLedger:
         return calls
 
 
+def write_profile(profiler: cProfile.Profile, path: Path) -> None:
+    """The calls that took the most time, with and without what they called (the first step: where
+    its compilation, graph capture and first allocations went)."""
+    with open(path, "w") as out:
+        stats = pstats.Stats(profiler, stream=out)
+        stats.sort_stats("cumulative").print_stats(120)
+        stats.sort_stats("tottime").print_stats(40)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workspace", type=Path, required=True)
@@ -103,6 +114,8 @@ def main() -> None:
     parser.add_argument("--engine", default="hf", help="generator.engine")
     parser.add_argument("--system", default=None, help="the name reported (default: ours / ours_<engine>)")
     parser.add_argument("--set", action="append", default=[], help="one more config override (repeatable)")
+    parser.add_argument("--profile-first-step", action="store_true",
+                        help="run the first step under cProfile: its heaviest calls in <out>.first_step_profile.txt")
     args = parser.parse_args()
 
     from aligner_ext.config import load_config
@@ -129,9 +142,15 @@ def main() -> None:
     clock.wrap(parts.engine, "update_weights", "weight_sync")
     steps = []
     for step in range(args.warmup + args.steps):
+        profiler = cProfile.Profile() if args.profile_first_step and step == 0 else None
+        if profiler is not None:
+            profiler.enable()
         batch, metrics = parts.maker.make_experience(parts.train_loader, step)
         if len(batch):
             metrics.update(update_policy(parts, batch, StageTimer(), cfg.rollout.temperature))
+        if profiler is not None:
+            profiler.disable()
+            write_profile(profiler, args.out.with_suffix(".first_step_profile.txt"))
         record = clock.take_step()
         record["ended_at_s"] = time.perf_counter() - STARTED
         record["generate_calls"] = ledger.take()

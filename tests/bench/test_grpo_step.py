@@ -60,7 +60,7 @@ def test_phase_clock_charges_each_interval_to_the_innermost_phase():
 def test_our_side_on_the_cpu(tmp_path):
     preset = PRESETS["tiny"]
     command = [sys.executable, str(BENCH / "grpo_step.py"), "--preset", "tiny", "--systems", "ours",
-               "--variants", "mtpo", "--steps", "1", "--variant-steps", "1", "--out", str(tmp_path)]
+               "--variants", "mtpo", "--steps", "1", "--variant-steps", "1", "--profile-first-step", "--out", str(tmp_path)]
     subprocess.run(command, check=True, capture_output=True, timeout=600)
     report = json.loads((tmp_path / "grpo_step.json").read_text())
     assert report["failures"] == {}
@@ -78,3 +78,7 @@ def test_our_side_on_the_cpu(tmp_path):
     mtpo = report["variants"]["mtpo"]
     assert mtpo["generated_tokens"] == preset.prompts * (2 * preset.response_length + 8 * preset.response_length // 2)
     assert "| ours |" in (tmp_path / "grpo_step.md").read_text()
+    # the first step's profile names the loop's stages (our systems only: not the variants' runs)
+    profile = (tmp_path / "ours.first_step_profile.txt").read_text()
+    assert "make_experience" in profile and "(train)" in profile
+    assert not (tmp_path / "ours_mtpo.first_step_profile.txt").exists()
