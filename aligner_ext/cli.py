@@ -9,10 +9,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import time
+from typing import NoReturn
 
 from aligner_ext.config import load_config, to_yaml
 from aligner_ext.errors import TRACEBACK_ENV, UserError
+
+OWN_ERROR_WAIT_S = 30.0  # how long a rank other than 0 waits for torchrun to stop it after rank 0's error (`fail`)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,13 +57,29 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level_number, format=f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s")
 
 
+def fail(message: str) -> NoReturn:
+    """Exit with status 2 and `message`, one line, no traceback.
+
+    Under torchrun every rank reads the same config and files and so meets the same error, and once
+    one rank exits torchrun stops the others (SIGTERM). So rank 0 prints the line and exits; another
+    rank waits to be stopped so and then exits 2 too, printing nothing. One that is not stopped within
+    OWN_ERROR_WAIT_S met an error of its own (rank 0 went on): it prints its line and exits 2.
+    """
+    from aligner_ext.distributed import is_main_process
+
+    if not is_main_process():
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+        time.sleep(OWN_ERROR_WAIT_S)
+    _parser().exit(2, message + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
         cfg = load_config(args.config_name, args.overrides, args.config_dir)
     except (ValueError, FileNotFoundError) as err:  # the message names the key or file: no traceback
-        _parser().exit(2, f"aligner-ext: config error: {err}\n")
+        fail(f"aligner-ext: config error: {err}")
     if args.command == "config":
         if args.reference:
             from aligner_ext.config_reference import render_reference
@@ -81,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:  # the message names the file, row, field or key: the traceback adds nothing
         if os.environ.get(TRACEBACK_ENV):
             raise
-        _parser().exit(2, f"aligner-ext: error: {err} ({type(err).__name__}; {TRACEBACK_ENV}=1 shows the traceback)\n")
+        fail(f"aligner-ext: error: {err} ({type(err).__name__}; {TRACEBACK_ENV}=1 shows the traceback)")
     if is_main_process():  # under torchrun every process trains; one prints
         print_summary(summary)
     return 0

@@ -1,7 +1,8 @@
 """Errors a user can act on (bad data, a missing model, a corrupt checkpoint, a diverging run).
 
 The CLI prints such an error as one line naming the file, row, field or key, and exits with status
-2; set ALIGNER_EXT_TRACEBACK=1 to see the traceback as well. Each class also derives from the
+2 (under torchrun every rank exits 2 and rank 0 alone prints it); set ALIGNER_EXT_TRACEBACK=1 to see
+the traceback as well. Each class also derives from the
 built-in type callers already expect (ValueError, FileNotFoundError, RuntimeError).
 """
 

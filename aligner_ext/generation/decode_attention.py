@@ -19,6 +19,11 @@ no combine runs. The kernel reads each sequence's cache only up to its own posit
 no padding up to the longest sequence): a split past the position costs one program that reads
 nothing, so the engine can size the grid by the cache's whole length and capture one CUDA graph
 per batch size. Positions past a sequence's own are never read, so the cache there may hold anything.
+
+A sliding window (a query at position p sees p - window < j <= p) is a bound on the positions read,
+not a mask over the whole cache: each program starts its block loop at the block holding the
+window's first position, max(0, p - window + 1), masks the positions before it within that block,
+and reads nothing earlier (a split wholly before the window reads nothing, like one past p).
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(q, k, v, positions, out, acc_out, max_out, sum_out, qk_scale,
-                      q_b, q_h, k_b, k_h, k_t, v_b, v_h, v_t, o_b, o_h, split_length,
+                      q_b, q_h, k_b, k_h, k_t, v_b, v_h, v_t, o_b, o_h, split_length, window,
                       GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
                       DIRECT: tl.constexpr):
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -85,13 +90,16 @@ if triton is not None:
         heads = g * GROUP + rows
         dims = tl.arange(0, DIM)
         query = tl.load(q + b * q_b + heads[:, None] * q_h + dims[None, :], mask=rows_real[:, None], other=0.0)
-        end = tl.minimum((s + 1) * split_length, tl.load(positions + b) + 1)
+        position = tl.load(positions + b)
+        end = tl.minimum((s + 1) * split_length, position + 1)
+        first = tl.maximum(position + 1 - window, 0)  # the window's first position
         running_max = tl.full([ROWS], float("-inf"), tl.float32)
         running_sum = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, DIM], tl.float32)
-        for start in range(s * split_length, end, BLOCK):  # no step when the split lies past the position
+        # From the block holding `first` (no step when the split lies before it or past the position)
+        for start in range(tl.maximum(s * split_length, first // BLOCK * BLOCK), end, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            valid = cols < end
+            valid = (cols >= first) & (cols < end)
             keys = tl.load(k + b * k_b + g * k_h + cols[:, None] * k_t + dims[None, :], mask=valid[:, None], other=0.0)
             values = tl.load(v + b * v_b + g * v_h + cols[:, None] * v_t + dims[None, :], mask=valid[:, None], other=0.0)
             scores = tl.where(valid[None, :], tl.dot(query, tl.trans(keys)) * qk_scale, float("-inf"))  # log2 units
@@ -138,10 +146,11 @@ if triton is not None:
 
 
 def attend_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                         scale: float, config: KernelConfig | None = None) -> torch.Tensor:
+                         scale: float, config: KernelConfig | None = None, window: int | None = None) -> torch.Tensor:
     """One query per sequence, q [b, H, 1, d], over keys, values [b, KVH, t, d] (a view of the cache)
-    at positions [0, positions[b]]; [b, H, 1, d] as `decoder.attend_decode` (head h reads K/V head
-    h // (H / KVH)). `config` None: `choose_config`'s."""
+    at positions [0, positions[b]], with a sliding `window` [max(0, positions[b] - window + 1),
+    positions[b]]; [b, H, 1, d] as `decoder.attend_decode` (head h reads K/V head h // (H / KVH)).
+    `config` None: `choose_config`'s."""
     batch, heads, _, dim = q.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     config = config or choose_config(batch, kv_heads, length, dim, q.device)
@@ -155,11 +164,12 @@ def attend_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     maxima = torch.empty(partials, dtype=torch.float32, device=q.device)  # per split and row
     sums = torch.empty_like(maxima)
     accs = torch.empty(partials, dim, dtype=torch.float32, device=q.device)
+    # without a window, one of the cache's length: every sequence's first position is then 0
     _split_kernel[(batch, kv_heads, splits)](
         q, keys, values, positions, out, accs, maxima, sums, scale * math.log2(math.e), q.stride(0), q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        out.stride(0), out.stride(1), split_length, GROUP=group, ROWS=rows, DIM=dim, BLOCK=config.block,
-        DIRECT=direct, num_warps=config.warps, num_stages=config.stages)
+        out.stride(0), out.stride(1), split_length, window or length, GROUP=group, ROWS=rows, DIM=dim,
+        BLOCK=config.block, DIRECT=direct, num_warps=config.warps, num_stages=config.stages)
     if not direct:
         _combine_kernel[(batch, kv_heads)](accs, maxima, sums, out, out.stride(0), out.stride(1), splits,
                                            SPLITS_BOUND=triton.next_power_of_2(splits), GROUP=group, ROWS=rows,

@@ -5,40 +5,58 @@ subclasses say where the weights come from: `HFDecoder` (here) an HF module's,
 `models/megatron/decoder.MegatronDecoder` a Megatron GPTModel's tensor-parallel shards (with the
 sums over the ranks between the layer functions).
 
-`HFDecoder` computes a transformers Llama / Qwen2 / Qwen3 causal LM with its own functions over
-the policy's parameter tensors (referenced, never copied: after an optimizer step it computes with
-the new values). The math is the transformers modules', op for op (RMSNorm in float32, rotary
-embedding by the model's own `rotary_emb`, SwiGLU MLP), which the CPU tests check token for token
-against the HF engine. Only the attention and the cache differ:
+It runs every dense family `aligner_ext/architecture.py` describes (Llama, Mistral, Ministral, Qwen2,
+Qwen3, Phi-3, OLMo 2 / 3, SmolLM3, Gemma 3 text), composed of that module's pieces: the family's
+RMSNorm formula and norm placement (`LayerWeights`' norms by role), per-head or whole-projection
+q/k norms, SwiGLU or GeGLU, Gemma's embedding scale and attention scale, and per layer a RoPE
+table (every scaling type, partial rotary) or none, and a sliding window or none. `HFDecoder`
+computes such a causal LM with these functions over the policy's parameter tensors (referenced,
+never copied: after an optimizer step it computes with the new values); the math is the
+transformers modules', op for op, which the CPU tests check token for token against the HF engine
+for every family. Only the attention and the cache differ:
 
     SlotKVCache   one K and one V tensor per layer, [slots, kv_heads, length, head_dim]: a sequence
-                  owns one slot for its whole life and its token t sits at position t
+                  owns one slot for its whole life and its token t sits at position t (windowed
+                  layers too: their cache keeps every position, and attention reads their window)
     prefill       new sequences, right-padded to the longest: causal attention over their own
-                  tokens, K/V written to positions [0, length) of their slots
+                  tokens (within each layer's window), K/V written to positions [0, length) of
+                  their slots
     decode        one new token for slots [0, rows): its K/V written at its position, attention over
-                  the first `attended` positions of the slot, masked after its own position
+                  the first `attended` positions of the slot, masked after its own position and
+                  before its layer's window
+
+Per step, cos and sin are computed once per RoPE table (Gemma 3 and OLMo 3 have one for local and
+one for global layers) and each layer takes its own, or none; attention masks once per distinct
+window.
 
 With `fuse_projections`, each layer's q, k, v weights (and biases) are moved into one buffer and
 the parameters re-pointed to its rows (`Parameter.data` becomes a view: the same Parameter objects,
 so the optimizer, gradients and checkpoints see no difference), likewise gate and up: a decode step
-then runs 4 matrix products per layer instead of 7, still without a copy of the weights. Anything
-that later replaces a parameter's storage (`model.to`, a load that assigns) is noticed by `refresh`
-(called before every generate call), which fuses that layer again.
+then runs 4 matrix products per layer instead of 7, still without a copy of the weights (Phi-3's
+checkpoint has them fused already). Anything that later replaces a parameter's storage (`model.to`,
+a load that assigns) is noticed by `refresh` (called before every generate call), which fuses that
+layer again.
 
 A decode layer is two functions of tensors (`decode_inputs_written`: the residual add left by the
-layer before, norm, projections, rotary embedding and the K/V cache write; `layer_output_parts`)
-with the attention between them, so
-`compile=True` hands the two to torch.compile once for all layers (every layer passes tensors of
-the same shapes; only the rows and the cache's slots and length are dynamic, `compile_varying`) and the decode step, captured in a CUDA graph by the engine, runs fused kernels.
+layer before, norms, projections, q/k norms, rotary embedding and the K/V cache write;
+`layer_output_parts`) with the attention between them, so `compile=True` hands the two to
+torch.compile once for all layers (every layer passes tensors of the same shapes; only the rows and
+the cache's slots and length are dynamic, `compile_varying`; a layer without RoPE is a second
+graph) and the decode step, captured in a CUDA graph by the engine, runs fused kernels. Under
+tensor parallelism the sums over the ranks split them further: after the attention's and the MLP's
+output projections, and, for OLMo's q/k norms over the whole projection, between the projections
+and the norms (`decode_projections`, the sums of squares summed, `decode_written`). A post-MLP norm
+(OLMo, Gemma 3) is applied where the MLP's output joins the residual stream, in the next layer's
+first function or before the head, since under tensor parallelism it needs the summed output.
 (Compiling the attention into the same graph, or every layer into one, was measured slower or
 compiled for minutes: docs/benchmarks.md.)
 
 Attention goes through `attend_prefill` and one of DECODE_ATTENTION, the one place to swap kernels:
 `attention="sdpa"` (torch SDPA: cuDNN or flash on a GPU, under an additive mask), `"flex"`
 (FlexAttention, compiled with the layer functions' settings) or `"triton"` (our flash-decoding
-kernel, decode_attention.py, which reads each sequence's cache up to its own position); `"auto"`
-is triton on a GPU and sdpa on the CPU. The engine calls only `new_cache`, `prefill`, `decode` and
-`refresh`.
+kernel, decode_attention.py, which reads each sequence's cache up to its own position, and from its
+window's first position); `"auto"` is triton on a GPU and sdpa on the CPU. The engine calls only
+`new_cache`, `prefill`, `decode` and `refresh`.
 """
 
 from __future__ import annotations
@@ -48,12 +66,13 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from aligner_ext.generation import decode_attention
 from aligner_ext.generation.decode_attention import attend_decode_triton
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+from aligner_ext.architecture import (
+    Architecture, UnsupportedModel, activation, apply_rotary, architecture, rms_norm, rope_tables, rotary_cos_sin,
+    scale_embedding,
+)
 
 
 class SlotKVCache:
@@ -98,18 +117,22 @@ def project(x: torch.Tensor, projection: Projection) -> tuple[torch.Tensor, ...]
 
 class LayerWeights(NamedTuple):
     """One decoder layer's parameter tensors (the module's own, or fused buffers its parameters
-    view; None where the model has none)."""
+    view; None where the model has none). Norms by role (`Architecture.norm_names`): a pre-norm layer
+    has `input_norm` and `pre_mlp_norm`; OLMo's post-norm layers the norms of the attention's and the
+    MLP's outputs, applied before each residual add; Gemma 3's all four."""
 
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None
     qkv: Projection
-    q_norm: torch.Tensor | None  # Qwen3 normalises queries and keys per head
+    q_norm: torch.Tensor | None  # per head [d], or over the projection [H * d] (`Shape.qk_norm`)
     k_norm: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
+    post_attention_norm: torch.Tensor | None
+    pre_mlp_norm: torch.Tensor | None
     gate_up: Projection
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    post_mlp_norm: torch.Tensor | None
 
 
 def fused_buffer(params: list[torch.Tensor]) -> torch.Tensor | None:
@@ -145,12 +168,17 @@ def fuse_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 class Shape(NamedTuple):
     """The constants a layer's functions need (head counts of this rank's shard under tensor
-    parallelism)."""
+    parallelism) and the family's static choices (`aligner_ext/architecture.py`), plain values so that
+    torch.compile specialises on them."""
 
     num_heads: int
     kv_heads: int
     head_dim: int
     eps: float
+    norm: str = "llama"  # RMSNorm formula: llama | float32_scale | gemma
+    activation: str = "silu"  # the gated MLP's: silu | gelu_tanh
+    qk_norm: str | None = None  # None | head | projection
+    tensor_parallel: int = 1  # ranks the heads are split over: a projection q/k norm averages over all of them
     qkv_per_group: bool = False  # the fused q/k/v output is laid out per K/V group (Megatron), not q then k then v
 
 
@@ -171,22 +199,43 @@ def split_qkv(x: torch.Tensor, projection: Projection, shape: Shape) -> tuple[to
     return q, grouped[:, :, :, per_group], grouped[:, :, :, per_group + 1]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama/Qwen RMSNorm: normalise in float32, scale in the input's dtype."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+def norm(x: torch.Tensor, weight: torch.Tensor | None, shape: Shape) -> torch.Tensor:
+    """The family's RMSNorm of x, or x where the layer has no norm in that role."""
+    return x if weight is None else rms_norm(x, weight, shape.eps, shape.norm)
 
 
-def attention_inputs(hidden: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
-                     shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [b, H, s, d], k and v [b, KVH, s, d] of `hidden` [b, s, h], rotated to their positions."""
-    q, k, v = split_qkv(rms_norm(hidden, w.input_norm, shape.eps), w.qkv, shape)
-    if w.q_norm is not None:
-        q, k = rms_norm(q, w.q_norm, shape.eps), rms_norm(k, w.k_norm, shape.eps)
-    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    return q, k, v.transpose(1, 2)
+def projections(hidden: torch.Tensor, w: LayerWeights, shape: Shape):
+    """q, k, v [b, s, heads, d] of the layer input `hidden` [b, s, h] (input norm, products, per-head
+    q/k norms) and, for q/k norms over the whole projection (OLMo), the sums of squares of q and of k
+    over this rank's heads [b, s, 2] (None otherwise): under tensor parallelism they are summed over
+    the ranks before `positioned` normalises with them."""
+    q, k, v = split_qkv(norm(hidden, w.input_norm, shape), w.qkv, shape)
+    if shape.qk_norm == "head":
+        return norm(q, w.q_norm, shape), norm(k, w.k_norm, shape), v, None
+    squares = None
+    if shape.qk_norm == "projection":
+        squares = torch.stack([q.float().pow(2).sum((-2, -1)), k.float().pow(2).sum((-2, -1))], dim=-1)
+    return q, k, v, squares
+
+
+def positioned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, squares: torch.Tensor | None, w: LayerWeights,
+               cos: torch.Tensor | None, sin: torch.Tensor | None,
+               shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [b, H, s, d], k and v [b, KVH, s, d]: `projections`' outputs normalised over the whole
+    projection where `squares` (summed over the ranks) is given, then rotated to their positions
+    (cos, sin [b, s, rotary_dim]; None: a layer without RoPE)."""
+    if squares is not None:
+        batch, width = q.shape[:2]
+        per_head = shape.tensor_parallel * shape.head_dim  # a projection's width is this times this rank's heads
+        q = rms_norm(q.reshape(batch, width, -1), w.q_norm, shape.eps, shape.norm,
+                     squares[..., :1] / (per_head * shape.num_heads)).view(q.shape)
+        k = rms_norm(k.reshape(batch, width, -1), w.k_norm, shape.eps, shape.norm,
+                     squares[..., 1:] / (per_head * shape.kv_heads)).view(k.shape)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if cos is not None:
+        cos, sin = cos[:, None], sin[:, None]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return q, k, v
 
 
 def out_projection(attended: torch.Tensor, w: LayerWeights) -> torch.Tensor:
@@ -198,19 +247,32 @@ def out_projection(attended: torch.Tensor, w: LayerWeights) -> torch.Tensor:
 
 def residual_mlp(hidden: torch.Tensor, projected: torch.Tensor, w: LayerWeights,
                  shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hidden state after attention (`hidden` plus the projected attention output) and the MLP's
-    output of it (under tensor parallelism this rank's partial sum)."""
-    hidden = hidden + projected
-    gate, up = project(rms_norm(hidden, w.post_norm, shape.eps), w.gate_up)
-    return hidden, F.linear(F.silu(gate) * up, w.down, w.down_bias)
+    """The hidden state after attention (`hidden` plus the projected attention output, normalised
+    where the layer has a post-attention norm) and the MLP's output of it (under tensor parallelism
+    this rank's partial sum). The post-MLP norm is left to whoever adds that output to the hidden
+    state (`decode_projections`, `Decoder.prefill`, the head): under tensor parallelism it needs the
+    sum over the ranks first."""
+    hidden = hidden + norm(projected, w.post_attention_norm, shape)
+    gate, up = project(norm(hidden, w.pre_mlp_norm, shape), w.gate_up)
+    return hidden, F.linear(activation(shape.activation)(gate) * up, w.down, w.down_bias)
 
 
 def layer_output_parts(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights,
                        shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's output from its input `hidden` [b, s, h] and the attention output [b, H, s, d], as
     two terms to add: the hidden state after attention and the MLP's output (a decode step leaves the
-    sum to the next layer's first kernel, which fuses it with the norm)."""
+    sum to the next layer's first kernel, which fuses it with the norms)."""
     return residual_mlp(hidden, out_projection(attended, w), w, shape)
+
+
+def visible(positions: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """[*positions.shape, length] bool: whether a query at each position sees each cache position
+    (transformers' semantics: j <= i, and i - window < j under a sliding window)."""
+    cache = torch.arange(length, device=positions.device)
+    seen = cache <= positions[..., None]
+    if window is not None:
+        seen &= cache > positions[..., None] - window
+    return seen
 
 
 def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -219,11 +281,11 @@ def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int | None = None) -> torch.Tensor:
     """One query per sequence, q [b, H, 1, d], over keys, values [b, KVH, t, d] with the additive
-    mask `bias` [b, t] (0 where visible, -inf elsewhere). The H / KVH query heads sharing a K/V head become that head's query rows, so
-    the kernel reads each K/V head once and nothing is expanded (head h uses K/V head h // (H / KVH),
-    as transformers' repeat_kv)."""
+    mask `bias` [b, t] (0 where visible, -inf elsewhere; it holds the layer's `window`). The H / KVH
+    query heads sharing a K/V head become that head's query rows, so the kernel reads each K/V head
+    once and nothing is expanded (head h uses K/V head h // (H / KVH), as transformers' repeat_kv)."""
     batch, heads, _, dim = q.shape
     grouped = q.reshape(batch, keys.shape[1], heads // keys.shape[1], dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias[:, None, None, :], scale=scale)
@@ -231,7 +293,7 @@ def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
 
 
 def attend_decode_flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+                       scale: float, window: int | None = None) -> torch.Tensor:
     """`attend_decode` by FlexAttention: the additive mask enters as a score modification, the
     query heads of a K/V head share its reads (`enable_gqa`)."""
 
@@ -250,26 +312,30 @@ def compile_varying(fn: Callable, varying: dict[int, tuple[int, ...]]) -> Callab
 
     def call(*args):
         for index, dims in varying.items():
-            for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(args[index], dim)
+            if args[index] is not None:  # a layer without RoPE passes no tables
+                for dim in dims:
+                    torch._dynamo.maybe_mark_dynamic(args[index], dim)
         return compiled(*args)
 
     return call
 
 
-def additive_mask(positions: torch.Tensor, attended: int, dtype: torch.dtype) -> torch.Tensor:
-    """[b, attended]: 0 where a row sees a cache position (up to its own), -inf elsewhere (one mask for
-    every layer: a boolean one is converted by SDPA in each call)."""
-    visible = torch.arange(attended, device=positions.device)[None] <= positions[:, None]
-    return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+def additive_mask(positions: torch.Tensor, attended: int, dtype: torch.dtype,
+                  window: int | None = None) -> torch.Tensor:
+    """[b, attended]: 0 where a row sees a cache position (`visible`), -inf elsewhere (one mask per
+    distinct window for every layer: a boolean one is converted by SDPA in each call)."""
+    seen = visible(positions, attended, window)
+    return torch.zeros(seen.shape, dtype=dtype, device=positions.device).masked_fill_(~seen, float("-inf"))
 
 
 class DecodeAttention(NamedTuple):
-    """A decode attention kernel: `attend(q, keys, values, mask, scale)` with the `mask` that
-    `mask_of(positions, attended, dtype)` builds once per step; `compiled` says whether torch.compile
-    runs it on a GPU (with the layer functions' settings); `reads_to_position` that it reads each
-    sequence's cache only up to its position, so the engine passes the whole cache (one CUDA graph per
-    batch size) instead of the positions up to the longest sequence's."""
+    """A decode attention kernel: `attend(q, keys, values, mask, scale, window)` with the `mask` that
+    `mask_of(positions, attended, dtype, window)` builds once per step and distinct sliding window
+    (`window`: the layer's, or None; the masks of sdpa and flex hold it, the Triton kernel bounds its
+    reads by it); `compiled` says whether torch.compile runs it on a GPU (with the layer functions'
+    settings); `reads_to_position` that it reads each sequence's cache only up to its position, so
+    the engine passes the whole cache (one CUDA graph per batch size) instead of the positions up to
+    the longest sequence's."""
 
     mask_of: Callable
     attend: Callable
@@ -277,10 +343,19 @@ class DecodeAttention(NamedTuple):
     reads_to_position: bool = False
 
 
+def _positions_only(positions: torch.Tensor, attended: int, dtype: torch.dtype, window: int | None) -> torch.Tensor:
+    return positions
+
+
+def _attend_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float,
+                   window: int | None) -> torch.Tensor:
+    return attend_decode_triton(q, keys, values, positions, scale, window=window)
+
+
 DECODE_ATTENTION = {
     "sdpa": DecodeAttention(additive_mask, attend_decode, False),
     "flex": DecodeAttention(additive_mask, attend_decode_flex, True),  # eager FlexAttention is a slow reference
-    "triton": DecodeAttention(lambda positions, attended, dtype: positions, attend_decode_triton, False, True),
+    "triton": DecodeAttention(_positions_only, _attend_triton, False, True),
 }
 ATTENTION_CHOICES = ("auto", *DECODE_ATTENTION)
 
@@ -296,57 +371,86 @@ def resolve_attention(attention: str, device: torch.device) -> str:
     return attention
 
 
-def decode_inputs_written(hidden: torch.Tensor, mlp: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
-                          sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                          shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer input `hidden + mlp` (the previous layer's two output terms, `layer_output_parts`) of
-    one token per row [b, 1, h] at `positions` [b], and its query [b, H, 1, d]; its K/V written into the
-    layer's cache (`keys`, `values` [slots, KVH, length, d]) at those positions, rows [0, b) being slots
-    [0, b). One function, so that torch.compile fuses the residual add with the norm and the rotary
-    embedding with the cache write; the cache is indexed directly (a write through a view of it makes
+def decode_projections(hidden: torch.Tensor, mlp: torch.Tensor, mlp_norm: torch.Tensor | None, w: LayerWeights,
+                       shape: Shape):
+    """The layer input `hidden + mlp` (the previous layer's two output terms, `layer_output_parts`, its
+    MLP output through its post-MLP norm `mlp_norm` where it has one) of one token per row [b, 1, h],
+    and `projections` of it."""
+    hidden = hidden + norm(mlp, mlp_norm, shape)
+    return hidden, *projections(hidden, w, shape)
+
+
+def decode_written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, squares: torch.Tensor | None, w: LayerWeights,
+                   cos: torch.Tensor | None, sin: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+                   positions: torch.Tensor, shape: Shape) -> torch.Tensor:
+    """The query [b, H, 1, d] of `decode_projections`' outputs at `positions` [b] (`positioned`), its
+    K/V written into the layer's cache (`keys`, `values` [slots, KVH, length, d]) at those positions,
+    rows [0, b) being slots [0, b). The cache is indexed directly (a write through a view of it makes
     the compiled graph copy the whole cache)."""
-    hidden = hidden + mlp
-    q, k, v = attention_inputs(hidden, w, cos, sin, shape)
+    q, k, v = positioned(q, k, v, squares, w, cos, sin, shape)
     slots = torch.arange(len(positions), device=positions.device)
     keys[slots, :, positions] = k[:, :, 0]
     values[slots, :, positions] = v[:, :, 0]
-    return hidden, q
+    return q
+
+
+def decode_inputs_written(hidden: torch.Tensor, mlp: torch.Tensor, mlp_norm: torch.Tensor | None, w: LayerWeights,
+                          cos: torch.Tensor | None, sin: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+                          positions: torch.Tensor, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_projections` then `decode_written` in one function, so that torch.compile fuses the
+    residual add with the norms and the rotary embedding with the cache write; the layer input and
+    the query."""
+    hidden, q, k, v, squares = decode_projections(hidden, mlp, mlp_norm, w, shape)
+    return hidden, decode_written(q, k, v, squares, w, cos, sin, keys, values, positions, shape)
 
 
 def unsupported(config) -> str | None:
-    """Why the decoder cannot run a model of this HF config, or None when it can."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"the rollout engine runs {', '.join(SUPPORTED_MODEL_TYPES)} decoders; this model is {model_type!r}"
-    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "use_sliding_window", False):
-        return ("the rollout engine runs SwiGLU decoders without sliding-window attention "
-                f"(hidden_act={config.hidden_act!r})")
+    """Why the decoder cannot run a model of this HF config (`architecture`'s one line), or None."""
+    try:
+        architecture(config)
+    except UnsupportedModel as error:
+        return str(error)
     return None
 
 
 class Decoder:
     """Prefill and decode steps over a `SlotKVCache` for a model whose layers are `LayerWeights`
-    (module docstring). A subclass supplies the weights (`layers`, `shape`, `scale`), the embedding
-    and the output head; under tensor parallelism it also supplies `reduce`, the in-place sum of a
-    partial result over the ranks (after the attention's and the MLP's output projections), which
-    then splits each layer's output between two compiled functions with the sums between them."""
+    (module docstring). A subclass supplies the weights (`layers`, `shape`, `architecture`), the
+    embedding and the output head; under tensor parallelism it also supplies `reduce`, the in-place
+    sum of a partial result over the ranks (after the attention's and the MLP's output projections,
+    and of a projection q/k norm's sums of squares), which then splits each layer between compiled
+    functions with the sums between them."""
 
     layers: list[LayerWeights]
     shape: Shape
-    scale: float
+    architecture: Architecture
     reduce: Callable[[torch.Tensor], None] | None = None
 
-    def __init__(self, compile: bool, attention: str):
+    def __init__(self, hf_config, compile: bool, attention: str):
         self.num_layers = len(self.layers)
+        self.plans = self.architecture.layers
+        self.scale = self.architecture.softmax_scale
+        # RoPE tables by key, on the device; cos and sin of each are computed once per step
+        used = {plan.rope for plan in self.plans}
+        self.tables = {key: (inv_freq.to(self.device), scaling)
+                       for key, (inv_freq, scaling) in rope_tables(hf_config).items() if key in used}
+        self.windows = {plan.window for plan in self.plans}
         self.attention_name = resolve_attention(attention, self.device)
         self.attention = DECODE_ATTENTION[self.attention_name]
+        # A projection q/k norm under tensor parallelism sums over the ranks between the projections
+        # and the rest of a layer's inputs: two functions with the sum between them.
+        self.split_inputs = self.reduce is not None and self.shape.qk_norm == "projection"
         # The decode step's layer functions; prefill keeps the eager ones (its shapes vary per call).
         self.decode_inputs, self.decode_parts, self.decode_mlp = decode_inputs_written, layer_output_parts, residual_mlp
+        self.decode_projections, self.decode_written = decode_projections, decode_written
         self.decode_attention = self.attention.attend
         if compile:
             rows, cache = (0,), (0, 2)  # a step's rows; a cache's slots and length
-            self.decode_inputs = compile_varying(decode_inputs_written, {0: rows, 1: rows, 3: rows, 4: rows, 5: cache,
-                                                                          6: cache, 7: rows})
+            self.decode_inputs = compile_varying(decode_inputs_written, {0: rows, 1: rows, 4: rows, 5: rows, 6: cache,
+                                                                          7: cache, 8: rows})
+            self.decode_projections = compile_varying(decode_projections, {0: rows, 1: rows})
+            self.decode_written = compile_varying(decode_written, {0: rows, 1: rows, 2: rows, 3: rows, 5: rows, 6: rows,
+                                                                   7: cache, 8: cache, 9: rows})
             self.decode_parts = compile_varying(layer_output_parts, {0: rows, 1: rows})
             self.decode_mlp = compile_varying(residual_mlp, {0: rows, 1: rows})
             if self.attention.compiled:
@@ -363,20 +467,37 @@ class Decoder:
     def refresh(self) -> None:
         """Called before every generate call: pick up parameters whose storage was replaced."""
 
-    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Token embeddings [b, s, h] and the rotary (cos, sin) at `positions` [b, s]."""
+    def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [b, s, h] as the embedding matrix holds them (summed over the ranks)."""
         raise NotImplementedError
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and output head: logits [b, V] in the model's dtype from hidden states [b, h]."""
         raise NotImplementedError
 
+    def _inputs(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The embeddings [b, s, h] of `ids` (Gemma's scaled) and the rotary (cos, sin) at `positions`
+        [b, s] of every RoPE table a layer uses."""
+        hidden = scale_embedding(self._embed_tokens(ids), self.architecture.embedding_scale)
+        return hidden, {key: rotary_cos_sin(positions, inv_freq, scaling, hidden.dtype)
+                        for key, (inv_freq, scaling) in self.tables.items()}
+
     def new_cache(self, slots: int, length: int) -> SlotKVCache:
+        """The whole length for every layer, windowed ones included (a ring buffer of `window`
+        positions per windowed layer would be a later memory saving)."""
         return SlotKVCache(self.num_layers, slots, length, self.shape.kv_heads, self.shape.head_dim, self.dtype,
                            self.device)
 
     def cache_bytes_per_slot_token(self) -> int:
         return SlotKVCache.bytes_per_slot_token(self.num_layers, self.shape.kv_heads, self.shape.head_dim, self.dtype)
+
+    def _attention_inputs(self, hidden: torch.Tensor, w: LayerWeights, cos, sin):
+        """q [b, H, s, d], k and v [b, KVH, s, d] of `hidden` [b, s, h]: `projections`, then
+        `positioned`, with a projection q/k norm's sums of squares summed over the ranks between."""
+        q, k, v, squares = projections(hidden, w, self.shape)
+        if squares is not None and self.reduce is not None:
+            self.reduce(squares)
+        return positioned(q, k, v, squares, w, cos, sin, self.shape)
 
     def _output_parts(self, hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights, parts: Callable,
                       mlp: Callable) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,17 +521,18 @@ class Decoder:
         real_rows, real_columns = (torch.arange(width, device=device)[None] < lengths[:, None]).nonzero(as_tuple=True)
         written_slots, written_positions = slots[real_rows], positions[real_rows, real_columns]
         end = int((starts + lengths).max())
-        # Query i of a row sees cache positions <= start + i: its prefix and its own tail up to itself.
-        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None])[:, None]  # [b, 1, s, end]
-        hidden, (cos, sin) = self._embed(ids, positions)
-        for index, w in enumerate(self.layers):
-            q, k, v = attention_inputs(hidden, w, cos, sin, self.shape)
+        # Query i of a row sees cache positions <= start + i (and within its layer's window): its
+        # prefix and its own tail up to itself.
+        masks = {window: visible(positions, end, window)[:, None] for window in self.windows}  # [b, 1, s, end]
+        hidden, rotary = self._inputs(ids, positions)
+        for index, (w, plan) in enumerate(zip(self.layers, self.plans)):
+            q, k, v = self._attention_inputs(hidden, w, *rotary.get(plan.rope, (None, None)))
             keys, values = cache.keys[index], cache.values[index]
             keys[written_slots, :, written_positions] = k.transpose(1, 2)[real_rows, real_columns]
             values[written_slots, :, written_positions] = v.transpose(1, 2)[real_rows, real_columns]
-            attended = attend_prefill(q, keys[slots, :, :end], values[slots, :, :end], mask, self.scale)
+            attended = attend_prefill(q, keys[slots, :, :end], values[slots, :, :end], masks[plan.window], self.scale)
             hidden, mlp = self._output_parts(hidden, attended, w, layer_output_parts, residual_mlp)
-            hidden = hidden + mlp
+            hidden = hidden + norm(mlp, w.post_mlp_norm, self.shape)
         last = hidden[torch.arange(len(ids), device=device), lengths - 1]  # [b, h]
         return self._head(last).float()
 
@@ -419,45 +541,61 @@ class Decoder:
         [b, V] of the next token in the model's dtype (the sampler reads them in float32: a float32
         copy of a 152k vocabulary would cost a write and a read per step)."""
         rows = len(ids)
-        mask = self.attention.mask_of(positions, attended, self.dtype)
-        hidden, (cos, sin) = self._embed(ids[:, None], positions[:, None])
+        masks = {window: self.attention.mask_of(positions, attended, self.dtype, window) for window in self.windows}
+        hidden, rotary = self._inputs(ids[:, None], positions[:, None])
         mlp = torch.zeros_like(hidden)  # the first layer's input has no second term
-        for index, w in enumerate(self.layers):
+        # The norm the second term passes through: the previous layer's post-MLP norm; the first
+        # layer's zeros stay zeros under any, so it gets its own (one compiled graph for all layers).
+        mlp_norm = self.layers[0].post_mlp_norm
+        for index, (w, plan) in enumerate(zip(self.layers, self.plans)):
             keys, values = cache.keys[index], cache.values[index]
-            hidden, q = self.decode_inputs(hidden, mlp, w, cos, sin, keys, values, positions, self.shape)
-            attended_out = self.decode_attention(q, keys[:rows, :, :attended], values[:rows, :, :attended], mask, self.scale)
+            cos, sin = rotary.get(plan.rope, (None, None))
+            if self.split_inputs:
+                hidden, q, k, v, squares = self.decode_projections(hidden, mlp, mlp_norm, w, self.shape)
+                self.reduce(squares)
+                q = self.decode_written(q, k, v, squares, w, cos, sin, keys, values, positions, self.shape)
+            else:
+                hidden, q = self.decode_inputs(hidden, mlp, mlp_norm, w, cos, sin, keys, values, positions, self.shape)
+            attended_out = self.decode_attention(q, keys[:rows, :, :attended], values[:rows, :, :attended],
+                                                 masks[plan.window], self.scale, plan.window)
             hidden, mlp = self._output_parts(hidden, attended_out, w, self.decode_parts, self.decode_mlp)
-        return self._head((hidden + mlp)[:, 0])
+            mlp_norm = w.post_mlp_norm
+        return self._head((hidden + norm(mlp, mlp_norm, self.shape))[:, 0])
 
 
 class HFDecoder(Decoder):
-    """An HF Llama-family causal LM's own modules and parameters (module docstring)."""
+    """An HF causal LM of a family `aligner_ext/architecture.py` describes: its own modules' parameters
+    (module docstring)."""
 
     def __init__(self, model, compile: bool = False, fuse_projections: bool = False, attention: str = "auto"):
         config = model.config
-        reason = unsupported(config)
-        if reason:
-            raise ValueError(f"{reason} (use generator.engine=hf)")
+        self.architecture = architecture(config)  # UnsupportedModel (a ValueError) names what it cannot run
         self.model = model
         self.base = model.get_decoder()
-        first = self.base.layers[0]
-        self.shape = Shape(config.num_attention_heads, config.num_key_value_heads, first.self_attn.head_dim,
-                           first.input_layernorm.variance_epsilon)
-        self.scale = first.self_attn.scaling
+        self.shape = Shape(config.num_attention_heads, config.num_key_value_heads, self.architecture.head_dim,
+                           config.rms_norm_eps, self.architecture.norm, self.architecture.activation,
+                           self.architecture.qk_norm)
         self.fuse_projections = fuse_projections
         self.layers = [self._weights(layer) for layer in self.base.layers]
         self.output = model.get_output_embeddings()
-        super().__init__(compile, attention)
+        super().__init__(config, compile, attention)
 
     def _weights(self, layer) -> LayerWeights:
-        attn, mlp = layer.self_attn, layer.mlp
-        q_norm = getattr(attn, "q_norm", None)
-        k_norm = getattr(attn, "k_norm", None)
+        attn, mlp, shape = layer.self_attn, layer.mlp, self.shape
+        norms = {role: getattr(layer, name).weight for role, name in self.architecture.norm_names.items()}
+        if self.architecture.fused_checkpoint:  # Phi-3: q/k/v and gate/up are one matrix each already
+            qkv = Projection((attn.qkv_proj.weight,), (attn.qkv_proj.bias,),
+                             (shape.num_heads * shape.head_dim, shape.kv_heads * shape.head_dim,
+                              shape.kv_heads * shape.head_dim))
+            half = mlp.gate_up_proj.weight.shape[0] // 2
+            gate_up = Projection((mlp.gate_up_proj.weight,), (mlp.gate_up_proj.bias,), (half, half))
+        else:
+            qkv = self._projection([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up = self._projection([mlp.gate_proj, mlp.up_proj])
+        qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.architecture.qk_norm else (None, None)
         return LayerWeights(
-            layer.input_layernorm.weight, self._projection([attn.q_proj, attn.k_proj, attn.v_proj]),
-            None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-            attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
-            self._projection([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.weight, mlp.down_proj.bias)
+            norms.get("input"), qkv, *qk_norms, attn.o_proj.weight, attn.o_proj.bias, norms.get("post_attention"),
+            norms.get("pre_mlp"), gate_up, mlp.down_proj.weight, mlp.down_proj.bias, norms.get("post_mlp"))
 
     def _projection(self, linears: list[torch.nn.Linear]) -> Projection:
         """The linears as one fused product when `fuse_projections` (and their biases all exist or
@@ -484,9 +622,8 @@ class HFDecoder(Decoder):
     def dtype(self) -> torch.dtype:
         return self.base.embed_tokens.weight.dtype
 
-    def _embed(self, ids: torch.Tensor, positions: torch.Tensor):
-        hidden = self.base.embed_tokens(ids)
-        return hidden, self.base.rotary_emb(hidden, positions)
+    def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.base.embed_tokens.weight)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.output(self.base.norm(hidden))
+        return self.output(rms_norm(hidden, self.base.norm.weight, self.shape.eps, self.shape.norm))

@@ -28,9 +28,11 @@ prefill sharing. Finishing: EOS (unless `ignore_eos`), a stop token id or stop s
 `max_new_tokens` ("length"); EOS and stops are kept, as in the HF engine (hf.py), whose semantics
 this engine follows token for token (tests/unit/generation/test_rollout_engine.py).
 
-Runs Llama / Qwen2 / Qwen3 decoders (decoder.py) in the policy's dtype: bf16 on a GPU, float32 on
-the CPU (no CUDA graphs or compilation there). A slot holds one sequence for its life (no paged
-blocks): a prompt that extends a kept sequence copies its K/V rather than sharing them.
+Runs every dense family aligner_ext/architecture.py describes (decoder.py: sliding windows, per-layer
+RoPE tables, the families' norms) in the policy's dtype: bf16 on a GPU, float32 on the CPU (no CUDA
+graphs or compilation there). A slot holds one sequence for its life (no paged blocks): a prompt
+that extends a kept sequence copies its K/V rather than sharing them; a windowed layer's cache keeps
+every position too (only the window is read).
 """
 
 from __future__ import annotations

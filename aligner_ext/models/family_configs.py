@@ -5,7 +5,7 @@ chooses. The tests build tiny random-weight checkpoints from them, the family be
 
 `family_config(name, **sizes)`: `sizes` overrides the dimensions (hidden_size, num_hidden_layers,
 num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size,
-max_position_embeddings, sliding_window); RoPE tables that depend on the head size (LongRoPE's
+max_position_embeddings, sliding_window: dropped for families without windows); RoPE tables that depend on the head size (LongRoPE's
 factors) follow it.
 """
 
@@ -65,8 +65,27 @@ def family_config(name: str, **sizes):
         settings["rope_parameters"] = rope
     config_class = getattr(transformers, class_name)
     defaults = config_class()
+    if not hasattr(defaults, "sliding_window"):
+        # a family without windows (Llama, OLMo 2): transformers' KV cache would still read the field as one
+        settings.pop("sliding_window", None)
     for field in ("bos_token_id", "eos_token_id", "pad_token_id"):  # class defaults beyond a small vocabulary
         value = getattr(defaults, field, None)
         if field not in settings and isinstance(value, int) and value >= settings["vocab_size"]:
             settings[field] = None if field == "pad_token_id" else settings["vocab_size"] - 1
     return config_class(**settings)
+
+
+def random_model(config, seed: int = 0):
+    """A random-weight causal LM of `config` in eval mode, its norm weights and biases moved off their
+    1 / 0 initialisation (as a trained checkpoint's are), so that a misplaced or mis-formulated norm
+    or bias changes its outputs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model.eval()

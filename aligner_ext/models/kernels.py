@@ -2,7 +2,8 @@
 torch.compile.
 
 `liger`: Liger-Kernel's Triton RMSNorm, SwiGLU MLP and rotary embedding patched into the model
-instance (extra `liger`; a CUDA device; Llama / Qwen2 / Qwen3 decoders). Its fused linear
+instance (extra `liger`; a CUDA device; every family of `LIGER_PATCHES`, GeGLU for Gemma 3, transformers'
+own RoPE kept where the rotary is partial). Its fused linear
 cross-entropy is left off: the policy computes log-probs from hidden states itself
 (models/logprobs.py, chunked), so the model's own head forward never runs in training. Measured
 (docs/benchmarks.md) faster at 358M and 1.5B with less memory, so `auto` (the default) takes it
@@ -22,12 +23,14 @@ import logging
 
 import torch
 
+from aligner_ext.architecture import architecture
 from aligner_ext.errors import ConfigError
 
 KERNELS = ("auto", "none", "liger")
 logger = logging.getLogger(__name__)
-LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2",
-                 "qwen3": "apply_liger_kernel_to_qwen3"}
+# model_type -> Liger-Kernel's patch of it (its name is apply_liger_kernel_to_<model_type>)
+LIGER_PATCHES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "phi3", "olmo2", "olmo3", "smollm3", "gemma3_text")
+GEGLU_MODELS = ("gemma3_text",)  # the gated MLP's activation is GeGLU: Liger's geglu kernel, not its swiglu
 
 
 def apply_kernels(model, kernels: str) -> str:
@@ -57,8 +60,12 @@ def patch_with_liger(model) -> None:
         liger = importlib.import_module("liger_kernel.transformers")
     except ImportError as err:
         raise ConfigError(f"policy.kernels=liger needs Liger-Kernel: pip install 'aligner_ext[liger]' ({err})") from err
-    getattr(liger, LIGER_PATCHES[model_type])(model=model, rope=True, rms_norm=True, swiglu=True,
-                                              cross_entropy=False, fused_linear_cross_entropy=False)
+    gated_mlp = {"geglu" if model_type in GEGLU_MODELS else "swiglu": True}
+    # Liger's RoPE kernel rotates the whole head: a partial-rotary model (Phi-4-mini) keeps transformers' RoPE
+    pieces = architecture(model.config)
+    full_rotary = pieces.rotary_dim == pieces.head_dim
+    getattr(liger, f"apply_liger_kernel_to_{model_type}")(model=model, rope=full_rotary, rms_norm=True, **gated_mlp,
+                                                          cross_entropy=False, fused_linear_cross_entropy=False)
 
 
 def start_compile_workers() -> None:

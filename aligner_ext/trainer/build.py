@@ -21,7 +21,6 @@ from aligner_ext.errors import ContractError, ModelPathError
 from aligner_ext.files import follow_umask
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
 from aligner_ext.generation.base import ENGINES, GenerationEngine
-from aligner_ext.generation.decoder import unsupported
 from aligner_ext.generation.sharded import split_across_ranks
 from aligner_ext.losses.base import LOSSES, Loss
 from aligner_ext.models.base import POLICIES, Policy, Reference
@@ -30,6 +29,7 @@ from aligner_ext.models.kernels import start_compile_workers
 from aligner_ext.models.tiny import build_char_tokenizer, build_tiny_model
 from aligner_ext.models.warmup import supervised_warmup
 from aligner_ext.rewards.manager import RewardManager
+from aligner_ext.support import check_run, rollout_refusal
 from aligner_ext.trainer.contracts import check_stages, step_stages
 
 logger = logging.getLogger(__name__)
@@ -55,10 +55,18 @@ class Components:
 def generation_engine_name(cfg: RunConfig, model_config, device: torch.device) -> str:
     """`generator.engine`, with `auto` resolved: the rollout engine where the benchmarks measure it
     faster (docs/benchmarks.md: on a GPU, for a decoder it runs, on the HF backend or on the Megatron
-    backend's shards), else the HF engine."""
+    backend's shards), else the HF engine, saying why where the model is what the rollout engine
+    does not run."""
     if cfg.generator.engine != "auto":
         return cfg.generator.engine
-    return "rollout" if device.type == "cuda" and unsupported(model_config) is None else "hf"
+    if device.type != "cuda":
+        return "hf"
+    reason = rollout_refusal(model_config)
+    if reason:
+        logger.info("generator.engine=auto: the HF engine generates, as the rollout engine does not run this "
+                    "model (%s)", reason)
+        return "hf"
+    return "rollout"
 
 
 def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
@@ -114,10 +122,11 @@ def model_directory(cfg: RunConfig, run_dir: Path) -> Path | str:
 
 
 def build_components(cfg: RunConfig, run_dir: Path) -> Components:
-    """Every part of a run. What is cheap to check (the model path, the data files, every row's
-    reward function) is checked before the model loads; the plug-ins' batch contracts once they are
-    built (trainer/contracts.py)."""
+    """Every part of a run. What is cheap to check (the model path, whether the backend and engine run
+    the model, the data files, every row's reward function) is checked before the model loads; the
+    plug-ins' batch contracts once they are built (trainer/contracts.py)."""
     model_dir = model_directory(cfg, run_dir)
+    check_run(cfg, model_dir)  # the model's family and layout, from config.json alone (aligner_ext/support.py)
     if resolve_device(cfg.policy.device).type == "cuda":
         start_compile_workers()  # ready for the first compilation (models/kernels.py)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

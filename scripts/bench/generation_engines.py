@@ -68,8 +68,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from aligner_ext.generation.base import SamplingParams
 from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
 from aligner_ext.models.megatron import convert
-from aligner_ext.models.megatron.model import (SDPAttention, block_spec, padded_vocab_size, rope_theta,
-                                               transformer_config)
+from aligner_ext.models.megatron.model import SDPAttention, block_spec, padded_vocab_size, transformer_config
 from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
 from megatron_bench import qwen2_half_billion  # this script's directory: scripts/bench
 
@@ -158,7 +157,7 @@ def mcore_model(hf_model, core_attention) -> GPTModel:
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(hf_config.vocab_size, 1),
                      max_sequence_length=hf_config.max_position_embeddings, pre_process=True, post_process=True,
                      share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
-                     position_embedding_type="rope", rotary_base=rope_theta(hf_config))
+                     position_embedding_type="rope", rotary_base=hf_config.rope_parameters["rope_theta"])
     model = model.to(device=parameter.device, dtype=parameter.dtype)
     convert.load_shard(model, convert.hf_to_megatron_shard(hf_model.state_dict(), hf_config, 1, 1, 0, 0))
     model.output_layer.register_forward_hook(mask_padded_vocab(hf_config.vocab_size))

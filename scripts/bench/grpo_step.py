@@ -75,8 +75,9 @@ PHASES = ("generation", "logprobs", "train", "weight_sync", "rewards", "other")
 
 # ---------------------------------------------------------------- the reference worker
 
-def measure_hardware(device: str) -> dict:
-    """Matrix rate (bf16 8192^3 on a GPU, float32 2048^3 on the CPU) and copy bandwidth (read + write)."""
+def measure_hardware(device: str, matmul_size: int | None = None, copy_elements: int | None = None) -> dict:
+    """Matrix rate (bf16 8192^3 on a GPU, float32 2048^3 on the CPU, or `matmul_size`^3) and copy
+    bandwidth (read + write of 2^28 float32 on a GPU, 2^26 on the CPU, or `copy_elements`)."""
     import torch
 
     def best_of(fn, repeats: int) -> float:
@@ -92,10 +93,11 @@ def measure_hardware(device: str) -> dict:
         return statistics.median(times)
 
     size, dtype = (8192, torch.bfloat16) if device == "cuda" else (2048, torch.float32)
+    size = matmul_size or size
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     best_of(lambda: a @ b, 3)
     matmul_s = best_of(lambda: [a @ b for _ in range(10)], 5) / 10
-    elements = 2**28 if device == "cuda" else 2**26  # 1 GiB / 256 MiB of float32
+    elements = copy_elements or (2**28 if device == "cuda" else 2**26)  # 1 GiB / 256 MiB of float32
     source = torch.randn(elements, device=device)
     target = torch.empty_like(source)
     best_of(lambda: target.copy_(source), 3)

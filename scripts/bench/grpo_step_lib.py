@@ -110,15 +110,18 @@ def prompt_ids(tokenizer, content: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def write_workspace(preset: Preset, rows_needed: int, directory: Path, seed: int = 0) -> dict:
+def write_workspace(preset: Preset, rows_needed: int, directory: Path, seed: int = 0,
+                    model_and_tokenizer: tuple | None = None) -> dict:
     """The model (safetensors), its tokenizer, `rows.jsonl` and `probe.pt`, written once for every system.
+    The model is the preset's (`build_model_and_tokenizer`) unless `model_and_tokenizer` gives one
+    (scripts/bench/families.py: each family's).
 
     Every prompt renders to exactly `preset.prompt_length` tokens (checked). Rows carry what every
     variant reads: a ground truth ("solved" for SOLVED_SHARE of them), a rubric of four items and a
     gold solution (the CPO hint).
     """
     directory.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = build_model_and_tokenizer(preset)
+    model, tokenizer = model_and_tokenizer or build_model_and_tokenizer(preset)
     if preset.device == "cuda":  # every system computes in bf16 there: store the weights it rounds to
         model = model.to(torch.bfloat16)
     model.save_pretrained(directory / "model", safe_serialization=True)
@@ -151,9 +154,10 @@ def write_workspace(preset: Preset, rows_needed: int, directory: Path, seed: int
 def model_counts(config) -> dict:
     """Parameter and byte counts the floors are computed from."""
     hidden, layers = config.hidden_size, config.num_hidden_layers
-    head_dim = hidden // config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     kv_width = config.num_key_value_heads * head_dim
-    per_layer = hidden * (hidden + 2 * kv_width) + hidden * hidden + 3 * hidden * config.intermediate_size
+    q_width = config.num_attention_heads * head_dim
+    per_layer = hidden * (q_width + 2 * kv_width) + q_width * hidden + 3 * hidden * config.intermediate_size
     return {
         "layers": layers, "hidden": hidden, "vocab": config.vocab_size, "head_dim": head_dim,
         "body_matmul_params": layers * per_layer,  # q, k, v, o and the SwiGLU MLP of every layer

@@ -1,36 +1,53 @@
-"""Tiny HF models of each supported architecture, a left/right-padded batch, and the torchrun launch,
-shared by the Megatron tests. Norm weights and biases are perturbed away from their 1/0
-initialisation so a mis-mapped norm or bias changes the results."""
+"""Tiny HF models of every dense family (`models/family_configs.py`), a left/right-padded batch, and
+the torchrun launch, shared by the Megatron tests. Norm weights and biases are perturbed away from
+their initialisation so a mis-mapped norm or bias changes the results."""
 
 import os
 import subprocess
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+from aligner_ext.models.family_configs import family_config, random_model
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=64, max_position_embeddings=64)
+# Every family at the same tiny size: 4 layers (Ministral's and OLMo 3's pattern: 3 windowed, 1 global;
+# SmolLM3's 4th layer without RoPE; Gemma 3's 3 local, 1 global), a window of 4 that each of the
+# test batch's sequences (5 to 7 tokens) exceeds.
+FAMILY_SIZES = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    intermediate_size=64, max_position_embeddings=64, sliding_window=4)
+# case -> (family, vocabulary size): none a multiple of 128. Qwen2 and Qwen3 have cases of their own
+# above (untied); the family configs tie their embeddings.
+FAMILY_CASES = {"llama3": ("llama3", 120), "mistral": ("mistral", 136), "ministral": ("ministral", 152),
+                "qwen2_tied": ("qwen2", 168), "qwen3_tied": ("qwen3", 184), "phi3": ("phi3", 200),
+                "olmo2": ("olmo2", 110), "olmo3": ("olmo3", 130), "smollm3": ("smollm3", 140),
+                "gemma3_text": ("gemma3_text", 160)}
 
 
 def hf_configs() -> dict:
-    """Llama with tied embeddings; Qwen2 (q/k/v biases); Qwen3 (q/k norms, head_dim 16 != 32/4).
-    Vocabulary sizes 104, 100, 200 are not multiples of 128, so every case exercises vocab padding."""
-    return {
+    """Llama with tied embeddings; Qwen2 (q/k/v biases); Qwen3 (q/k norms, head_dim 16 != 32/4); then
+    every family of `family_configs` (`FAMILY_CASES`): Llama 3's RoPE scaling, Mistral's and Phi-3's
+    windows on every layer, Ministral's, OLMo 3's and Gemma 3's per layer type, Phi-3's partial
+    rotary, LongRoPE and fused checkpoint, OLMo's post-norms and projection q/k norms, SmolLM3's NoPE
+    layers, Gemma 3's sandwich norms, GeGLU, embedding scale and two RoPE bases. No vocabulary size is a
+    multiple of 128, so every case exercises vocab padding."""
+    configs = {
         "llama": LlamaConfig(vocab_size=104, tie_word_embeddings=True, **COMMON),
         "qwen2": Qwen2Config(vocab_size=100, tie_word_embeddings=False, **COMMON),
         "qwen3": Qwen3Config(vocab_size=200, head_dim=16, tie_word_embeddings=False, **COMMON),
     }
+    for case, (family, vocab_size) in FAMILY_CASES.items():
+        # pad id 0, the batches' pads: transformers' embedding gives its pad row no gradient
+        # (nn.Embedding's padding_idx), so OLMo's default pad id 1, drawn as a real token, would
+        # differ from Megatron's embedding, which has no pad row
+        configs[case] = family_config(family, vocab_size=vocab_size, pad_token_id=0, **FAMILY_SIZES)
+    return configs
 
 
 def build_model(config):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    return model.eval()
+    return random_model(config)
 
 
 def batch_tensors(vocab_size: int) -> dict:

@@ -2,8 +2,10 @@
 resume at another layout: one `torchrun --nproc_per_node=2` launch (gloo, CPU) of
 tests/megatron/dist_checkpoint_worker.py.
 
-Cases: Llama with tied embeddings (at PP=2 the last stage holds a copy of the embedding) and Qwen3
-(untied output layer, q/k norms); vocabularies of 104 and 200 rows, padded to 128 and 256. Saved at
+Cases: Llama with tied embeddings (at PP=2 the last stage holds a copy of the embedding), Qwen3
+(untied output layer, q/k norms), and the families whose parameters no other case has: OLMo 2
+(post-norms in the attention and MLP modules, q/k norms over the projection, TP-sharded) and Gemma 3
+(all four norms of a layer); vocabularies of 104, 200, 110 and 160 rows, padded to 128 and 256. Saved at
 TP=2 and at PP=2 after 2 RL steps (4 Adam updates, linear LR decay), loaded at each other layout of
 two processes (TP=2, PP=2, DP=2):
 - the loaded weights and Adam exp_avg / exp_avg_sq, gathered into HF names, equal the saved ones
@@ -29,7 +31,7 @@ from test_megatron_tp_pp import train_setup  # noqa: E402
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("dist_checkpoint_worker.py")
-CASES = ["llama", "qwen3"]
+CASES = ["llama", "qwen3", "olmo2", "gemma3_text"]
 LOADS = [("tp2", "pp2"), ("tp2", "dp2"), ("pp2", "tp2"), ("pp2", "dp2")]  # (saved at, loaded at)
 
 
@@ -88,4 +90,4 @@ def test_a_step_after_loading_at_another_layout_equals_the_step_of_the_saving_ru
 
 def test_a_directory_without_a_megatron_checkpoint_is_named(results):
     error = torch.load(results / "missing_error.pt")
-    assert "qwen3/megatron is not a megatron-core distributed checkpoint" in error
+    assert f"{CASES[-1]}/megatron is not a megatron-core distributed checkpoint" in error  # the worker's last case

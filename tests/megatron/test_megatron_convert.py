@@ -1,5 +1,6 @@
 """HF <-> Megatron conversion (single process, no distributed): the fused layouts worked by hand on
-tiny tensors, and the exact round trip through safetensors at several TP x PP layouts."""
+tiny tensors, every family's norms, q/k norms and fused checkpoint tensors by name and by TP rank,
+and the exact round trip through safetensors of every family at several TP x PP layouts."""
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ pytest.importorskip("megatron.core")
 from safetensors.torch import load_file  # noqa: E402
 
 from aligner_ext.models.megatron import convert  # noqa: E402
-from aligner_ext.models.megatron.model import padded_vocab_size, rope_theta, transformer_config  # noqa: E402
+from aligner_ext.architecture import UnsupportedModel, architecture  # noqa: E402
+from aligner_ext.models.megatron.model import padded_vocab_size, transformer_config  # noqa: E402
 from megatron_cases import build_model, hf_configs  # noqa: E402
 
 
@@ -62,7 +64,53 @@ def test_pipeline_stages_hold_their_layers_and_the_tied_head_copy():
     assert "output_layer.weight" not in single  # PP=1: the head is the embedding itself
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_olmo_projection_qk_norms_are_split_like_the_heads_and_post_norms_replicated():
+    config = hf_configs()["olmo2"]  # 4 query heads, 2 KV groups, head_dim 8
+    hf = build_model(config).state_dict()
+    shards = convert.hf_to_megatron(hf, config, tp=2, pp=1)
+    a, d = "model.layers.2.", 8
+    for rank in range(2):
+        shard = shards[(0, rank)]
+        # rank r holds q heads 2r, 2r+1 (its KV group r): the q norm of those heads, the k norm of group r
+        assert torch.equal(shard["decoder.layers.2.self_attention.q_layernorm.weight"],
+                           hf[a + "self_attn.q_norm.weight"][2 * d * rank : 2 * d * (rank + 1)])
+        assert torch.equal(shard["decoder.layers.2.self_attention.k_layernorm.weight"],
+                           hf[a + "self_attn.k_norm.weight"][d * rank : d * (rank + 1)])
+        assert torch.equal(shard["decoder.layers.2.self_attention.output_norm.weight"],
+                           hf[a + "post_attention_layernorm.weight"])
+        assert torch.equal(shard["decoder.layers.2.mlp.output_norm.weight"], hf[a + "post_feedforward_layernorm.weight"])
+        assert not any("input_layernorm" in name or "pre_mlp_layernorm" in name for name in shard)
+    arch = architecture(config)
+    assert not convert.is_replicated("decoder.layers.0.self_attention.q_layernorm.weight", arch)
+    assert convert.is_replicated("decoder.layers.0.self_attention.output_norm.weight", arch)
+    assert convert.is_replicated("decoder.layers.0.self_attention.q_layernorm.weight", architecture(hf_configs()["qwen3"]))
+
+
+def test_gemma_sandwich_norms_map_by_role():
+    config = hf_configs()["gemma3_text"]
+    hf = build_model(config).state_dict()
+    shard = convert.hf_to_megatron_shard(hf, config, 2, 1, 1, 0)
+    a, m = "model.layers.0.", "decoder.layers.0."
+    for hf_name, megatron_name in [("input_layernorm", "input_layernorm"), ("pre_feedforward_layernorm", "pre_mlp_layernorm"),
+                                   ("post_attention_layernorm", "self_attention.output_norm"),
+                                   ("post_feedforward_layernorm", "mlp.output_norm"),
+                                   ("self_attn.q_norm", "self_attention.q_layernorm")]:
+        assert torch.equal(shard[f"{m}{megatron_name}.weight"], hf[f"{a}{hf_name}.weight"]), hf_name
+
+
+def test_phi3_fused_checkpoint_is_split_into_megatron_layouts():
+    config = hf_configs()["phi3"]  # 4 query heads, 2 KV groups, head_dim 8, intermediate 64
+    hf = build_model(config).state_dict()
+    rank1 = convert.hf_to_megatron(hf, config, tp=2, pp=1)[(0, 1)]
+    qkv, gate_up, d = hf["model.layers.1.self_attn.qkv_proj.weight"], hf["model.layers.1.mlp.gate_up_proj.weight"], 8
+    q, k, v = qkv[: 4 * d], qkv[4 * d : 6 * d], qkv[6 * d :]
+    expected = torch.cat([q[2 * d :], k[d:], v[d:]])  # rank 1: KV group 1, its q heads 2 and 3
+    assert torch.equal(rank1["decoder.layers.1.self_attention.linear_qkv.weight"], expected)
+    gate, up = gate_up[:64], gate_up[64:]
+    assert torch.equal(rank1["decoder.layers.1.mlp.linear_fc1.weight"], torch.cat([gate[32:], up[32:]]))
+
+
+@pytest.mark.parametrize("name", sorted(hf_configs()))
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_hf_megatron_hf_round_trip_is_exact(tmp_path, name, tp, pp):
     config = hf_configs()[name]
@@ -91,7 +139,9 @@ def test_bad_inputs_are_named():
         convert.hf_to_megatron_shard(hf, config, 1, 1, 0, 0)
     with pytest.raises(ValueError, match="num_key_value_heads=2 must be divisible by tensor_model_parallel_size=4"):
         transformer_config(config, 4, 1, torch.float32)
-    scaled = hf_configs()["llama"]
-    scaled.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
-    with pytest.raises(ValueError, match="RoPE scaling"):
-        rope_theta(scaled)
+    softcapped = hf_configs()["gemma3_text"]
+    softcapped.final_logit_softcapping = 30.0
+    with pytest.raises(UnsupportedModel, match="final_logit_softcapping=30.0 is not supported"):
+        transformer_config(softcapped, 1, 1, torch.float32)
+    with pytest.raises(UnsupportedModel, match="final_logit_softcapping"):
+        convert.hf_to_megatron_shard(build_model(hf_configs()["gemma3_text"]).state_dict(), softcapped, 1, 1, 0, 0)

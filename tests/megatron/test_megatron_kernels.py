@@ -25,3 +25,19 @@ def test_auto_takes_liger_only_on_a_gpu_with_the_package(monkeypatch):
 def test_liger_on_the_cpu_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         megatron_kernels("liger", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("family, liger_norm", [("llama3", True), ("gemma3_text", True), ("olmo2", False)])
+def test_liger_norms_only_where_a_liger_mode_is_the_family_formula(family, liger_norm):
+    """Liger's RMSNorm computes Llama's formula (mode llama) and Gemma's (mode gemma, offset 1), not
+    OLMo's float32 scaling: kernels=liger leaves OLMo's norms to the library's own."""
+    from aligner_ext.models.family_configs import family_config
+    from aligner_ext.models.megatron.model import LigerRMSNorm, RMSNorm, norm_module, transformer_config
+
+    config = family_config(family, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, intermediate_size=64, vocab_size=100, max_position_embeddings=64)
+    megatron_config = transformer_config(config, 1, 1, torch.float32, kernels="liger")
+    assert norm_module(megatron_config) is (LigerRMSNorm if liger_norm else RMSNorm)
+    if liger_norm:
+        assert LigerRMSNorm.CASTING[megatron_config.architecture.norm] == {"llama3": (0.0, "llama"),
+                                                                            "gemma3_text": (1.0, "gemma")}[family]

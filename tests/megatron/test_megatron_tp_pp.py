@@ -2,17 +2,20 @@
 backend on the same weights.
 
 One torchrun launch (tests/megatron/worker.py, 2 processes) runs every case and layout:
-- log-probs, entropy and the gradient of the summed valid log-probs at TP=2, PP=2 and TP=2 + SP, against a
-  float64 HF reference computed here. Tolerance: the Megatron side runs in float32, so 1e-5
-  absolute on log-probs and entropy (values of order 1-5; float32 reduction-order differences
+- log-probs, entropy and the gradient of the summed valid log-probs at TP=2, PP=2 and TP=1 (DP=2)
+  for every case (every dense family, megatron_cases.py), and at TP=2 + SP and packed for a subset
+  (`SP_PACKED_CASES`), against a float64 HF reference computed here. Tolerance: the Megatron side
+  runs in float32, so 1e-5 absolute on log-probs and entropy (values of order 1-5; float32 reduction-order differences
   measured ~5e-7), and 1e-5 relative to the largest gradient entry of each tensor.
 - one `MegatronPolicy.train` call (two optimizer updates, clipped PG loss, gradient clipping
-  active) at TP=2, PP=2, DP=2 and TP=2 + SP with micro-batches of 1 row, against `HFPolicy` (float32) with
-  the whole mini-batch in one micro-batch: the same loss, gradient norm and updated weights, so the
+  active) at TP=2, PP=2, DP=2 and TP=2 + SP with micro-batches of 1 row (`TRAIN_CASES`: Llama,
+  Qwen3, OLMo 3's TP-sharded q/k norms and post-norms, Gemma 3's sandwich norms), against
+  `HFPolicy` (float32) with the whole mini-batch in one micro-batch: the same loss, gradient norm and updated weights, so the
   update depends neither on the layout, the DP size nor the micro-batch split. Tolerance: 1e-5
   relative on loss and norm, 2e-5 absolute on weights (which move by up to 2e-2; measured <= 4e-6).
-- the in-place refit of an HF model from the GPTModel at TP=2, PP=2 and TP=2 + SP (`weights.py`): every
-  HF parameter, zeroed first, equals the weights the GPTModel was loaded from, bit for bit.
+- the in-place refit of an HF model from the GPTModel at each of those layouts (`weights.py`): every
+  HF parameter, zeroed first, equals the weights the GPTModel was loaded from, bit for bit; and
+  megatron-core's gradient-norm selection counts every weight once (over the weights: HF's norm).
 - one on-policy update on a batch without old log-probs (the loop's shortcut) at TP=2 + SP packed,
   PP=2 packed and DP=2: the train call fills the old log-probs and entropy from its own forward
   (equal to the HF backend's separate pass) and updates as the HF backend does after that pass.
@@ -38,9 +41,16 @@ from megatron_cases import batch_tensors, build_model, hf_configs, torchrun  # n
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("worker.py")
-# _sp: sequence parallel; _packed: sequences packed end to end under a token budget (worker.py)
-LAYOUTS = ["tp2_pp1", "tp1_pp2", "tp2_pp1_sp", "tp2_pp1_packed", "tp1_pp2_packed", "tp2_pp1_sp_packed"]
-TRAIN_CASES = ["llama", "qwen3"]
+# _sp: sequence parallel; _packed: sequences packed end to end under a token budget (worker.py); tp1_pp1: DP=2
+EVERY_CASE_LAYOUTS = ["tp2_pp1", "tp1_pp2", "tp1_pp1"]
+SP_PACKED_LAYOUTS = ["tp2_pp1_sp", "tp2_pp1_packed", "tp1_pp2_packed", "tp2_pp1_sp_packed"]
+# the first cases, and the families whose pieces meet sequence parallelism or packing: OLMo 3 (post-norms
+# on sequence shards, projection q/k norms, windows per layer type), Gemma 3 (sandwich norms, windows and
+# RoPE bases per layer type), Phi-3 (partial rotary and a window on every layer, per packed sequence)
+SP_PACKED_CASES = ["llama", "qwen2", "qwen3", "olmo3", "gemma3_text", "phi3"]
+LOGPROB_CASES = [(name, layout) for name in sorted(hf_configs()) for layout in EVERY_CASE_LAYOUTS + SP_PACKED_LAYOUTS
+                 if layout in EVERY_CASE_LAYOUTS or name in SP_PACKED_CASES]
+TRAIN_CASES = ["llama", "qwen3", "olmo3", "gemma3_text"]
 # tp1_pp1 is DP=2 on two processes; _packed trains with micro_batch_tokens and activation recomputation
 TRAIN_LAYOUTS = ["tp2_pp1", "tp1_pp2", "tp1_pp1", "tp2_pp1_sp", "tp2_pp1_sp_packed", "tp1_pp2_packed",
                  "tp1_pp1_packed"]
@@ -65,6 +75,7 @@ def cases(tmp_path_factory):
         build_model(config).save_pretrained(root / name)
         torch.save(batch_tensors(config.vocab_size), root / name / "batch.pt")
         torch.save(train_setup(config.vocab_size), root / name / "train_setup.pt")
+    (root / "logprob_cases.txt").write_text("\n".join(f"{name} {layout}" for name, layout in LOGPROB_CASES))
     (root / "train_cases.txt").write_text(" ".join(TRAIN_CASES))
     torchrun([str(WORKER), str(root)], timeout=240)
     return root
@@ -90,8 +101,7 @@ def hf_reference(case: Path):
     return logprobs.detach(), entropy.detach(), grads, valid
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name, layout", LOGPROB_CASES)
 def test_logprobs_entropy_and_gradient_match_hf(cases, name, layout):
     logprobs, entropy, grads, valid = hf_reference(cases / name)
     result = torch.load(cases / name / f"{layout}.pt")
@@ -105,8 +115,7 @@ def test_logprobs_entropy_and_gradient_match_hf(cases, name, layout):
         assert ((result["grads"][key].double() - expected).abs().max() / scale) < 1e-5, key
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name, layout", LOGPROB_CASES)
 def test_refit_writes_every_hf_parameter_bit_for_bit(cases, name, layout):
     """The GPTModel was loaded from these HF weights; refitting it into a zeroed HF model gives them back."""
     from safetensors.torch import load_file
@@ -119,6 +128,19 @@ def test_refit_writes_every_hf_parameter_bit_for_bit(cases, name, layout):
         assert torch.equal(refit["lm_head.weight"], expected["model.embed_tokens.weight"])
     else:
         assert set(refit) == set(expected)
+
+
+@pytest.mark.parametrize("name, layout", LOGPROB_CASES)
+def test_the_gradient_norm_counts_every_weight_once(cases, name, layout):
+    """megatron-core's gradient norm (the clipping's) takes a parameter from TP rank 0 alone unless it
+    is marked TP-sharded: over the weights it gives the HF model's norm, so no shard is left out and
+    no replica counted twice (OLMo's q/k norms over the projection are sharded; replicated norm
+    weights, near 1, weigh in this norm more than in the gradient's)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(cases / name / "model.safetensors")
+    expected = float(torch.sqrt(sum(w.double().pow(2).sum() for w in weights.values())))
+    assert torch.load(cases / name / f"{layout}.pt")["counted_weight_norm"] == pytest.approx(expected, rel=1e-6)
 
 
 def hf_policy_step(case: Path) -> dict:

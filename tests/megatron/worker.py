@@ -1,15 +1,18 @@
 """Runs under `torchrun --nproc_per_node=2` (gloo, CPU), launched by test_tp_pp.py.
 
-For every case directory under the work directory (an HF checkpoint + `batch.pt`) and every layout
-TP=2 / PP=2: build this rank's GPTModel from the HF weights (convert.py), compute the response
-log-probs and entropy (forward.py), a zeroed HF model refitted from it (weights.py), and (through
-megatron-core's DDP) the gradient of the sum of valid response log-probs, converted back to HF names;
+For every (case, layout) line of `logprob_cases.txt` (a case: an HF checkpoint + `batch.pt` under
+the work directory; a layout: tp{T}_pp{P}[_sp][_packed]): build this rank's GPTModel from the HF
+weights (convert.py), compute the response log-probs and entropy (forward.py), a zeroed HF model
+refitted from it (weights.py), the norm megatron-core's gradient clipping takes, over the weights,
+and (through megatron-core's DDP) the gradient of the sum of valid response log-probs, converted
+back to HF names;
 with micro-batches of padded rows, and (`_packed`) with the sequences packed end to end under a
 token budget that puts rows 0 and 2 together and row 1 alone (out of order).
 Rank 0 writes `<case>/tp{T}_pp{P}[_sp][_packed].pt`; the test compares with HF.
 """
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +30,9 @@ from aligner_ext.models.megatron.model import build_gpt_model, transformer_confi
 from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
 from aligner_ext.models.packing import token_micro_batches
 from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 
 MICRO_BATCH = 2
 CHUNK = 3
@@ -66,15 +72,26 @@ def run_case(case: Path, tp: int, pp: int, sp: bool, packed: bool, device) -> No
     micro, rows = micro_batches(batch, device, tp if sp else 1, packed)
     lp, ent = forward.forward_logprobs(model, micro, hf_config.vocab_size, CHUNK, 1.0)
     order = torch.tensor(rows).argsort()  # back to the batch's row order
-    result = {"logprobs": lp[order], "entropy": ent[order], "refit": refit_into_zeros(model, hf_config)}
+    result = {"logprobs": lp[order], "entropy": ent[order], "refit": refit_into_zeros(model, hf_config),
+              "counted_weight_norm": counted_weight_norm(model)}
     ddp = wrap_ddp(model, use_distributed_optimizer=False)
     ddp.zero_grad_buffer()
     forward.forward_backward(ddp, micro, hf_config.vocab_size, CHUNK, 1.0,
                              lambda lp, micro: ((lp * micro.response_valid).sum(), {}))
-    grads = gathered_shards({name: p.main_grad.detach().clone() for name, p in model.named_parameters()})
+    replicas = parallel_state.get_data_parallel_world_size()  # each DP rank ran the whole batch, DDP sums them
+    grads = gathered_shards({name: p.main_grad.detach() / replicas for name, p in model.named_parameters()})
     result["grads"] = convert.megatron_to_hf(grads, hf_config, tp, pp)
     if dist.get_rank() == 0:
         torch.save(result, case / layout_name(tp, pp, sp, packed=packed))
+
+
+def counted_weight_norm(model) -> float:
+    """The L2 norm megatron-core's gradient clipping would compute, over the weights instead of the
+    gradients: the parameters it counts (not a tied copy, not a TP replica beyond rank 0 unless
+    marked TP-sharded), reduced over the model-parallel group."""
+    counted = [p.detach() for p in model.parameters()
+               if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    return float(get_grad_norm_fp32(counted, grad_stats_parallel_group=parallel_state.get_model_parallel_group()))
 
 
 def refit_into_zeros(model, hf_config) -> dict:
@@ -151,10 +168,10 @@ def main() -> None:
     torch.set_num_threads(1)
     device = init_distributed()
     root = Path(sys.argv[1])
-    for case in sorted(p for p in root.iterdir() if p.is_dir()):
-        for tp, pp, sp in ((2, 1, False), (1, 2, False), (2, 1, True)):
-            for packed in (False, True):
-                run_case(case, tp, pp, sp, packed, device)
+    for line in (root / "logprob_cases.txt").read_text().splitlines():
+        name, layout = line.split()
+        tp, pp, sp, packed = re.fullmatch(r"tp(\d)_pp(\d)(_sp)?(_packed)?", layout).groups()
+        run_case(root / name, int(tp), int(pp), bool(sp), bool(packed), device)
     for name in (root / "train_cases.txt").read_text().split():
         for tp, pp, sp in ((2, 1, False), (1, 2, False), (1, 1, False), (2, 1, True)):  # (1, 1): DP=2
             train_case(root / name, tp, pp, sp)

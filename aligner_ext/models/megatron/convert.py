@@ -1,17 +1,25 @@
-"""HF <-> Megatron-core state dicts for Llama / Qwen2 / Qwen3, sharded by (pipeline stage, tensor rank).
+"""HF <-> Megatron-core state dicts of every dense family `aligner_ext/architecture.py` describes, sharded
+by (pipeline stage, tensor rank).
 
-Layouts (megatron-core local spec, `model.layer_spec`):
+Layouts (megatron-core local spec, `model.block_spec`):
 - `embedding.word_embeddings.weight`, `output_layer.weight`: vocabulary rows padded with zeros to
   `model.padded_vocab_size` and split in TP contiguous blocks (vocab-parallel).
 - `self_attention.linear_qkv`: one fused column-parallel matrix in megatron's per-query-group
   layout: for each KV group g, the rows of its q heads, then k_g, then v_g
   ([groups * (heads/groups + 2) * head_dim, H]); TP rank r holds groups r*G/TP .. (r+1)*G/TP - 1
-  (and so q heads r*N/TP ..), so the split is contiguous. Qwen2's biases follow the same layout.
+  (and so q heads r*N/TP ..), so the split is contiguous. q/k/v biases follow the same layout.
+  Phi-3's checkpoint fuses them as `qkv_proj` ([q; k; v] rows): split on the way in, fused again
+  on the way out.
 - `self_attention.linear_proj` (o_proj) and `mlp.linear_fc2` (down_proj): row-parallel, split
   along the input dimension.
 - `mlp.linear_fc1`: gate and up fused per rank: rank r holds [gate rows of r; up rows of r], since
-  megatron splits the rank's output in two halves for SwiGLU.
-- Norm weights (input, pre-MLP, final, Qwen3's q/k norms): replicated on every TP rank.
+  megatron splits the rank's output in two halves for the gated MLP. Phi-3's `gate_up_proj`
+  ([gate; up] rows) is split first and fused again on the way out.
+- Norm weights by role (`Architecture.norm_names`, `MEGATRON_NORMS`): input, pre-MLP, the
+  post-norms on the attention's and the MLP's outputs, final; and per-head q/k norms (Qwen3, Gemma 3):
+  replicated on every TP rank. OLMo's q/k norms over the whole projection ([heads * head_dim],
+  [groups * head_dim]) are split like the heads: rank r holds the q norm of its q heads, the k norm
+  of its K/V groups, contiguous blocks in HF's order as the heads are.
 - Pipeline: stage p holds layers p*L/PP .. (p+1)*L/PP - 1, renumbered from 0; the first stage holds
   the embedding, the last the final norm and output layer. With tied embeddings and PP > 1 the last
   stage holds its own copy of the embedding as `output_layer.weight` (megatron-core keeps the two
@@ -20,6 +28,10 @@ Layouts (megatron-core local spec, `model.layer_spec`):
 Round trip: `megatron_to_hf(hf_to_megatron(sd))` returns every tensor of `sd` bit for bit (only
 slicing and concatenation, no arithmetic). For tied models the HF side has no `lm_head.weight`
 (as `save_pretrained` writes it); one given is checked equal to the embedding and dropped.
+
+`architecture(hf_config)` instantiates transformers' rotary module, so each public function reads
+it once and hands it down (`hf_tensors` and `is_replicated` take it: the refit calls them per
+parameter).
 """
 
 from __future__ import annotations
@@ -28,46 +40,59 @@ import re
 
 import torch
 
-from aligner_ext.models.megatron.model import check_hf_config, head_dim, padded_vocab_size, qkv_bias
+from aligner_ext.architecture import Architecture, architecture, head_dim
+from aligner_ext.models.megatron.model import padded_vocab_size
 
 Shards = dict[tuple[int, int], dict[str, torch.Tensor]]  # (pipeline stage, tensor rank) -> state dict
 LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")  # a stage's layer parameter: local layer, suffix
 
-# (HF suffix, megatron suffix, how it is split over TP) of each per-layer tensor that maps one to one.
-LAYER_TENSORS = (
-    ("input_layernorm.weight", "input_layernorm.weight", "replicated"),
-    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", "replicated"),
-    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", "row"),
-    ("mlp.down_proj.weight", "mlp.linear_fc2.weight", "row"),
-)
-QK_NORM_TENSORS = (
-    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", "replicated"),
-    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", "replicated"),
-)
+# Megatron's layer norm weights by role (the roles of `Architecture.norm_names`).
+MEGATRON_NORMS = {
+    "input": "input_layernorm.weight",
+    "pre_mlp": "pre_mlp_layernorm.weight",
+    "post_attention": "self_attention.output_norm.weight",
+    "post_mlp": "mlp.output_norm.weight",
+}
+REPLICATED_SUFFIXES = (*MEGATRON_NORMS.values(), "final_layernorm.weight")
 
 
-def layer_tensors(hf_config) -> tuple[tuple[str, str, str], ...]:
-    return LAYER_TENSORS + (QK_NORM_TENSORS if hf_config.model_type == "qwen3" else ())
+def layer_tensors(arch: Architecture) -> tuple[tuple[str, str, str], ...]:
+    """(HF suffix, megatron suffix, how it is split over TP) of each per-layer tensor that maps one to one."""
+    tensors = [(f"{arch.norm_names[role]}.weight", MEGATRON_NORMS[role], "replicated") for role in arch.norm_roles]
+    tensors += [("self_attn.o_proj.weight", "self_attention.linear_proj.weight", "row"),
+                ("mlp.down_proj.weight", "mlp.linear_fc2.weight", "row")]
+    if arch.qk_norm:
+        how = "replicated" if arch.qk_norm == "head" else "column"  # projection norms: split like the heads
+        tensors += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", how),
+                    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", how)]
+    return tuple(tensors)
 
 
-def expected_hf_keys(hf_config) -> set[str]:
-    """Every key of the HF state dict of this architecture (without lm_head when tied)."""
+def _bias_kinds(arch: Architecture) -> tuple[str, ...]:
+    return ("weight", "bias") if arch.qkv_bias else ("weight",)
+
+
+def expected_hf_keys(hf_config, arch: Architecture) -> set[str]:
+    """Every key of the HF state dict of this model (without lm_head when tied)."""
     keys = {"model.embed_tokens.weight", "model.norm.weight"}
     if not hf_config.tie_word_embeddings:
         keys.add("lm_head.weight")
-    kinds = ("weight", "bias") if qkv_bias(hf_config) else ("weight",)
     for layer in range(hf_config.num_hidden_layers):
         prefix = f"model.layers.{layer}."
-        keys.update(prefix + hf_name for hf_name, _, _ in layer_tensors(hf_config))
-        keys.update(f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv" for kind in kinds)
-        keys.update(f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up"))
+        keys.update(prefix + hf_name for hf_name, _, _ in layer_tensors(arch))
+        if arch.fused_checkpoint:
+            keys.update(f"{prefix}self_attn.qkv_proj.{kind}" for kind in _bias_kinds(arch))
+            keys.add(f"{prefix}mlp.gate_up_proj.weight")
+        else:
+            keys.update(f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv" for kind in _bias_kinds(arch))
+            keys.update(f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up"))
     return keys
 
 
-def check_hf_keys(hf: dict[str, torch.Tensor], hf_config) -> None:
+def check_hf_keys(hf: dict[str, torch.Tensor], hf_config, arch: Architecture) -> None:
     """Raise naming the missing and unexpected keys of an HF state dict."""
     given = set(hf) - {"lm_head.weight"} if hf_config.tie_word_embeddings else set(hf)
-    expected = expected_hf_keys(hf_config)
+    expected = expected_hf_keys(hf_config, arch)
     missing, unexpected = sorted(expected - given), sorted(given - expected)
     if missing or unexpected:
         raise ValueError(f"HF state dict for {hf_config.model_type}: missing {missing[:8]}, unexpected {unexpected[:8]}")
@@ -121,20 +146,38 @@ def _stage_layers(hf_config, pp: int, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-def _check_layout(hf_config, tp: int, pp: int) -> None:
-    check_hf_config(hf_config)
+def _check_layout(hf_config, tp: int, pp: int) -> Architecture:
+    """The model's architecture (`UnsupportedModel` where none covers it), after checking the split."""
+    arch = architecture(hf_config)
     if hf_config.num_key_value_heads % tp or hf_config.num_hidden_layers % pp or hf_config.intermediate_size % tp:
         raise ValueError(
             f"TP={tp} must divide num_key_value_heads={hf_config.num_key_value_heads} and intermediate_size="
             f"{hf_config.intermediate_size}; PP={pp} must divide num_hidden_layers={hf_config.num_hidden_layers}"
         )
+    return arch
+
+
+def _hf_qkv(hf: dict[str, torch.Tensor], attn: str, kind: str, hf_config, arch: Architecture
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's q, k, v weights (or biases) from the HF state dict: separate, or Phi-3's [q; k; v] rows."""
+    if not arch.fused_checkpoint:
+        return tuple(hf[f"{attn}{p}_proj.{kind}"] for p in "qkv")
+    kv_rows = hf_config.num_key_value_heads * arch.head_dim
+    return hf[f"{attn}qkv_proj.{kind}"].split([hf_config.num_attention_heads * arch.head_dim, kv_rows, kv_rows])
+
+
+def _hf_gate_up(hf: dict[str, torch.Tensor], mlp: str, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's gate and up weights from the HF state dict: separate, or Phi-3's [gate; up] rows."""
+    if not arch.fused_checkpoint:
+        return hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]
+    return hf[mlp + "gate_up_proj.weight"].chunk(2)
 
 
 def hf_to_megatron_shard(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: int, tp_rank: int, stage: int
                          ) -> dict[str, torch.Tensor]:
     """The megatron state dict of one (stage, tensor rank) from a full HF state dict."""
-    _check_layout(hf_config, tp, pp)
-    check_hf_keys(hf, hf_config)
+    arch = _check_layout(hf_config, tp, pp)
+    check_hf_keys(hf, hf_config, arch)
     tied = bool(hf_config.tie_word_embeddings)
     if tied and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
         raise ValueError("tie_word_embeddings is set but lm_head.weight differs from model.embed_tokens.weight")
@@ -143,14 +186,12 @@ def hf_to_megatron_shard(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: in
         out["embedding.word_embeddings.weight"] = _split(_pad_vocab(hf["model.embed_tokens.weight"], hf_config, tp), "column", tp, tp_rank)
     for local, layer in enumerate(_stage_layers(hf_config, pp, stage)):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
-        for hf_name, mc_name, how in layer_tensors(hf_config):
+        for hf_name, mc_name, how in layer_tensors(arch):
             out[dst + mc_name] = _split(hf[src + hf_name], how, tp, tp_rank)
-        attn = src + "self_attn."
-        for kind in ("weight", "bias") if qkv_bias(hf_config) else ("weight",):
-            fused = fuse_qkv(*(hf[f"{attn}{p}_proj.{kind}"] for p in "qkv"), hf_config)
+        for kind in _bias_kinds(arch):
+            fused = fuse_qkv(*_hf_qkv(hf, src + "self_attn.", kind, hf_config, arch), hf_config)
             out[f"{dst}self_attention.linear_qkv.{kind}"] = _split(fused, "column", tp, tp_rank)
-        gate = _split(hf[src + "mlp.gate_proj.weight"], "column", tp, tp_rank)
-        up = _split(hf[src + "mlp.up_proj.weight"], "column", tp, tp_rank)
+        gate, up = (_split(t, "column", tp, tp_rank) for t in _hf_gate_up(hf, src + "mlp.", arch))
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
     if stage == pp - 1:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
@@ -165,12 +206,16 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: int) -> 
     return {(s, r): hf_to_megatron_shard(hf, hf_config, tp, pp, r, s) for s in range(pp) for r in range(tp)}
 
 
-def is_replicated(name: str) -> bool:
-    """Whether a Megatron parameter is the same on every TP rank (the norm weights)."""
-    return name.endswith("layernorm.weight")  # input, pre-MLP, final and Qwen3's q/k norms
+def is_replicated(name: str, arch: Architecture) -> bool:
+    """Whether a Megatron parameter is the same on every TP rank: the norm weights, but OLMo's q/k
+    norms over the whole projection, split like the heads."""
+    if name.endswith(("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")):
+        return arch.qk_norm == "head"
+    return name.endswith(REPLICATED_SUFFIXES)
 
 
-def hf_tensors(name: str, full: torch.Tensor, tp: int, hf_config, first_layer: int) -> list[tuple[str, torch.Tensor]]:
+def hf_tensors(name: str, full: torch.Tensor, tp: int, hf_config, arch: Architecture, first_layer: int
+               ) -> list[tuple[str, torch.Tensor]]:
     """The HF (name, tensor) pairs of one Megatron parameter of a stage whose first layer is
     `first_layer`; `full` is its TP shards concatenated along dim 0 (a replicated one: one copy).
     Tensors may be views of `full`. A tied model's `output_layer.weight` (the last stage's copy of
@@ -187,25 +232,29 @@ def hf_tensors(name: str, full: torch.Tensor, tp: int, hf_config, first_layer: i
     if match is None:
         raise ValueError(f"no HF tensor for the Megatron parameter {name}")
     prefix, suffix = f"model.layers.{first_layer + int(match.group(1))}.", match.group(2)
-    for hf_name, mc_name, how in layer_tensors(hf_config):
+    for hf_name, mc_name, how in layer_tensors(arch):
         if suffix == mc_name and how == "row":  # TP shards are column blocks: [tp * out, in/tp] -> [out, in]
             return [(prefix + hf_name, full.unflatten(0, (tp, -1)).transpose(0, 1).flatten(1))]
         if suffix == mc_name:
             return [(prefix + hf_name, full)]
     if suffix.startswith("self_attention.linear_qkv."):
         kind = suffix.rsplit(".", 1)[1]
-        names = [f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"]
-        return list(zip(names, unfuse_qkv(full, hf_config)))
+        q, k, v = unfuse_qkv(full, hf_config)
+        if arch.fused_checkpoint:
+            return [(f"{prefix}self_attn.qkv_proj.{kind}", torch.cat([q, k, v]))]
+        return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v))]
     if suffix == "mlp.linear_fc1.weight":  # per TP rank: [gate rows of the rank; up rows of the rank]
         halves = full.unflatten(0, (tp, 2, -1))
-        return [(f"{prefix}mlp.gate_proj.weight", halves[:, 0].flatten(0, 1)),
-                (f"{prefix}mlp.up_proj.weight", halves[:, 1].flatten(0, 1))]
+        gate, up = halves[:, 0].flatten(0, 1), halves[:, 1].flatten(0, 1)
+        if arch.fused_checkpoint:
+            return [(f"{prefix}mlp.gate_up_proj.weight", torch.cat([gate, up]))]
+        return [(f"{prefix}mlp.gate_proj.weight", gate), (f"{prefix}mlp.up_proj.weight", up)]
     raise ValueError(f"no HF tensor for the Megatron parameter {name}")
 
 
 def megatron_to_hf(shards: Shards, hf_config, tp: int, pp: int) -> dict[str, torch.Tensor]:
     """The full HF state dict from every (stage, tensor rank) shard."""
-    _check_layout(hf_config, tp, pp)
+    arch = _check_layout(hf_config, tp, pp)
     if set(shards) != {(s, r) for s in range(pp) for r in range(tp)}:
         raise ValueError(f"expected shards for every (stage, rank) of PP={pp} x TP={tp}, got {sorted(shards)}")
     hf: dict[str, torch.Tensor] = {}
@@ -213,9 +262,9 @@ def megatron_to_hf(shards: Shards, hf_config, tp: int, pp: int) -> dict[str, tor
         first = _stage_layers(hf_config, pp, stage).start
         for name in shards[(stage, 0)]:
             parts = [shards[(stage, r)][name] for r in range(tp)]
-            full = _replicated_copy(parts) if is_replicated(name) else torch.cat(parts)
-            hf.update((key, value.clone()) for key, value in hf_tensors(name, full, tp, hf_config, first))
-    check_hf_keys(hf, hf_config)
+            full = _replicated_copy(parts) if is_replicated(name, arch) else torch.cat(parts)
+            hf.update((key, value.clone()) for key, value in hf_tensors(name, full, tp, hf_config, arch, first))
+    check_hf_keys(hf, hf_config, arch)
     return hf
 
 

@@ -17,9 +17,15 @@ GPTModel's parameters themselves (nothing copied, nothing to sync after an optim
 So every rank of a TP group computes the same logits and, from the same seeds, samples the same
 tokens: the ranks of a TP group decode the same requests in lockstep (the rank split shares a call's
 requests over the other ranks, `generation/sharded.py`: the data-parallel ones, and with PP the
-pipeline ones too, below). The rotary embedding is
-computed here (HF's default RoPE; `model.rope_theta` refuses scaled variants) from each token's own
-position, as in the HF decoder.
+pipeline ones too, below). Every family `aligner_ext/architecture.py` describes runs here as in the
+HF decoder (its norms, q/k norms, activation, RoPE tables and windows from the HF config), on the
+GPTModel's parameter names per layer: `input_layernorm`, `pre_mlp_layernorm` (where the family has
+them), `self_attention.output_norm` and `mlp.output_norm` (the norms of the attention's and the
+MLP's outputs: OLMo, Gemma 3), `self_attention.{q,k}_layernorm` (per head, replicated; OLMo's over
+the whole projection, this rank's heads in Megatron's per-group order: the norm's mean of squares is
+summed over the TP group, `reduce`), `self_attention.linear_qkv`, `self_attention.linear_proj`,
+`mlp.linear_fc1` (this rank's gate rows, then its up rows), `mlp.linear_fc2`. Gemma's embedding
+scale applies after the vocabulary-parallel lookup's sum.
 
 With pipeline parallelism a stage holds only its layers, and decoding needs them all: the model is
 resharded in memory (`PipelineGather`). Every rank keeps, next to its own stage's parameters (used
@@ -41,8 +47,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
-from aligner_ext.generation.decoder import Decoder, LayerWeights, Projection, Shape, rms_norm
-from aligner_ext.models.megatron.model import output_weight, rope_theta
+from aligner_ext.generation.decoder import Decoder, LayerWeights, Projection, Shape
+from aligner_ext.architecture import architecture, rms_norm
+from aligner_ext.models.megatron.model import output_weight
 
 
 class MegatronGenerationModel(torch.nn.Module):
@@ -176,18 +183,9 @@ def _same_tensor_rank_group():
     return mine
 
 
-def inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies of default RoPE, as transformers computes them."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-
-
-def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [b, s, head_dim] at `positions` [b, s] (angles in float32, the halves repeated, cast
-    to the model's dtype, as transformers does)."""
-    angles = positions.float()[..., None] * inv_freq
-    table = torch.cat([angles, angles], dim=-1)
-    return table.cos().to(dtype), table.sin().to(dtype)
+# GPTModel parameter names of the norms, by `Architecture.norm_names`' roles
+NORM_NAMES = {"input": "input_layernorm.weight", "pre_mlp": "pre_mlp_layernorm.weight",
+              "post_attention": "self_attention.output_norm.weight", "post_mlp": "mlp.output_norm.weight"}
 
 
 class MegatronDecoder(Decoder):
@@ -196,35 +194,37 @@ class MegatronDecoder(Decoder):
     def __init__(self, model: MegatronGenerationModel, compile: bool = False, attention: str = "auto"):
         self.model = model
         config = model.core.config
+        self.architecture = architecture(model.config)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.group = parallel_state.get_tensor_model_parallel_group()
         self.tensor_parallel, self.tensor_rank = tp, parallel_state.get_tensor_model_parallel_rank()
         weights = model.weights()
         self.eps = config.layernorm_epsilon
         self.shape = Shape(config.num_attention_heads // tp, config.num_query_groups // tp, config.kv_channels,
-                           self.eps, qkv_per_group=True)
-        self.scale = 1.0 / math.sqrt(config.kv_channels)
+                           self.eps, self.architecture.norm, self.architecture.activation, self.architecture.qk_norm,
+                           tensor_parallel=tp, qkv_per_group=True)
         self.layers = [self._weights(named) for named in weights.layers]
         self.embedding = weights.ends["embedding"]  # [V_padded / TP, H]
         self.final_norm = weights.ends["final_norm"]
         self.output = weights.ends["output"]
         self.vocab_size = model.config.vocab_size
-        self.inv_freq = inverse_frequencies(config.kv_channels, rope_theta(model.config), self.embedding.device)
         if tp > 1:
             self.reduce = self._sum_over_group
-        super().__init__(compile, attention)
+        super().__init__(model.config, compile, attention)
 
-    @staticmethod
-    def _weights(named: dict[str, torch.Tensor]) -> LayerWeights:
-        """A layer's parameters by megatron-core's names (no q/k norm entries where a model has none:
-        the local spec puts an IdentityOp there; Qwen3 has them)."""
+    def _weights(self, named: dict[str, torch.Tensor]) -> LayerWeights:
+        """A layer's parameters by megatron-core's names (module docstring): the norms of the
+        family's roles, q/k norms where it has them (a missing one is a KeyError, not a norm
+        skipped)."""
         qkv, fc1 = named["self_attention.linear_qkv.weight"], named["mlp.linear_fc1.weight"]
+        norms = {role: named[NORM_NAMES[role]] for role in self.architecture.norm_roles}
+        qk_norms = ((named["self_attention.q_layernorm.weight"], named["self_attention.k_layernorm.weight"])
+                    if self.architecture.qk_norm else (None, None))
         return LayerWeights(
-            named["input_layernorm.weight"],
-            Projection((qkv,), (named.get("self_attention.linear_qkv.bias"),), (qkv.shape[0],)),
-            named.get("self_attention.q_layernorm.weight"), named.get("self_attention.k_layernorm.weight"),
-            named["self_attention.linear_proj.weight"], None, named["pre_mlp_layernorm.weight"],
-            Projection((fc1,), (None,), (fc1.shape[0] // 2, fc1.shape[0] // 2)), named["mlp.linear_fc2.weight"], None)
+            norms.get("input"), Projection((qkv,), (named.get("self_attention.linear_qkv.bias"),), (qkv.shape[0],)),
+            *qk_norms, named["self_attention.linear_proj.weight"], None, norms.get("post_attention"),
+            norms.get("pre_mlp"), Projection((fc1,), (None,), (fc1.shape[0] // 2, fc1.shape[0] // 2)),
+            named["mlp.linear_fc2.weight"], None, norms.get("post_mlp"))
 
     @property
     def device(self) -> torch.device:
@@ -237,19 +237,20 @@ class MegatronDecoder(Decoder):
     def _sum_over_group(self, partial: torch.Tensor) -> None:
         dist.all_reduce(partial, group=self.group)
 
-    def _embed(self, ids: torch.Tensor, positions: torch.Tensor):
+    def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         if self.reduce is None:
-            hidden = F.embedding(ids, self.embedding)
-        else:  # this rank's vocabulary rows: the ids outside them look up zeros, the sum fills them in
-            rows = self.embedding.shape[0]
-            local = ids - self.tensor_rank * rows
-            outside = (local < 0) | (local >= rows)
-            hidden = F.embedding(local.masked_fill(outside, 0), self.embedding).masked_fill(outside[..., None], 0.0)
-            self.reduce(hidden)
-        return hidden, rotary_tables(positions, self.inv_freq, hidden.dtype)
+            return F.embedding(ids, self.embedding)
+        # this rank's vocabulary rows: the ids outside them look up zeros, the sum fills them in
+        rows = self.embedding.shape[0]
+        local = ids - self.tensor_rank * rows
+        outside = (local < 0) | (local >= rows)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embedding).masked_fill(outside[..., None], 0.0)
+        self.reduce(hidden)
+        return hidden
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(rms_norm(hidden, self.final_norm, self.eps), self.output)  # [b, V_padded / TP]
+        normed = rms_norm(hidden, self.final_norm, self.eps, self.shape.norm)
+        logits = F.linear(normed, self.output)  # [b, V_padded / TP]
         if self.tensor_parallel > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tensor_parallel)]
             dist.all_gather(parts, logits, group=self.group)

@@ -11,8 +11,10 @@ new layout needs. The global tensors do not depend on TP or PP:
 - layers are stacked along a leading axis at their global number, so PP only moves offsets;
 - the vocabulary is padded to a multiple of 128 whatever TP is (model.py), so embedding and output
   layer keep one global shape;
-- `model.RMSNorm` (a plain module) is saved by megatron-core's default for non-Megatron modules:
-  replicated over TP and DP, which it is; `SDPAttention` has no state;
+- `model.RMSNorm` (every norm, post-norms included) is saved replicated over TP and DP, which it is
+  (megatron-core's default for a plain module); OLMo's q/k norms over the projection
+  (`model.ProjectionRMSNorm`) along their rows over TP, like the heads they normalise, so the global
+  tensor is HF's at any TP; `SDPAttention` has no state;
 - tied embeddings with PP > 1: the last stage's copy of the embedding is saved under the
   embedding's key as a replica (megatron-core's `LanguageModule`), so it loads from the first
   stage's at any PP, and at PP = 1 the copy does not exist.

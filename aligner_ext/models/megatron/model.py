@@ -1,27 +1,36 @@
-"""A megatron-core GPTModel built from an HF config (Llama, Qwen2, Qwen3), and its forward pass to
-the final hidden states.
+"""A megatron-core GPTModel built from an HF config of any dense family `aligner_ext/architecture.py`
+describes (Llama 2/3 with any RoPE scaling, Mistral, Ministral, Qwen2/2.5, Qwen3, Phi-3/Phi-4-mini,
+OLMo 2/3, SmolLM3, Gemma 3 text), and its forward pass to the final hidden states.
 
-Architecture mapping (HF -> TransformerConfig): RMSNorm, SwiGLU MLP (`gated_linear_unit`, silu),
-no linear biases except Qwen2's q/k/v biases (`add_qkv_bias`), Qwen3's per-head q/k RMSNorm
-(`qk_layernorm`), grouped-query attention (`num_query_groups`), `head_dim` as `kv_channels`, RoPE
-(non-interleaved, HF's rotate-half), tied embeddings as `share_embeddings_and_output_weights`.
-Configurations outside this (RoPE scaling, sliding windows, MLP or output biases) are refused with
-the field named, rather than built slightly wrong.
-
-Layer spec: megatron-core's local spec with the core attention replaced by `SDPAttention`, which
-applies RoPE (one fused kernel per q and k on GPUs) and calls torch's
-`scaled_dot_product_attention` (causal, GQA) so GPUs get fused kernels without Transformer Engine
-or flash-attn, and every norm (input, pre-MLP, final, Qwen3's q/k) replaced by
-`RMSNorm`: HF's formula (normalise in float32, cast back, then scale), and its weight marked for
-megatron-core's sequence-parallel gradient all-reduce; megatron-core's torch norm refuses sequence
-parallelism, and its fused norms need Apex or Transformer Engine.
+Architecture mapping: `architecture(hf_config)` names the family's pieces and refuses, in one line,
+what no piece covers (MLP or output biases, logit soft-capping, another activation or model type),
+rather than building it slightly wrong. `transformer_config` maps the pieces onto megatron-core's own
+options where it has them: gated MLP (`gated_linear_unit`) with the family's activation (SwiGLU, or
+Gemma's tanh GeGLU), no linear biases but q/k/v ones (`add_qkv_bias`), per-head q/k norms
+(`qk_layernorm`), grouped-query attention (`num_query_groups`), `head_dim` as `kv_channels`, the
+family's `softmax_scale`, tied embeddings as `share_embeddings_and_output_weights`. The rest is
+written here, in megatron-core's local layer spec (`block_spec`):
+- `RMSNorm`, every norm in the family's formula (`architecture.rms_norm`: llama, float32_scale,
+  gemma), its weight marked for megatron-core's sequence-parallel gradient all-reduce
+  (megatron-core's torch norm refuses sequence parallelism, its fused norms need Apex or Transformer
+  Engine); Liger's kernel for the llama and gemma formulas (`kernels="liger"`).
+- Post-norms, which megatron-core has not: `PostNormSelfAttention` and `PostNormMLP` normalise their
+  module's output (`output_norm`: after the row-parallel projection's reduction, before the residual
+  add). OLMo 2/3 has them instead of the input and pre-MLP norms (IdentityOp there), Gemma 3 besides.
+- `ProjectionRMSNorm`: OLMo's q (k) norm over the whole projection, of which a TP rank holds its
+  heads (K/V groups): the mean of squares is summed over the TP group, the weight is TP-sharded.
+- `SDPAttention`, the core attention: each layer's plan (`Architecture.layers`, by its global layer
+  number): its RoPE table (partial rotary for Phi-3) or none (SmolLM3's NoPE layers), and its sliding
+  window or none; then torch's `scaled_dot_product_attention` (causal or windowed, GQA) so GPUs get
+  fused kernels without Transformer Engine or flash-attn.
+- Gemma's embedding scale, in `stage_forward` after the embedding.
 
 Sequence layout: our batches are left-padded, and attention takes no padding mask. `pack_rows`
 therefore rolls each row left so the prompt starts at column 0: columns then equal HF's position
-ids (counted over real tokens), every pad sits after the real tokens, and a plain causal mask keeps
-real tokens from seeing any pad. `stage_forward` takes RoPE from the position ids rather than from
-the column (megatron-core's own `_preprocess`), so a packed row (forward.pack_sequences), whose
-later sequences start mid-row, is rotated per sequence too.
+ids (counted over real tokens), every pad sits after the real tokens, and a plain causal (or
+windowed) mask keeps real tokens from seeing any pad. `stage_forward` takes RoPE from the position
+ids rather than from the column (megatron-core's own `_preprocess`), so a packed row
+(forward.pack_sequences), whose later sequences start mid-row, is rotated per sequence too.
 
 Vocabulary padding: the embedding and output layer are padded to a multiple of 128 rows
 (megatron's usual `make_vocab_size_divisible_by`), independent of TP so a checkpoint reshards; the
@@ -31,52 +40,67 @@ padded rows are zero and masked out of every softmax (`logprobs.py`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+from torch.distributed.nn.functional import all_reduce
 
-from aligner_ext.models.attention import packed_causal_attention
+from aligner_ext.architecture import (Architecture, activation, apply_rotary as rotate, architecture, rms_norm,
+                                              rope_tables, rotary_cos_sin, scale_embedding)
+from aligner_ext.models.attention import packed_causal_attention, sliding_window_mask
 from aligner_ext.models.kernels import compiled_on_cuda
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 VOCAB_DIVISIBLE_BY = 128
+
+
+@dataclass
+class ArchitectureConfig(TransformerConfig):
+    """megatron-core's TransformerConfig with what its options do not say, for the layers to read:
+    the family's pieces (norm formula, each layer's RoPE table and window) and the kernels choice."""
+
+    architecture: Architecture | None = None
+    kernels: str = "none"  # none | liger (Liger's RMSNorm for the llama and gemma formulas)
 
 
 @dataclass
 class SequenceLayout(PackedSeqParams):
     """megatron-core's `PackedSeqParams` (sbhd format; the sequences' cumulative lengths when a row
-    holds several, else None) with the rotary tables of the tokens: `stage_forward` builds it once
-    per forward and the layers hand it, untouched, to their core attention (`SDPAttention`)."""
+    holds several, else None) with what every layer shares: `stage_forward` builds it once per
+    forward and the layers hand it, untouched, to their core attention (`SDPAttention`)."""
 
-    rotary_cos: torch.Tensor | None = None  # [s, 1, 1, d] in the model's dtype
-    rotary_sin: torch.Tensor | None = None
+    rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # table key -> cos, sin [s, 1, 1, rotary_dim]
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [s, s] bool (unpacked rows, windows < s)
 
 
-@compiled_on_cuda
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [s, b, heads, d] rotated as HF's (and megatron-core's unfused) RoPE: x cos + rotate_half(x) sin,
-    in x's dtype; one fused kernel forward and one backward on GPUs."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+# x [s, b, heads, d] rotated on its leading rotary_dim dimensions; one fused kernel forward and one backward on GPUs
+apply_rotary = compiled_on_cuda(rotate)
 
 
 class SDPAttention(MegatronModule):
-    """Core attention through torch SDPA: causal, grouped-query, no mask, no dropout.
+    """Core attention through torch SDPA: causal (or a sliding window), grouped-query, no dropout.
 
     Takes query [s, b, heads, d] and key/value [s, b, groups, d] (this rank's heads) and returns
-    [s, b, heads * d], the contract of megatron-core's `DotProductAttention`. RoPE is applied here
-    (`apply_rotary`, from the `SequenceLayout`'s tables; `stage_forward` hands megatron-core no
-    rotary embedding, whose own unfused chain recomputed cos and sin in every layer). A packed
-    micro-batch (b = 1, several sequences end to end) carries the sequences' cumulative lengths:
-    each sequence then attends to itself alone (`models/attention.py`).
+    [s, b, heads * d], the contract of megatron-core's `DotProductAttention`. Its layer's plan comes
+    from the config's Architecture by `layer_number` (megatron-core's, 1-based and global across
+    pipeline stages). RoPE is applied here from the `SequenceLayout`'s table of the layer
+    (`stage_forward` hands megatron-core no rotary embedding, whose own unfused chain recomputed cos
+    and sin in every layer). A packed micro-batch (b = 1, several sequences end to end) carries the
+    sequences' cumulative lengths: each sequence then attends to itself alone (`models/attention.py`).
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -84,7 +108,9 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         if config.attention_dropout != 0.0 or (attention_dropout or 0.0) != 0.0:
             raise ValueError("SDPAttention supports attention_dropout=0 only")
-        self.softmax_scale = softmax_scale  # None: SDPA's 1/sqrt(d)
+        self.softmax_scale = softmax_scale
+        plan = config.architecture.layers[layer_number - 1]
+        self.rope, self.window = plan.rope, plan.window
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -93,81 +119,131 @@ class SDPAttention(MegatronModule):
         if not isinstance(packed_seq_params, SequenceLayout):
             raise ValueError("SDPAttention takes the SequenceLayout stage_forward builds (rotary tables, boundaries)")
         seq, batch, heads, dim = query.shape
-        query = apply_rotary(query, packed_seq_params.rotary_cos, packed_seq_params.rotary_sin)
-        key = apply_rotary(key, packed_seq_params.rotary_cos, packed_seq_params.rotary_sin)
+        if self.rope is not None:
+            cos, sin = packed_seq_params.rotary[self.rope]
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         if packed_seq_params.cu_seqlens_q is not None:
             out = packed_causal_attention(query.squeeze(1), key.squeeze(1), value.squeeze(1),
                                           packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q,
-                                          self.softmax_scale)
+                                          self.softmax_scale, self.window)
             return out.reshape(seq, batch, heads * dim)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads
-        )
+        mask = packed_seq_params.window_masks.get(self.window)  # None: the window spans the row, plain causal
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+                                             enable_gqa=k.shape[1] != heads)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
 
 
 class RMSNorm(torch.nn.Module):
-    """y = weight * (x / sqrt(mean(x^2) + eps)), normalised in float32 as HF's Llama/Qwen norms do."""
+    """The family's RMSNorm (`architecture.rms_norm` in the config's formula: llama, float32_scale or
+    gemma), its weight marked for megatron-core's sequence-parallel gradient all-reduce."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **kwargs):
+    tensor_parallel_axes: dict[str, int] = {}  # replicated over TP
+
+    def __init__(self, config: ArchitectureConfig, hidden_size: int, eps: float = 1e-6, **kwargs):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.eps = eps
+        self.formula = config.architecture.norm
         # megatron-core all-reduces the gradients of weights so marked over TP (finalize_model_grads)
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.formula)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """The weight as a distributed checkpoint stores it (megatron-core's MLP asks each of its
+        children for this, `PostNormMLP`'s norm included)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, self.tensor_parallel_axes, sharded_offsets,
+            tp_group=parallel_state.get_tensor_model_parallel_group(), dp_cp_group=metadata["dp_cp_group"])
 
 
 class LigerRMSNorm(RMSNorm):
-    """`RMSNorm` through Liger-Kernel's Triton kernel (one pass forward, one backward; "llama" casting
-    is HF's formula above). GPU only: `block_spec` picks it for `kernels="liger"`."""
+    """`RMSNorm` through Liger-Kernel's Triton kernel (one pass forward, one backward), for the two
+    formulas whose Liger modes its own transformers patches use (Llama's and Gemma's, checked against
+    float32 on an H100: scripts/bench/liger_families.py): "llama" normalises in float32 and scales in
+    the input's dtype, "gemma" does everything in float32 with the weight offset by 1. GPU only:
+    `norm_module` picks it for `kernels="liger"`. (OLMo's float32 scaling would be mode "gemma" with
+    offset 0: no faster at 1B in docs/benchmarks.md's measurement, so not taken.)"""
+
+    CASTING = {"llama": (0.0, "llama"), "gemma": (1.0, "gemma")}  # formula -> (offset, casting mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
+        offset, casting = self.CASTING[self.formula]
         # in_place=False: megatron-core's residual path still reads the incoming gradient
-        return LigerRMSNormFunction.apply(x, self.weight, self.eps, 0.0, "llama", False)
+        return LigerRMSNormFunction.apply(x, self.weight, self.eps, offset, casting, False)
 
 
-def head_dim(hf_config) -> int:
-    value = getattr(hf_config, "head_dim", None)
-    return value if value else hf_config.hidden_size // hf_config.num_attention_heads
+class ProjectionRMSNorm(RMSNorm):
+    """OLMo's q (or k) norm: one RMSNorm over the whole projection [heads * head_dim], of which this
+    TP rank holds its own heads (its K/V groups for k), [s, b, local heads, d].
+
+    The mean of squares is all-reduced over the TP group, in the backward too: every rank's
+    normalised heads depend on every rank's squares (megatron-core's `reduce_from_tensor_model_parallel_region`
+    passes the gradient back unreduced, right only where what follows is replicated). The weight is
+    this rank's slice in the per-group order (`convert.py`), marked TP-sharded (gradient norm,
+    distributed checkpoint) and not for the sequence-parallel all-reduce: its gradient is whole on
+    each rank."""
+
+    tensor_parallel_axes = {"weight": 0}
+
+    def __init__(self, config: ArchitectureConfig, hidden_size: int, eps: float = 1e-6, projection: str = "query",
+                 **kwargs):
+        heads = config.num_attention_heads if projection == "query" else config.num_query_groups
+        tensor_parallel = config.tensor_model_parallel_size
+        super().__init__(config, heads * config.kv_channels // tensor_parallel, eps)
+        self.projection_size = heads * config.kv_channels
+        self.tensor_parallel = tensor_parallel
+        self.weight.sequence_parallel = False
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(-2)
+        mean_square = None  # TP = 1: the whole projection is here, the formula's own mean
+        if self.tensor_parallel > 1:
+            square_sum = all_reduce(flat.float().pow(2).sum(-1, keepdim=True),
+                                    group=parallel_state.get_tensor_model_parallel_group())
+            mean_square = square_sum / self.projection_size
+        return rms_norm(flat, self.weight, self.eps, self.formula, mean_square).view_as(x)
 
 
-def rope_theta(hf_config) -> float:
-    """RoPE base of an HF config; refuses RoPE scaling, which the GPTModel here does not reproduce."""
-    # transformers >= 5 keeps theta and scaling in `rope_parameters`; 4.x in rope_theta / rope_scaling
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params["rope_type"] if "rope_type" in params else "default"
-    if rope_type != "default":
-        raise ValueError(f"{hf_config.model_type}: RoPE scaling ({rope_type}) is not supported by the Megatron backend")
-    return float(params["rope_theta"] if "rope_theta" in params else hf_config.rope_theta)
+def norm_module(config: ArchitectureConfig) -> type[RMSNorm]:
+    """Liger's kernel where the config asks for it and it computes the family's formula."""
+    return LigerRMSNorm if config.kernels == "liger" and config.architecture.norm in LigerRMSNorm.CASTING else RMSNorm
 
 
-def qkv_bias(hf_config) -> bool:
-    """Qwen2 always has q/k/v biases; Llama and Qwen3 have them when `attention_bias` is set."""
-    if hf_config.model_type == "qwen2":
-        return True
-    if hf_config.model_type == "llama" and hf_config.attention_bias:
-        raise ValueError("llama with attention_bias=True also biases o_proj, which is not supported")
-    return bool(hf_config.attention_bias)
+class PostNormSelfAttention(SelfAttention):
+    """megatron-core's SelfAttention with its output normalised (`output_norm`, HF's post-attention
+    norm of OLMo 2/3 and Gemma 3): after the row-parallel projection's reduction (its sequence shard
+    under sequence parallelism), before the residual add."""
+
+    def __init__(self, config: ArchitectureConfig, submodules, layer_number: int, **kwargs):
+        super().__init__(config, submodules, layer_number, **kwargs)
+        self.output_norm = norm_module(config)(config, config.hidden_size, config.layernorm_epsilon)
+
+    def forward(self, *args, **kwargs):
+        output, bias = super().forward(*args, **kwargs)  # bias: None, no linear biases
+        return self.output_norm(output), bias
 
 
-def check_hf_config(hf_config) -> None:
-    """Raise, naming the field, for an HF config this backend cannot build exactly."""
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {hf_config.model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-    if getattr(hf_config, "mlp_bias", False):
-        raise ValueError("mlp_bias=True is not supported")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("use_sliding_window=True is not supported")
-    if hf_config.hidden_act != "silu":
-        raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (silu only)")
-    rope_theta(hf_config)
+class PostNormMLP(MLP):
+    """megatron-core's MLP (the local spec's linears) with its output normalised (`output_norm`, HF's
+    post-feedforward norm of OLMo 2/3 and Gemma 3), before the residual add. The layer spec names
+    the class itself, not a ModuleSpec: TransformerLayer hands its TP group to `MLP` specs alone and
+    logs a warning per layer for any other spec."""
+
+    def __init__(self, config: ArchitectureConfig, **kwargs):
+        super().__init__(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                         ffn_hidden_size=config.ffn_hidden_size)
+        self.output_norm = norm_module(config)(config, config.hidden_size, config.layernorm_epsilon)
+
+    def forward(self, hidden_states, **kwargs):
+        output, bias = super().forward(hidden_states, **kwargs)
+        return self.output_norm(output), bias
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
@@ -180,17 +256,19 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
 
 def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, dtype: torch.dtype,
                        sequence_parallel: bool = False, kernels: str = "none", recompute: bool = False
-                       ) -> TransformerConfig:
-    """The megatron-core TransformerConfig of an HF Llama / Qwen2 / Qwen3 config.
+                       ) -> ArchitectureConfig:
+    """The megatron-core TransformerConfig of an HF config of any family `architecture()` covers
+    (`UnsupportedModel`, one line, for the others).
 
-    `kernels="liger"` (GPUs) also turns on megatron-core's own fused SwiGLU (`bias_activation_fusion`,
-    a torch.compile'd kernel); `block_spec` adds Liger's RMSNorm. `recompute` keeps only each layer's
-    input in the forward and recomputes the layer in the backward (megatron-core's full, uniform
-    activation recomputation, one layer per checkpoint): less memory, about a third more compute.
+    `kernels="liger"` (GPUs) turns on megatron-core's own fused SwiGLU (`bias_activation_fusion`, a
+    torch.compile'd kernel) where the activation is silu, and `block_spec` Liger's RMSNorm where it
+    computes the family's formula (llama, gemma). `recompute` keeps only each layer's input in the forward and recomputes
+    the layer in the backward (megatron-core's full, uniform activation recomputation, one layer per
+    checkpoint): less memory, about a third more compute.
     """
     if kernels not in ("none", "liger"):
         raise ValueError(f"kernels must be none or liger (auto is resolved by the policy), got {kernels!r}")
-    check_hf_config(hf_config)
+    arch = architecture(hf_config)
     if hf_config.num_key_value_heads % tensor_parallel:
         raise ValueError(
             f"num_key_value_heads={hf_config.num_key_value_heads} must be divisible by "
@@ -201,23 +279,26 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
             f"num_hidden_layers={hf_config.num_hidden_layers} must be divisible by "
             f"pipeline_model_parallel_size={pipeline_parallel}"
         )
-    return TransformerConfig(
+    return ArchitectureConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
-        kv_channels=head_dim(hf_config),
+        kv_channels=arch.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=activation(arch.activation),
         add_bias_linear=False,
-        add_qkv_bias=qkv_bias(hf_config),
-        qk_layernorm=hf_config.model_type == "qwen3",
+        add_qkv_bias=arch.qkv_bias,
+        # per-head norms: replicated weights whose gradients megatron-core all-reduces over TP by this
+        # flag; OLMo's TP-sharded projection norms must not be (block_spec adds them without it)
+        qk_layernorm=arch.qk_norm == "head",
+        softmax_scale=arch.softmax_scale,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=kernels == "liger",
+        bias_activation_fusion=kernels == "liger" and arch.activation == "silu",
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -238,24 +319,36 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
+        architecture=arch,
+        kernels=kernels,
     )
 
 
-def block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
-    """This pipeline stage's layers: the local layer spec with `SDPAttention` and `RMSNorm` (Liger's
-    where the config fuses kernels, `transformer_config(kernels="liger")`)."""
-    norm = LigerRMSNorm if config.bias_activation_fusion else RMSNorm
+def block_spec(config: ArchitectureConfig) -> TransformerBlockSubmodules:
+    """This pipeline stage's layers: the local layer spec with `SDPAttention`, the family's norms by
+    role (`Architecture.norm_names`; IdentityOp where it has none), its q/k norms and post-norms."""
+    arch = config.architecture
+    norm = norm_module(config)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     attention.core_attention = SDPAttention
-    layer.input_layernorm = layer.pre_mlp_layernorm = norm
-    if config.qk_layernorm:
+    layer.input_layernorm = norm if "input" in arch.norm_names else IdentityOp
+    layer.pre_mlp_layernorm = norm if "pre_mlp" in arch.norm_names else IdentityOp
+    if arch.qk_norm == "head":
         attention.q_layernorm = attention.k_layernorm = norm
+    elif arch.qk_norm == "projection":
+        attention.q_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"projection": "query"})
+        attention.k_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"projection": "key"})
+    if "post_attention" in arch.norm_names:
+        layer.self_attention.module = PostNormSelfAttention
+    if "post_mlp" in arch.norm_names:
+        layer.mlp = PostNormMLP
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)
 
 
-def build_gpt_model(hf_config, config: TransformerConfig, device: torch.device) -> GPTModel:
-    """This rank's GPTModel (its pipeline stage, its tensor shards), weights not yet loaded."""
+def build_gpt_model(hf_config, config: ArchitectureConfig, device: torch.device) -> GPTModel:
+    """This rank's GPTModel (its pipeline stage, its tensor shards), weights not yet loaded; with the
+    inverse frequencies of its RoPE tables on `device` (`rotary_tables`, read by `stage_forward`)."""
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(config),
@@ -264,10 +357,11 @@ def build_gpt_model(hf_config, config: TransformerConfig, device: torch.device) 
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
-        position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config),
+        position_embedding_type="none",  # RoPE per layer's table: SDPAttention
     )
-    return model.to(device=device, dtype=config.params_dtype)
+    model = model.to(device=device, dtype=config.params_dtype)
+    model.rotary_tables = {key: (inv_freq.to(device), scaling) for key, (inv_freq, scaling) in rope_tables(hf_config).items()}
+    return model
 
 
 def output_weight(model: GPTModel) -> torch.Tensor:
@@ -287,16 +381,29 @@ def stage_forward(model: GPTModel, input_ids: torch.Tensor, position_ids: torch.
         packed_seq_params: the sequences' boundaries when the row holds several (`SDPAttention`).
 
     RoPE is taken from `position_ids` (megatron-core's own `_preprocess` would rotate by column,
-    which a packed row's later sequences do not start at): cos and sin once per forward, in the
-    model's dtype, applied in the core attention (`SequenceLayout`). On a later stage the input
-    comes from `model.set_input_tensor` (the pipeline schedule sets it).
+    which a packed row's later sequences do not start at): cos and sin of every RoPE table once per
+    forward, in the model's dtype, and the sliding-window masks of unpacked rows, handed to each
+    layer's core attention (`SequenceLayout`). Gemma's embeddings are scaled here. On a later stage
+    the input comes from `model.set_input_tensor` (the pipeline schedule sets it).
     """
-    decoder_input = model.embedding(input_ids=input_ids, position_ids=position_ids) if model.pre_process else None
+    config = model.config
+    decoder_input = None
+    if model.pre_process:
+        decoder_input = scale_embedding(model.embedding(input_ids=input_ids, position_ids=position_ids),
+                                        config.architecture.embedding_scale)
     positions = position_ids[0]
-    angles = model.rotary_pos_emb(int(positions.max()) + 1)[positions]  # [s, 1, 1, d] float32
+    rotary = {}
+    for key, (inv_freq, scaling) in model.rotary_tables.items():
+        cos, sin = rotary_cos_sin(positions, inv_freq, scaling, config.params_dtype)
+        rotary[key] = (cos[:, None, None], sin[:, None, None])  # [s, 1, 1, rotary_dim]
+    window_masks = {}
+    if packed_seq_params is None:  # packed rows take the window per sequence (models/attention.py)
+        width = positions.shape[0]
+        windows = {layer.window for layer in config.architecture.layers if layer.window is not None}
+        window_masks = {window: sliding_window_mask(width, window, positions.device) for window in windows
+                        if window < width}
     boundaries = vars(packed_seq_params) if packed_seq_params is not None else {"qkv_format": "sbhd"}
-    layout = SequenceLayout(**boundaries, rotary_cos=angles.cos().to(model.config.params_dtype),
-                            rotary_sin=angles.sin().to(model.config.params_dtype))
+    layout = SequenceLayout(**boundaries, rotary=rotary, window_masks=window_masks)
     return model.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=None, packed_seq_params=layout)
 
 

@@ -6,8 +6,12 @@ Gradient reduction: the losses arrive divided by the *global* counts of the upda
 micro-batches of all DP ranks; losses/base.py), so the DP reduction must be a plain SUM. With
 `calculate_per_token_loss` set (model.py) DDP sums instead of averaging, and `finalize_grads`
 calls megatron-core's `finalize_model_grads` without a token count so nothing is rescaled; it
-still all-reduces what TP/PP sharing requires (Qwen3's q/k norm weights over TP, the tied
-embedding between the first and last pipeline stage, norm weights under sequence parallelism).
+still all-reduces what TP/PP sharing requires (per-head q/k norm weights over TP: Qwen3's and
+Gemma 3's, by `qk_layernorm`; the tied embedding between the first and last pipeline stage; the
+replicated norm weights, post-norms included, under sequence parallelism). OLMo's q/k norms over
+the projection are TP-sharded like the heads (model.ProjectionRMSNorm): each rank's gradient is
+whole for its slice, so they are in neither all-reduce (`qk_layernorm` off, no sequence-parallel
+mark) and the gradient norm counts them on every TP rank (`tensor_model_parallel`).
 
 Clipping: `clipped_step` runs the optimizer's own stages (gradients prepared, global L2 norm over
 every TP/PP/DP shard, step) and scales the gradients in between by min(1, max_norm / (norm + 1e-6)),

@@ -3,10 +3,11 @@
 Every rank's HF copy of the policy (sampled by the generation engine, written by `save_pretrained`)
 must hold the current weights after each `MegatronPolicy.train` call. Per Megatron parameter:
 1. all-gather the shards of the TP group into one temporary [TP * rows, ...] tensor on the device
-   (norm weights are replicated: this rank's own copy is used, megatron-core keeps them equal);
+   (replicated norm weights, `convert.is_replicated`: this rank's own copy is used, megatron-core
+   keeps them equal; OLMo's q/k norms are split like the heads and gathered);
 2. copy it into the HF parameters it maps to (`convert.hf_tensors`, the mapping `megatron_to_hf`
    uses too): vocabulary padding dropped, row-parallel matrices interleaved back, q/k/v unfused,
-   gate/up split;
+   gate/up split (fused again for Phi-3's checkpoint layout);
 3. with PP > 1, broadcast each HF parameter over the PP group from the stage that holds it, straight
    into the other stages' HF parameters.
 No host copy, no pickled objects, no full-model allocation (temporaries: the gathered tensor and,
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from aligner_ext.architecture import Architecture, architecture
 from aligner_ext.models.megatron import convert
 
 LAYER_HF_NAME = re.compile(r"model\.layers\.(\d+)\.")
@@ -31,7 +33,8 @@ LAYER_HF_NAME = re.compile(r"model\.layers\.(\d+)\.")
 def refit_hf_model(core: torch.nn.Module, hf_model: torch.nn.Module, hf_config) -> None:
     """Copy the GPTModel whose shard this rank holds into `hf_model`'s parameters (same on every rank)."""
     hf = dict(hf_model.named_parameters())  # a tied lm_head is the embedding's parameter, listed once
-    expected = convert.expected_hf_keys(hf_config)
+    arch = architecture(hf_config)
+    expected = convert.expected_hf_keys(hf_config, arch)
     if set(hf) != expected:
         raise ValueError(f"HF refit: the HF model lacks {sorted(expected - set(hf))[:8]}, "
                          f"has unexpected {sorted(set(hf) - expected)[:8]}")
@@ -40,8 +43,8 @@ def refit_hf_model(core: torch.nn.Module, hf_model: torch.nn.Module, hf_config) 
     per_stage = hf_config.num_hidden_layers // pp
     written: list[str] = []
     for name, param in core.named_parameters():
-        full = param if convert.is_replicated(name) else _tp_gathered(param, tp)
-        written += _copy_into_hf(name, full, tp, hf, hf_config, stage * per_stage)
+        full = param if convert.is_replicated(name, arch) else _tp_gathered(param, tp)
+        written += _copy_into_hf(name, full, tp, hf, hf_config, arch, stage * per_stage)
     owned = sorted(name for name in hf if _stage_of(name, per_stage, pp) == stage)
     if sorted(written) != owned:
         raise RuntimeError(f"HF refit on stage {stage}: wrote {sorted(set(written) - set(owned))[:8]} "
@@ -77,9 +80,10 @@ def _put(target: torch.Tensor, value: torch.Tensor) -> None:
     target.copy_(value)
 
 
-def _copy_into_hf(name: str, full: torch.Tensor, tp: int, hf: dict, hf_config, first_layer: int) -> list[str]:
+def _copy_into_hf(name: str, full: torch.Tensor, tp: int, hf: dict, hf_config, arch: Architecture,
+                  first_layer: int) -> list[str]:
     """Copy one TP-gathered Megatron tensor into the HF parameters it maps to; return their names."""
-    pairs = convert.hf_tensors(name, full, tp, hf_config, first_layer)
+    pairs = convert.hf_tensors(name, full, tp, hf_config, arch, first_layer)
     for hf_name, value in pairs:
         _put(hf[hf_name], value)
     return [hf_name for hf_name, _ in pairs]

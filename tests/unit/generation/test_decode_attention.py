@@ -1,6 +1,7 @@
 """The Triton split-KV decode attention (generation/decode_attention.py), run by Triton's interpreter
-on the CPU: against a float64 reference, reading nothing past a sequence's position, and inside the
-rollout engine, whose greedy tokens it leaves those of the HF engine."""
+on the CPU: against a float64 reference, reading nothing past a sequence's position nor, with a
+sliding window, before the window's first position, and inside the rollout engine, whose greedy
+tokens it leaves those of the HF engine."""
 
 import pytest
 import torch
@@ -23,15 +24,17 @@ def interpreted():
     return decode_attention
 
 
-def reference(q, keys, values, positions, scale):
-    """float64 softmax attention of each row's query heads over cache positions [0, position]."""
+def reference(q, keys, values, positions, scale, window=None):
+    """float64 softmax attention of each row's query heads over cache positions [0, position], or
+    [position - window + 1, position] with a window."""
     batch, heads, _, dim = q.shape
     group = heads // keys.shape[1]
     out = torch.empty(batch, heads, 1, dim, dtype=torch.float64)
     for b in range(batch):
+        first = 0 if window is None else max(0, positions[b] - window + 1)
         for h in range(heads):
-            k = keys[b, h // group, : positions[b] + 1].double()
-            v = values[b, h // group, : positions[b] + 1].double()
+            k = keys[b, h // group, first : positions[b] + 1].double()
+            v = values[b, h // group, first : positions[b] + 1].double()
             weights = torch.softmax(k @ q[b, h, 0].double() * scale, dim=0)
             out[b, h, 0] = weights @ v
     return out
@@ -57,6 +60,27 @@ def test_matches_a_float64_reference_and_reads_nothing_past_the_position(interpr
     out = interpreted.attend_decode_triton(q, keys[:batch], values[:batch], positions, dim**-0.5, config)
     expected = reference(q, keys, values, positions, dim**-0.5)
     assert out.shape == (batch, heads, 1, dim)
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("window", [70, 1])
+def test_a_sliding_window_bounds_the_positions_read(interpreted, window, config):
+    """NaN before each row's window and past its position: reading one position early (or any
+    before the window's block) makes the output NaN. The window starts mid-block, at 0, at the
+    position itself (window 1), and with splits wholly before it."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, length = 6, 2, 32, 300
+    positions = torch.tensor([length - 1, 0, 129, 69, 200, 40])
+    keys, values = torch.randn(len(positions), kv_heads, length, dim), torch.randn(len(positions), kv_heads, length, dim)
+    for b, position in enumerate(positions):
+        first = max(0, position - window + 1)
+        for cache in (keys, values):
+            cache[b, :, :first] = float("nan")
+            cache[b, :, position + 1 :] = float("nan")
+    q = torch.randn(len(positions), 1, heads, dim).transpose(1, 2)
+    out = interpreted.attend_decode_triton(q, keys, values, positions, dim**-0.5, config, window=window)
+    expected = reference(q, keys, values, positions, dim**-0.5, window)
     assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-5
 
 

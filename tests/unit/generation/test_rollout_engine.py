@@ -1,7 +1,8 @@
 """The rollout engine (generation/rollout.py) against the HF engine, the reference: float32 greedy
-tokens and finishes identical on ragged batches for every supported architecture, whatever the slot
-count and prefill sharing; sampling that follows the model's distribution and does not depend on the
-batch; stops, EOS, stop ids, max tokens and ignore_eos; clear configuration errors."""
+tokens and finishes identical on ragged batches for Llama, Qwen2 and Qwen3 whatever the slot count
+and prefill sharing (every family: test_rollout_families.py); sampling that follows the model's
+distribution and does not depend on the batch; stops, EOS, stop ids, max tokens and ignore_eos;
+clear configuration errors; the compiled decode step."""
 
 import math
 
@@ -302,12 +303,16 @@ def test_flex_attention_decodes_the_hf_engine_greedy_tokens(tiny_tokenizer):
 
 
 @pytest.mark.slow
-def test_the_compiled_decode_step_writes_the_cache_and_computes_as_the_eager_one(tiny_tokenizer):
+@pytest.mark.parametrize("family", ["llama", "olmo3", "smollm3"])
+def test_the_compiled_decode_step_writes_the_cache_and_computes_as_the_eager_one(tiny_tokenizer, family):
     """torch.compile of the decode layer's functions (the GPU path; here compiled for the CPU): the same
-    logits and the same cache, written in place at each row's position and nowhere else."""
+    logits and the same cache, written in place at each row's position and nowhere else. OLMo 3: the
+    post-MLP norm applied in the next layer's function, q/k norms over the whole projection; SmolLM3:
+    a layer without RoPE (no tables)."""
     from aligner_ext.generation.decoder import HFDecoder
+    from family_models import family_model
 
-    model = small_llama(tiny_tokenizer)
+    model = small_llama(tiny_tokenizer) if family == "llama" else family_model(family, tiny_tokenizer)
     eager, compiled = HFDecoder(model), HFDecoder(model, compile=True)
     caches = []
     for _ in range(2):

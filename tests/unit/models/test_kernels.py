@@ -6,9 +6,11 @@ import sys
 import types
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 from aligner_ext.errors import ConfigError
 from aligner_ext.models.base import PolicyConfig
+from aligner_ext.models.family_configs import family_config
 from aligner_ext.models.kernels import apply_kernels, patch_with_liger
 
 
@@ -56,3 +58,28 @@ def test_unsupported_decoders_a_missing_package_and_bad_names_are_refused(monkey
         patch_with_liger(tiny_model)
     with pytest.raises(ValueError, match="policy.kernels must be auto, none or liger"):
         PolicyConfig(kernels="fast")
+
+
+@pytest.mark.parametrize("family, partial, expected", [
+    ("gemma3_text", 1.0, {"geglu": True, "rope": True}),  # GeGLU MLP: Liger's geglu kernel
+    ("phi3", 0.75, {"swiglu": True, "rope": False}),  # partial rotary: transformers' RoPE kept
+    ("phi3", 1.0, {"swiglu": True, "rope": True}),
+])
+def test_liger_patch_of_each_family_takes_its_mlp_kernel_and_rope_only_for_whole_heads(monkeypatch, family, partial,
+                                                                                       expected):
+    calls = []
+    fake = types.ModuleType("liger_kernel.transformers")
+    setattr(fake, f"apply_liger_kernel_to_{family}", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                 intermediate_size=64, vocab_size=100, max_position_embeddings=64)
+    config = family_config(family, **sizes)
+    if family == "phi3":
+        config.rope_parameters["partial_rotary_factor"] = partial
+        half = int(8 * partial) // 2
+        config.rope_parameters.update(short_factor=[1.0] * half, long_factor=[1.0] * half)
+    model = AutoModelForCausalLM.from_config(config)
+    patch_with_liger(model)
+    assert len(calls) == 1 and calls[0]["model"] is model
+    assert {key: calls[0][key] for key in expected} == expected
+    assert calls[0]["cross_entropy"] is False and calls[0]["fused_linear_cross_entropy"] is False

@@ -64,6 +64,32 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_rows(tiny_model,
     assert model.config._attn_implementation != "aligner_packed"  # restored for generation
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_packed_sliding_windows_equal_the_padded_rows(tiny_tokenizer, family, monkeypatch):
+    """Every layer windowed (Mistral) or 3 of 4 (Gemma 3): each packed sequence keeps its layers'
+    windows (`sliding_window` handed to the packed attention), and the window of 3 bites on rows
+    of up to 8 tokens (dropping it changes the log-probs)."""
+    from transformers import AutoModelForCausalLM
+
+    import aligner_ext.models.attention as attention
+    from aligner_ext.models.family_configs import family_config
+
+    config = family_config(family, hidden_size=16, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=8, intermediate_size=32, vocab_size=len(tiny_tokenizer), max_position_embeddings=32,
+                           sliding_window=3)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    batch = ragged_batch(len(tiny_tokenizer)).select([3, 0, 4, 1])
+    with torch.no_grad():
+        padded, _ = response_logprobs(model, batch, 3, False, 1.0)
+        packed, _ = response_logprobs(model, batch, 3, False, 1.0, packed=True)
+        windowed = attention.packed_causal_attention
+        monkeypatch.setattr(attention, "packed_causal_attention", lambda *args: windowed(*args[:6]))
+        unwindowed, _ = response_logprobs(model, batch, 3, False, 1.0, packed=True)
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-12)
+    assert (unwindowed - padded).abs().max() > 1e-3  # the window changed the log-probs
+
+
 def test_one_attention_over_the_whole_row_would_differ(tiny_model, tiny_tokenizer, monkeypatch):
     """The test above is sensitive: attention that ignores the boundaries changes the log-probs."""
     import aligner_ext.models.attention as attention
@@ -77,8 +103,8 @@ def test_one_attention_over_the_whole_row_would_differ(tiny_model, tiny_tokenize
     assert (wrong - right).abs().max() > 1e-3
 
 
-def _whole_row(query, key, value, cu_seqlens, max_seqlen, scale):
-    """Causal attention over the row as one sequence, ignoring the boundaries."""
+def _whole_row(query, key, value, cu_seqlens, max_seqlen, scale, window=None):
+    """Causal attention over the row as one sequence, ignoring the boundaries (the tiny model has no window)."""
     q, k, v = (t.transpose(0, 1) for t in (query, key, value))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)

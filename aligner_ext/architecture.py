@@ -238,11 +238,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out if passed is None else torch.cat([out, passed], dim=-1)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, formula: str = "llama") -> torch.Tensor:
-    """RMSNorm of x over its last dimension as the family's HF module computes it (module docstring)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, formula: str = "llama",
+             mean_square: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x over its last dimension as the family's HF module computes it (module docstring).
+    `mean_square` (float32, broadcasting against x): the mean of squares over the whole normalised
+    dimension where x is one rank's shard of it (tensor parallelism); by default x's own."""
     dtype = x.dtype
     normed = x.float()
-    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    if mean_square is None:
+        mean_square = normed.pow(2).mean(-1, keepdim=True)
+    normed = normed * torch.rsqrt(mean_square + eps)
     if formula == "llama":
         return weight * normed.to(dtype)
     if formula == "gemma":
@@ -261,4 +266,5 @@ def scale_embedding(hidden: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Gemma's scaled embedding: the scale rounded to the weights' dtype first, as transformers does."""
     if scale is None:
         return hidden
-    return hidden * torch.tensor(scale, dtype=torch.float32, device=hidden.device).to(hidden.dtype)
+    # filled on the device, not copied from the host: the engine captures this in CUDA graphs
+    return hidden * torch.full((), scale, dtype=torch.float32, device=hidden.device).to(hidden.dtype)

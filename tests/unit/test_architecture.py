@@ -1,4 +1,4 @@
-"""The shared layer pieces of `models/architecture.py` against transformers' own modules and hand
+"""The shared layer pieces of `aligner_ext/architecture.py` against transformers' own modules and hand
 arithmetic: RoPE tables of every scaling type, the three RMSNorm formulas, partial rotary, Gemma's
 embedding scale, and each family's per-layer plan."""
 
@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary
 
-from aligner_ext.models.architecture import (
+from aligner_ext.architecture import (
     apply_rotary, architecture, rms_norm, rope_tables, rotary_cos_sin, scale_embedding,
 )
 from aligner_ext.models.family_configs import family_config

@@ -1,0 +1,276 @@
+"""docs/models.md from the code's own tables, so that it cannot go stale: the families
+(`aligner_ext/architecture.py::FAMILIES`, `models/family_configs.py::LAYOUTS`), the Liger patches of the HF
+backend (`models/kernels.py::LIGER_PATCHES`), and for every cell of the support matrix and every
+refusal shown, the verdict of the functions that refuse a run (`aligner_ext/support.py`) on the
+family's config. tests/test_models_doc.py fails when the committed page differs.
+
+    python scripts/gen_models_doc.py           # rewrites docs/models.md
+    python scripts/gen_models_doc.py --check   # exit 1 if docs/models.md is not what this renders
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from transformers import GPT2Config
+
+from aligner_ext.architecture import FAMILIES, LayerPlan, architecture, rope_types
+from aligner_ext.models.family_configs import GLOBAL_EVERY, LAYOUTS, family_config
+from aligner_ext.models.kernels import LIGER_PATCHES
+from aligner_ext.support import long_context_warning, megatron_refusal, rollout_refusal
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
+REGENERATE = "python scripts/gen_models_doc.py"
+# Every family at one small size that every layout of the matrix splits (heads, MLP, layers by 2).
+SIZES = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             intermediate_size=128, max_position_embeddings=256)
+WORLD = 4  # processes of the Megatron columns: TP=2 or PP=2 leaves DP=2
+MEGATRON_LAYOUTS = {"TP=1, DP": (1, 1, False), "TP=2 + SP": (2, 1, True), "PP=2": (1, 2, False)}
+
+
+def layout_names() -> dict[str, str]:
+    """model_type -> the family_configs name of its released layout."""
+    return {family_config(name, **SIZES).model_type: name for name in LAYOUTS}
+
+
+class Notes:
+    """Numbered footnotes holding the refusal lines of the matrix's "no" cells."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def cell(self, refusal: str | None) -> str:
+        if refusal is None:
+            return "yes"
+        if refusal not in self.lines:
+            self.lines.append(refusal)
+        return f"no [{self.lines.index(refusal) + 1}]"
+
+
+def windows(name: str, config, plans: tuple[LayerPlan, ...], family) -> str:
+    if family.windows == "all":
+        return "every layer, where `sliding_window` is set"
+    if any(plan.window for plan in plans):
+        period = GLOBAL_EVERY[name]
+        return f"layers typed `sliding_attention` (released: {period - 1} of every {period})"
+    return "none unless `use_sliding_window`" if getattr(config, "use_sliding_window", None) is False else "none"
+
+
+def families_table() -> list[str]:
+    names = layout_names()
+    lines = ["| family (`model_type`) | norm | placement | q/k norm | MLP | q/k/v bias | embedding | RoPE (released) "
+             "| no-RoPE layers | sliding windows | checkpoint |", "| --- " * 11 + "|"]
+    for model_type, family in FAMILIES.items():
+        config = family_config(names[model_type], **SIZES)
+        arch = architecture(config)
+        bias = {"always": "always", "never": "never", "attention_bias": "`attention_bias`"}[family.qkv_bias]
+        lines.append(
+            f"| {family.name} (`{model_type}`) | {family.norm} | {family.placement} | {family.qk_norm or '-'} "
+            f"| {'SwiGLU' if arch.activation == 'silu' else 'GeGLU (tanh)'} | {bias} "
+            f"| {'times sqrt(hidden)' if family.embedding_scaled else 'plain'} "
+            f"| {', '.join(f'`{kind}`' for kind in sorted(rope_types(config)))} "
+            f"| {'where `no_rope_layers[i] == 0`' if family.no_rope_layers else '-'} "
+            f"| {windows(names[model_type], config, arch.layers, family)} "
+            f"| {'q/k/v and gate/up fused' if family.fused_checkpoint else 'separate matrices'} |")
+    return lines
+
+
+def support_table() -> tuple[list[str], list[str]]:
+    names, notes = layout_names(), Notes()
+    header = (["family", "HF backend", "HF backend, `policy.kernels=liger`"]
+              + [f"Megatron {layout}" for layout in MEGATRON_LAYOUTS]
+              + ["HF engine", "rollout engine, HF backend", "rollout engine, Megatron backend", "generation servers"])
+    lines = ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]
+    liger = f"policy.kernels=liger patches {', '.join(LIGER_PATCHES)} only (models/kernels.py); policy.kernels=none runs it"
+    for model_type, family in FAMILIES.items():
+        config = family_config(names[model_type], **SIZES)
+        megatron = [megatron_refusal(config, tp, pp, sp, WORLD) for tp, pp, sp in MEGATRON_LAYOUTS.values()]
+        rollout = rollout_refusal(config)
+        cells = ["yes", notes.cell(None if model_type in LIGER_PATCHES else liger)]
+        cells += [notes.cell(refusal) for refusal in megatron]
+        cells += ["yes", notes.cell(rollout), notes.cell(megatron[0] or rollout), "the server's [s]"]
+        lines.append(f"| {family.name} (`{model_type}`) | " + " | ".join(cells) + " |")
+    footnotes = [f"{index}. {line}" for index, line in enumerate(notes.lines, 1)]
+    return lines, footnotes
+
+
+def refusal_examples() -> list[str]:
+    """Each refusal the check makes, as the run prints it, with what it means and what to do."""
+    llama = family_config("llama3", **SIZES)
+    cases = [
+        ("an unknown family", megatron_refusal(GPT2Config(n_layer=2, n_embd=32, n_head=2)),
+         "The model is none of the families above. Train it on the HF backend and generate with the HF engine "
+         "(or a generation server that runs it); the other combinations need the family added to `FAMILIES` "
+         "(its pieces, if they are already among those of the table above, are one entry)."),
+        ("an activation", rollout_refusal(family_config("llama3", **SIZES, hidden_act="gelu")),
+         "The MLP's activation is neither silu (SwiGLU) nor gelu_pytorch_tanh (GeGLU). HF backend and HF engine."),
+        ("biases on the MLP", rollout_refusal(family_config("llama3", **SIZES, mlp_bias=True)),
+         "`mlp_bias=True`: gate/up/down biases, which no family has. HF backend and HF engine."),
+        ("attention biases where the family has none", rollout_refusal(family_config("llama3", **SIZES, attention_bias=True)),
+         "Llama's `attention_bias` also biases o_proj, which the pieces do not cover (Qwen2's q/k/v biases they do). "
+         "HF backend and HF engine."),
+        ("logit soft-capping", rollout_refusal(family_config("gemma3_text", **SIZES, attn_logit_softcapping=50.0)),
+         "`attn_logit_softcapping` / `final_logit_softcapping` (Gemma 2's tanh caps; Gemma 3 released none). "
+         "HF backend and HF engine."),
+        ("bidirectional attention", rollout_refusal(family_config("gemma3_text", **SIZES, use_bidirectional_attention=True)),
+         "`use_bidirectional_attention` (EmbeddingGemma): not a causal decoder. HF backend and HF engine."),
+        ("a TP that splits a head", megatron_refusal(llama, 4, 1, False, 4),
+         "Tensor parallelism gives each rank whole key/value heads (and their query heads), whole MLP columns and "
+         "whole rows of the vocabulary padded to a multiple of 128; the line lists the sizes that do divide."),
+        ("a PP that splits the layers unevenly", megatron_refusal(llama, 1, 3, False, 3),
+         "Each pipeline stage holds the same number of layers; the line lists the sizes that divide them."),
+        ("a layout the processes do not hold", megatron_refusal(llama, 2, 1, False, 1),
+         "TP x PP must divide the processes torchrun starts (the rest is data parallelism)."),
+    ]
+    lines = []
+    for title, line, meaning in cases:
+        lines += [f"- **{title}**: {meaning}", "", f"      aligner-ext: error: {line} (UnsupportedModel; ...)", ""]
+    return lines
+
+
+def render() -> str:
+    families_lines = families_table()
+    support_lines, footnotes = support_table()
+    phi = family_config("phi3", **SIZES)
+    warning = long_context_warning(phi, 2 * phi.rope_parameters["original_max_position_embeddings"])
+    sections = [
+        "# Models: which families run where",
+        "",
+        f"Generated by `{REGENERATE}` from the code's own tables; do not edit by hand.",
+        "",
+        "The HF policy backend (`policy.backend=hf`) and the HF engine (`generator.engine=hf`) run every causal "
+        "LM transformers runs. The Megatron backend and the rollout engine run the dense decoder families below, "
+        "read from the model's `config.json` (`aligner_ext/architecture.py`). A run decides from "
+        "config.json alone, before the tokenizer or any weight loads and, under torchrun, before any rank "
+        "builds a model, whether its backend and engine run the model (`aligner_ext/support.py::check_run`): "
+        "if not, it prints one line naming the family, the field and its value and what runs the model instead, "
+        "and exits with status 2 (every rank; rank 0 alone prints). `generator.engine=auto` never refuses: it "
+        "generates with the HF engine where the rollout engine does not run the model, saying why in one INFO line.",
+        "",
+        "## Support matrix",
+        "",
+        f"Each cell is the verdict of `aligner_ext/support.py` on the family's released layout "
+        f"(`family_configs.py`) at a small size whose heads, MLP and layers split in two; the Megatron "
+        f"columns assume {WORLD} processes. A \"no\" cell's note is the line the run prints. "
+        "Whether a given checkpoint splits at a given TP or PP depends on its sizes (refusals below).",
+        "",
+        *support_lines,
+        "",
+        *footnotes,
+        *([""] if footnotes else []),
+        "[s] Generation servers (`generator.engine=remote`, docs/serving.md) run what their engine runs: "
+        "`aligner-ext serve` the HF engine for every model and the rollout engine as in its column; vLLM "
+        "(`generator.engine=vllm` or vLLM servers) what vLLM's own model registry holds. The weights pushed to "
+        "them are HF tensors, whatever the policy backend.",
+        "",
+        "## What each family is made of",
+        "",
+        "The pieces `architecture()` combines (the module docstring of aligner_ext/architecture.py says what each "
+        "is); the RoPE column lists the `rope_type`s of the released configs (`family_configs.py`).",
+        "",
+        *families_lines,
+        "",
+        "## Refusals: what each means and what to do",
+        "",
+        "The run's lines, as the check prints them for a model of the kind named:",
+        "",
+        *refusal_examples(),
+        "## RoPE scaling",
+        "",
+        "The Megatron backend and the rollout engine take RoPE's tables from transformers' own initialisation: "
+        "`architecture.rope_tables` instantiates the model's rotary module (e.g. `Gemma3RotaryEmbedding`) on the "
+        "CPU and reads its inverse frequencies and attention scaling, one table per layer type where the model "
+        "keeps several (Gemma 3's and OLMo 3's local and global bases). So every `rope_type` transformers "
+        "defines, and partial rotary (`partial_rotary_factor`: RoPE on the leading dimensions of each head, "
+        "Phi-4-mini's 0.75), is computed exactly as transformers computes it:",
+        "",
+        "- `default`: frequencies theta^(-2i/d) over the d rotated dimensions.",
+        "- `linear`: those divided by `factor` (position interpolation; Gemma 3's global layers, factor 8).",
+        "- `llama3`: wavelengths shorter than `original_max_position_embeddings / high_freq_factor` keep their "
+        "frequency, those longer than `original_max_position_embeddings / low_freq_factor` are divided by "
+        "`factor`, those between are interpolated smoothly (Llama 3.1-3.3).",
+        "- `yarn`: per band, between the original and the interpolated frequency (by `beta_fast`, `beta_slow` "
+        "and `original_max_position_embeddings`), and cos/sin scaled by an attention factor (0.1 ln(factor) + 1 "
+        "unless given).",
+        "- `dynamic` (NTK): the base grows with the sequence length L past `max_position_embeddings`: "
+        "theta x (factor x L / max_position_embeddings - (factor - 1))^(d / (d - 2)); at or below it, the "
+        "default frequencies.",
+        "- `longrope`: the frequencies divided per dimension by `short_factor` while sequences stay within "
+        "`original_max_position_embeddings` and by `long_factor` past it, cos/sin scaled by "
+        "sqrt(1 + ln(s) / ln(original_max_position_embeddings)), s = max_position_embeddings / "
+        "original_max_position_embeddings (Phi-3, Phi-4-mini).",
+        "",
+        "`llama3`, `linear` and `yarn` are fixed tables: the backends and transformers agree at every length.",
+        "",
+        "## Dynamic and LongRoPE: the decision",
+        "",
+        "transformers recomputes the `dynamic` and `longrope` frequencies in every forward from the longest "
+        "sequence of the batch, so its model changes with the batch: a sequence's log-probs differ depending on "
+        "what it is batched with, and token by token generation switches tables mid-sequence. The Megatron backend "
+        "and the rollout engine keep the tables transformers sets at load (LongRoPE's short factors, dynamic's "
+        "base frequencies), which are the ones it uses while every sequence stays within the length it switches "
+        "at: `original_max_position_embeddings` for LongRoPE, `max_position_embeddings` for dynamic. Within "
+        "it the two agree exactly; past it they differ, and so would transformers with itself between "
+        "generation and training. A run whose `data.max_prompt_length + rollout.max_response_length` passes "
+        "that length logs one warning, e.g.:",
+        "",
+        f"    WARNING aligner_ext.support: {warning}",
+        "",
+        "Keep the limits within it (Phi-4-mini: 4096 tokens), or accept that longer sequences are scored with "
+        "the tables of shorter ones.",
+        "",
+        "## Sliding windows",
+        "",
+        "A windowed layer's query sees itself and the `sliding_window - 1` positions before it (transformers' "
+        "convention). Which layers are windowed is read from the config (`LayerPlan.window`): Mistral and "
+        "Phi-3 window every layer when `sliding_window` is set (Mistral 7B v0.1: 4096; later releases set "
+        "none); Ministral, OLMo 3 and Gemma 3 window the layers `layer_types` marks `sliding_attention` (the "
+        "others attend globally); Qwen2, Qwen3 and SmolLM3 carry a `sliding_window` size that they ignore "
+        "unless `use_sliding_window` is set. The rollout engine's KV cache of a windowed layer needs only the "
+        "last window of positions, so its decoding reads at most that many per step "
+        "(scripts/bench/families.py counts the decode bound so).",
+        "",
+        "## NoPE layers",
+        "",
+        "SmolLM3 leaves RoPE out of every fourth layer (`no_rope_layers[i] == 0`, from "
+        "`no_rope_layer_interval`): those layers attend over unrotated queries and keys (`LayerPlan.rope` is "
+        "None).",
+        "",
+        "## A random-weight checkpoint of a family",
+        "",
+        "`aligner_ext.models.family_configs.family_config(name, **sizes)` gives the HF config of a family's "
+        "released layout (its vocabulary, RoPE, windows, norms) at the sizes given; names: "
+        f"{', '.join(f'`{name}`' for name in LAYOUTS)}. For a try without a download:",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        "from aligner_ext.models.family_configs import family_config",
+        "import sys; sys.path.insert(0, 'scripts/bench')",
+        "from grpo_step_lib import build_word_tokenizer  # a word-level tokenizer of any vocabulary size",
+        "",
+        "config = family_config('gemma3_text', hidden_size=256, num_hidden_layers=6, num_attention_heads=4,",
+        "                       num_key_value_heads=1, head_dim=64, intermediate_size=1024, max_position_embeddings=2048)",
+        "AutoModelForCausalLM.from_config(config).save_pretrained('gemma3-tiny')",
+        "build_word_tokenizer(config.vocab_size).save_pretrained('gemma3-tiny')",
+        "```",
+        "",
+        "then `aligner-ext train model.path=gemma3-tiny policy.backend=megatron ...`. "
+        "scripts/bench/families.py builds ~1B checkpoints of every family the same way.",
+    ]
+    return "\n".join(sections) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/models.md differs from the rendering")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        sys.exit(0 if DOC.exists() and DOC.read_text(encoding="utf-8") == text else 1)
+    DOC.write_text(text, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
