@@ -3,9 +3,10 @@ resume at another layout: one `torchrun --nproc_per_node=2` launch (gloo, CPU) o
 tests/megatron/dist_checkpoint_worker.py.
 
 Cases: Llama with tied embeddings (at PP=2 the last stage holds a copy of the embedding), Qwen3
-(untied output layer, q/k norms), and the families whose parameters no other case has: OLMo 2
-(post-norms in the attention and MLP modules, q/k norms over the projection, TP-sharded) and Gemma 3
-(all four norms of a layer); vocabularies of 104, 200, 110 and 160 rows, padded to 128 and 256. Saved at
+(untied output layer, q/k norms), and every family of `megatron_cases.FAMILY_CASES`, among them the
+ones whose parameters no other case has: OLMo 2 / 3 (post-norms in the attention and MLP modules, q/k
+norms over the projection, TP-sharded) and Gemma 3 (all four norms of a layer); no vocabulary a
+multiple of 128. Saved at
 TP=2 and at PP=2 after 2 RL steps (4 Adam updates, linear LR decay), loaded at each other layout of
 two processes (TP=2, PP=2, DP=2):
 - the loaded weights and Adam exp_avg / exp_avg_sq, gathered into HF names, equal the saved ones
@@ -25,13 +26,13 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cases import build_model, hf_configs, torchrun  # noqa: E402
+from megatron_cases import FAMILY_CASES, build_model, hf_configs, torchrun  # noqa: E402
 from test_megatron_tp_pp import train_setup  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("dist_checkpoint_worker.py")
-CASES = ["llama", "qwen3", "olmo2", "gemma3_text"]
+CASES = ["llama", "qwen3", *FAMILY_CASES]
 LOADS = [("tp2", "pp2"), ("tp2", "dp2"), ("pp2", "tp2"), ("pp2", "dp2")]  # (saved at, loaded at)
 
 
