@@ -125,6 +125,14 @@ def long_context_warning(hf_config, longest: int) -> str | None:
     return None
 
 
+def check_engine(engine: str, hf_config) -> None:
+    """Refuse (`UnsupportedModel`, one line) a model an explicit `generator.engine=rollout` does not run
+    (`aligner-ext train` and `aligner-ext serve` both ask, before any weight loads)."""
+    reason = rollout_refusal(hf_config) if engine == "rollout" else None
+    if reason:
+        raise UnsupportedModel(reason)
+
+
 def check_run(cfg, model_dir: Path | str) -> None:
     """Refuse (`UnsupportedModel`, one line) a model of `model_dir` that the run's Megatron backend or
     explicit rollout engine does not run, or a layout the backend cannot split it into; warn of
@@ -142,10 +150,7 @@ def check_run(cfg, model_dir: Path | str) -> None:
                                   policy.sequence_parallel, launched_world_size())
         if reason:
             raise UnsupportedModel(reason)
-    if cfg.generator.engine == "rollout":
-        reason = rollout_refusal(hf_config)
-        if reason:
-            raise UnsupportedModel(reason)
+    check_engine(cfg.generator.engine, hf_config)
     warning = long_context_warning(hf_config, cfg.data.max_prompt_length + cfg.rollout.max_response_length)
     if warning and is_main_process():  # every rank reads the same config: one line, not one per rank
         logger.warning(warning)

@@ -67,12 +67,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from aligner_ext.generation import decode_attention
-from aligner_ext.generation.decode_attention import attend_decode_triton
 from aligner_ext.architecture import (
     Architecture, UnsupportedModel, activation, apply_rotary, architecture, rms_norm, rope_tables, rotary_cos_sin,
     scale_embedding,
 )
+from aligner_ext.generation import decode_attention
+from aligner_ext.generation.decode_attention import attend_decode_triton
 
 
 class SlotKVCache:

@@ -233,13 +233,15 @@ def build_app(server: GenerationServer) -> FastAPI:
 def build_server(cfg) -> GenerationServer:
     """The configured model (the embedded one when model.path is unset, built in the run directory as
     `train` builds it) and engine, as a GenerationServer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from aligner_ext.generation.base import ENGINES
     from aligner_ext.models.hf import cast_model, resolve_device, resolve_dtype
+    from aligner_ext.support import check_engine
     from aligner_ext.trainer.build import generation_engine_name, model_directory
 
     model_dir = model_directory(cfg, Path(cfg.trainer.output_dir) / cfg.trainer.run_name)
+    check_engine(cfg.generator.engine, AutoConfig.from_pretrained(model_dir))  # one line, before the weights load
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

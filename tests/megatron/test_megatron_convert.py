@@ -9,8 +9,8 @@ pytest.importorskip("megatron.core")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from aligner_ext.models.megatron import convert  # noqa: E402
 from aligner_ext.architecture import UnsupportedModel, architecture  # noqa: E402
+from aligner_ext.models.megatron import convert  # noqa: E402
 from aligner_ext.models.megatron.model import padded_vocab_size, transformer_config  # noqa: E402
 from megatron_cases import build_model, hf_configs  # noqa: E402
 

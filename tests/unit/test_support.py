@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
 
+from aligner_ext.architecture import UnsupportedModel
 from aligner_ext.config import load_config
 from aligner_ext.errors import ConfigError
-from aligner_ext.architecture import UnsupportedModel
 from aligner_ext.models.family_configs import family_config
 from aligner_ext.support import check_run
 from aligner_ext.trainer.build import generation_engine_name
@@ -162,3 +162,19 @@ def test_dynamic_ntk_warns_past_max_position_embeddings(tmp_path, caplog):
 
 def test_other_rope_types_never_warn(tmp_path, caplog):
     assert warnings(tmp_path, caplog, family_config("llama3", **TINY), 4096, 4096) == []
+
+
+def test_serve_with_the_rollout_engine_refuses_before_the_weights_load(tmp_path, monkeypatch):
+    """`aligner-ext serve generator.engine=rollout` on a model the engine does not run: the same line
+    as `train`, from config.json alone (the weights file here is not one)."""
+    from aligner_ext.models.tiny import build_char_tokenizer
+    from aligner_ext.serving.server import build_server
+
+    model = tmp_path / "model"
+    tokenizer = build_char_tokenizer()
+    LlamaConfig(**TINY, vocab_size=len(tokenizer), mlp_bias=True).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    (model / "model.safetensors").write_bytes(b"not weights")
+    cfg = load_config("base", [*ROLLOUT, f"model.path={model}", f"trainer.output_dir={tmp_path}"])
+    with pytest.raises(UnsupportedModel, match=r"mlp_bias=True is not supported .*" + HF_ONLY.replace(".", r"\.")):
+        build_server(cfg)

@@ -47,8 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
-from aligner_ext.generation.decoder import Decoder, LayerWeights, Projection, Shape
 from aligner_ext.architecture import architecture, rms_norm
+from aligner_ext.generation.decoder import Decoder, LayerWeights, Projection, Shape
 from aligner_ext.models.megatron.model import output_weight
 
 

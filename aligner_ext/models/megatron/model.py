@@ -61,7 +61,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from torch.distributed.nn.functional import all_reduce
 
 from aligner_ext.architecture import (Architecture, activation, apply_rotary as rotate, architecture, rms_norm,
-                                              rope_tables, rotary_cos_sin, scale_embedding)
+                                      rope_tables, rotary_cos_sin, scale_embedding)
 from aligner_ext.models.attention import packed_causal_attention, sliding_window_mask
 from aligner_ext.models.kernels import compiled_on_cuda
 
