@@ -31,6 +31,7 @@ from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.tiny import TinyModelConfig
 from aligner_ext.models.warmup import WarmupConfig
 from aligner_ext.rewards.manager import RewardConfig
+from aligner_ext.secrets import read_secret, redact
 from aligner_ext.trackers import MlflowConfig, WandbConfig
 from aligner_ext.variants import merge_variant_overrides, resolve_variants
 
@@ -82,6 +83,7 @@ class TrainerConfig:
     save_every: int = 0  # checkpoint every k steps; 0 = only at the end
     keep_last: int = 2  # checkpoints kept on disk (older ones are deleted); 0 keeps all
     resume: bool = True  # continue from the run directory's latest checkpoint if there is one
+    allow_unverified_checkpoint: bool = False  # resume from a checkpoint without manifest.json (written before manifests): its files go unchecked
     eval_every: int = 0  # held-out evaluation every k steps; 0 = only before and after training
     log_samples_every: int = 10  # write sample completions every k steps; 0 = never
     num_log_samples: int = 4  # completions written each time
@@ -98,17 +100,21 @@ class ServeConfig:
 
     host: str = "127.0.0.1"  # interface to bind; 0.0.0.0 serves other machines (set api_key then)
     port: int = 8000  # TCP port
-    api_key: str | None = None  # if set, requests need `Authorization: Bearer <api_key>` (all but /health)
+    api_key: str | None = field(default=None, repr=False)  # if set, requests need `Authorization: Bearer <api_key>` (all but /health); never written to the run directory (aligner_ext/secrets.py): prefer api_key_env / api_key_file
+    api_key_env: str | None = None  # environment variable holding api_key (used when api_key is not given)
+    api_key_file: str | None = None  # file whose first line is api_key (used when neither api_key nor api_key_env is given)
     model_name: str = "aligner-ext"  # the model id /v1/models lists and responses carry
     max_prompts_per_request: int = 4096  # prompts in one completions request
     max_n: int = 64  # samples per prompt
     max_tokens: int = 32768  # cap on a request's max_tokens
+    max_tokens_per_request: int = 2**21  # cap on prompts x n x max_tokens, what one request may make the engine generate
     max_body_bytes: int = 64 * 2**20  # request body size limit
     request_timeout_s: float = 600.0  # how long a request may wait for the engine before a 503
     log_level: str = "warning"  # uvicorn's access and error log level
 
     def __post_init__(self) -> None:
-        for name in ("max_prompts_per_request", "max_n", "max_tokens", "max_body_bytes"):
+        self.api_key = read_secret(self.api_key, self.api_key_env, self.api_key_file, "serve.api_key")
+        for name in ("max_prompts_per_request", "max_n", "max_tokens", "max_tokens_per_request", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"serve.{name} must be >= 1, got {getattr(self, name)}")
         if self.request_timeout_s <= 0:
@@ -303,12 +309,13 @@ def check_across_sections(cfg: RunConfig) -> None:
 
 
 def to_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config as YAML, secrets redacted (aligner_ext/secrets.py): what config.yaml and checkpoints hold."""
+    return OmegaConf.to_yaml(as_tree(cfg))
 
 
 def as_tree(cfg: RunConfig) -> dict:
-    """The config as nested plain containers (what trackers record)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
+    """The config as nested plain containers, secrets redacted (what trackers record)."""
+    return redact(OmegaConf.to_container(OmegaConf.structured(cfg)))
 
 
 def settings(cfg: RunConfig) -> dict:

@@ -25,3 +25,30 @@ class ModelPathError(UserError, FileNotFoundError):
 
 class ConfigError(UserError, ValueError):
     """Settings that each validate but cannot work together (the message names them)."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be used: it does not fit the model, or it holds objects that could run code."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint file holds pickled objects that could run code if loaded (the message names the file)."""
+
+
+class UnverifiedCheckpoint(CheckpointError):
+    """A checkpoint has no manifest, so nothing shows its files are the ones written; not a fallback
+    case like CorruptCheckpoint, since deleting the manifest is how the check would be switched off."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint file is missing, truncated or corrupted (the message names it); a resume falls
+    back to the previous complete checkpoint."""
+
+
+def error_line(err: BaseException) -> str:
+    """One line of `err`: for torch's weights-only refusal (paragraphs) the line naming the refused global."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    refused = [line for line in lines if line.startswith("WeightsUnpickler error:")]
+    if refused:
+        return refused[0].removeprefix("WeightsUnpickler error:").strip().split(". ")[0]
+    return lines[0] if lines else type(err).__name__

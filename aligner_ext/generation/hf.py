@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +92,10 @@ class HFGenerationEngine(GenerationEngine):
                            "stop string or max_new_tokens")
         self._keeps_last_logits = "logits_to_keep" in inspect.signature(policy_model.forward).parameters
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        """Continue every prompt once; output i belongs to prompt i."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 should_stop: Callable[[], bool] | None = None) -> list[GenerationOutput]:
+        """Continue every prompt once; output i belongs to prompt i. A `should_stop` that turns true (a
+        server's client left) ends the call after the current step, outputs cut where they are."""
         check_request(prompts, params)
         if not prompts:
             return []
@@ -108,7 +111,7 @@ class HFGenerationEngine(GenerationEngine):
                 outputs: list[GenerationOutput] = []
                 for begin in range(0, len(prompts), self.cfg.batch_size):
                     chunk = prompts[begin : begin + self.cfg.batch_size]
-                    outputs.extend(self._generate_chunk(chunk, params, matcher, generator, device))
+                    outputs.extend(self._generate_chunk(chunk, params, matcher, generator, device, should_stop))
         finally:
             self.model.train(was_training)
         return outputs
@@ -116,7 +119,7 @@ class HFGenerationEngine(GenerationEngine):
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _generate_chunk(self, prompts, params, matcher, generator, device) -> list[GenerationOutput]:
+    def _generate_chunk(self, prompts, params, matcher, generator, device, should_stop) -> list[GenerationOutput]:
         """The cached sampling loop for at most `batch_size` prompts."""
         input_ids, attention_mask = (t.to(device) for t in left_pad(prompts, self.pad_id))  # [B, P] each
         attention_mask = attention_mask.long()
@@ -134,6 +137,8 @@ class HFGenerationEngine(GenerationEngine):
                     logprobs[row].append(logprob)
                     reasons[row] = finish_reason(tokens[row], self.eos_ids, matcher, params)
             if all(reason is not None for reason in reasons) or step + 1 == params.max_new_tokens:
+                break
+            if should_stop is not None and should_stop():
                 break
             finished = torch.tensor([reason is not None for reason in reasons], device=device)
             next_ids = next_ids.masked_fill(finished, self.pad_id)[:, None]  # [B, 1]

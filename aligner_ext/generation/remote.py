@@ -39,6 +39,7 @@ from aligner_ext import distributed
 from aligner_ext.generation import remote_vllm
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.weight_group import WeightGroup, describe
+from aligner_ext.secrets import read_secret
 from aligner_ext.weights_file import save_weights
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ class RemoteEngineConfig:
     """Settings of the remote engine (generation/remote.py)."""
 
     urls: list[str] = field(default_factory=list)  # base URLs of the generation servers, e.g. http://node1:8000
-    api_key: str | None = None  # sent as `Authorization: Bearer <api_key>`
+    api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer <api_key>`; never written to the run directory (aligner_ext/secrets.py): prefer api_key_env / api_key_file
+    api_key_env: str | None = None  # environment variable holding api_key (used when api_key is not given)
+    api_key_file: str | None = None  # file whose first line is api_key (used when neither api_key nor api_key_env is given)
     model: str | None = None  # model id to request; unset: the first id each server's /v1/models lists
     concurrency: int = 4  # requests in flight per server
     max_prompts_per_request: int = 64  # prompts per completions request (a call is cut into chunks of at most this many)
@@ -77,6 +80,7 @@ class RemoteEngineConfig:
     server_kind: str = "sglang"  # whose weight-update endpoints the servers speak: sglang (SGLang's; aligner-ext serve) | vllm (docs/serving.md)
 
     def __post_init__(self) -> None:
+        self.api_key = read_secret(self.api_key, self.api_key_env, self.api_key_file, "generator.remote.api_key")
         if self.weight_sync not in WEIGHT_SYNC_MODES:
             raise ValueError(f"generator.remote.weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {self.weight_sync!r}")
         if self.server_kind not in SERVER_KINDS:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -230,7 +231,10 @@ class RolloutEngine(GenerationEngine):
         """Drop the kept KV cache before the policy trains (each call's own cache is freed when it returns)."""
         self.kept = None
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 should_stop: Callable[[], bool] | None = None) -> list[GenerationOutput]:
+        """Continue every prompt once; a `should_stop` that turns true (a server's client left) ends the
+        call between decode steps, its slots freed and outputs cut where they are."""
         check_request(prompts, params)
         if not prompts:
             return []
@@ -245,7 +249,7 @@ class RolloutEngine(GenerationEngine):
         self.model.eval()
         try:
             with torch.inference_mode():
-                return _Call(self, prompts, params, call_seed, matcher, kept, weights).run()
+                return _Call(self, prompts, params, call_seed, matcher, kept, weights).run(should_stop)
         finally:
             self.model.train(was_training)
 
@@ -304,7 +308,7 @@ class _Call:
         self.free = list(range(self.slot_total))
         self.waiting = deque(range(count))
 
-    def run(self) -> list[GenerationOutput]:
+    def run(self, should_stop: Callable[[], bool] | None = None) -> list[GenerationOutput]:
         device = self.decoder.device
         cache = self.decoder.new_cache(self.slot_total, self.length)
         self.slots = _DeviceSlots(cache, self.slot_total, device)
@@ -317,7 +321,11 @@ class _Call:
                     torch.zeros(self.slot_total, dtype=torch.float32, pin_memory=on_gpu)) for _ in range(LOOKAHEAD + 1)]
         in_flight: deque = deque()
         steps = 0
+        stopped = False
         while self.waiting or (self.occupant >= 0).any():
+            if should_stop is not None and should_stop():
+                stopped = True  # steps still in flight are dropped: nobody reads this call's outputs
+                break
             if self.waiting and self.free:
                 self._admit()
             busy = np.flatnonzero(self.occupant >= 0)
@@ -350,7 +358,7 @@ class _Call:
                                  "graph_capture_s": graphs.capture_s if graphs else 0.0,
                                  "prefilled_tokens": self.prefilled_tokens, "prefix_reused_tokens": self.reused_tokens}
         self.kept = None
-        if self.engine.cfg.prefix_cache:
+        if self.engine.cfg.prefix_cache and not stopped:
             self.engine.kept = KeptCache(cache, {int(slot): self.prompts[index] + self.tokens[index, : self.generated[index] - 1].tolist()
                                                  for slot, index in enumerate(self.holder) if index >= 0}, self.weights)
         return [GenerationOutput(token_ids=self.tokens[index, :n].tolist(), finish_reason=self.finish[index] or "length",

@@ -28,18 +28,46 @@ class NonFiniteUpdates(UserError, RuntimeError):
     """Too many optimizer updates in a row had a non-finite loss or gradient norm."""
 
 
+class DivergedRun(UserError, RuntimeError):
+    """An optimizer update moved the weights by more than policy.optim.max_update_ratio of their norm."""
+
+
+def weights_norm(params) -> float:
+    """The global L2 norm of `params` (inf once a value's square overflows: an exploded model)."""
+    norms = [torch.linalg.vector_norm(param.detach(), dtype=torch.promote_types(param.dtype, torch.float32))
+             for param in params]  # bfloat16 weights: summed in float32, not rounded to 3 digits
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
 class NonFiniteGuard:
     """Decides whether an optimizer update may be applied: not when its loss or gradient norm is
     NaN or infinite (applying it would poison the weights and every checkpoint after them). Skipped
     updates are counted and logged; `limit` of them in a row stop the run, before a checkpoint of
-    the diverged state could be written. Its counts travel in the policy's checkpoint state."""
+    the diverged state could be written. Its counts travel in the policy's checkpoint state.
 
-    def __init__(self, limit: int):
+    Finite but broken weights (lr=1e30) pass that test, so `diverged` also judges an applied update
+    by how far it moved the weights: |norm after - norm before| / norm before above
+    `max_update_ratio` counts as a diverged update, which the loop answers by stopping without a
+    checkpoint (trainer/loop.py). The change of norm bounds the update's own norm from below and
+    needs no copy of the weights."""
+
+    def __init__(self, limit: int, max_update_ratio: float = 0.0):
         if limit < 1:
             raise ValueError(f"policy.optim.max_nonfinite_in_a_row must be >= 1, got {limit}")
         self.limit = limit
+        self.max_update_ratio = max_update_ratio
         self.in_a_row = 0
         self.skipped = 0  # over the run
+
+    def diverged(self, norm_before: float, norm_after: float) -> tuple[float, bool]:
+        """(the update's ratio, whether it exceeds max_update_ratio; 0 turns the check off)."""
+        change = abs(norm_after - norm_before)
+        ratio = change / norm_before if norm_before > 0 and math.isfinite(change) else math.inf
+        if self.max_update_ratio and ratio > self.max_update_ratio:
+            logger.error("an optimizer update changed the weights' norm from %.4g to %.4g (ratio %.3g > "
+                         "policy.optim.max_update_ratio=%g)", norm_before, norm_after, ratio, self.max_update_ratio)
+            return ratio, True
+        return ratio, False
 
     def admit(self, grad_norm: float, loss: float = 0.0) -> bool:
         if math.isfinite(loss) and math.isfinite(grad_norm):
@@ -64,15 +92,20 @@ class NonFiniteGuard:
         self.in_a_row, self.skipped = state["in_a_row"], state["skipped"]
 
 
-def update_metrics(totals: dict[str, float], grad_norms: list[float], skipped: int) -> dict[str, float]:
+def update_metrics(totals: dict[str, float], grad_norms: list[float], skipped: int,
+                   update_ratios: list[float] | None = None, diverged: int = 0) -> dict[str, float]:
     """A step's training metrics: the losses' terms averaged over the applied updates, the gradient
-    norms (NaN when every update was skipped) and the counts."""
+    norms (NaN when every update was skipped), the counts, and, where the backend measures them, the
+    largest update ratio (NonFiniteGuard.diverged) and the diverged updates the loop stops on."""
     applied = len(grad_norms)
     metrics = {key: value / applied for key, value in totals.items()} if applied else {}
     metrics["actor/grad_norm"] = sum(grad_norms) / applied if applied else float("nan")
     metrics["actor/grad_norm_max"] = max(grad_norms) if applied else float("nan")
     metrics["actor/num_updates"] = float(applied)
     metrics["actor/skipped_updates"] = float(skipped)
+    if update_ratios is not None:
+        metrics["actor/update_ratio_max"] = max(update_ratios) if update_ratios else float("nan")
+        metrics["actor/diverged_updates"] = float(diverged)
     return metrics
 
 
@@ -90,6 +123,7 @@ class OptimConfig:
     warmup_steps: int = 0  # RL steps of linear warm-up from 0 to lr
     min_lr_ratio: float = 0.0  # final lr / peak lr for linear and cosine decay
     max_nonfinite_in_a_row: int = 3  # an update with a non-finite loss or gradient norm is skipped (and counted); this many in a row stop the run
+    max_update_ratio: float = 0.1  # an update changing the weights' L2 norm by more than this fraction of it diverged: the run stops (exit 2) without saving it (0 disables)
 
     def __post_init__(self) -> None:
         if self.schedule not in ("constant", "linear", "cosine"):
@@ -100,6 +134,8 @@ class OptimConfig:
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.min_lr_ratio <= 1):
             raise ValueError("policy.optim.beta1 and beta2 must be in [0, 1) and min_lr_ratio in [0, 1]; got "
                              f"{self.beta1}, {self.beta2}, {self.min_lr_ratio}")
+        if self.max_update_ratio < 0:
+            raise ValueError(f"policy.optim.max_update_ratio must be >= 0, got {self.max_update_ratio}")
         if self.max_nonfinite_in_a_row < 1:
             raise ValueError(f"policy.optim.max_nonfinite_in_a_row must be >= 1, got {self.max_nonfinite_in_a_row}")
 

@@ -21,7 +21,9 @@ from transformers import PreTrainedModel
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
-from aligner_ext.models.base import POLICIES, NonFiniteGuard, OptimConfig, Policy, PolicyConfig, update_metrics
+from aligner_ext.models.base import (
+    POLICIES, NonFiniteGuard, OptimConfig, Policy, PolicyConfig, update_metrics, weights_norm,
+)
 from aligner_ext.models.attention import hf_packed_attention
 from aligner_ext.models.kernels import apply_kernels
 from aligner_ext.models.logprobs import fused_logprobs
@@ -166,7 +168,7 @@ class HFPolicy(Policy):
             eps=optim.eps, weight_decay=optim.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
-        self.guard = NonFiniteGuard(optim.max_nonfinite_in_a_row)
+        self.guard = NonFiniteGuard(optim.max_nonfinite_in_a_row, optim.max_update_ratio)
 
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         was_training = self.model.training
@@ -183,30 +185,38 @@ class HFPolicy(Policy):
     def train(self, batch: ExperienceBatch, loss: Loss, temperature: float) -> dict[str, float]:
         self.model.train()
         totals: dict[str, float] = defaultdict(float)
-        grad_norms, skipped = [], 0
+        grad_norms, ratios, skipped, diverged = [], [], 0, 0
         fill = batch.old_logprobs is None  # the on-policy shortcut: this pass's log-probs are the old ones
         if fill and not self.fills_old_logprobs(len(batch)):
             raise ValueError("a batch without old log-probs trains in one update only (trainer/loop.py decides)")
-        for _ in range(self.cfg.num_iterations):
-            for mini_rows in split_rows(len(batch), self.cfg.mini_batch_size):
-                mini = batch.select(list(mini_rows))
-                update, grad_norm = self._update(mini, loss, temperature)
-                if fill:
-                    batch.old_logprobs, batch.entropy = mini.old_logprobs, mini.entropy
-                if update is None:
-                    skipped += 1
-                    continue
-                grad_norms.append(grad_norm)
-                for key, value in update.items():
-                    totals[key] += value
+        splits = split_rows(len(batch), self.cfg.mini_batch_size)
+        minis = [rows for _ in range(self.cfg.num_iterations) for rows in splits]
+        for mini_rows in minis:
+            mini = batch.select(list(mini_rows))
+            update, grad_norm, norms = self._update(mini, loss, temperature)
+            if fill:
+                batch.old_logprobs, batch.entropy = mini.old_logprobs, mini.entropy
+            if update is None:
+                skipped += 1
+                continue
+            grad_norms.append(grad_norm)
+            ratio, broken = self.guard.diverged(*norms)
+            ratios.append(ratio)
+            for key, value in update.items():
+                totals[key] += value
+            if broken:  # the weights are gone: no further update on them; the loop stops the run
+                diverged += 1
+                break
         self.scheduler.step()
-        metrics = update_metrics(totals, grad_norms, skipped)
+        metrics = update_metrics(totals, grad_norms, skipped, ratios, diverged)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def _update(self, mini: ExperienceBatch, loss: Loss, temperature: float) -> tuple[dict[str, float] | None, float]:
-        """One optimizer update on a mini-batch, accumulating gradients over micro-batches; (None,
-        norm) when the guard skips it."""
+    def _update(self, mini: ExperienceBatch, loss: Loss,
+                temperature: float) -> tuple[dict[str, float] | None, float, tuple[float, float] | None]:
+        """One optimizer update on a mini-batch, accumulating gradients over micro-batches: (metrics,
+        gradient norm, the weights' norm before and after it, for the guard), or (None, norm, None)
+        when the guard skips it."""
         counts = loss.global_counts(mini)
         metrics: dict[str, float] = defaultdict(float)
         total_loss = torch.zeros((), device=self.model.device)
@@ -235,9 +245,10 @@ class HFPolicy(Policy):
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         if not self.guard.admit(grad_norm, float(total_loss)):
             self.optimizer.zero_grad(set_to_none=True)
-            return None, grad_norm
+            return None, grad_norm, None
+        before = weights_norm(self.model.parameters())
         self.optimizer.step()
-        return metrics, grad_norm
+        return metrics, grad_norm, (before, weights_norm(self.model.parameters()))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

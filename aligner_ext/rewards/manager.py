@@ -37,6 +37,8 @@ Decisions:
   calls on short responses take 0.22-0.30 s through the pool (about 1 ms each, of which the pool's
   messaging is about 0.08 ms), well under the ~1 s a training step can spend on rewards.
 - `metrics()` returns the counts since the previous `metrics()` call, i.e. per training step.
+- Workers die with the trainer, however it dies (a SIGKILL during a hung call included):
+  `_die_with_trainer`. An orphaned worker would spin on and keep the run's output open.
 - Run-level reward settings (the LLM judge, `judge`) reach a reward object through one hook: a
   resolved reward that has `with_reward_config(cfg)` is replaced by what that returns, once per
   data_source. Plain functions are used as they are.
@@ -50,14 +52,18 @@ Decisions:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
+import os
 import pickle
+import select
 import signal
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
@@ -71,6 +77,7 @@ logger = logging.getLogger(__name__)
 
 MAX_LOGS_PER_ERROR = 3  # log lines per (reward, exception type); every occurrence is counted
 STARTUP_TIMEOUT_S = 120.0  # how long a new worker may take to start, seconds
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal this process gets when its parent exits
 
 
 @dataclass
@@ -90,16 +97,48 @@ class RewardSourceError(UserError, ValueError):
     """A row's data_source has no reward function, or its function does not resolve."""
 
 
-def _worker_main(conn: Connection) -> None:
+def _worker_main(conn: Connection, trainer_pid: int) -> None:
     """Worker loop: receive a pickled (fn, response, row), send back a pickled outcome (see `_call`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which closes the pool
-    conn.send_bytes(b"ready")
-    while True:
-        try:
+    _die_with_trainer(trainer_pid)
+    try:
+        conn.send_bytes(b"ready")
+        while True:
             payload = conn.recv_bytes()
-        except EOFError:  # the manager closed the pool
-            return
-        conn.send_bytes(_call(payload))
+            conn.send_bytes(_call(payload))
+    except (EOFError, OSError):  # the manager closed the pool (EOF, or a reset / broken pipe mid-message)
+        return
+
+
+def _die_with_trainer(trainer_pid: int) -> None:
+    """Make this worker exit when the trainer does, even a SIGKILLed one whose reward call hangs: else it
+    would spin on at 100% CPU holding the run's files open. Two guards, as neither covers every case:
+    - PR_SET_PDEATHSIG: the kernel SIGKILLs the worker when its parent, the forkserver, exits, whatever
+      the worker is doing (a C loop holding the GIL included). The forkserver exits once every copy of
+      its pipe from the trainer is closed; each worker inherits one, which it closes here, so the trainer's
+      death is what closes the last one. Linux only.
+    - a thread that waits on a pidfd of the trainer (Linux >= 5.3) and ends the process when the trainer
+      exits: for when the forkserver outlives it (another child of the trainer, forked, holds that pipe)."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "prctl"):
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    server = forkserver._forkserver  # the stdlib keeps the pipe's fd there, unexposed; closed after the prctl,
+    # so the forkserver (which this copy keeps alive) cannot have exited before the signal was armed
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None  # a forkserver started from this worker would make its own
+    try:
+        trainer = os.pidfd_open(trainer_pid)
+    except ProcessLookupError:  # the trainer died while this worker started
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd here: the parent-death signal alone
+        return
+
+    def watch() -> None:
+        select.select([trainer], [], [])  # readable once the trainer has exited
+        os._exit(1)
+
+    threading.Thread(target=watch, name="reward-worker-watchdog", daemon=True).start()
 
 
 def _call(payload: bytes) -> bytes:
@@ -116,7 +155,8 @@ class _Worker:
 
     def __init__(self, ctx: Any):
         self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child_conn,), name="reward-worker", daemon=True)
+        self.process = ctx.Process(target=_worker_main, args=(child_conn, os.getpid()), name="reward-worker",
+                                   daemon=True)
         self.process.start()
         child_conn.close()
 

@@ -8,19 +8,26 @@ the trainer with aligner_ext/weights_file.py::save_weights), /init_weights_updat
 
 The engine runs one call at a time: a request waits for the engine at most `request_timeout_s`
 (then 503). A request's prompts x n run as one engine call, so the rollout engine batches them.
-Bounds (prompts, n, max_tokens, body size) answer 400 / 413 naming the limit; the server binds to
-127.0.0.1 unless `serve.host` says otherwise; with `serve.api_key` set every endpoint but /health
-wants `Authorization: Bearer <key>`.
+The call runs in a worker thread while the event loop watches the client: a client that disconnects
+cancels its request (the engine stops between decode steps, via `should_stop`), so nobody can hold
+the engine for a request whose answer nobody reads. Bounds (prompts, n, max_tokens, prompts x n x
+max_tokens, body size) answer 400 / 413 naming the limit; the body is counted as it streams (chunked
+bodies too, not only a Content-Length). A cancelled request answers 499 (nginx's "client closed
+request"), which nobody reads. The server binds to 127.0.0.1 unless `serve.host` says otherwise;
+with `serve.api_key` set every endpoint but /health wants `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import threading
 import time
 from pathlib import Path
 
 import torch
+from anyio import to_thread
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -64,13 +71,24 @@ class GenerationServer:
         self.counters = _Counters()
         self.weight_groups: dict[str, WeightGroup] = {}
         self.weight_version = 0
+        # engines that can stop mid-call (hf, rollout) take `should_stop`; others run their call to the end
+        self.cancellable = "should_stop" in inspect.signature(engine.generate).parameters
 
-    def run_engine(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[GenerationOutput]:
-        """Every prompt n times (prompt i's samples at i*n ... i*n+n-1), in one engine call."""
-        if not self.engine_lock.acquire(timeout=self.cfg.request_timeout_s):
-            raise HTTPException(503, f"the engine stayed busy for serve.request_timeout_s={self.cfg.request_timeout_s} s")
+    def run_engine(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                   cancelled: threading.Event) -> list[GenerationOutput]:
+        """Every prompt n times (prompt i's samples at i*n ... i*n+n-1), in one engine call; a set
+        `cancelled` (the client left) gives up the wait for the engine or stops the call."""
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while not self.engine_lock.acquire(timeout=0.1):
+            if cancelled.is_set():
+                raise HTTPException(499, "the client disconnected")
+            if time.monotonic() > deadline:
+                raise HTTPException(503, f"the engine stayed busy for serve.request_timeout_s={self.cfg.request_timeout_s} s")
         try:
-            return self.engine.generate([prompt for prompt in prompts for _ in range(n)], params)
+            repeated = [prompt for prompt in prompts for _ in range(n)]
+            if self.cancellable:
+                return self.engine.generate(repeated, params, should_stop=cancelled.is_set)
+            return self.engine.generate(repeated, params)
         finally:
             self.engine_lock.release()
 
@@ -78,7 +96,9 @@ class GenerationServer:
         if request.stream:
             raise HTTPException(400, "stream=true is not served; ask without streaming")
         limits = (("prompts", len(prompts), self.cfg.max_prompts_per_request, "max_prompts_per_request"),
-                  ("n", request.n, self.cfg.max_n, "max_n"), ("max_tokens", request.max_tokens, self.cfg.max_tokens, "max_tokens"))
+                  ("n", request.n, self.cfg.max_n, "max_n"), ("max_tokens", request.max_tokens, self.cfg.max_tokens, "max_tokens"),
+                  ("prompts x n x max_tokens", len(prompts) * request.n * request.max_tokens,
+                   self.cfg.max_tokens_per_request, "max_tokens_per_request"))
         for what, value, limit, key in limits:
             if value > limit:
                 raise HTTPException(400, f"{what}={value} exceeds serve.{key}={limit}")
@@ -96,14 +116,17 @@ class GenerationServer:
             return [list(prompt)]
         return [self.tokenizer.encode(item) if isinstance(item, str) else list(item) for item in prompt]
 
-    def generate(self, request, prompts: list[list[int]], return_logprobs: bool, make_choice) -> dict:
+    def generate(self, request, prompts: list[list[int]], return_logprobs: bool, make_choice,
+                 cancelled: threading.Event) -> dict:
         self.check_bounds(request, prompts)
         params = request.sampling_params(return_logprobs)
         started = time.perf_counter()
         try:
-            outputs = self.run_engine(prompts, params, request.n)
+            outputs = self.run_engine(prompts, params, request.n, cancelled)
         except ValueError as err:  # the engine's check of the sampling settings
             raise HTTPException(400, str(err)) from err
+        if cancelled.is_set():
+            raise HTTPException(499, "the client disconnected")
         used = usage(prompts, outputs)
         self.counters.add(prompt_tokens_total=used["prompt_tokens"], generation_tokens_total=used["completion_tokens"],
                           request_seconds_total=time.perf_counter() - started)
@@ -151,6 +174,61 @@ class GenerationServer:
         self.counters.add(weight_updates_total=1)
 
 
+class _BoundedBody:
+    """ASGI middleware: reads the body before the app sees it, counting bytes as they arrive (a chunked
+    body has no Content-Length to check), answers 413 once it passes serve.max_body_bytes, else replays
+    it to the app; counts requests and error answers for /metrics."""
+
+    def __init__(self, app, server: GenerationServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit, counters = self.server.cfg.max_body_bytes, self.server.counters
+        counters.add(requests_total=1)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        size = int(declared) if declared.isdigit() else 0  # a declared size past the limit answers at once
+        chunks, received, more = [], 0, True
+        while more and max(size, received) <= limit:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            more = message.get("more_body", False)
+        if max(size, received) > limit:
+            counters.add(request_errors_total=1)
+            too_large = {"error": {"message": f"body exceeds serve.max_body_bytes={limit}", "code": 413}}
+            return await JSONResponse(too_large, status_code=413)(scope, receive, send)
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return pending.pop() if pending else await receive()  # after the body: the client's disconnect
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                counters.add(request_errors_total=1)
+            await send(message)
+
+        await self.app(scope, replay, counted)
+
+
+async def _until_disconnected(raw: Request, work) -> dict:
+    """`work(cancelled)` in a worker thread, the event loop meanwhile watching the client: one that
+    disconnects sets `cancelled`, which stops the engine between decode steps and frees it."""
+    cancelled = threading.Event()
+    task = asyncio.ensure_future(to_thread.run_sync(work, cancelled))
+    try:
+        while not task.done():
+            if await raw.is_disconnected():
+                cancelled.set()
+            await asyncio.wait({task}, timeout=0.1)
+        return task.result()
+    finally:
+        cancelled.set()  # this coroutine itself cancelled (server shutdown): stop the engine too
+
+
 def build_app(server: GenerationServer) -> FastAPI:
     """The HTTP endpoints over `server` (module docstring)."""
     cfg = server.cfg
@@ -160,16 +238,7 @@ def build_app(server: GenerationServer) -> FastAPI:
         if cfg.api_key is not None and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
             raise HTTPException(401, "missing or wrong API key (Authorization: Bearer <key>)")
 
-    @app.middleware("http")
-    async def bounded_body(request: Request, call_next):
-        if int(request.headers.get("content-length") or 0) > cfg.max_body_bytes:
-            return JSONResponse({"error": {"message": f"body exceeds serve.max_body_bytes={cfg.max_body_bytes}"}},
-                                status_code=413)
-        server.counters.add(requests_total=1)
-        response = await call_next(request)
-        if response.status_code >= 400:
-            server.counters.add(request_errors_total=1)
-        return response
+    app.add_middleware(_BoundedBody, server=server)
 
     @app.exception_handler(HTTPException)
     async def openai_error(request: Request, err: HTTPException):
@@ -190,22 +259,28 @@ def build_app(server: GenerationServer) -> FastAPI:
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "owned_by": "aligner-ext"}]}
 
     @app.post("/v1/completions", dependencies=keyed)
-    def completions(request: CompletionRequest) -> dict:
+    async def completions(request: CompletionRequest, raw: Request) -> dict:
         if request.logprobs is not None and request.logprobs > 1:
             raise HTTPException(400, "logprobs > 1 (top alternatives) is not served; 0 or 1 returns the sampled tokens'")
-        prompts = server.completion_prompts(request.prompt)
-        return {"object": "text_completion",
-                **server.generate(request, prompts, request.logprobs is not None, completion_choice)}
+
+        def work(cancelled: threading.Event) -> dict:
+            prompts = server.completion_prompts(request.prompt)
+            return server.generate(request, prompts, request.logprobs is not None, completion_choice, cancelled)
+
+        return {"object": "text_completion", **await _until_disconnected(raw, work)}
 
     @app.post("/v1/chat/completions", dependencies=keyed)
-    def chat_completions(request: ChatCompletionRequest) -> dict:
-        try:
-            prompt = server.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
-        except Exception as err:  # a malformed message list or a tokenizer without a chat template
-            raise HTTPException(400, f"cannot render the messages with the chat template: {err}") from err
-        if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
-            prompt = prompt["input_ids"]
-        return {"object": "chat.completion", **server.generate(request, [list(prompt)], request.logprobs, chat_choice)}
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> dict:
+        def work(cancelled: threading.Event) -> dict:
+            try:
+                prompt = server.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
+            except Exception as err:  # a malformed message list or a tokenizer without a chat template
+                raise HTTPException(400, f"cannot render the messages with the chat template: {err}") from err
+            if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
+                prompt = prompt["input_ids"]
+            return server.generate(request, [list(prompt)], request.logprobs, chat_choice, cancelled)
+
+        return {"object": "chat.completion", **await _until_disconnected(raw, work)}
 
     @app.post("/update_weights_from_disk", dependencies=keyed)
     def update_weights_from_disk(request: DiskWeightsRequest) -> dict:

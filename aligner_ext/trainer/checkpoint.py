@@ -4,13 +4,16 @@ A checkpoint is `checkpoints/step_<N>/` holding the weights (`model.safetensors`
 and `trainer_state.pt` (optimizer, LR schedule, prompt-loader position, experience-maker state,
 RNG states), and `manifest.json` (every file's size and SHA-256, written last). It is written under
 a temporary name and renamed into place only when complete, so every `step_<N>` directory is a
-complete checkpoint and a run killed mid-save keeps its previous one (checkpoints of versions
-before the manifest are loaded unverified). `checkpoints/latest` (a one-line file, itself replaced
-atomically) names the newest one, but it is only a hint: the newest complete checkpoint is found
-from the directories themselves, so a kill between a rename and the pointer's write loses nothing.
-On resume the manifest is checked first; a truncated, corrupt or missing file is named and the
-previous complete checkpoint is tried. Weights holding NaN or infinity are never saved (the
-policy's `NonFiniteGuard` skips the updates that would make them; this is the last fence).
+complete checkpoint and a run killed mid-save keeps its previous one. `checkpoints/latest` (a
+one-line file, itself replaced atomically) names the newest one, but it is only a hint: the newest
+complete checkpoint is found from the directories themselves, so a kill between a rename and the
+pointer's write loses nothing. On resume the manifest is checked first; a truncated, corrupt or
+missing file is named and the previous complete checkpoint is tried. A checkpoint without a
+manifest (written before manifests existed, or with its manifest deleted to switch the check off) is
+refused unless the user allows it (`trainer.allow_unverified_checkpoint`): the library never leaves
+a `step_<N>` directory without one, and pruning renames a checkpoint out of that name before
+deleting it. Weights holding NaN or infinity are never saved (the policy's `NonFiniteGuard` skips
+the updates that would make them; this is the last fence).
 
 Multi-process runs (torchrun, aligner_ext/distributed.py): every process runs the same loop, so the
 loader, experience-maker and RNG states are the same on every rank, and the main process alone
@@ -24,7 +27,8 @@ and resume (the Megatron backend reshards its own state: docs/megatron.md).
 `trainer_state.pt` is read with `torch.load(weights_only=True)`: tensors, numbers, strings and
 containers, plus the library's own record types (`SAFE_TYPES`: a dynamic-sampling surplus batch).
 Nothing else is unpickled, so a checkpoint handed over by someone else cannot run code on resume;
-the RNG states are saved as plain numbers for that reason.
+the RNG states are saved as plain numbers for that reason. The Megatron backend's distributed
+checkpoint is read the same way (models/megatron/dist_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from safetensors import SafetensorError
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import barrier, is_main_process
-from aligner_ext.errors import UserError
+from aligner_ext.errors import (CheckpointError, CorruptCheckpoint, UnsafeCheckpoint, UnverifiedCheckpoint,
+                                 error_line)
 from aligner_ext.files import follow_umask
 from aligner_ext.weights_file import load_weights, save_weights
 
@@ -56,15 +61,6 @@ LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 SAFE_TYPES = (ExperienceBatch, SampleInfo, PromptRow)  # the classes trainer_state.pt may hold
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint cannot be used: it does not fit the model, or it holds objects that could run code."""
-
-
-class CorruptCheckpoint(CheckpointError):
-    """A checkpoint file is missing, truncated or corrupted (the message names it); a resume falls
-    back to the previous complete checkpoint."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -92,9 +88,9 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
         try:
             return torch.load(path, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise CheckpointError(f"{path}: refusing to load it, it holds objects other than tensors, numbers, "
-                               f"strings, containers and {', '.join(t.__name__ for t in SAFE_TYPES)} (loading "
-                               f"them could run code); was it written by this library? {err}") from err
+            raise UnsafeCheckpoint(f"{path}: refusing to load it, it holds objects other than tensors, numbers, "
+                                   f"strings, containers and {', '.join(t.__name__ for t in SAFE_TYPES)} (loading "
+                                   f"them could run code); was it written by this library? {error_line(err)}") from err
 
 
 def _sha256(path: Path) -> str:
@@ -121,9 +117,10 @@ def _write_text_atomically(path: Path, text: str) -> None:
 class Checkpointer:
     """Saves and restores the training state under `<run_dir>/checkpoints`."""
 
-    def __init__(self, run_dir: str | Path, keep_last: int):
+    def __init__(self, run_dir: str | Path, keep_last: int, allow_unverified: bool = False):
         self.directory = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.allow_unverified = allow_unverified  # trainer.allow_unverified_checkpoint
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None (`complete()` lists them all)."""
@@ -152,9 +149,15 @@ class Checkpointer:
 
     def verify(self, path: Path) -> None:
         """Check every file of checkpoint `path` against its manifest; CorruptCheckpoint names the first
-        that is missing, of another size or of another SHA-256."""
+        that is missing, of another size or of another SHA-256. Without a manifest UnverifiedCheckpoint,
+        unless `allow_unverified`."""
         if not (path / MANIFEST).exists():
-            logger.warning("%s has no %s (written by an older version): not verified", path, MANIFEST)
+            if not self.allow_unverified:
+                raise UnverifiedCheckpoint(
+                    f"{path}: no {MANIFEST}, so its files cannot be verified (written before manifests existed, "
+                    "or the manifest was deleted); refusing to resume from it: set "
+                    "trainer.allow_unverified_checkpoint=true to load it unverified if you trust it")
+            logger.warning("%s has no %s: loading it unverified (trainer.allow_unverified_checkpoint)", path, MANIFEST)
             return
         try:
             manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
@@ -231,7 +234,7 @@ class Checkpointer:
     def _load_weights(path: Path, model: torch.nn.Module) -> None:
         try:
             missing, unexpected = load_weights(model, path / "model.safetensors")
-        except SafetensorError as err:  # unverified (older) checkpoints only: a verified file parses
+        except SafetensorError as err:  # not safetensors: unverified, or replaced and the manifest recomputed
             raise CorruptCheckpoint(f"{path / 'model.safetensors'}: unreadable ({err})") from err
         except RuntimeError as err:  # a tensor of another shape
             raise CheckpointError(f"checkpoint {path} does not fit the model: {err}") from err
@@ -241,7 +244,11 @@ class Checkpointer:
     def _prune(self, keep: Path) -> None:
         if self.keep_last <= 0:
             return
+        for leftover in self.directory.glob(".step_*.deleting"):  # a run killed while pruning
+            shutil.rmtree(leftover, ignore_errors=True)
         steps = sorted(self.directory.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
         for old in steps[: -self.keep_last]:
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
+            if old != keep:  # renamed first: a kill mid-delete must not leave a step_<N> without its manifest
+                doomed = self.directory / f".{old.name}.deleting"
+                os.replace(old, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)

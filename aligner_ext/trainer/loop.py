@@ -20,6 +20,7 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.config import RunConfig, as_tree, changed_settings, settings, to_yaml
 from aligner_ext.distributed import init_from_env, is_main_process
 from aligner_ext.files import follow_umask
+from aligner_ext.models.base import DivergedRun
 from aligner_ext.trainer.build import Components, build_components
 from aligner_ext.trainer.checkpoint import Checkpointer, CorruptCheckpoint
 from aligner_ext.trainer.evaluate import evaluate
@@ -54,7 +55,7 @@ def train(cfg: RunConfig) -> RunSummary:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     torch.manual_seed(cfg.trainer.seed)
     parts = build_components(cfg, run_dir)
-    checkpointer = Checkpointer(run_dir, cfg.trainer.keep_last)
+    checkpointer = Checkpointer(run_dir, cfg.trainer.keep_last, cfg.trainer.allow_unverified_checkpoint)
     start_step, before = resume(cfg, parts, checkpointer)
     log = MetricsLogger(run_dir, cfg.trainer.tensorboard, start_step, trackers=lambda: build_trackers(
         cfg.trainer.wandb, cfg.trainer.mlflow, cfg.trainer.run_name, run_dir, as_tree(cfg), settings(cfg)))
@@ -81,6 +82,13 @@ def train(cfg: RunConfig) -> RunSummary:
             after = run_eval(cfg, parts)
             metrics.update(after)
         log.log(done, metrics)
+        if metrics.get("actor/diverged_updates", 0.0) > 0:  # the guard's verdict: these weights are never saved
+            ratio = metrics["actor/update_ratio_max"]
+            raise DivergedRun(
+                f"step {done}: an optimizer update changed the weights' norm by {ratio:.3g} of it "
+                f"(policy.optim.max_update_ratio={cfg.policy.optim.max_update_ratio}): the model diverged; "
+                "stopping without saving it (checkpoints/latest, if any, is the last good step). Lower "
+                "policy.optim.lr and resume")
         if len(batch) and cfg.trainer.log_samples_every and done % cfg.trainer.log_samples_every == 0:
             log.log_samples(done, batch, cfg.trainer.num_log_samples)
         if cfg.trainer.save_every and done % cfg.trainer.save_every == 0 and done < cfg.trainer.total_steps:

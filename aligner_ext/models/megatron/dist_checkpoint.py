@@ -45,23 +45,143 @@ the step count grew by the number of parameters per update and Adam's bias corre
 (a run resumed at step 15 of 30 drifted from the straight run from step 17 on, 2x H200).
 
 Every rank calls `save` and `load` (collectives inside); rank 0 writes the non-tensor state.
+
+Nothing the directory holds is unpickled beyond tensors, numbers, strings and containers, so a
+checkpoint handed over by someone else cannot run code on resume (docs/reliability.md). Left to
+themselves, torch.distributed.checkpoint reads `.metadata` with `pickle.load` and megatron-core's
+`_extra_state` objects (bytes items of the `.distcp` files) with `torch.load(weights_only=False)`.
+`load` therefore runs megatron-core's loader with `SafeFileSystemReader` (`.metadata` through an
+unpickler allowing only `METADATA_GLOBALS`) and `SafeLoadPlanner` (bytes items weights-only) swapped
+into its torch_dist strategy module, and `common.pt` read weights-only explicitly (torch's default
+yields to TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD); the tensors themselves DCP already reads weights-only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import pickle
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategy
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+from aligner_ext.errors import CheckpointError, UnsafeCheckpoint, error_line
 
 DIRECTORY = "megatron"  # the subdirectory of a trainer checkpoint (trainer/checkpoint.py) holding it
 OPTIMIZER_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",  # reshards over TP, PP and DP (see above)
     "chained_optim_avoid_prefix": True,  # the same keys whether megatron-core chains optimizers or not
 }
+
+
+# Every global a `.metadata` of torch 2.13 / megatron-core 0.16 pickles (read from the files they write),
+# plus torch's dtypes (`_allowed`): the metadata's dataclasses and enums, no function that runs anything.
+METADATA_GLOBALS = frozenset({
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout from its name
+    ("pathlib", "PosixPath"),  # the checkpoint id torch's own writer records
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    *(("torch.distributed.checkpoint.planner", name) for name in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
+})
+
+
+def _allowed(module: str, name: str) -> bool:
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return True
+    return (module, name) in METADATA_GLOBALS
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Refuses every global outside `METADATA_GLOBALS` (and torch's dtypes) before it is looked up."""
+
+    def find_class(self, module: str, name: str):
+        if not _allowed(module, name):
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's reader with `.metadata` read by `_MetadataUnpickler`, once (megatron-core reads it repeatedly)."""
+
+    def read_metadata(self, *args, **kwargs):
+        if getattr(self, "_safe_metadata", None) is None:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as handle:
+                try:
+                    metadata = _MetadataUnpickler(handle).load()
+                except pickle.UnpicklingError as err:
+                    raise _refusal(Path(path), err) from err
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            self._safe_metadata = metadata
+        return self._safe_metadata
+
+
+class SafeLoadPlanner(mcore_torch_strategy.MCoreLoadPlanner):
+    """megatron-core's load planner with bytes items (`_extra_state`) unpickled weights-only."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes does
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class _SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+    """`common.pt` (megatron-core's non-sharded state) read weights-only whatever the environment says."""
+
+    def load_common(self, checkpoint_dir):
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise _refusal(path, err) from err
+
+
+def _refusal(path: Path, err: BaseException) -> UnsafeCheckpoint:
+    return UnsafeCheckpoint(f"{path}: refusing to load it, it holds objects other than tensors, numbers, strings "
+                            f"and containers (loading them could run code): {error_line(err)}")
+
+
+@contextlib.contextmanager
+def _safe_readers() -> Iterator[None]:
+    """Swap the safe reader and planner into megatron-core's torch_dist strategy module, which looks both
+    up by name when it loads (`_get_filesystem_reader`, `MCoreLoadPlanner`)."""
+    saved = mcore_torch_strategy._get_filesystem_reader, mcore_torch_strategy.MCoreLoadPlanner
+    mcore_torch_strategy._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: (
+        SafeFileSystemReader(checkpoint_dir))
+    mcore_torch_strategy.MCoreLoadPlanner = SafeLoadPlanner
+    try:
+        yield
+    finally:
+        mcore_torch_strategy._get_filesystem_reader, mcore_torch_strategy.MCoreLoadPlanner = saved
+
+
+def _raise_refusal_from(err: CheckpointException, directory: Path) -> None:
+    """DCP gathers each rank's exception into one CheckpointException: raise a refusal found among them."""
+    for cause, _traceback in err.failures.values():
+        if isinstance(cause, CheckpointError):
+            raise cause from err
+        if isinstance(cause, pickle.UnpicklingError):  # a tensor item, read weights-only by DCP itself
+            raise _refusal(directory, cause) from err
 
 
 def sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool) -> dict:
@@ -81,14 +201,23 @@ def save(directory: Path, model: torch.nn.Module, optimizer) -> None:
 
 def load(directory: Path, model: torch.nn.Module, optimizer) -> None:
     """Load what `save` wrote, at this run's layout, into `model` and `optimizer`."""
-    if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
+    try:
+        found = dist_checkpointing.check_is_distributed_checkpoint(str(directory))
+    except ValueError as err:  # megatron-core's metadata.json is not JSON
+        raise CheckpointError(f"{directory / 'metadata.json'}: unreadable ({error_line(err)})") from err
+    if not found:
         raise FileNotFoundError(f"{directory} is not a megatron-core distributed checkpoint "
                                 "(a checkpoint of another policy backend?)")
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
             inner._init_optimizer_states_with_dummy_values()  # see the module docstring
-    state = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True), str(directory),
-                                    strict=StrictHandling.RAISE_ALL)
+    try:
+        with _safe_readers():
+            state = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True), str(directory),
+                                            common_strategy=_SafeCommonLoadStrategy(), strict=StrictHandling.RAISE_ALL)
+    except CheckpointException as err:
+        _raise_refusal_from(err, directory)
+        raise
     model.load_state_dict(state["model"])
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     if len(inner) == 1 and isinstance(inner[0], DistributedOptimizer):

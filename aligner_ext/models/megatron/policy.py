@@ -48,7 +48,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.errors import ConfigError
 from aligner_ext.losses.base import Loss
-from aligner_ext.models.base import NonFiniteGuard, Policy, PolicyConfig, update_metrics
+from aligner_ext.models.base import NonFiniteGuard, Policy, PolicyConfig, update_metrics, weights_norm
 from aligner_ext.models.hf import cast_model, lr_lambda, resolve_dtype, split_rows
 from aligner_ext.models.megatron import convert, dist_checkpoint
 from aligner_ext.models.megatron.forward import (
@@ -98,7 +98,7 @@ class MegatronPolicy(Policy):
         self.optimizer = build_optimizer(self.ddp, cfg.optim, cfg.use_distributed_optimizer)
         self.lr_at = lr_lambda(cfg.optim, total_steps)
         self.rl_step = 0
-        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_in_a_row)
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_in_a_row, cfg.optim.max_update_ratio)
         set_lr(self.optimizer, cfg.optim.lr * self.lr_at(0))
 
     def _core_from_hf(self) -> torch.nn.Module:
@@ -223,32 +223,39 @@ class MegatronPolicy(Policy):
         self._check_replicated(batch)
         self.ddp.train()
         totals: dict[str, float] = defaultdict(float)
-        grad_norms, skipped = [], 0
+        grad_norms, ratios, skipped, diverged = [], [], 0, 0
         fill = batch.old_logprobs is None  # the on-policy shortcut: this pass's log-probs are the old ones
         if fill and not self.fills_old_logprobs(len(batch)):
             raise ValueError("a batch without old log-probs trains in one update only (trainer/loop.py decides)")
-        for _ in range(self.cfg.num_iterations):
-            for mini_rows in split_rows(len(batch), self.cfg.mini_batch_size):
-                mini = batch.select(list(mini_rows))
-                update, grad_norm = self._update(mini, loss, temperature)
-                if fill:  # one mini-batch: the whole batch
-                    batch.old_logprobs, batch.entropy = mini.old_logprobs, mini.entropy
-                if grad_norm is None:
-                    skipped += 1
-                    continue
-                grad_norms.append(grad_norm)
-                for key, value in update.items():
-                    totals[key] += value
+        splits = split_rows(len(batch), self.cfg.mini_batch_size)
+        for mini_rows in [rows for _ in range(self.cfg.num_iterations) for rows in splits]:
+            mini = batch.select(list(mini_rows))
+            update, grad_norm, norms = self._update(mini, loss, temperature)
+            if fill:  # one mini-batch: the whole batch
+                batch.old_logprobs, batch.entropy = mini.old_logprobs, mini.entropy
+            if grad_norm is None:
+                skipped += 1
+                continue
+            grad_norms.append(grad_norm)
+            ratio, broken = self.guard.diverged(*norms)  # the same norms, so the same verdict, on every rank
+            ratios.append(ratio)
+            for key, value in update.items():
+                totals[key] += value
+            if broken:  # the weights are gone: no further update on them; the loop stops the run
+                diverged += 1
+                break
         self.rl_step += 1
         set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
-        metrics = update_metrics(totals, grad_norms, skipped)
+        metrics = update_metrics(totals, grad_norms, skipped, ratios, diverged)
         metrics["actor/lr"] = self.cfg.optim.lr * self.lr_at(self.rl_step)
         return metrics
 
-    def _update(self, mini: ExperienceBatch, loss: Loss, temperature: float) -> tuple[dict[str, float], float | None]:
-        """One optimizer update on a mini-batch (global counts over all of it), over micro-batches;
-        the gradient norm is None when the guard skipped the update. A mini-batch without old
-        log-probs gets them (and its entropy) from this forward."""
+    def _update(self, mini: ExperienceBatch, loss: Loss,
+                temperature: float) -> tuple[dict[str, float], float | None, tuple[float, float]]:
+        """One optimizer update on a mini-batch (global counts over all of it), over micro-batches:
+        (metrics, gradient norm, the weights' norm before and after it, for the guard); the gradient
+        norm is None when the guard skipped the update. A mini-batch without old log-probs gets them
+        (and its entropy) from this forward."""
         counts = loss.global_counts(mini)
         packed, order, per_rank = self._micro_batches(mini)
         self.ddp.zero_grad_buffer()
@@ -258,8 +265,16 @@ class MegatronPolicy(Policy):
                                            temperature, lambda logprobs, micro: loss(logprobs, micro, counts), fill)
         if fill:
             mini.old_logprobs, mini.entropy = self._gather_rows(filled, order, per_rank, mini)
+        before = self._weights_norm()
         grad_norm = clipped_step(self.optimizer, self.cfg.optim.grad_clip, self.guard.admit)
-        return self._reduce_metrics(outputs), grad_norm
+        return self._reduce_metrics(outputs), grad_norm, (before, self._weights_norm())
+
+    def _weights_norm(self) -> float:
+        """The weights' L2 norm over the model-parallel ranks' shards (a parameter that TP replicates
+        counts once per TP rank, before and after alike), the same on every rank."""
+        squares = torch.tensor([weights_norm(self.ddp.parameters()) ** 2], dtype=torch.float64, device=self.device)
+        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        return float(squares.sqrt())
 
     def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
         """Sum metric dicts over micro-batches (last stage), share over PP, sum over DP."""

@@ -4,6 +4,7 @@ The test adds this folder to sys.path before the manager starts its workers, as 
 their own module on the path; workers inherit the trainer's sys.path.
 """
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -54,3 +55,16 @@ def touch_marker(response, row):
 def return_beyond_float32(response, row):
     """Finite in Python, infinite once the batch turns rewards into float32."""
     return 1e39
+
+
+def spin_forever(response, row):
+    """Write this process's pid to `extra_info['pid_file']`, then hang at 100% CPU: a reward call that never ends."""
+    Path(row.extra_info["pid_file"]).write_text(str(os.getpid()))
+    while True:
+        pass
+
+
+def spin_forever_in_c(response, row):
+    """As spin_forever, but the loop is C code holding the GIL, so no other thread of the worker ever runs."""
+    Path(row.extra_info["pid_file"]).write_text(str(os.getpid()))
+    return float(sum(itertools.repeat(1)))

@@ -5,15 +5,19 @@ import hashlib
 import json
 import logging
 import random
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from aligner_ext.errors import UserError
 from aligner_ext.models.tiny import TinyModelConfig, build_tiny_model
 from aligner_ext.trainer import checkpoint as checkpoint_module
 from aligner_ext.trainer.checkpoint import Checkpointer
+from aligner_ext.trainer.loop import resume
 
 # the conftest model's size, so a checkpoint of `tiny_model` fits
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
@@ -289,3 +293,82 @@ def test_a_dynamic_sampling_surplus_batch_survives_the_safe_loader(tmp_path, tin
     path = checkpointer.save(1, tiny_model, tiny_tokenizer, {"maker": {"surplus": surplus}})
     loaded = checkpointer.load(path, blank_model(tiny_tokenizer))["maker"]["surplus"]
     assert torch.equal(loaded.response_mask, surplus.response_mask) and loaded.samples == surplus.samples
+
+
+def rewrite_manifest(path):
+    """What an attacker who edits a checkpoint does: recompute the manifest so that it verifies."""
+    (path / checkpoint_module.MANIFEST).unlink()
+    checkpoint_module._write_manifest(path, int(path.name.split("_")[1]))
+
+
+def test_a_payload_planted_in_any_file_of_an_hf_checkpoint_never_runs(tmp_path, tiny_model, tiny_tokenizer):
+    """Each file in turn replaced by a pickle payload, the manifest recomputed: loading either refuses in
+    one line naming the file or never reads it (the tokenizer's files are not loaded on resume)."""
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    clean = checkpointer.save(1, tiny_model, tiny_tokenizer, {"loader": 3})
+    files = sorted(str(p.relative_to(clean)) for p in clean.rglob("*") if p.is_file() and p.name != "manifest.json")
+    refused = set()
+    for number, name in enumerate(files, start=2):
+        path = checkpointer.directory / f"step_{number}"
+        shutil.copytree(clean, path)
+        marker = tmp_path / f"ran_{number}"
+        torch.save(Payload(marker), path / name)
+        rewrite_manifest(path)
+        checkpointer.verify(path)
+        try:
+            checkpointer.load(path, blank_model(tiny_tokenizer))
+        except UserError as err:
+            assert str(err).startswith(f"{path / name}:") and "\n" not in str(err), str(err)
+            refused.add(name)
+        assert not marker.exists(), name
+    assert refused == {"model.safetensors", checkpoint_module.STATE_FILE}
+
+
+def test_a_checkpoint_without_a_manifest_is_refused_unless_allowed(tmp_path, tiny_model, tiny_tokenizer, caplog):
+    path = Checkpointer(tmp_path, keep_last=0).save(1, tiny_model, tiny_tokenizer, {})
+    flip_a_byte(path / "model.safetensors", -3)
+    (path / checkpoint_module.MANIFEST).unlink()  # what would switch the check off
+    with pytest.raises(checkpoint_module.UnverifiedCheckpoint) as refused:
+        Checkpointer(tmp_path, keep_last=0).verify(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: no manifest.json") and "trainer.allow_unverified_checkpoint=true" in message
+    assert "\n" not in message and not isinstance(refused.value, checkpoint_module.CorruptCheckpoint)
+    allowed = Checkpointer(tmp_path, keep_last=0, allow_unverified=True)
+    with caplog.at_level(logging.WARNING, logger="aligner_ext.trainer.checkpoint"):
+        allowed.verify(path)  # the user vouches for it
+    assert "loading it unverified" in caplog.text
+    allowed.load(path, blank_model(tiny_tokenizer))
+
+
+def test_resume_stops_at_a_checkpoint_without_a_manifest_instead_of_falling_back(tmp_path, tiny_model,
+                                                                                 tiny_tokenizer):
+    """Falling back would resume an older step silently; the user is asked instead."""
+    checkpointer = Checkpointer(tmp_path, keep_last=0)
+    checkpointer.save(1, tiny_model, tiny_tokenizer, {})
+    newest = checkpointer.save(2, tiny_model, tiny_tokenizer, {})
+    (newest / checkpoint_module.MANIFEST).unlink()
+    cfg = SimpleNamespace(trainer=SimpleNamespace(resume=True))
+    parts = SimpleNamespace(policy=SimpleNamespace(restores_own_weights=False, model=blank_model(tiny_tokenizer)))
+    with pytest.raises(checkpoint_module.UnverifiedCheckpoint, match=f"^{newest}: no manifest.json"):
+        resume(cfg, parts, checkpointer)
+
+
+def test_a_kill_while_pruning_leaves_no_checkpoint_without_its_manifest(tmp_path, tiny_model, tiny_tokenizer,
+                                                                        monkeypatch):
+    checkpointer = Checkpointer(tmp_path, keep_last=1)
+    checkpointer.save(1, tiny_model, tiny_tokenizer, {})
+    real_rmtree = shutil.rmtree
+
+    def killed_after_the_manifest(path, ignore_errors=False):
+        if Path(path).name.startswith(".step_1"):
+            (Path(path) / checkpoint_module.MANIFEST).unlink()  # deleted first, then the kill
+            raise KeyboardInterrupt
+        return real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", killed_after_the_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointer.save(2, tiny_model, tiny_tokenizer, {})
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", real_rmtree)
+    assert checkpointer.complete() == [checkpointer.directory / "step_2"]
+    checkpointer.save(3, tiny_model, tiny_tokenizer, {})  # the next save clears what the kill left
+    assert sorted(p.name for p in checkpointer.directory.iterdir()) == ["latest", "step_3"]
