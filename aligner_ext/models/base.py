@@ -92,6 +92,19 @@ class NonFiniteGuard:
         self.in_a_row, self.skipped = state["in_a_row"], state["skipped"]
 
 
+def record_applied(guard: NonFiniteGuard, update: dict[str, float], grad_norm: float, norms: tuple[float, float],
+                   totals: dict[str, float], grad_norms: list[float], ratios: list[float]) -> bool:
+    """Add an applied update to a train call's tallies (its loss terms, gradient norm and update
+    ratio); True when the guard judges it diverged: no further update on those weights, the loop
+    stops the run. Both backends' train loops call it."""
+    grad_norms.append(grad_norm)
+    ratio, broken = guard.diverged(*norms)
+    ratios.append(ratio)
+    for key, value in update.items():
+        totals[key] += value
+    return broken
+
+
 def update_metrics(totals: dict[str, float], grad_norms: list[float], skipped: int,
                    update_ratios: list[float] | None = None, diverged: int = 0) -> dict[str, float]:
     """A step's training metrics: the losses' terms averaged over the applied updates, the gradient

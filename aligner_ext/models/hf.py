@@ -22,7 +22,7 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
 from aligner_ext.models.base import (
-    POLICIES, NonFiniteGuard, OptimConfig, Policy, PolicyConfig, update_metrics, weights_norm,
+    POLICIES, NonFiniteGuard, OptimConfig, Policy, PolicyConfig, record_applied, update_metrics, weights_norm,
 )
 from aligner_ext.models.attention import hf_packed_attention
 from aligner_ext.models.kernels import apply_kernels
@@ -199,12 +199,7 @@ class HFPolicy(Policy):
             if update is None:
                 skipped += 1
                 continue
-            grad_norms.append(grad_norm)
-            ratio, broken = self.guard.diverged(*norms)
-            ratios.append(ratio)
-            for key, value in update.items():
-                totals[key] += value
-            if broken:  # the weights are gone: no further update on them; the loop stops the run
+            if record_applied(self.guard, update, grad_norm, norms, totals, grad_norms, ratios):  # the loop stops the run
                 diverged += 1
                 break
         self.scheduler.step()

@@ -48,7 +48,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.errors import ConfigError
 from aligner_ext.losses.base import Loss
-from aligner_ext.models.base import NonFiniteGuard, Policy, PolicyConfig, update_metrics, weights_norm
+from aligner_ext.models.base import NonFiniteGuard, Policy, PolicyConfig, record_applied, update_metrics, weights_norm
 from aligner_ext.models.hf import cast_model, lr_lambda, resolve_dtype, split_rows
 from aligner_ext.models.megatron import convert, dist_checkpoint
 from aligner_ext.models.megatron.forward import (
@@ -236,12 +236,7 @@ class MegatronPolicy(Policy):
             if grad_norm is None:
                 skipped += 1
                 continue
-            grad_norms.append(grad_norm)
-            ratio, broken = self.guard.diverged(*norms)  # the same norms, so the same verdict, on every rank
-            ratios.append(ratio)
-            for key, value in update.items():
-                totals[key] += value
-            if broken:  # the weights are gone: no further update on them; the loop stops the run
+            if record_applied(self.guard, update, grad_norm, norms, totals, grad_norms, ratios):  # the same norms, so the same verdict, on every rank
                 diverged += 1
                 break
         self.rl_step += 1
