@@ -147,8 +147,8 @@ class OptimConfig:
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.min_lr_ratio <= 1):
             raise ValueError("policy.optim.beta1 and beta2 must be in [0, 1) and min_lr_ratio in [0, 1]; got "
                              f"{self.beta1}, {self.beta2}, {self.min_lr_ratio}")
-        if self.max_update_ratio < 0:
-            raise ValueError(f"policy.optim.max_update_ratio must be >= 0, got {self.max_update_ratio}")
+        if not self.max_update_ratio >= 0:  # NaN too: it would turn the guard off unnoticed
+            raise ValueError(f"policy.optim.max_update_ratio must be a number >= 0, got {self.max_update_ratio}")
         if self.max_nonfinite_in_a_row < 1:
             raise ValueError(f"policy.optim.max_nonfinite_in_a_row must be >= 1, got {self.max_nonfinite_in_a_row}")
 

@@ -21,8 +21,9 @@ def test_the_guard_judges_the_change_of_the_weights_norm():
     assert guard.diverged(10.0, math.inf) == (math.inf, True)  # a norm whose square overflowed
     assert NonFiniteGuard(limit=3, max_update_ratio=0.0).diverged(10.0, math.inf)[1] is False  # 0 turns it off
     assert weights_norm([torch.full((2,), 3.0), torch.full((1,), 4.0)]) == pytest.approx(math.sqrt(18 + 16))
-    with pytest.raises(ValueError, match="policy.optim.max_update_ratio must be >= 0"):
-        OptimConfig(max_update_ratio=-1.0)
+    for bad in (-1.0, math.nan):  # NaN would compare false and switch the guard off unnoticed
+        with pytest.raises(ValueError, match="policy.optim.max_update_ratio must be a number >= 0"):
+            OptimConfig(max_update_ratio=bad)
 
 
 def test_an_update_at_lr_1e30_is_counted_as_diverged_and_ends_the_steps_updates(tiny_model, tiny_tokenizer):
