@@ -25,9 +25,10 @@ setup(
         "openai>=1.40",  # the remote engine's client (generation/remote.py)
         "fastapi>=0.110",  # aligner-ext serve (serving/)
         "uvicorn>=0.29",
+        "psutil>=5.9",  # how many cores are free when a run starts (aligner_ext/threads.py)
     ],
     extras_require={
-        "megatron": ["megatron-core>=0.16,<0.17", "psutil>=5.9"],  # psutil: dist_checkpointing's file writer
+        "megatron": ["megatron-core>=0.16,<0.17"],
         "vllm": ["vllm>=0.8"],
         "wandb": ["wandb>=0.17"],  # trainer.wandb.enabled (aligner_ext/trackers.py)
         "mlflow": ["mlflow>=2.10"],  # trainer.mlflow.enabled

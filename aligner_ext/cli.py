@@ -14,10 +14,23 @@ import sys
 import time
 from typing import NoReturn
 
-from aligner_ext.config import load_config, to_yaml
 from aligner_ext.errors import TRACEBACK_ENV, UserError
 
+logger = logging.getLogger(__name__)
 OWN_ERROR_WAIT_S = 30.0  # how long a rank other than 0 waits for torchrun to stop it after rank 0's error (`fail`)
+
+# The keys a newcomer reaches for first, per subcommand (docs/configuration.md lists them all).
+MAIN_KEYS = {
+    "train": ("model.path=DIR (an HF checkpoint; unset: the embedded tiny model)",
+              "data.train_files=[a.parquet] data.val_files=[b.parquet]", "rollout.n=8 rollout.max_response_length=1024",
+              "trainer.total_steps=200 trainer.run_name=NAME trainer.output_dir=runs",
+              "policy.backend=hf|megatron policy.optim.lr=1e-6", "+variant=dapo|graded_prompt|mtpo|cpo"),
+    "demo": ("trainer.total_steps=150", "+variant=dapo|graded_prompt|mtpo|cpo (each in its own run directory)"),
+    "config": ("any key=value override: prints the composed, validated config",),
+    "serve": ("model.path=DIR (unset: the trained model of trainer.output_dir/trainer.run_name)",
+              "serve.host=127.0.0.1 serve.port=8000", "serve.api_key_env=VAR or serve.api_key_file=FILE",
+              "generator.engine=auto|rollout|hf"),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         ("config", "print the composed, validated config and exit"),
         ("serve", "serve the configured model's generation engine over an OpenAI-compatible HTTP API (serve.*)"),
     ):
-        command = commands.add_parser(name, help=help_text)
+        epilog = "main keys:\n" + "\n".join(f"  {keys}" for keys in MAIN_KEYS[name])
+        command = commands.add_parser(name, help=help_text, description=help_text, epilog=epilog,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
         default_config = "demo" if name == "demo" else "base"
         command.add_argument("--config-name", default=default_config, help="YAML file in the config dir (without .yaml)")
         command.add_argument("--config-dir", default=None, help="directory of YAML configs (default: conf/)")
@@ -73,11 +88,30 @@ def fail(message: str) -> NoReturn:
     _parser().exit(2, message + "\n")
 
 
+def serve_trained_model(cfg, named_run: bool) -> None:
+    """With no model.path, `serve` serves a trained policy: the named run's, else the newest run's under
+    trainer.output_dir; only if there is none, the embedded model (built and warmed up, not trained)."""
+    from pathlib import Path
+
+    from aligner_ext.trainer.run_dir import trained_model
+
+    found = trained_model(Path(cfg.trainer.output_dir), cfg.trainer.run_name if named_run else None)
+    if found is not None:
+        cfg.model.path = str(found)
+        logger.info("model.path unset: serving the trained policy %s", found)
+    else:
+        logger.warning(
+            "model.path unset and no trained policy (*/hf_model) under %s: serving the embedded model before RL",
+            cfg.trainer.output_dir if not named_run else Path(cfg.trainer.output_dir) / cfg.trainer.run_name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(argv)  # before the heavy imports: --help answers at once
     configure_logging(args.log_level)
+    from aligner_ext.config import load_config, to_yaml
+
     try:
-        cfg = load_config(args.config_name, args.overrides, args.config_dir)
+        cfg = load_config(args.config_name, args.overrides, args.config_dir, for_training=args.command != "serve")
     except (ValueError, FileNotFoundError) as err:  # the message names the key or file: no traceback
         fail(f"aligner-ext: config error: {err}")
     if args.command == "config":
@@ -96,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from aligner_ext.serving.server import serve  # fastapi / uvicorn load only here
 
+            if cfg.model.path is None:
+                serve_trained_model(cfg, named_run=any(o.startswith("trainer.run_name=") for o in args.overrides))
             serve(cfg)
             return 0
         summary = train(cfg)
@@ -103,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get(TRACEBACK_ENV):
             raise
         fail(f"aligner-ext: error: {err} ({type(err).__name__}; {TRACEBACK_ENV}=1 shows the traceback)")
+    except KeyboardInterrupt:  # Ctrl-C: the user knows why; the checkpoints say where it stopped
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        _parser().exit(130, "aligner-ext: interrupted; the same command resumes from the newest checkpoint\n")
     if is_main_process():  # under torchrun every process trains; one prints
         print_summary(summary)
     return 0

@@ -7,13 +7,16 @@ command-line overrides (Hydra's override grammar), validated against this schema
 
 from __future__ import annotations
 
+import difflib
+import ipaddress
+import json
 import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from aligner_ext.algorithms.advantages import GroupAdvantage, check_group_size
 from aligner_ext.algorithms.cpo import CPOConfig
@@ -22,6 +25,7 @@ from aligner_ext.experience.base import RolloutConfig
 from aligner_ext.experience.dynamic_sampling import DynamicSamplingConfig
 from aligner_ext.experience.graded_prompt import GradedPromptConfig
 from aligner_ext.experience.two_round import TwoRoundSampling
+from aligner_ext.from_verl import VERL_ALIASES, VERL_VALUE_ALIASES, no_equivalent
 from aligner_ext.generation.hf import HFEngineConfig
 from aligner_ext.generation.remote import RemoteEngineConfig
 from aligner_ext.generation.rollout import RolloutEngineConfig
@@ -31,9 +35,10 @@ from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.tiny import TinyModelConfig
 from aligner_ext.models.warmup import WarmupConfig
 from aligner_ext.rewards.manager import RewardConfig
+from aligner_ext.rules import check_settings, choice, number, plugin, plugins
 from aligner_ext.secrets import read_secret, redact
 from aligner_ext.trackers import MlflowConfig, WandbConfig
-from aligner_ext.variants import merge_variant_overrides, resolve_variants
+from aligner_ext.variants import active_variants, merge_variant_overrides, resolve_variants
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 logger = logging.getLogger(__name__)
@@ -54,7 +59,7 @@ class ModelConfig:
 class GeneratorConfig:
     """The engine that samples rollouts."""
 
-    engine: str = "auto"  # registered generation engine: hf (transformers' forward, token by token; the reference) | rollout (continuous batching over a KV cache, generation/rollout.py) | remote (OpenAI-compatible generation servers, generation/remote.py) | vllm (colocated in-process vLLM, extra vllm, generation/vllm_colocated.py) | auto (rollout on a GPU with a decoder of a dense family aligner_ext/architecture.py describes, docs/models.md, either backend, where it is measured faster; hf otherwise)
+    engine: str = plugin("auto", "aligner_ext.generation.base:ENGINES", "auto")  # registered generation engine: hf (transformers' forward, token by token; the reference) | rollout (continuous batching over a KV cache, generation/rollout.py) | remote (OpenAI-compatible generation servers, generation/remote.py) | vllm (colocated in-process vLLM, extra vllm, generation/vllm_colocated.py) | auto (rollout on a GPU with a decoder of a dense family aligner_ext/architecture.py describes, docs/models.md, either backend, where it is measured faster; hf otherwise)
     split_across_ranks: bool = True  # under torchrun each process generates a contiguous share of every engine call and the outputs are all-gathered (aligner_ext/generation/sharded.py); false: every process generates everything
     hf: HFEngineConfig = field(default_factory=HFEngineConfig)  # settings of the HF engine
     rollout: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)  # settings of the rollout engine
@@ -66,59 +71,73 @@ class GeneratorConfig:
 class AlgorithmConfig:
     """Which plug-in fills each stage of the loop (names from the registries)."""
 
-    experience_maker: str = "group_sampling"  # how rollouts are produced and scored
-    experience_wrappers: list[str] = field(default_factory=lambda: ["dynamic_sampling", "hint_logprobs"])  # wrappers around the maker, innermost first; each is active only when its own switch is on
-    adv_estimator: str = "grpo"  # how rewards become per-token advantages
-    loss: str = "clipped_pg"  # how a batch becomes a gradient
+    experience_maker: str = plugin("group_sampling", "aligner_ext.experience.base:EXPERIENCE_MAKERS")  # how rollouts are produced and scored
+    experience_wrappers: list[str] = plugins(["dynamic_sampling", "hint_logprobs"], "aligner_ext.experience.base:EXPERIENCE_WRAPPERS")  # wrappers around the maker, innermost first; each is active only when its own switch is on
+    adv_estimator: str = plugin("grpo", "aligner_ext.algorithms.advantages:ADVANTAGES")  # how rewards become per-token advantages
+    loss: str = plugin("clipped_pg", "aligner_ext.losses.base:LOSSES")  # how a batch becomes a gradient
 
 
 @dataclass
 class TrainerConfig:
     """The loop: length, output, checkpoints, logs."""
 
-    total_steps: int = 60  # RL steps (one batch of train_batch_size prompts each)
+    total_steps: int = number(60, ge=1)  # RL steps (one batch of train_batch_size prompts each)
     output_dir: str = "runs"  # parent directory of runs
-    run_name: str = "default"  # the run directory is <output_dir>/<run_name>
-    seed: int = 0  # seeds torch, python and numpy RNGs and the per-step sampling
-    save_every: int = 0  # checkpoint every k steps; 0 = only at the end
-    keep_last: int = 2  # checkpoints kept on disk (older ones are deleted); 0 keeps all
+    run_name: str = "auto"  # the run directory is <output_dir>/<run_name>; auto: the config's name and its variants (base, demo, demo_mtpo, base_cpo_dapo), so runs of different variants never share one
+    seed: int = number(0, ge=0)  # seeds torch, python and numpy RNGs and the per-step sampling
+    cpu_threads: int = number(0, ge=0)  # torch compute threads of each trainer process; 0 = the cores free when the run starts (its CPU affinity less the cores another process keeps busy; under torchrun the usable cores split among the machine's processes), aligner_ext/threads.py
+    save_every: int = number(0, ge=0)  # checkpoint every k steps; 0 = only at the end
+    keep_last: int = number(2, ge=0)  # checkpoints kept on disk (older ones are deleted); 0 keeps all
     resume: bool = True  # continue from the run directory's latest checkpoint if there is one
     allow_unverified_checkpoint: bool = False  # resume from a checkpoint without manifest.json (written before manifests): its files go unchecked
-    eval_every: int = 0  # held-out evaluation every k steps; 0 = only before and after training
-    log_samples_every: int = 10  # write sample completions every k steps; 0 = never
-    num_log_samples: int = 4  # completions written each time
+    eval_every: int = number(0, ge=0)  # held-out evaluation every k steps; 0 = only before and after training
+    log_samples_every: int = number(10, ge=0)  # write sample completions every k steps; 0 = never
+    num_log_samples: int = number(4, ge=0)  # completions written each time
     tensorboard: bool = True  # mirror metrics to TensorBoard (<run dir>/tensorboard)
     wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases, off by default (aligner_ext/trackers.py)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # MLflow, off by default (aligner_ext/trackers.py)
     progress_bar: bool = True  # show a progress bar
     export_hf: bool = True  # write the final policy as an HF checkpoint (<run dir>/hf_model)
 
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[\w.+=-]+", self.run_name) or self.run_name in (".", ".."):
+            raise ValueError(f"trainer.run_name={self.run_name!r}: must be one directory name (letters, digits, "
+                             "'_', '-', '.', '+', '='); the parent directory is trainer.output_dir")
+
 
 @dataclass
 class ServeConfig:
     """`aligner-ext serve` (serving/server.py): where it listens and what one request may ask."""
 
-    host: str = "127.0.0.1"  # interface to bind; 0.0.0.0 serves other machines (set api_key then)
-    port: int = 8000  # TCP port
+    host: str = "127.0.0.1"  # interface to bind; an address other than loopback (0.0.0.0 serves other machines) needs api_key, or allow_unauthenticated
+    port: int = number(8000, ge=0, le=65535)  # TCP port
+    allow_unauthenticated: bool = False  # serve without api_key on an address other than loopback: anyone who reaches the port can generate and replace the served weights
     api_key: str | None = field(default=None, repr=False)  # if set, requests need `Authorization: Bearer <api_key>` (all but /health); never written to the run directory (aligner_ext/secrets.py): prefer api_key_env / api_key_file
     api_key_env: str | None = None  # environment variable holding api_key (used when api_key is not given)
     api_key_file: str | None = None  # file whose first line is api_key (used when neither api_key nor api_key_env is given)
     model_name: str = "aligner-ext"  # the model id /v1/models lists and responses carry
-    max_prompts_per_request: int = 4096  # prompts in one completions request
-    max_n: int = 64  # samples per prompt
-    max_tokens: int = 32768  # cap on a request's max_tokens
-    max_tokens_per_request: int = 2**21  # cap on prompts x n x max_tokens, what one request may make the engine generate
-    max_body_bytes: int = 64 * 2**20  # request body size limit
-    request_timeout_s: float = 600.0  # how long a request may wait for the engine before a 503
-    log_level: str = "warning"  # uvicorn's access and error log level
+    max_prompts_per_request: int = number(4096, ge=1)  # prompts in one completions request
+    max_n: int = number(64, ge=1)  # samples per prompt
+    max_tokens: int = number(32768, ge=1)  # cap on a request's max_tokens
+    max_tokens_per_request: int = number(2**21, ge=1)  # cap on prompts x n x max_tokens, what one request may make the engine generate
+    max_body_bytes: int = number(64 * 2**20, ge=1)  # request body size limit
+    max_prompt_chars: int | None = number(None, ge=1)  # characters of one text prompt (of all a chat request's message strings), refused before tokenising; unset: 32 per position of the model
+    request_timeout_s: float = number(600.0, gt=0)  # how long a request may wait for the engine before a 503
+    weights_root: str | None = None  # /update_weights_from_disk loads only directories under this one (symlinks and .. resolved); unset: updates from disk are refused
+    log_level: str = choice("warning", "critical", "error", "warning", "info", "debug", "trace")  # uvicorn's access and error log level
 
     def __post_init__(self) -> None:
         self.api_key = read_secret(self.api_key, self.api_key_env, self.api_key_file, "serve.api_key")
-        for name in ("max_prompts_per_request", "max_n", "max_tokens", "max_tokens_per_request", "max_body_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"serve.{name} must be >= 1, got {getattr(self, name)}")
-        if self.request_timeout_s <= 0:
-            raise ValueError(f"serve.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.weights_root == "":
+            raise ValueError("serve.weights_root is empty: name a directory, or leave it unset to refuse updates from disk")
+        try:
+            loopback = self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name: it may resolve to any interface
+            loopback = False
+        if not loopback and self.api_key is None and not self.allow_unauthenticated:
+            raise ValueError(f"serve.host={self.host} is reachable from other machines and serve.api_key is unset, "
+                             "so anyone could generate and replace the served weights: set serve.api_key_env or "
+                             "serve.api_key_file, or serve.allow_unauthenticated=true to serve it open")
 
 
 @dataclass
@@ -179,6 +198,7 @@ ALIASES: dict[str, str] = {
     "algorithm.dynamic_sample_max_gen_batches": "dynamic_sampling.max_gen_batches",
     "algorithm.gold_as_hint": "cpo.gold_as_hint",
     "algorithm.wrap_method": "cpo.wrap_method",
+    **VERL_ALIASES,  # verl's own keys (from_verl.py, docs/from_verl.md)
 }
 # Seed keys whose values are named differently too: seed key -> (our key, {seed value: our value}).
 VALUE_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
@@ -189,6 +209,7 @@ VALUE_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
                                     "dr_grpo": "seq-mean-token-sum"}),
     # TRL's scale_rewards: divide by the group's std (true / "group") or only centre (false / "none")
     "scale_rewards": ("advantage.use_std", {"true": "true", "group": "true", "false": "false", "none": "false"}),
+    **VERL_VALUE_ALIASES,
 }
 # Seed keys inside one of our sections: a YAML file copied from a seed may set them too (`_move_seed_keys`).
 _SECTION_ALIASES = {seed: ours for seed, ours in ALIASES.items()
@@ -201,6 +222,7 @@ def apply_aliases(overrides: list[str]) -> list[str]:
     VALUE_ALIASES replaced together with its value (an unknown value is a ValueError listing them).
 
     Alias targets are schema keys, so a leading `+` (add a new key) is dropped; `++` and `~` are kept.
+    A verl key with no equivalent here is a ValueError saying what to use instead.
     Naming one setting by both its seed key and ours, with different values, is a ValueError naming both.
     """
     rewritten, given = [], {}  # given: our key -> (the name it was first given by, its value)
@@ -214,11 +236,13 @@ def apply_aliases(overrides: list[str]) -> list[str]:
             key, value = ours, values[value.lower()]
         elif key in ALIASES:
             key = ALIASES[key]
+        elif no_equivalent(key):
+            raise ValueError(f"{key}: a verl key with no equivalent here: {no_equivalent(key)} (docs/from_verl.md)")
         else:
             rewritten.append(override)
             continue
         alias = ("" if prefix == "+" else prefix) + key + sep + value
-        logger.info("override %r is read as %r (alias of a seed key)", override, alias)
+        logger.info("override %r is read as %r (its name in the original recipe or verl)", override, alias)
         rewritten.append(alias)
     for original, override in zip(overrides, rewritten):  # `key` twice is Hydra's to judge; two names for it are ours
         name, key = (o.lstrip("+~").partition("=")[0] for o in (original, override))
@@ -229,8 +253,11 @@ def apply_aliases(overrides: list[str]) -> list[str]:
     return rewritten
 
 
-def load_config(name: str = "base", overrides: list[str] | None = None, config_dir: str | Path | None = None) -> RunConfig:
-    """Compose `<config_dir>/<name>.yaml` with `overrides` and validate it against `RunConfig`.
+def load_config(name: str = "base", overrides: list[str] | None = None, config_dir: str | Path | None = None,
+                for_training: bool = True) -> RunConfig:
+    """Compose `<config_dir>/<name>.yaml` with `overrides` and validate it against `RunConfig`
+    (`for_training`: also the rules only a training run needs, such as its lengths against the model's
+    positions; `serve` checks each request's instead).
 
     Raises ValueError naming the key for an unknown key, a wrong type or an invalid value.
     Overrides naming a seed key are first rewritten to ours (`apply_aliases`).
@@ -244,12 +271,11 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
     directory = Path(config_dir or CONF_DIR).resolve()
     if not (directory / f"{name}.yaml").exists():
         raise FileNotFoundError(f"no config {name!r} in {directory}")
-    where = f"config {name!r} with overrides {list(overrides or [])}"
     with initialize_config_dir(config_dir=str(directory), version_base=None):
         try:
             composed = compose(config_name=name, overrides=list(overrides or []))
         except ConfigCompositionException as err:  # Hydra names the override; its cause says what is wrong
-            raise ValueError(f"{where}: {err.__cause__ or err}") from err
+            raise ValueError(_one_line(err, name, overrides)) from err
     if OmegaConf.get_type(composed) is not RunConfig:
         raise ValueError(f"{directory / name}.yaml must list '{SCHEMA_NAME}' first in its defaults")
     tree = OmegaConf.to_container(composed)
@@ -257,10 +283,41 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
     try:  # Hydra lets `+key=value` add keys the schema lacks; merging into the schema rejects them
         validated = OmegaConf.merge(OmegaConf.structured(RunConfig), tree)
     except OmegaConfBaseException as err:
-        raise ValueError(f"{where}: {err}") from err
+        raise ValueError(_one_line(err, name, overrides)) from err
     cfg = OmegaConf.to_object(validated)
-    check_across_sections(cfg)
+    import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins that names are checked against
+
+    check_settings(cfg)
+    check_across_sections(cfg, for_training)
+    if cfg.trainer.run_name == "auto":
+        cfg.trainer.run_name = "_".join([Path(name).name, *sorted(active_variants(cfg))])
     return cfg
+
+
+def _prefixes(dotted: str) -> list[str]:
+    """`a.b.c` -> [`a`, `a.b`, `a.b.c`]: a misspelt section is matched against sections."""
+    parts = dotted.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
+
+
+def _one_line(err: BaseException, name: str, overrides: list[str]) -> str:
+    """Hydra's or OmegaConf's error (a paragraph, the key in a cause) as one line naming the key, and the
+    config file when no override set it; an unknown key gets a did-you-mean."""
+    while getattr(err, "full_key", None) is None and (err.__cause__ or err.__context__) is not None:
+        err = err.__cause__ or err.__context__
+    full_key = getattr(err, "full_key", None)
+    first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if not full_key:
+        return f"config {name!r} with overrides {overrides}: {first_line}"
+    if not any(override.lstrip("+~").startswith(full_key) for override in overrides):
+        full_key = f"{full_key} (in config {name!r})"
+    if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+        keys = settings(RunConfig())
+        known = {prefix for key in keys for prefix in _prefixes(key)}
+        close = difflib.get_close_matches(err.full_key, known, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else " (`aligner-ext config --reference` lists every key)"
+        return f"{full_key}: no such setting{hint}"
+    return f"{full_key}: {first_line}"
 
 
 def _schema():
@@ -285,10 +342,17 @@ def _move_seed_keys(tree: dict, overrides: list[str]) -> None:
         if value != "???" and ours not in overridden:
             if parent[name] not in ("???", value):
                 raise ValueError(f"{seed_key}={value} and {ours}={parent[name]} set the same option; give one")
-            logger.info("%s=%s is read as %s (alias of a seed key)", seed_key, value, ours)
+            logger.info("%s=%s is read as %s (its name in the original recipe or verl)", seed_key, value, ours)
             parent[name] = value
-        if parent[name] == "???":
+    for seed_key, ours in _SECTION_ALIASES.items():  # after all of them: two seed keys may name one of ours
+        parent, name = _parent(tree, ours)
+        if parent.get(name) == "???":
             del parent[name]
+        sections = seed_key.split(".")[:-1]
+        for depth in range(len(sections), 1, -1):  # a section only seed keys made (verl's algorithm.filter_groups)
+            holder, section = _parent(tree, ".".join(sections[:depth]))
+            if holder.get(section) == {}:
+                del holder[section]
 
 
 def _parent(tree: dict, dotted: str) -> tuple[dict, str]:
@@ -299,13 +363,53 @@ def _parent(tree: dict, dotted: str) -> tuple[dict, str]:
     return tree, name
 
 
-def check_across_sections(cfg: RunConfig) -> None:
+def check_across_sections(cfg: RunConfig, for_training: bool = True) -> None:
     """Checks that involve more than one section, so that `aligner-ext config` refuses what a run would
     (and the one setting inferred from another: the graded maker from its switch, `variants.py`)."""
     import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 
     resolve_variants(cfg)
     check_group_size(cfg)
+    sequences = cfg.data.train_batch_size * cfg.rollout.n
+    if cfg.policy.mini_batch_size > sequences:
+        raise ValueError(f"policy.mini_batch_size={cfg.policy.mini_batch_size}: larger than a step's batch "
+                         f"(data.train_batch_size x rollout.n = {sequences} sequences); 0 = the whole batch")
+    if cfg.algorithm.experience_maker in ("two_round", "mtpo"):
+        groups = cfg.mtpo.num_answer_generations * cfg.mtpo.num_confidence_generations
+        if cfg.rollout.n != groups:
+            raise ValueError(f"rollout.n={cfg.rollout.n}: two-round rollouts make mtpo.num_answer_generations x "
+                             f"mtpo.num_confidence_generations = {groups} samples per prompt; set rollout.n={groups}")
+    if for_training:
+        check_positions(cfg)
+
+
+def check_positions(cfg: RunConfig) -> None:
+    """The longest prompt plus the longest response must fit the model's positions (the embedded model's
+    size, or `max_position_embeddings` of model.path's config.json, read without loading the model)."""
+    if cfg.model.path is None:
+        positions, source = cfg.model.tiny.max_position_embeddings, "model.tiny.max_position_embeddings"
+    else:
+        config_file = Path(cfg.model.path) / "config.json"
+        if not config_file.is_file():
+            return  # the model loader names a missing or malformed checkpoint
+        try:
+            model_config = json.loads(config_file.read_text())
+        except (OSError, ValueError):
+            return
+        rope = model_config.get("rope_parameters") or model_config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type")) == "dynamic":
+            return  # dynamic NTK scaling grows its base past max_position_embeddings (support.long_context_warning)
+        positions, source = model_config.get("max_position_embeddings"), f"max_position_embeddings of {config_file}"
+        if not isinstance(positions, int):
+            return
+    if cfg.algorithm.experience_maker in ("two_round", "mtpo"):
+        response, response_keys = (cfg.mtpo.max_answer_length + cfg.mtpo.max_confidence_length,
+                                   "mtpo.max_answer_length + mtpo.max_confidence_length")
+    else:
+        response, response_keys = cfg.rollout.max_response_length, "rollout.max_response_length"
+    if cfg.data.max_prompt_length + response > positions:
+        raise ValueError(f"data.max_prompt_length + {response_keys} = {cfg.data.max_prompt_length} + {response} "
+                         f"tokens: more than the model's {positions} positions ({source})")
 
 
 def to_yaml(cfg: RunConfig) -> str:
@@ -323,14 +427,16 @@ def settings(cfg: RunConfig) -> dict:
     return _flatten(as_tree(cfg))
 
 
-def changed_settings(saved_yaml: str, cfg: RunConfig) -> list[str]:
+def changed_settings(saved_yaml: str, cfg: RunConfig, among: tuple[str, ...] = ("",)) -> list[str]:
     """`key: saved -> current` for every setting of `cfg` that differs from a saved `to_yaml` text, so a
-    resume can say what it changed (a new layout is expected; a new learning rate may not be)."""
+    resume can say what it changed (a new layout is expected; a new learning rate may not be); `among`:
+    only keys starting with one of these."""
     saved = _flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
     current = settings(cfg)
     missing = "(absent)"
     return [f"{key}: {saved.get(key, missing)} -> {current.get(key, missing)}"
-            for key in sorted(saved.keys() | current.keys()) if saved.get(key, missing) != current.get(key, missing)]
+            for key in sorted(saved.keys() | current.keys())
+            if key.startswith(among) and saved.get(key, missing) != current.get(key, missing)]
 
 
 def _flatten(tree, prefix: str = "") -> dict:

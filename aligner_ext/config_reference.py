@@ -11,6 +11,7 @@ import inspect
 import re
 
 from aligner_ext.config import RunConfig
+from aligner_ext.rules import rule_of
 
 FIELD_LINE = re.compile(r"^\s+(\w+):[^#]*#\s*(.*)$")
 
@@ -57,8 +58,10 @@ def render_reference() -> str:
             value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if dataclasses.is_dataclass(value):
                 continue
-            rows.append(f"| `{name}.{f.name}` | `{_cell(repr(value))}` | {_cell(docs.get(f.name, ''))} |")
+            rule = rule_of(f)
+            allowed = rule.describe() if rule is not None else ""
+            rows.append(f"| `{name}.{f.name}` | `{_cell(repr(value))}` | {_cell(allowed)} | {_cell(docs.get(f.name, ''))} |")
         if rows:
             summary = (inspect.getdoc(cls) or "").splitlines()[0]
-            lines += ["", f"## `{name}`", "", summary, "", "| key | default | meaning |", "| --- | --- | --- |", *rows]
+            lines += ["", f"## `{name}`", "", summary, "", "| key | default | allowed | meaning |", "| --- | --- | --- | --- |", *rows]
     return "\n".join(lines)

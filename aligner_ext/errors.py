@@ -27,6 +27,11 @@ class ConfigError(UserError, ValueError):
     """Settings that each validate but cannot work together (the message names them)."""
 
 
+class DataError(UserError, ValueError):
+    """A dataset file or row cannot be used: malformed, too long for data.max_prompt_length, or without
+    what the run needs from it (a CPO hint); the message names the file, the row and the field."""
+
+
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used: it does not fit the model, or it holds objects that could run code."""
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aligner_ext.errors import ConfigError
+from aligner_ext.rules import choice
 
 
 @dataclass
@@ -27,7 +28,7 @@ class WandbConfig:
     entity: str | None = None  # W&B team or user; unset: the logged-in default
     run_name: str | None = None  # unset: trainer.run_name
     tags: list[str] = field(default_factory=list)  # run tags
-    mode: str = "online"  # online | offline (sync later with `wandb sync`) | disabled
+    mode: str = choice("online", "online", "offline", "disabled")  # online | offline (sync later with `wandb sync`) | disabled
 
 
 @dataclass

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install aligner_ext with its test extras.
+# Create .venv (once) and install aligner_ext with its test extras, under docker/constraints.txt (the
+# versions the test suite passed with; the container installs under the same file).
 # torch==2.13.0 is installed first: on the CPU machines it is a local CPU build, while a bare
 # `torch` requirement would pull a multi-GB CUDA build. On a GPU machine install torch yourself first.
 set -euo pipefail
@@ -10,7 +11,7 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install --quiet torch==2.13.0
 fi
-.venv/bin/pip install --quiet --disable-pip-version-check -e '.[dev,megatron]'
+.venv/bin/pip install --quiet --disable-pip-version-check -c docker/constraints.txt -e '.[dev,megatron]'
 # The CPU build of torch comes without Triton; the tests run the rollout engine's Triton kernels in
 # Triton's interpreter (tests/conftest.py). CUDA builds of torch bring their own Triton.
 if ! .venv/bin/python -c "import triton" 2>/dev/null; then

@@ -1,12 +1,18 @@
 """Shared fixtures: the built-in character tokenizer, a very small Llama-architecture model, and a
 factory of minimal experience batches."""
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 from triton_interpreter import use_on_cpu
 
 use_on_cpu()  # Triton kernels run in Triton's interpreter without a GPU (before anything imports Triton)
+# Warmed embedded models are cached per machine (models/warmup_cache.py): the suite keeps its own, shared
+# by its subprocesses, instead of the user's.
+os.environ.setdefault("ALIGNER_EXT_CACHE", tempfile.mkdtemp(prefix="aligner_ext_test_cache_"))
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow

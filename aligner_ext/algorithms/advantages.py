@@ -38,6 +38,7 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
 from aligner_ext.groups import group_stats
 from aligner_ext.registry import Registry
+from aligner_ext.rules import number
 
 ADVANTAGES = Registry("advantage estimator")
 
@@ -85,7 +86,7 @@ class GroupAdvantage:
         """How rewards are normalised within a prompt group."""
 
         use_std: bool = True  # normalise by the group std (false = Dr.GRPO: mean-centring only)
-        std_floor: float = 1e-4  # lower bound of the group std, in reward units (see module docstring)
+        std_floor: float = number(1e-4, gt=0)  # lower bound of the group std, in reward units (see module docstring)
 
     reads = ("rewards",)
 

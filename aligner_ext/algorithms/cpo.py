@@ -47,6 +47,7 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
 from aligner_ext.data.hints import HintConfig
 from aligner_ext.groups import group_stats
+from aligner_ext.rules import choice, number, plugin
 
 logger = logging.getLogger(__name__)
 
@@ -67,24 +68,18 @@ class CPOConfig:
     """CPO's hint source and advantage shaping (on with `algorithm.adv_estimator=cpo`)."""
 
     gold_as_hint: bool = True  # CPO hint: extra_info.gold_solution (true) or the ground truth (docs/variants/cpo.md)
-    wrap_method: str = "none"  # CPO advantage wrapper (algorithms/cpo_wrappers.py); none = GRPO advantages
-    cpo_lambda: float = 5.0  # ratio clamp [1/λ, λ] of exp(lp_hint - lp), > 1; read by naive* and noaccmask only
-    pos_alpha: float = 0.05  # weight of the terms on correct rows (the seed's default; public scripts use 0)
-    neg_alpha: float = 0.1  # weight of the terms on wrong rows (the seed's default)
-    mi_alpha: float | None = None  # the seed's key, accepted; no wrapper reads it (a set value logs a warning)
-    uncertainty: str = "minmax"  # U from entropy: minmax (per row, the public code) | vocab (H / log V, the seed)
-    difficulty: str = "three"  # three (+1/0/-1) | five (-2..+2 by fraction correct) | variance (reward variance)
-    variance_low: float = 0.1  # difficulty=variance: group reward variance below this is +1 (easy)
-    variance_high: float = 0.5  # difficulty=variance: group reward variance above this is -1 (hard)
+    wrap_method: str = plugin("none", "aligner_ext.algorithms.cpo_wrappers:CPO_WRAPPERS")  # CPO advantage wrapper (algorithms/cpo_wrappers.py); none = GRPO advantages
+    cpo_lambda: float = number(5.0, gt=1)  # ratio clamp [1/λ, λ] of exp(lp_hint - lp), > 1; read by naive* and noaccmask only
+    pos_alpha: float = number(0.05, ge=0)  # weight of the terms on correct rows (the seed's default; public scripts use 0)
+    neg_alpha: float = number(0.1, ge=0)  # weight of the terms on wrong rows (the seed's default)
+    mi_alpha: float | None = number(None)  # the seed's key, accepted; no wrapper reads it (a set value logs a warning)
+    uncertainty: str = choice("minmax", *UNCERTAINTY_MODES)  # U from entropy: minmax (per row, the public code) | vocab (H / log V, the seed)
+    difficulty: str = choice("three", *DIFFICULTY_MODES)  # three (+1/0/-1) | five (-2..+2 by fraction correct) | variance (reward variance)
+    variance_low: float = number(0.1, ge=0)  # difficulty=variance: group reward variance below this is +1 (easy)
+    variance_high: float = number(0.5, ge=0)  # difficulty=variance: group reward variance above this is -1 (hard)
     hint: HintConfig = field(default_factory=HintConfig)  # hint placement (data/hints.py)
 
     def __post_init__(self) -> None:
-        if self.cpo_lambda <= 1:
-            raise ValueError(f"cpo.cpo_lambda must be > 1 (ratio bounds 1/λ < 1 < λ); got {self.cpo_lambda}")
-        for name, value, choices in (("uncertainty", self.uncertainty, UNCERTAINTY_MODES),
-                                     ("difficulty", self.difficulty, DIFFICULTY_MODES)):
-            if value not in choices:
-                raise ValueError(f"cpo.{name} must be one of {', '.join(choices)}; got {value!r}")
         if self.variance_low > self.variance_high:
             raise ValueError(f"cpo.variance_low ({self.variance_low}) must be <= cpo.variance_high "
                              f"({self.variance_high})")
@@ -180,6 +175,7 @@ def shaping_inputs(batch: ExperienceBatch, correct: torch.Tensor, levels: torch.
 class CPOAdvantage:
     """GRPO advantages, then the CPO wrapper `wrap_method` on the response tokens of hinted rows."""
 
+    Config = CPOConfig
     reads = ("rewards", "correct", "old_logprobs", "entropy", "hint_logprobs", "has_hint")
 
     def __init__(self, cfg: CPOConfig, wrap_method: str, base: GroupAdvantage, vocab_size: int):

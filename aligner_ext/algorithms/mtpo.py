@@ -61,6 +61,7 @@ def answer_advantages(answer_rewards: torch.Tensor, group_ids: torch.Tensor, ans
 class MTPOAdvantage:
     """A_ans on round-1 tokens (baseline per prompt), A_conf on round-2 tokens (baseline per answer)."""
 
+    Config = GroupAdvantage.Config
     reads = ("answer_rewards", "confidence_rewards", "answer_group_ids", "segment_ids")
 
     def __init__(self, cfg: GroupAdvantage.Config):

@@ -29,6 +29,8 @@ Decisions:
   `data.overlong_prompt=truncate_left` is an error (its hinted version would not be comparable).
 - A row without a hint is an error naming the row (`missing=error`), or is skipped and counted
   (`missing=skip`): it gets no hinted pass and the CPO wrappers leave its advantages as GRPO's.
+  `check_hints` runs over every training row when the run builds, so such a row (or one without a
+  user turn to hold the hint) stops the run before its first step, not when a step draws it.
 - Templates substitute `{hint}` and `{question}` literally (no `str.format`), so braces such as
   `\\boxed{}` in a template or a hint need no escaping.
 """
@@ -40,6 +42,8 @@ from dataclasses import dataclass, field
 
 from aligner_ext.data.templating import encode_prompt
 from aligner_ext.data.types import PromptRow
+from aligner_ext.errors import DataError
+from aligner_ext.rules import choice, number
 
 PLACEMENTS = ("user_prefix", "reference_prompt", "assistant_turn")
 MISSING_POLICIES = ("error", "skip")
@@ -60,24 +64,17 @@ PLACEHOLDER = re.compile(r"\{(hint|question)\}")
 class HintConfig:
     """Where the CPO hint goes in the prompt, and what happens to rows without one."""
 
-    placement: str = "user_prefix"  # user_prefix (the seed) | reference_prompt | assistant_turn
+    placement: str = choice("user_prefix", *PLACEMENTS)  # user_prefix (the seed) | reference_prompt | assistant_turn
     prefix_template: str = PREFIX_TEMPLATE  # user_prefix: text put before the last user turn's content
     reference_template: str = REFERENCE_TEMPLATE  # reference_prompt: the last user turn's new content
     followup_template: str = FOLLOWUP_TEMPLATE  # assistant_turn: user turn after the assistant turn holding the hint
-    missing: str = "error"  # row without a hint: error (names the row) | skip (GRPO advantages for it; counted)
-    max_hint_length: int = 0  # hint tokens kept; 0 keeps the whole hint (the batch grows wider instead)
-    truncate_side: str = "left"  # end of an overlong hint that is dropped: left (keeps its answer) | right (the seed)
+    missing: str = choice("error", *MISSING_POLICIES)  # row without a hint: error (names the row) | skip (GRPO advantages for it; counted)
+    max_hint_length: int = number(0, ge=0)  # hint tokens kept; 0 keeps the whole hint (the batch grows wider instead)
+    truncate_side: str = choice("left", *TRUNCATE_SIDES)  # end of an overlong hint that is dropped: left (keeps its answer) | right (the seed)
     check_insertion: bool = True  # user_prefix / assistant_turn: error unless the hint is one contiguous insertion
     solution_fields: list[str] = field(default_factory=lambda: ["gold_solution", "solution"])  # extra_info fields holding the hint (cpo.gold_as_hint), first non-empty wins; public CPO data uses `solution`
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("placement", self.placement, PLACEMENTS),
-                                     ("missing", self.missing, MISSING_POLICIES),
-                                     ("truncate_side", self.truncate_side, TRUNCATE_SIDES)):
-            if value not in choices:
-                raise ValueError(f"cpo.hint.{name} must be one of {', '.join(choices)}; got {value!r}")
-        if self.max_hint_length < 0:
-            raise ValueError(f"cpo.hint.max_hint_length must be >= 0; got {self.max_hint_length}")
         required = {"prefix_template": ("{hint}",), "reference_template": ("{hint}", "{question}"),
                     "followup_template": ("{question}",)}
         for name, placeholders in required.items():
@@ -113,7 +110,7 @@ def hinted_messages(messages: list[dict[str, str]], hint: str, cfg: HintConfig, 
     """A copy of `messages` with `hint` placed as `cfg.placement` says."""
     users = [i for i, message in enumerate(messages) if message.get("role") == "user"]
     if not users:
-        raise ValueError(f"row {row_id}: no user message to put the CPO hint in")
+        raise DataError(f"row {row_id}: field 'prompt' has no user message to put the CPO hint in")
     last = users[-1]
     question = messages[last]["content"]
     out = [dict(message) for message in messages]
@@ -158,17 +155,37 @@ def hinted_prompt_ids(row: PromptRow, original: list[int], tokenizer, cfg: HintC
     hint = hint_text(row, gold_as_hint, cfg.solution_fields)
     if hint is None:
         if cfg.missing == "error":
-            source = ("extra_info." + " / ".join(cfg.solution_fields)) if gold_as_hint else "reward_model.ground_truth"
-            raise ValueError(f"row {row.row_id}: no {source} to use as the CPO hint "
-                             f"(cpo.gold_as_hint={gold_as_hint}); add it or set cpo.hint.missing=skip")
+            raise missing_hint([row], 1, cfg, gold_as_hint)
         return None, False
     if encode_prompt(tokenizer, row.messages) != original:
-        raise ValueError(f"row {row.row_id}: the trained prompt is not the chat-template rendering of its messages "
-                         "(cut by data.overlong_prompt=truncate_left?); a hinted prompt could not be compared with it")
+        raise DataError(f"row {row.row_id}: the trained prompt is not the chat-template rendering of its messages "
+                        "(cut by data.overlong_prompt=truncate_left?); a hinted prompt could not be compared with it")
     hint, truncated = truncate_hint(tokenizer, hint, cfg)
     hinted = encode_prompt(tokenizer, hinted_messages(row.messages, hint, cfg, row.row_id))
     if cfg.check_insertion and cfg.placement != "reference_prompt" and insertion_point(original, hinted) is None:
-        raise ValueError(f"row {row.row_id}: the hinted prompt is not the original prompt's tokens with the hint "
-                         f"inserted (placement {cfg.placement}): the tokenizer or template changed the surrounding "
-                         "tokens; end the hint template with a separator or set cpo.hint.check_insertion=false")
+        raise DataError(f"row {row.row_id}: the hinted prompt is not the original prompt's tokens with the hint "
+                        f"inserted (placement {cfg.placement}): the tokenizer or template changed the surrounding "
+                        "tokens; end the hint template with a separator or set cpo.hint.check_insertion=false")
     return hinted, truncated
+
+
+def missing_hint(rows: list[PromptRow], total: int, cfg: HintConfig, gold_as_hint: bool) -> DataError:
+    """The error for `rows` (of `total`), which have no hint, naming the first and the field it is read from."""
+    source = ("extra_info." + " / ".join(cfg.solution_fields)) if gold_as_hint else "reward_model.ground_truth"
+    count = f" ({len(rows)} of {total} training rows have none)" if total > 1 else ""
+    return DataError(f"row {rows[0].row_id}: no {source} to use as the CPO hint (cpo.gold_as_hint={gold_as_hint})"
+                     f"{count}; add it or set cpo.hint.missing=skip")
+
+
+def check_hints(rows: list[PromptRow], cfg: HintConfig, gold_as_hint: bool) -> None:
+    """Refuse now what the hint pass would refuse when a step draws the row: a row without a hint
+    (`missing=error`) or without a user turn to hold one. Tokenising is left to the pass."""
+    missing = []
+    for row in rows:
+        hint = hint_text(row, gold_as_hint, cfg.solution_fields)
+        if hint is None:
+            missing.append(row)
+        else:
+            hinted_messages(row.messages, hint, cfg, row.row_id)
+    if missing and cfg.missing == "error":
+        raise missing_hint(missing, len(rows), cfg, gold_as_hint)

@@ -22,11 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
+from jinja2 import TemplateError
 
 from aligner_ext.data.readers import load_files
 from aligner_ext.data.tasks import builtin_rows
 from aligner_ext.data.templating import encode_prompt
 from aligner_ext.data.types import PromptDraw, PromptRow
+from aligner_ext.errors import DataError
+from aligner_ext.rules import choice, number, plugin
 
 logger = logging.getLogger(__name__)
 
@@ -39,27 +42,15 @@ class DataConfig:
 
     train_files: list[str] = field(default_factory=list)  # parquet/jsonl training files; empty: the built-in task
     val_files: list[str] = field(default_factory=list)  # validation files; empty: see load_split
-    builtin_task: str = "arithmetic"  # built-in task name (data/tasks) or dotted path to a task function
-    builtin_train_size: int = 2000  # rows generated for the built-in train split
-    builtin_val_size: int = 200  # rows generated for the built-in val split; 0: no validation
-    train_batch_size: int = 16  # prompts per training step
-    val_batch_size: int = 64  # prompts per validation batch
-    max_prompt_length: int = 256  # longest prompt, in tokens, chat template included
-    overlong_prompt: str = "error"  # longer prompts: error | skip | truncate_left (keep the last tokens)
+    builtin_task: str = plugin("arithmetic", "aligner_ext.data.tasks.base:TASKS")  # built-in task name (data/tasks) or dotted path to a task function
+    builtin_train_size: int = number(2000, ge=1)  # rows generated for the built-in train split
+    builtin_val_size: int = number(200, ge=0)  # rows generated for the built-in val split; 0: no validation
+    train_batch_size: int = number(16, ge=1)  # prompts per training step
+    val_batch_size: int = number(64, ge=1)  # prompts per validation batch
+    max_prompt_length: int = number(256, ge=1)  # longest prompt, in tokens, chat template included
+    overlong_prompt: str = choice("error", *OVERLONG_POLICIES)  # longer prompts: error | skip | truncate_left (keep the last tokens)
     shuffle: bool = True  # reshuffle the training rows every epoch
-    seed: int = 0  # seeds the built-in task's rows and the epoch permutations (>= 0)
-
-    def __post_init__(self) -> None:
-        if self.overlong_prompt not in OVERLONG_POLICIES:
-            raise ValueError(f"data.overlong_prompt must be one of {', '.join(OVERLONG_POLICIES)}; "
-                             f"got {self.overlong_prompt!r}")
-        positive = ("builtin_train_size", "train_batch_size", "val_batch_size", "max_prompt_length")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} must be >= 1; got {getattr(self, name)}")
-        for name in ("builtin_val_size", "seed"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"data.{name} must be >= 0; got {getattr(self, name)}")
+    seed: int = number(0, ge=0)  # seeds the built-in task's rows and the epoch permutations (>= 0)
 
 
 def load_split(cfg: DataConfig, split: str) -> list[PromptRow]:
@@ -112,6 +103,11 @@ class PromptLoader:
         """The rows served (after the overlong-prompt policy)."""
         return self._rows
 
+    @property
+    def prompt_lengths(self) -> list[int]:
+        """Tokens of each served prompt, chat template included."""
+        return [len(ids) for ids in self._prompt_ids]
+
     def __len__(self) -> int:
         """Rows kept after the overlong policy."""
         return len(self._rows)
@@ -160,8 +156,10 @@ class PromptLoader:
         mine = self.state_dict()
         for key in ("num_rows", "seed", "shuffle"):
             if state[key] != mine[key]:
-                raise ValueError(f"cannot resume the prompt stream: the saved state has {key}={state[key]!r}, "
-                                 f"this loader has {key}={mine[key]!r} (same data and data.seed needed)")
+                raise DataError(f"cannot resume the prompt stream: the saved state has {key}={state[key]!r}, "
+                                f"this loader has {key}={mine[key]!r}: the training data, data.seed or "
+                                "data.shuffle changed since the checkpoint; restore them, or give this run its own "
+                                "trainer.run_name")
         self._draws = int(state["draws"])
 
     def _order(self, epoch: int) -> list[int]:
@@ -181,20 +179,24 @@ class PromptLoader:
             raise ValueError(f"data.overlong_prompt must be one of {', '.join(OVERLONG_POLICIES)}; got {policy!r}")
         kept_rows, kept_ids, overlong = [], [], []
         for row in rows:
-            ids = encode_prompt(tokenizer, row.messages)
+            try:
+                ids = encode_prompt(tokenizer, row.messages)
+            except TemplateError as err:  # e.g. a template that requires alternating user / assistant turns
+                raise DataError(f"row {row.row_id}: field 'prompt': the tokenizer's chat template refuses these "
+                                f"messages ({type(err).__name__}: {err})") from err
             if len(ids) > limit:
-                overlong.append(f"{row.row_id} ({len(ids)} tokens)")
+                overlong.append(f"row {row.row_id} ({len(ids)} tokens)")
                 if policy == "skip":
                     continue
                 ids = ids[-limit:]
             kept_rows.append(row)
             kept_ids.append(ids)
         if overlong:
-            summary = (f"{len(overlong)} of {len(rows)} prompts are longer than data.max_prompt_length={limit} "
-                       f"tokens, e.g. {', '.join(overlong[:3])}")
+            summary = (f"{len(overlong)} of {len(rows)} prompts (field 'prompt', chat template included) are longer "
+                       f"than data.max_prompt_length={limit} tokens, e.g. {', '.join(overlong[:3])}")
             if policy == "error":
-                raise ValueError(f"{summary}; set data.overlong_prompt to skip or truncate_left, "
-                                 "or raise data.max_prompt_length")
+                raise DataError(f"{summary}; set data.overlong_prompt to skip or truncate_left, "
+                                "or raise data.max_prompt_length")
             if policy == "skip":
                 self.num_skipped_overlong = len(overlong)
                 logger.warning("%s: skipped them (data.overlong_prompt=skip)", summary)
@@ -202,5 +204,5 @@ class PromptLoader:
                 self.num_truncated_overlong = len(overlong)
                 logger.warning("%s: kept their last %d tokens (data.overlong_prompt=truncate_left)", summary, limit)
         if not kept_rows:
-            raise ValueError(f"no prompts left: all {len(rows)} are longer than data.max_prompt_length={limit}")
+            raise DataError(f"no prompts left: all {len(rows)} are longer than data.max_prompt_length={limit}")
         return kept_rows, kept_ids

@@ -29,13 +29,9 @@ import os
 from typing import Any, Callable
 
 from aligner_ext.data.types import PromptRow
-from aligner_ext.errors import UserError
+from aligner_ext.errors import DataError, UserError
 
 ROLES = ("system", "user", "assistant")
-
-
-class DataError(UserError, ValueError):
-    """A dataset file or row is malformed; the message names the file, the row and the field."""
 
 
 class MissingDataFile(UserError, FileNotFoundError):

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import torch
 
+from aligner_ext.errors import ConfigError
+
 
 def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of `messages` under the tokenizer's chat template, ending with the generation prompt."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise ConfigError(
             f"tokenizer {type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')!r}) has no chat "
-            "template; use a chat/instruct checkpoint or set `tokenizer.chat_template` before training"
+            "template; use a chat/instruct checkpoint as model.path, "
+            "or add a chat template to its tokenizer"
         )
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -30,9 +30,10 @@ from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.tasks import sft_target
 from aligner_ext.data.templating import left_pad, right_pad
 from aligner_ext.data.types import PromptDraw, PromptRow
-from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams, check_sampling
+from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.registry import Registry
 from aligner_ext.rewards.manager import RewardManager
+from aligner_ext.rules import number
 
 EXPERIENCE_MAKERS = Registry("experience maker")
 EXPERIENCE_WRAPPERS = Registry("experience wrapper")  # take the inner maker, add one behaviour
@@ -42,18 +43,15 @@ EXPERIENCE_WRAPPERS = Registry("experience wrapper")  # take the inner maker, ad
 class RolloutConfig:
     """Sampling of training rollouts (validation is greedy with the same length cap and stops)."""
 
-    n: int = 8  # responses per prompt: the GRPO group size
-    temperature: float = 1.0  # sampling temperature; log-probs for training use the same temperature
-    top_p: float = 1.0  # nucleus mass; 1.0 disables it
-    max_response_length: int = 32  # response cap, in tokens
+    n: int = number(8, ge=1)  # responses per prompt: the GRPO group size
+    temperature: float = number(1.0, gt=0)  # sampling temperature; log-probs for training use the same temperature
+    top_p: float = number(1.0, gt=0, le=1)  # nucleus mass; 1.0 disables it
+    max_response_length: int = number(32, ge=1)  # response cap, in tokens
     stop: list[str] = field(default_factory=list)  # stop strings, kept in the response
     return_logprobs: bool = True  # keep the engine's sampling log-probs: each step logs their gap to the trainer's (rollout/logprob_diff_mean, _max)
     ignore_eos: bool = False  # sampled EOS ids do not end a response, so each runs to max_response_length (benchmarks: equal work on every system; stop strings still end one)
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"rollout.n must be >= 1, got {self.n}")
-        check_sampling("rollout.", "max_response_length", self.max_response_length, self.temperature, self.top_p)
         if any(not isinstance(text, str) or not text for text in self.stop):
             raise ValueError(f"rollout.stop strings must be non-empty, got {list(self.stop)}")
 
@@ -100,6 +98,11 @@ class ExperienceMaker(abc.ABC):
         """
         return [(row.messages, sft_target(row)) for row in rows]
 
+    def check_rows(self, rows: list[PromptRow]) -> None:  # noqa: B027 - most makers take any row
+        """Override point: raise a UserError (aligner_ext/errors.py) for a training row this maker would
+        fail on when a step draws it (the build calls this before the first step); a wrapper checks
+        its inner maker's too."""
+
     def state_dict(self) -> dict:
         """Anything a maker carries between steps (saved in checkpoints)."""
         return {}
@@ -118,6 +121,9 @@ class ExperienceWrapper(ExperienceMaker):
     def evaluate(self, loader: PromptLoader, greedy: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
         return self.inner.evaluate(loader, greedy)
 
+    def check_rows(self, rows: list[PromptRow]) -> None:
+        self.inner.check_rows(rows)
+
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict()}
 
@@ -129,6 +135,7 @@ class ExperienceWrapper(ExperienceMaker):
 class GroupSampling(ExperienceMaker):
     """GRPO: `n` samples per prompt draw, one group each."""
 
+    Config = RolloutConfig
     writes = ("rewards", "correct", "token_rewards", "generation_logprobs")
 
     def __init__(self, cfg: RolloutConfig, engine: GenerationEngine, rewards: RewardManager, tokenizer,

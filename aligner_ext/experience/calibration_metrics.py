@@ -16,6 +16,11 @@ Decisions (tests/unit/experience/test_mtpo_calibration_metrics.py pins them):
 - AUROC is the Mann-Whitney statistic with ties counted one half, which equals the area under the
   trapezoidal ROC curve (scikit-learn's `roc_auc_score`). It is NaN when all answers are right or
   all wrong (the ROC curve is undefined); Brier and ECE are NaN for N = 0.
+- An answer without a stated confidence (no valid answer, so no round 2, or no parseable
+  `<confidence>`) counts with confidence 0, as in RLCR's evaluation, so long as some answer stated
+  one. When none did (`stated` all false), mean confidence, Brier, ECE and AUROC are NaN, undefined:
+  the zeros standing in for the missing confidences would score a model that never stated one, and
+  never answered right, as perfectly calibrated (Brier 0, ECE 0).
 """
 
 from __future__ import annotations
@@ -51,7 +56,6 @@ def expected_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, 
     if not len(c):
         return math.nan
     bins = (c * num_bins + EDGE_TOLERANCE).floor().long().clamp(max=num_bins - 1)
-    count = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, torch.ones_like(c))
     gap = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, c - y)
     return float(gap.abs().sum() / len(c))  # |sum_b (c - y)| / N = (n_b / N) |mean c_b - mean y_b|
 
@@ -69,11 +73,21 @@ def auroc(confidence: torch.Tensor, correct: torch.Tensor) -> float:
     return float((mean_rank[inverse][y == 1].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
-def calibration_metrics(confidence: torch.Tensor, correct: torch.Tensor, prefix: str) -> dict[str, float]:
-    """{prefix}accuracy, mean_confidence, brier, ece, auroc of [N] confidences and 0/1 outcomes."""
+def calibration_metrics(confidence: torch.Tensor, correct: torch.Tensor, prefix: str,
+                        stated: torch.Tensor | None = None) -> dict[str, float]:
+    """{prefix}accuracy, mean_confidence, brier, ece, auroc of [N] confidences and 0/1 outcomes.
+
+    `stated` ([N] bools, default all true): whether answer i stated its confidence; with none stated,
+    every metric but accuracy is NaN (the module docstring says why)."""
     c, y = _check(confidence, correct)
+    accuracy = float(y.mean()) if len(y) else math.nan
+    if stated is not None:
+        if stated.shape != c.shape:
+            raise ValueError(f"stated {tuple(stated.shape)} and confidence {tuple(c.shape)} must both be [N]")
+        if not stated.any():
+            c, y = c[:0], y[:0]  # nothing to calibrate: the N = 0 case
     return {
-        f"{prefix}accuracy": float(y.mean()) if len(y) else math.nan,
+        f"{prefix}accuracy": accuracy,
         f"{prefix}mean_confidence": float(c.mean()) if len(c) else math.nan,
         f"{prefix}brier": brier_score(c, y),
         f"{prefix}ece": expected_calibration_error(c, y),

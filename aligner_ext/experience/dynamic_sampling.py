@@ -42,9 +42,11 @@ from dataclasses import dataclass
 
 from aligner_ext.batch import ExperienceBatch, concat_batches
 from aligner_ext.context import BuildContext
+from aligner_ext.errors import UserError
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.experience.base import EXPERIENCE_WRAPPERS, ExperienceMaker, ExperienceWrapper
 from aligner_ext.experience.filters import FILTERS
+from aligner_ext.rules import choice, number
 
 logger = logging.getLogger(__name__)
 
@@ -57,27 +59,13 @@ class DynamicSamplingConfig:
     """Dynamic sampling's switch, group filter and refill policy."""
 
     enabled: bool = False  # DAPO dynamic sampling: drop groups whose outcomes all agree, refill (docs/variants/dapo.md)
-    max_gen_batches: int = 3  # generation batches per step at most; 0 = unbounded
-    filter_metric: str = "correct"  # what is compared within a group: correct | seq_reward (sum of token scores) | segments (MTPO's answer and confidence rewards; experience/filters.py)
-    eps: float = 1e-6  # a group is kept when its outcomes' spread (max - min) exceeds eps
-    on_max_gen_batches: str = "train_on_kept"  # when the bound is hit: train_on_kept | error
-    oversample: float = 1.0  # each generation batch draws ceil(missing groups * oversample) prompts
+    max_gen_batches: int = number(3, ge=0)  # generation batches per step at most; 0 = unbounded
+    filter_metric: str = choice("correct", *FILTER_METRICS)  # what is compared within a group: correct | seq_reward (sum of token scores) | segments (MTPO's answer and confidence rewards; experience/filters.py)
+    eps: float = number(1e-6, ge=0)  # a group is kept when its outcomes' spread (max - min) exceeds eps
+    on_max_gen_batches: str = choice("train_on_kept", *ON_MAX_GEN_BATCHES)  # when the bound is hit: train_on_kept | error
+    oversample: float = number(1.0, ge=1)  # each generation batch draws ceil(missing groups * oversample) prompts
     keep_surplus: bool = False  # carry valid groups beyond the target to later steps (sampled by an older policy)
-    max_surplus_age: int = 1  # steps a carried group may wait before it is discarded
-
-    def __post_init__(self) -> None:
-        if self.filter_metric not in FILTER_METRICS:
-            raise ValueError(f"dynamic_sampling.filter_metric must be one of {FILTER_METRICS}, got {self.filter_metric!r}")
-        if self.max_gen_batches < 0:
-            raise ValueError(f"dynamic_sampling.max_gen_batches must be >= 0 (0 = unbounded), "
-                             f"got {self.max_gen_batches}")
-        if self.on_max_gen_batches not in ON_MAX_GEN_BATCHES:
-            raise ValueError(f"dynamic_sampling.on_max_gen_batches must be one of {ON_MAX_GEN_BATCHES}, "
-                             f"got {self.on_max_gen_batches!r}")
-        if self.oversample < 1.0:
-            raise ValueError(f"dynamic_sampling.oversample must be >= 1, got {self.oversample}")
-        if self.max_surplus_age < 1:
-            raise ValueError(f"dynamic_sampling.max_surplus_age must be >= 1, got {self.max_surplus_age}")
+    max_surplus_age: int = number(1, ge=1)  # steps a carried group may wait before it is discarded
 
 
 class _PromptQuota:
@@ -94,9 +82,15 @@ class _PromptQuota:
         return getattr(self._loader, name)
 
 
+class SamplingBoundReached(UserError, RuntimeError):
+    """`dynamic_sampling.on_max_gen_batches=error`: a step's generation batches gave too few mixed groups."""
+
+
 @EXPERIENCE_WRAPPERS.register("dynamic_sampling")
 class DynamicSampling(ExperienceWrapper):
     """Wraps an experience maker; returns batches of exactly `target` groups with mixed outcomes."""
+
+    Config = DynamicSamplingConfig
 
     def __init__(self, inner: ExperienceMaker, cfg: DynamicSamplingConfig, pad_token_id: int):
         super().__init__(inner)
@@ -193,8 +187,9 @@ class DynamicSampling(ExperienceWrapper):
         message = (f"dynamic sampling: {self.max_gen_batches} generation batches gave only {num_kept}/{target} "
                    f"groups with mixed outcomes at step {step}")
         if self.cfg.on_max_gen_batches == "error":
-            raise RuntimeError(message + "; raise dynamic_sampling.max_gen_batches (0 = unbounded), "
-                               "use easier/harder data, or set dynamic_sampling.on_max_gen_batches=train_on_kept")
+            raise SamplingBoundReached(
+                message + "; raise dynamic_sampling.max_gen_batches (0 = unbounded), use easier/harder data, "
+                "or set dynamic_sampling.on_max_gen_batches=train_on_kept")
         if num_kept == 0:
             logger.warning("%s: every group was filtered, this step makes no update", message)
         else:

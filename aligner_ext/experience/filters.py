@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.errors import ConfigError
 from aligner_ext.groups import first_rows, group_stats
 
 
@@ -61,8 +62,8 @@ def _outcome_verdict(outcome: torch.Tensor, eps: float) -> FilterResult:
 
 def correct_spread(group: ExperienceBatch, eps: float) -> FilterResult:
     if torch.isnan(group.correct).any():
-        raise ValueError("dynamic_sampling.filter_metric=correct needs reward functions that report "
-                         "correctness; set dynamic_sampling.filter_metric=seq_reward for these data sources")
+        raise ConfigError("dynamic_sampling.filter_metric=correct needs reward functions that report "
+                          "correctness; set dynamic_sampling.filter_metric=seq_reward for these data sources")
     return _outcome_verdict(group.correct, eps)
 
 

@@ -60,8 +60,10 @@ from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import encode_prompt
 from aligner_ext.data.types import PromptDraw, PromptRow
+from aligner_ext.errors import ConfigError, DataError
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, RolloutConfig, SampleRequest, without
 from aligner_ext.rewards.rubric import judge_metrics
+from aligner_ext.rules import choice, number
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +78,14 @@ class GradedPromptConfig:
     """Graded system prompt: the share of the rubric each sample of a group sees (docs/variants/graded_prompt.md)."""
 
     enabled: bool = False  # the switch (seed: actor_rollout_ref.rollout.enable_graded_system_prompt); acts with algorithm.experience_maker=graded_prompt
-    rule: str = "linear"  # per-sample ratio: linear (1, (n-2)/(n-1), ..., 0) | binary (the first full_reveal_count samples 1, the rest 0)
-    full_reveal_count: int = 1  # binary rule: samples per group that see every criterion
-    step_decay: str = "none"  # factor over training steps multiplied into every ratio: none | linear | power | sigmoid
-    step_power: float = 1.0  # power decay exponent p: (1 - x)^p, x = training progress in [0, 1]
-    sigmoid_start_point: float = 0.3  # sigmoid decay midpoint x0, in training progress [0, 1] (RuscaRL's run: 0.2)
-    sigmoid_steepness: float = 10.0  # sigmoid decay steepness k: 1 / (1 + exp(k (x - x0))) (RuscaRL's run: 125)
+    rule: str = choice("linear", *RULES)  # per-sample ratio: linear (1, (n-2)/(n-1), ..., 0) | binary (the first full_reveal_count samples 1, the rest 0)
+    full_reveal_count: int = number(1, ge=0)  # binary rule: samples per group that see every criterion
+    step_decay: str = choice("none", *STEP_DECAYS)  # factor over training steps multiplied into every ratio: none | linear | power | sigmoid
+    step_power: float = number(1.0, gt=0)  # power decay exponent p: (1 - x)^p, x = training progress in [0, 1]
+    sigmoid_start_point: float = number(0.3, ge=0, le=1)  # sigmoid decay midpoint x0, in training progress [0, 1] (RuscaRL's run: 0.2)
+    sigmoid_steepness: float = number(10.0, gt=0)  # sigmoid decay steepness k: 1 / (1 + exp(k (x - x0))) (RuscaRL's run: 125)
     keep_in_training: bool = False  # train on the generator's prompt (system message included) instead of the original
-    existing_system: str = "append"  # a row's own leading system message: append (own text, then criteria) | prepend
+    existing_system: str = choice("append", *EXISTING_SYSTEM)  # a row's own leading system message: append (own text, then criteria) | prepend
     base_when_zero: bool = False  # samples shown no criterion get base_system_prompt (else no system message)
     base_system_prompt: str = "You are a helpful assistant."  # the system message when no criterion is shown
     header: str = "You are a helpful assistant. For this question, please consider the following evaluation criteria:"  # first paragraph; empty: none
@@ -93,7 +95,7 @@ class GradedPromptConfig:
     avoid_item: str = "Criterion {index}: {criterion} (penalty: {points} points)"  # one negative item; points is the penalty |p|
     footer: str = "Please provide a comprehensive and helpful response that addresses the user's concerns while following the above guidelines."  # paragraph after the items; empty: none
     include_evaluation_warning: bool = True  # end with evaluation_warning (an instruction never to mention the criteria)
-    warmup_unshown_share: float = 0.5  # embedded-model warm-up only: chance that its target meets a positive criterion not shown
+    warmup_unshown_share: float = number(0.5, ge=0, le=1)  # embedded-model warm-up only: chance that its target meets a positive criterion not shown
     evaluation_warning: str = (  # the instruction never to mention the criteria (RuscaRL's text)
         "IMPORTANT: Do not mention or reference these evaluation criteria in your response. Do not indicate that "
         "you have seen any scoring rubric or evaluation guidelines. Your response should appear natural and "
@@ -101,16 +103,6 @@ class GradedPromptConfig:
         "strictly prohibited.")
 
     def __post_init__(self) -> None:
-        for name, allowed in (("rule", RULES), ("step_decay", STEP_DECAYS), ("existing_system", EXISTING_SYSTEM)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"graded_prompt.{name} must be one of {', '.join(allowed)}; "
-                                 f"got {getattr(self, name)!r}")
-        if self.full_reveal_count < 0:
-            raise ValueError(f"graded_prompt.full_reveal_count must be >= 0; got {self.full_reveal_count}")
-        if not 0.0 <= self.warmup_unshown_share <= 1.0:
-            raise ValueError(f"graded_prompt.warmup_unshown_share must be in [0, 1]; got {self.warmup_unshown_share}")
-        if self.step_power <= 0:
-            raise ValueError(f"graded_prompt.step_power must be > 0; got {self.step_power}")
         for name in ("include_item", "avoid_item"):
             try:
                 getattr(self, name).format(index=1, criterion="c", points="1")
@@ -188,8 +180,8 @@ def warmup_target(items: list[dict[str, Any]], shown: list[dict[str, Any]], unsh
         if item["points"] <= 0 or (item not in shown and rng.random() >= unshown_share):
             continue
         if not isinstance(item.get("example"), str):
-            raise ValueError(f"rubric item {item['criterion']!r} has no `example` sentence; the graded system "
-                             "prompt's warm-up of the embedded model builds its targets from them")
+            raise DataError(f"rubric item {item['criterion']!r} has no field 'example' (a sentence meeting it); "
+                            "the graded system prompt's warm-up of the embedded model builds its targets from them")
         chosen.append(item["example"])
     return " ".join(chosen)
 
@@ -298,7 +290,7 @@ class GradedPromptSampling(GroupSampling):
             k = num_shown(len(items), g * decay)
             rng = random.Random(f"graded_prompt/{self.seed}/{draw.draw_id}/{i}")
             system = system_message(choose_criteria(items, k, rng), self.graded)
-            ids = draw.prompt_ids if system is None else self._encode(draw, system)
+            ids = draw.prompt_ids if system is None else self._encode(draw.row, system)
             trained = dataclasses.replace(draw, prompt_ids=ids) if self.graded.keep_in_training else draw
             request = SampleRequest(trained, ids, draw.draw_id)
             plans.append(SamplePlan(request, g, "", k, len(ids) - len(draw.prompt_ids)))
@@ -318,13 +310,22 @@ class GradedPromptSampling(GroupSampling):
         request = SampleRequest(draw, draw.prompt_ids, draw.draw_id)
         return [SamplePlan(request, None, reason) for _ in range(self.cfg.n)]
 
-    def _encode(self, draw: PromptDraw, system: str) -> list[int]:
-        messages = generation_messages(draw.row.messages, system, self.graded.existing_system)
+    def _encode(self, row: PromptRow, system: str) -> list[int]:
+        messages = generation_messages(row.messages, system, self.graded.existing_system)
         try:
             return encode_prompt(self.tokenizer, messages)
         except TemplateError as err:  # e.g. templates that raise on a system role
-            raise ValueError(f"row {draw.row.row_id}: the tokenizer's chat template cannot render a system "
-                             f"message ({type(err).__name__}: {err}); the graded system prompt needs one") from err
+            raise ConfigError(f"row {row.row_id}: the tokenizer's chat template cannot render a system message "
+                              f"({type(err).__name__}: {err}); the graded system prompt (graded_prompt.enabled) "
+                              "needs one") from err
+
+    def check_rows(self, rows: list[PromptRow]) -> None:
+        """When on, the chat template must render a system message: tried on the first row with a rubric."""
+        if self.inactive:
+            return
+        row = next((row for row in rows if any(item["points"] != 0 for item in row.rubrics or [])), None)
+        if row is not None:
+            self._encode(row, self.graded.base_system_prompt)
 
     def metrics(self, batch: ExperienceBatch) -> dict[str, float]:
         """Reward mean per disclosure ratio, system-prompt tokens, plain draws, and the judge's statistics."""

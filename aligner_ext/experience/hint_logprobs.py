@@ -27,9 +27,10 @@ import torch
 
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
-from aligner_ext.data.hints import HintConfig, hinted_prompt_ids
+from aligner_ext.data.hints import HintConfig, check_hints, hinted_prompt_ids
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import left_pad
+from aligner_ext.data.types import PromptRow
 from aligner_ext.experience.base import EXPERIENCE_WRAPPERS, ExperienceMaker, ExperienceWrapper
 from aligner_ext.models.base import Policy
 
@@ -84,6 +85,7 @@ def hint_rows(prompts: HintedPrompts) -> torch.Tensor:
 class HintLogprobs(ExperienceWrapper):
     """The inner maker's batch plus the log-probs of its responses under a hint (CPO)."""
 
+    Config = HintConfig
     writes = ("hint_logprobs", "has_hint")
 
     def __init__(self, inner: ExperienceMaker, hint: HintConfig, gold_as_hint: bool, policy: Policy, tokenizer,
@@ -103,6 +105,11 @@ class HintLogprobs(ExperienceWrapper):
             return inner
         return cls(inner, ctx.cfg.cpo.hint, ctx.cfg.cpo.gold_as_hint, ctx.policy, ctx.tokenizer,
                    ctx.cfg.rollout.temperature)
+
+    def check_rows(self, rows: list[PromptRow]) -> None:
+        """Every row has a hint and a user turn to hold it (`missing=skip`: rows without one are allowed)."""
+        self.inner.check_rows(rows)
+        check_hints(rows, self.hint, self.gold_as_hint)
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         batch, metrics = self.inner.make_experience(loader, step)

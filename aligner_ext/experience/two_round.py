@@ -48,12 +48,14 @@ from aligner_ext.batch import ANSWER_SEGMENT, ExperienceBatch
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.types import PromptDraw
+from aligner_ext.errors import ConfigError
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, RolloutConfig, SampleRequest
 from aligner_ext.experience.calibration_metrics import calibration_metrics
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.groups import first_rows
 from aligner_ext.rewards.calibration import SegmentRewards, SegmentScore
 from aligner_ext.rewards.manager import RewardManager
+from aligner_ext.rules import number
 
 _CLOSED_ANSWER = re.compile(r"<answer>.*?</answer>", re.DOTALL)  # what a valid answer holds
 
@@ -86,10 +88,10 @@ class TwoRoundSampling(GroupSampling):
     class Config:
         """MTPO two-round rollouts (docs/variants/mtpo.md): sizes, stops, the loss rule and the segment rewards."""
 
-        num_answer_generations: int = 4  # G: round-1 answers per prompt (the answer baseline's group)
-        num_confidence_generations: int = 2  # H: round-2 continuations per answer; rollout.n must equal G * H
-        max_answer_length: int = 512  # round-1 cap, in tokens
-        max_confidence_length: int = 256  # round-2 cap, in tokens
+        num_answer_generations: int = number(4, ge=1)  # G: round-1 answers per prompt (the answer baseline's group)
+        num_confidence_generations: int = number(2, ge=1)  # H: round-2 continuations per answer; rollout.n must equal G * H
+        max_answer_length: int = number(512, ge=1)  # round-1 cap, in tokens
+        max_confidence_length: int = number(256, ge=1)  # round-2 cap, in tokens
         answer_stop_str: str = "</answer>"  # ends round 1; kept in the sample
         confidence_stop_str: str = "</confidence>"  # ends round 2; kept in the sample
         apply_answer_loss_on_first_confidence_only: bool = True  # round-1 tokens count only in the first of the H samples of an answer
@@ -177,8 +179,8 @@ class TwoRoundSampling(GroupSampling):
         for answer_id, result in results.items():
             if result.correct is None:
                 row = closed[answer_id].draw.row
-                raise ValueError(f"MTPO needs correctness from the reward of data_source {row.data_source!r} "
-                                 f"(row {row.row_id}), which reports none; use a reward such as squad_exact_match")
+                raise ConfigError(f"MTPO needs correctness from the reward of data_source {row.data_source!r} "
+                                  f"(row {row.row_id}), which reports none; use a reward such as squad_exact_match")
         scored = []
         for s in samples:
             result = results.get(s.answer_id)
@@ -220,7 +222,8 @@ class TwoRoundSampling(GroupSampling):
         """Greedy two rounds, one answer and one confidence per prompt; accuracy and calibration.
 
         A missing or unparseable confidence counts as 0 (RLCR's evaluation); how often that
-        happened is `val/confidence_parsed_ratio`.
+        happened is `val/confidence_parsed_ratio`. With no confidence stated at all, calibration is
+        undefined: Brier, ECE, AUROC and mean confidence are NaN (experience/calibration_metrics.py).
         """
         answer_params, confidence_params = self.round_params(None)
         samples = []
@@ -229,7 +232,8 @@ class TwoRoundSampling(GroupSampling):
         scored = self.score_samples(samples)
         confidence = torch.tensor([x.segments.confidence or 0.0 for x in scored], dtype=torch.float64)
         correct = torch.tensor([x.correct for x in scored], dtype=torch.float64)
-        metrics = calibration_metrics(confidence, correct, "val/")
+        stated = torch.tensor([x.segments.confidence is not None for x in scored], dtype=torch.bool)
+        metrics = calibration_metrics(confidence, correct, "val/", stated=stated)
         metrics.update({
             "val/reward_mean": _mean([x.segments.answer_reward + x.segments.confidence_reward for x in scored]),
             "val/valid_answer_ratio": _mean([_CLOSED_ANSWER.search(x.info["answer_text"]) is not None for x in scored]),
@@ -290,7 +294,8 @@ def rollout_metrics(samples: list[TwoRoundSample], scored: list[ScoredSample],
     if continued:
         confidence = torch.tensor([x.segments.confidence or 0.0 for _, x in continued], dtype=torch.float64)
         correct = torch.tensor([x.correct for _, x in continued], dtype=torch.float64)
-        metrics.update(calibration_metrics(confidence, correct, "mtpo/train_"))
+        stated = torch.tensor([x.segments.confidence is not None for _, x in continued], dtype=torch.bool)
+        metrics.update(calibration_metrics(confidence, correct, "mtpo/train_", stated=stated))
     return metrics
 
 

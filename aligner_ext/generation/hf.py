@@ -6,7 +6,7 @@ reference and sampling always sees the current weights.
 Per chunk of at most `cfg.batch_size` prompts:
   1. left-pad the prompts; `position_ids = cumsum(attention_mask) - 1`, so each sequence's first
      real token sits at position 0 whatever its padding;
-  2. one forward over the padded prompts fills the KV cache (`past_key_values`); afterwards each
+  2. one forward over the padded prompts fills the KV cache (`cache`); afterwards each
      step feeds only the newest token, its position (previous + 1) and a mask grown by one column;
   3. each step samples from the float32 logits of the last column:
        temperature 0:  x = argmax(z)
@@ -51,6 +51,7 @@ import torch
 from aligner_ext.data.templating import left_pad
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams, check_sampling
 from aligner_ext.generation.stopping import StopStringMatcher
+from aligner_ext.rules import number
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 class HFEngineConfig:
     """Settings of the in-process transformers engine."""
 
-    batch_size: int = 256  # sequences per forward pass; larger calls are split into chunks of this size
+    batch_size: int = number(256, ge=1)  # sequences per forward pass; larger calls are split into chunks of this size
     reuse_prompt_prefill: bool = False  # run the prompt forward once per distinct prompt of a chunk and copy its KV cache to the duplicates
 
 
@@ -69,7 +70,9 @@ class HFGenerationEngine(GenerationEngine):
 
     Args:
         model: a causal LM called as `model(input_ids=, attention_mask=, position_ids=,
-            past_key_values=, use_cache=True)` returning `.logits` [B, S, V] and `.past_key_values`.
+            cache=, use_cache=True)` returning `.logits` [B, S, V] and `.cache`, or with
+            `past_key_values` for both where its forward has no `cache` argument (transformers
+            before the rename).
         tokenizer: supplies `eos_token_id`, `pad_token_id` and `decode` (stop strings only).
         cfg: engine settings.
     """
@@ -90,7 +93,10 @@ class HFGenerationEngine(GenerationEngine):
         if not self.eos_ids:
             logger.warning("no EOS id on the tokenizer or generation_config: sequences end only by "
                            "stop string or max_new_tokens")
-        self._keeps_last_logits = "logits_to_keep" in inspect.signature(policy_model.forward).parameters
+        arguments = inspect.signature(policy_model.forward).parameters
+        self._keeps_last_logits = "logits_to_keep" in arguments
+        # transformers renamed the KV cache argument `past_key_values` to `cache` and warns on the old name
+        self._cache_argument = "cache" if "cache" in arguments else "past_key_values"
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  should_stop: Callable[[], bool] | None = None) -> list[GenerationOutput]:
@@ -144,9 +150,9 @@ class HFGenerationEngine(GenerationEngine):
             next_ids = next_ids.masked_fill(finished, self.pad_id)[:, None]  # [B, 1]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
             position_ids = position_ids[:, -1:] + 1  # [B, 1]
-            out = self.model(input_ids=next_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=cache, use_cache=True)
-            logits, cache = out.logits[:, -1, :].float(), out.past_key_values
+            out = self._forward(input_ids=next_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                cache=cache)
+            logits, cache = out.logits[:, -1, :].float(), cache_of(out)
         return [
             GenerationOutput(token_ids=tokens[row], finish_reason=reasons[row] or "length",
                              logprobs=logprobs[row] if params.return_logprobs else None)
@@ -163,21 +169,32 @@ class HFGenerationEngine(GenerationEngine):
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(prompt), row) for row, prompt in enumerate(prompts)]
         if not self.cfg.reuse_prompt_prefill or len(first) == len(prompts):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=None, use_cache=True, **extra)
-            return out.logits[:, -1, :].float(), out.past_key_values
+            out = self._forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                cache=None, **extra)
+            return out.logits[:, -1, :].float(), cache_of(out)
         distinct = list(first.values())  # rows run, in order of first occurrence
         rank = {row: index for index, row in enumerate(distinct)}
         expand = torch.tensor([rank[row] for row in source], device=input_ids.device)  # [B] into the distinct rows
         run = torch.tensor(distinct, device=input_ids.device)
-        out = self.model(input_ids=input_ids[run], attention_mask=attention_mask[run], position_ids=position_ids[run],
-                         past_key_values=None, use_cache=True, **extra)
-        cache = out.past_key_values
+        out = self._forward(input_ids=input_ids[run], attention_mask=attention_mask[run],
+                            position_ids=position_ids[run], cache=None, **extra)
+        cache = cache_of(out)
         if not hasattr(cache, "batch_select_indices"):
             raise TypeError(f"generator.hf.reuse_prompt_prefill needs a KV cache with batch_select_indices; "
                             f"{type(self.model).__name__} returned {type(cache).__name__}")
         cache.batch_select_indices(expand)
         return out.logits[:, -1, :].float()[expand], cache
+
+    def _forward(self, cache, **inputs):
+        """One cached forward of the model, the KV cache passed under the name its forward takes."""
+        return self.model(**inputs, **{self._cache_argument: cache}, use_cache=True)
+
+
+def cache_of(output):
+    """The KV cache a forward returned: `.cache`, or `.past_key_values` in transformers before the
+    rename (where reading the old name on newer versions would warn)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams,

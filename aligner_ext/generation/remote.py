@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import shutil
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,7 @@ from aligner_ext import distributed
 from aligner_ext.generation import remote_vllm
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.weight_group import WeightGroup, describe
+from aligner_ext.rules import choice, number
 from aligner_ext.secrets import read_secret
 from aligner_ext.weights_file import save_weights
 
@@ -66,35 +66,24 @@ class RemoteEngineConfig:
     api_key_env: str | None = None  # environment variable holding api_key (used when api_key is not given)
     api_key_file: str | None = None  # file whose first line is api_key (used when neither api_key nor api_key_env is given)
     model: str | None = None  # model id to request; unset: the first id each server's /v1/models lists
-    concurrency: int = 4  # requests in flight per server
-    max_prompts_per_request: int = 64  # prompts per completions request (a call is cut into chunks of at most this many)
-    routing: str = "least_loaded"  # which server takes the next chunk: round_robin | least_loaded (fewest in flight)
-    timeout_s: float = 600.0  # limit per request (each retry has its own), seconds
-    max_retries: int = 3  # retries per request after a connection error, timeout, 408, 429 or 5xx (exponential backoff)
-    seed_stride: int = 1_000_003  # chunk c of a call seeded s is requested with seed s + c * seed_stride
-    weight_sync: str = "none"  # how updated weights reach the servers: none | disk | distributed (docs/serving.md)
+    concurrency: int = number(4, ge=1)  # requests in flight per server
+    max_prompts_per_request: int = number(64, ge=1)  # prompts per completions request (a call is cut into chunks of at most this many)
+    routing: str = choice("least_loaded", *ROUTING)  # which server takes the next chunk: round_robin | least_loaded (fewest in flight)
+    timeout_s: float = number(600.0, gt=0)  # limit per request (each retry has its own), seconds
+    max_retries: int = number(3, ge=0)  # retries per request after a connection error, timeout, 408, 429 or 5xx (exponential backoff)
+    seed_stride: int = number(1_000_003, ge=1)  # chunk c of a call seeded s is requested with seed s + c * seed_stride
+    weight_sync: str = choice("none", *WEIGHT_SYNC_MODES)  # how updated weights reach the servers: none | disk | distributed (docs/serving.md)
     weight_sync_dir: str | None = None  # disk: a directory the servers can read (the trainer writes model.safetensors there)
     weight_sync_address: str | None = None  # distributed: this machine's address as the servers reach it; unset: its host name
-    weight_sync_port: int = 0  # distributed: TCP port of the weight group's store; 0 picks a free one
-    weight_sync_backend: str = "auto"  # distributed: nccl | gloo | auto (nccl when the policy is on a GPU); vllm servers: nccl only
-    server_kind: str = "sglang"  # whose weight-update endpoints the servers speak: sglang (SGLang's; aligner-ext serve) | vllm (docs/serving.md)
+    weight_sync_port: int = number(0, ge=0, le=65535)  # distributed: TCP port of the weight group's store; 0 picks a free one
+    weight_sync_backend: str = choice("auto", "auto", "nccl", "gloo")  # distributed: nccl | gloo | auto (nccl when the policy is on a GPU); vllm servers: nccl only
+    server_kind: str = choice("sglang", *SERVER_KINDS)  # whose weight-update endpoints the servers speak: sglang (SGLang's; aligner-ext serve) | vllm (docs/serving.md)
 
     def __post_init__(self) -> None:
         self.api_key = read_secret(self.api_key, self.api_key_env, self.api_key_file, "generator.remote.api_key")
-        if self.weight_sync not in WEIGHT_SYNC_MODES:
-            raise ValueError(f"generator.remote.weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {self.weight_sync!r}")
-        if self.server_kind not in SERVER_KINDS:
-            raise ValueError(f"generator.remote.server_kind must be one of {', '.join(SERVER_KINDS)}, got {self.server_kind!r}")
         if self.server_kind == "vllm" and self.weight_sync_backend == "gloo":
             raise ValueError("generator.remote.weight_sync_backend=gloo: vLLM's workers receive weights over NCCL only "
                              "(server_kind=vllm); use nccl or auto")
-        if self.routing not in ROUTING:
-            raise ValueError(f"generator.remote.routing must be one of {', '.join(ROUTING)}, got {self.routing!r}")
-        for name in ("concurrency", "max_prompts_per_request"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"generator.remote.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_retries < 0 or self.timeout_s <= 0:
-            raise ValueError("generator.remote.max_retries must be >= 0 and timeout_s > 0")
 
 
 class ServerError(RuntimeError):

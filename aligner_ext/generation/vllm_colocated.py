@@ -24,22 +24,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.rules import number
 
 
 @dataclass
 class VLLMEngineConfig:
     """Settings of the colocated vLLM engine (generation/vllm_colocated.py; extra `vllm`)."""
 
-    gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take for weights and KV cache while awake
-    max_model_len: int | None = None  # longest prompt + response; unset: the model's
+    gpu_memory_utilization: float = number(0.3, gt=0, le=1)  # share of GPU memory vLLM may take for weights and KV cache while awake
+    max_model_len: int | None = number(None, ge=1)  # longest prompt + response; unset: the model's
     enforce_eager: bool = False  # skip vLLM's CUDA graphs (faster start, slower decoding)
-    sleep_level: int = 1  # while the policy trains: 1 keeps the weights in host memory, 2 drops them (reloaded from the policy)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"generator.vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"generator.vllm.sleep_level must be 1 or 2, got {self.sleep_level}")
+    sleep_level: int = number(1, ge=1, le=2)  # while the policy trains: 1 keeps the weights in host memory, 2 drops them (reloaded from the policy)
 
 
 class WeightLoader:

@@ -104,6 +104,9 @@ def group_of(env: Mapping[str, str], het_group: int | None, gpus_per_node: int |
     return Group(nodes, node_rank, _gpus(env, gpus_per_node, suffix), _required(env, "SLURM_JOB_ID"))
 
 
+API_KEY_ENV = "ALIGNER_EXT_API_KEY"  # the key the servers require and the trainer sends (they listen on every interface)
+
+
 def server_urls(group: Group, port: int) -> list[str]:
     return [f"http://{node}:{port + gpu}" for node in group.nodes for gpu in range(group.gpus_per_node)]
 
@@ -118,7 +121,8 @@ def train_command(group: Group, node_rank: int, port: int, overrides: list[str])
 def serve_commands(group: Group, port: int, overrides: list[str]) -> list[tuple[dict[str, str], list[str]]]:
     """(extra environment, command) of each server of one node: one per GPU."""
     return [({"CUDA_VISIBLE_DEVICES": str(gpu)},
-             ["aligner-ext", "serve", "serve.host=0.0.0.0", f"serve.port={port + gpu}", *overrides])
+             ["aligner-ext", "serve", "serve.host=0.0.0.0", f"serve.port={port + gpu}", f"serve.api_key_env={API_KEY_ENV}",
+              *overrides])
             for gpu in range(group.gpus_per_node)]
 
 
@@ -126,7 +130,7 @@ def remote_overrides(servers: Group, server_port: int, trainer: Group, weight_po
     """What the trainer needs to generate on the servers and push its weights to them."""
     return ["generator.engine=remote", f"generator.remote.urls=[{','.join(server_urls(servers, server_port))}]",
             "generator.remote.weight_sync=distributed", f"generator.remote.weight_sync_address={trainer.nodes[0]}",
-            f"generator.remote.weight_sync_port={weight_port}"]
+            f"generator.remote.weight_sync_port={weight_port}", f"generator.remote.api_key_env={API_KEY_ENV}"]
 
 
 def wait_for_servers(urls: list[str], timeout_s: float) -> None:
@@ -191,6 +195,9 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
                 prefix = "".join(f"{key}={value} " for key, value in extra.items())
                 print(f"[{node}] {prefix}{shlex.join(command)}")
             return 0
+        if (args.role == "serve" or urls) and not env.get(API_KEY_ENV):
+            raise LaunchError(f"the generation servers listen on every interface and need a key the trainer shares: "
+                              f"export {API_KEY_ENV} (scripts/slurm/train_with_servers.sbatch makes one per job)")
         if group.node_rank is None:
             raise LaunchError(f"this node ({env.get('SLURMD_NODENAME')!r}) is not in the {args.role} group "
                               f"{group.nodes}: start it with srun (--het-group for a heterogeneous job)")

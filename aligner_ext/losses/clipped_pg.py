@@ -47,9 +47,10 @@ import torch
 
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
-from aligner_ext.losses.aggregation import aggregate, check_agg_mode
+from aligner_ext.losses.aggregation import AGG_MODES, aggregate, check_agg_mode
 from aligner_ext.losses.base import LOSSES, GlobalCounts, Loss
 from aligner_ext.losses.kl import KL_ESTIMATORS, kl_k3
+from aligner_ext.rules import choice, number, plugin
 
 
 @LOSSES.register("clipped_pg")
@@ -60,14 +61,14 @@ class ClippedPGLoss(Loss):
     class Config:
         """The clipped policy-gradient objective: clip range, aggregation and KL penalty."""
 
-        epsilon: float = 0.2  # lower clip: the ratio is clipped below at 1 - epsilon
-        epsilon_high: float = 0.2  # upper clip: clipped above at 1 + epsilon_high (DAPO: 0.28)
-        agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
-        kl_coef: float = 0.0  # beta, weight of the KL(pi || ref) term; 0 disables the reference model
-        kl_estimator: str = "k3"  # k1 | k2 | k3 (losses/kl.py)
-        log_ratio_clamp: float = 20.0  # |logprob - old_logprob| bound before exp, in nats
-        clip_ratio_c: float = 0.0  # dual-clip: a negative-advantage token's loss is capped at -clip_ratio_c * A (verl: 3.0); 0 disables it
-        importance_sampling_cap: float = 0.0  # truncated importance sampling: each token's surrogate times min(pi_old / pi_gen, cap), pi_gen the engine's log-probs (verl / TRL use 2); 0 disables it
+        epsilon: float = number(0.2, ge=0, lt=1)  # lower clip: the ratio is clipped below at 1 - epsilon
+        epsilon_high: float = number(0.2, ge=0)  # upper clip: clipped above at 1 + epsilon_high (DAPO: 0.28)
+        agg_mode: str = choice("token-mean", *AGG_MODES)  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+        kl_coef: float = number(0.0, ge=0)  # beta, weight of the KL(pi || ref) term; 0 disables the reference model
+        kl_estimator: str = plugin("k3", "aligner_ext.losses.kl:KL_ESTIMATORS")  # k1 | k2 | k3 (losses/kl.py)
+        log_ratio_clamp: float = number(20.0, gt=0)  # |logprob - old_logprob| bound before exp, in nats
+        clip_ratio_c: float = number(0.0, ge=0)  # dual-clip: a negative-advantage token's loss is capped at -clip_ratio_c * A (verl: 3.0); 0 disables it
+        importance_sampling_cap: float = number(0.0, ge=0)  # truncated importance sampling: each token's surrogate times min(pi_old / pi_gen, cap), pi_gen the engine's log-probs (verl / TRL use 2); 0 disables it
 
     reads = ("advantages", "old_logprobs", "response_mask")
 

@@ -70,7 +70,7 @@ def cast_model(model: PreTrainedModel, device: torch.device | None = None, dtype
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):
     """Multiplier of the peak lr at a given RL step: linear warm-up, then constant/linear/cosine
-    (`OptimConfig` has checked the schedule's name)."""
+    (the config's load has checked the schedule's name)."""
 
     def multiplier(step: int) -> float:
         if step < cfg.warmup_steps:

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from aligner_ext.data.templating import encode_prompt
+from aligner_ext.rules import choice, number
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +27,12 @@ AUTOCAST_CHOICES = ("auto", "bfloat16", "none")
 class WarmupConfig:
     """Supervised warm-up of the embedded model (only when `model.path` is not set)."""
 
-    steps: int = 200  # optimizer steps; stop early to leave the RL phase something to learn
-    batch_size: int = 64  # sequences per step
-    lr: float = 1e-3  # AdamW learning rate
-    seed: int = 0  # order of the examples
-    autocast: str = "auto"  # auto (bfloat16 autocast on a GPU, none on the CPU) | bfloat16 | none
-
-    def __post_init__(self):
-        if self.autocast not in AUTOCAST_CHOICES:
-            raise ValueError(f"model.warmup.autocast must be one of {AUTOCAST_CHOICES}, got {self.autocast!r}")
+    steps: int = number(200, ge=0)  # optimizer steps; stop early to leave the RL phase something to learn
+    batch_size: int = number(64, ge=1)  # sequences per step
+    lr: float = number(1e-3, gt=0)  # AdamW learning rate
+    seed: int = number(0, ge=0)  # order of the examples
+    autocast: str = choice("auto", *AUTOCAST_CHOICES)  # auto (bfloat16 autocast on a GPU, none on the CPU) | bfloat16 | none
+    cache_dir: str = "auto"  # where warmed models are kept, keyed by the warm-up's inputs, so a task's warm-up runs once per machine (models/warmup_cache.py): a directory | auto ($ALIGNER_EXT_CACHE, else $XDG_CACHE_HOME/aligner_ext, else ~/.cache/aligner_ext; + /warmup) | none
 
 
 def uses_bfloat16(device: torch.device, setting: str) -> bool:

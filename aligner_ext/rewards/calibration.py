@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from aligner_ext.data.types import PromptRow
 from aligner_ext.rewards.base import REWARDS, RewardResult, as_result, register_reward
 from aligner_ext.rewards.exact_match import squad_exact_match_reward
+from aligner_ext.rules import number, plugin
 
 _ANSWER_SEGMENT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
 _CONFIDENCE_SEGMENT = re.compile(r"\s*<analysis>.*?</analysis>\s*<confidence>[^<]*</confidence>\s*", re.DOTALL)
@@ -105,12 +106,12 @@ class SegmentRewards:
     class Config:
         """Segment rewards of MTPO: weights of each term and the format check of each segment."""
 
-        correctness_weight: float = 1.0  # answer side: weight of the row's reward (by data_source), e.g. exact match
-        answer_format: str = "format_answer_segment"  # reward name checking the round-1 text's format
-        answer_format_weight: float = 0.5  # answer side: weight of that format check
-        calibration_weight: float = 1.0  # confidence side: weight of 1 - (c - correct)^2
-        confidence_format: str = "format_confidence_segment"  # format_confidence_segment (<analysis> required) | format_confidence_segment_lenient (optional) | a reward name
-        confidence_format_weight: float = 0.5  # confidence side: weight of that format check
+        correctness_weight: float = number(1.0)  # answer side: weight of the row's reward (by data_source), e.g. exact match
+        answer_format: str = plugin("format_answer_segment", "aligner_ext.rewards.base:REWARDS")  # reward name checking the round-1 text's format
+        answer_format_weight: float = number(0.5)  # answer side: weight of that format check
+        calibration_weight: float = number(1.0)  # confidence side: weight of 1 - (c - correct)^2
+        confidence_format: str = plugin("format_confidence_segment", "aligner_ext.rewards.base:REWARDS")  # format_confidence_segment (<analysis> required) | format_confidence_segment_lenient (optional) | a reward name
+        confidence_format_weight: float = number(0.5)  # confidence side: weight of that format check
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -50,6 +50,8 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import openai
 
+from aligner_ext.rules import number
+
 logger = logging.getLogger(__name__)
 _BEARER = re.compile(r"(?i)bearer\s+[^\s\"',;]+")
 
@@ -75,23 +77,17 @@ class JudgeConfig:
     model: str = "judge"  # model name sent with every request
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the API key (never logged); unset: no key sent
     template: str = "judge/rubric_grader.txt"  # grader prompt: a path, absolute or relative to conf/
-    temperature: float = 0.0  # judge sampling temperature
-    max_tokens: int = 1024  # cap on the judge's reply, in tokens
-    timeout_s: float = 60.0  # limit per HTTP request (connect and each read), seconds
-    max_retries: int = 3  # further attempts after a failed request or an unparseable reply
-    backoff_s: float = 1.0  # wait before the first retry, seconds; doubled before each later one
-    max_concurrency: int = 8  # requests in flight at once per client (per reward worker process)
-    cache_size: int = 10000  # parsed replies kept for identical requests; 0 disables the cache
+    temperature: float = number(0.0, ge=0)  # judge sampling temperature
+    max_tokens: int = number(1024, ge=1)  # cap on the judge's reply, in tokens
+    timeout_s: float = number(60.0, gt=0)  # limit per HTTP request (connect and each read), seconds
+    max_retries: int = number(3, ge=0)  # further attempts after a failed request or an unparseable reply
+    backoff_s: float = number(1.0, ge=0)  # wait before the first retry, seconds; doubled before each later one
+    max_concurrency: int = number(8, ge=1)  # requests in flight at once per client (per reward worker process)
+    cache_size: int = number(10000, ge=0)  # parsed replies kept for identical requests; 0 disables the cache
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"judge base_url must start with http:// or https://, got {self.base_url!r}")
-        for name in ("timeout_s", "max_concurrency"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"judge {name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_retries", "backoff_s", "cache_size", "max_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"judge {name} must be >= 0, got {getattr(self, name)}")
 
     def key(self) -> tuple:
         """The field values: equal configs share one client (its cache and limit) in a process."""

@@ -59,6 +59,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -72,6 +73,8 @@ from aligner_ext.distributed import map_split
 from aligner_ext.errors import UserError
 from aligner_ext.rewards.base import DATA_SOURCES, REWARDS, RewardResult, as_result, is_trainable_score
 from aligner_ext.rewards.judge_client import JudgeConfig
+from aligner_ext.rewards.verl_score import adapt
+from aligner_ext.rules import number
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +89,9 @@ class RewardConfig:
 
     sources: dict[str, str] = field(default_factory=dict)  # data_source -> reward name or 'pkg.module:fn' (wins)
     default: str | None = None  # reward for a data_source in no table; None: such a row is a config error
-    timeout_s: float = 10.0  # wall-clock limit per call, seconds; then its worker is killed, score fallback_score
-    fallback_score: float = 0.0  # score of a call that raised, timed out or returned a bad value
-    num_workers: int = 2  # worker processes
+    timeout_s: float = number(10.0, gt=0)  # wall-clock limit per call, seconds; then its worker is killed, score fallback_score
+    fallback_score: float = number(0.0)  # score of a call that raised, timed out or returned a bad value
+    num_workers: int = number(2, ge=1)  # worker processes
     judge: JudgeConfig = field(default_factory=JudgeConfig)  # the LLM judge of judge-graded rewards (rubric_judge)
     split_across_ranks: bool = True  # under torchrun each process scores a contiguous share of every score() call and the results are all-gathered; false: every process scores everything
 
@@ -98,16 +101,34 @@ class RewardSourceError(UserError, ValueError):
 
 
 def _worker_main(conn: Connection, trainer_pid: int) -> None:
-    """Worker loop: receive a pickled (fn, response, row), send back a pickled outcome (see `_call`)."""
+    """Worker loop: receive a pickled (fn, response, row), send back a pickled outcome (see `_call`).
+
+    It ends quietly (status 0, no traceback) however the pool goes away: the manager's end closed while
+    the worker waits (EOFError), while it replies (BrokenPipeError) or with a reply left unread
+    (ConnectionResetError; any OSError of the pipe), or a KeyboardInterrupt (Ctrl-C is ignored here, but a
+    module a reward imports may install its own handler). SIGTERM (the pool's processes stopped at the
+    trainer's exit, a job scheduler stopping the process group) ends it with the default action: at once,
+    with no Python-level handler that could print.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which closes the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_trainer(trainer_pid)
+    _one_compute_thread()
     try:
         conn.send_bytes(b"ready")
         while True:
             payload = conn.recv_bytes()
             conn.send_bytes(_call(payload))
-    except (EOFError, OSError):  # the manager closed the pool (EOF, or a reset / broken pipe mid-message)
+    except (EOFError, OSError, KeyboardInterrupt):  # the pool is going away (docstring)
         return
+
+
+def _one_compute_thread() -> None:
+    """A worker scores with one thread: the trainer's threads have the cores (aligner_ext/threads.py)."""
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):  # libraries imported later
+        os.environ[variable] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 def _die_with_trainer(trainer_pid: int) -> None:
@@ -165,7 +186,7 @@ class _Worker:
         try:
             if self.conn.poll(STARTUP_TIMEOUT_S) and self.conn.recv_bytes() == b"ready":
                 return
-        except EOFError:  # it exited while starting
+        except (EOFError, OSError):  # it exited while starting (EOF, or a reset if it had written)
             exitcode = self.stop()
             raise RuntimeError(f"reward worker exited with code {exitcode} while starting; it re-imports the "
                                "main module, so a script must start training under `if __name__ == '__main__':`")
@@ -353,13 +374,17 @@ class RewardManager:
         for row in {row.data_source: row for row in reversed(rows)}.values():  # each source's first row
             self._resolve(row)
 
+    def reward_names(self, rows: list[PromptRow]) -> dict[str, str]:
+        """{data_source: the reward function's name} over `rows` (the run's start-up summary)."""
+        return {source: self._resolve(row)[0] for source, row in {row.data_source: row for row in rows}.items()}
+
     def _resolve(self, row: PromptRow) -> tuple[str, Callable[..., Any]]:
         """(reward name, function) for the row's data_source; raise ValueError naming what is missing."""
         source = row.data_source
         if source not in self._functions:
             name = self._reward_name(source, row.row_id)
             try:
-                fn = REWARDS.get(name)
+                fn = adapt(REWARDS.get(name))  # a verl compute_score is wrapped to take (response, row)
                 if hasattr(fn, "with_reward_config"):
                     fn = fn.with_reward_config(self.cfg)
                 pickle.dumps(fn)  # workers receive it by reference: a lambda or nested function cannot go

@@ -5,7 +5,9 @@ choice carries the generated ids as `token_ids` (the field vLLM returns with `re
 a trainer never re-tokenises text. `finish_reason` is "stop" or "length" as OpenAI defines it;
 `stop_reason` tells an EOS (None) from a stop string or stop token id (that string or id), as vLLM
 does. Log-probs are those of the sampled tokens only (`logprobs` 0 or 1; top-k alternatives are not
-served). Fields other servers accept and these models do not know are ignored.
+served). Fields other servers accept and these models do not know are ignored. Numbers must be
+finite; as vLLM does, a temperature below SAMPLING_EPS samples greedily and a top_p below it keeps
+the most likely token only, and a seed is a signed 64-bit integer.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from aligner_ext.generation.base import GenerationOutput, SamplingParams
 
+SAMPLING_EPS = 1e-5  # vLLM's: smaller temperatures are greedy (dividing logits by them overflows)
+
 
 class SamplingFields(BaseModel):
     """Sampling settings shared by completions and chat completions (OpenAI names; vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -30,14 +34,15 @@ class SamplingFields(BaseModel):
     top_k: int = Field(0, ge=-1)  # vLLM's extra; 0 or -1 disables it
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extra
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     ignore_eos: bool = False  # vLLM's extra
     stream: bool = False
 
     def sampling_params(self, return_logprobs: bool) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            max_new_tokens=self.max_tokens, temperature=0.0 if self.temperature < SAMPLING_EPS else self.temperature,
+            top_p=max(self.top_p, SAMPLING_EPS),
             top_k=max(self.top_k, 0), stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             return_logprobs=return_logprobs, seed=self.seed, ignore_eos=self.ignore_eos,
         )
@@ -64,7 +69,7 @@ class WeightGroupRequest(BaseModel):
     """SGLang's /init_weights_update_group payload."""
 
     master_address: str
-    master_port: int
+    master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
     group_name: str = "weight_sync"

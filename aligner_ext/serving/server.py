@@ -2,24 +2,30 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (protocol.py), GET /v1/models, /health (no
 key needed) and /metrics (Prometheus text), and SGLang's weight-update endpoints:
-/update_weights_from_disk (a safetensors file or a directory holding model.safetensors, written by
-the trainer with aligner_ext/weights_file.py::save_weights), /init_weights_update_group and
-/update_weights_from_distributed (tensors broadcast from trainer rank 0 over generation/weight_group.py).
+/update_weights_from_disk (a directory under `serve.weights_root` holding model.safetensors, written
+by the trainer with aligner_ext/weights_file.py::save_weights; refused when that setting is unset),
+/init_weights_update_group and /update_weights_from_distributed (tensors broadcast from trainer rank 0
+over generation/weight_group.py).
 
 The engine runs one call at a time: a request waits for the engine at most `request_timeout_s`
 (then 503). A request's prompts x n run as one engine call, so the rollout engine batches them.
 The call runs in a worker thread while the event loop watches the client: a client that disconnects
 cancels its request (the engine stops between decode steps, via `should_stop`), so nobody can hold
 the engine for a request whose answer nobody reads. Bounds (prompts, n, max_tokens, prompts x n x
-max_tokens, body size) answer 400 / 413 naming the limit; the body is counted as it streams (chunked
-bodies too, not only a Content-Length). A cancelled request answers 499 (nginx's "client closed
-request"), which nobody reads. The server binds to 127.0.0.1 unless `serve.host` says otherwise;
-with `serve.api_key` set every endpoint but /health wants `Authorization: Bearer <key>`.
+max_tokens, body size, prompt characters, prompt + max_tokens against the model's positions) answer
+400 / 413 naming the limit, before any tokenising (characters) or generating (tokens); the body is
+counted as it streams (chunked bodies too, not only a Content-Length). A cancelled request answers 499
+(nginx's "client closed request"), which nobody reads. Every error is OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`; a model name other than `serve.model_name` gets
+404 `model_not_found`. The server binds to 127.0.0.1 unless `serve.host` says otherwise (elsewhere it
+needs `serve.api_key` or `serve.allow_unauthenticated`, config.py); with `serve.api_key` set every
+endpoint but /health wants `Authorization: Bearer <key>`, compared in constant time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import logging
 import threading
@@ -29,7 +35,10 @@ from pathlib import Path
 import torch
 from anyio import to_thread
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from safetensors import SafetensorError, safe_open
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aligner_ext.config import ServeConfig
 from aligner_ext.errors import ConfigError
@@ -42,6 +51,38 @@ from aligner_ext.serving.protocol import (
 from aligner_ext.weights_file import load_weights
 
 logger = logging.getLogger(__name__)
+
+CHARS_PER_POSITION = 32  # serve.max_prompt_chars unset: this many characters per position of the model
+
+
+class ApiError(HTTPException):
+    """An HTTP error with OpenAI's `code` (e.g. "model_not_found"; default: the status) and `param`."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(status, message)
+        self.code, self.param = code, param
+
+
+def error_response(status: int, message: str, code: str | int | None = None, param: str | None = None) -> JSONResponse:
+    """OpenAI's error shape (vLLM's too: `code` is the status unless a named code says more)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status if code is None else code}}, status_code=status)
+
+
+def _shown(text: str, limit: int = 200) -> str:
+    """`text` as an error message quotes it: at most `limit` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def resolved_weights_root(cfg: ServeConfig) -> Path | None:
+    """serve.weights_root with symlinks and `..` resolved; ConfigError unless it is a directory."""
+    if cfg.weights_root is None:
+        return None
+    root = Path(cfg.weights_root).expanduser().resolve()
+    if not root.is_dir():
+        raise ConfigError(f"serve.weights_root={cfg.weights_root}: no such directory")
+    return root
 
 
 class _Counters:
@@ -71,6 +112,9 @@ class GenerationServer:
         self.counters = _Counters()
         self.weight_groups: dict[str, WeightGroup] = {}
         self.weight_version = 0
+        self.weights_root = resolved_weights_root(cfg)
+        self.positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        self.max_prompt_chars = cfg.max_prompt_chars or (CHARS_PER_POSITION * self.positions if self.positions else None)
         # engines that can stop mid-call (hf, rollout) take `should_stop`; others run their call to the end
         self.cancellable = "should_stop" in inspect.signature(engine.generate).parameters
 
@@ -107,14 +151,41 @@ class GenerationServer:
         vocab = len(self.tokenizer)
         if any(not 0 <= token < vocab for prompt in prompts for token in prompt):
             raise HTTPException(400, f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= token < vocab for token in request.stop_token_ids or []):
+            raise HTTPException(400, f"stop_token_ids must be in [0, {vocab})")
+        longest = max(len(prompt) for prompt in prompts)
+        if self.positions is not None and longest + request.max_tokens > self.positions:
+            raise HTTPException(400, f"prompt of {longest} tokens + max_tokens={request.max_tokens} = "
+                                     f"{longest + request.max_tokens} exceeds the model's {self.positions} positions")
+
+    def check_model(self, name: str | None) -> None:
+        """OpenAI's 404 for a model this server does not serve (no name: the served one)."""
+        if name is not None and name != self.cfg.model_name:
+            raise ApiError(404, f"The model `{_shown(name)}` does not exist; this server serves "
+                                f"`{self.cfg.model_name}`", code="model_not_found", param="model")
+
+    def check_chars(self, sizes: list[int]) -> None:
+        """Refuse a prompt of more characters (`sizes`: each text prompt's) than the cap, before tokenising."""
+        size = max(sizes, default=0)
+        if self.max_prompt_chars is not None and size > self.max_prompt_chars:
+            source = (f"serve.max_prompt_chars={self.max_prompt_chars}" if self.cfg.max_prompt_chars else
+                      f"{self.max_prompt_chars} (serve.max_prompt_chars unset: {CHARS_PER_POSITION} per position "
+                      f"of the model's {self.positions})")
+            raise HTTPException(400, f"prompt of {size} characters exceeds {source}")
 
     def completion_prompts(self, prompt) -> list[list[int]]:
         """The request's prompt(s) as token-id lists; text is tokenised as vLLM does (special tokens added)."""
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [self.encode(prompt)]
         if prompt and all(isinstance(token, int) for token in prompt):
             return [list(prompt)]
-        return [self.tokenizer.encode(item) if isinstance(item, str) else list(item) for item in prompt]
+        return [self.encode(item) if isinstance(item, str) else list(item) for item in prompt]
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except (TypeError, ValueError, UnicodeError) as err:  # e.g. a lone surrogate the tokenizer cannot take
+            raise HTTPException(400, f"cannot tokenise the prompt (is it valid Unicode?): {err}") from err
 
     def generate(self, request, prompts: list[list[int]], return_logprobs: bool, make_choice,
                  cancelled: threading.Event) -> dict:
@@ -134,12 +205,45 @@ class GenerationServer:
                 "choices": [make_choice(index, output, params, self.tokenizer) for index, output in enumerate(outputs)],
                 "usage": used}
 
-    def load_from_disk(self, path: Path) -> None:
-        file = path / "model.safetensors" if path.is_dir() else path
+    def weights_file(self, model_path: str) -> Path:
+        """The model.safetensors of `model_path`, a directory under serve.weights_root (symlinks and `..`
+        resolved, the file's own link too); 403 outside the root or with none set, 400 for anything else."""
+        if self.weights_root is None:
+            raise HTTPException(403, "updates from disk are off: start the server with serve.weights_root=<a "
+                                     "directory> to load weight directories under it")
+        shown = _shown(model_path)
+        try:
+            path = Path(model_path).resolve()
+            file = (path / "model.safetensors").resolve()
+        except (OSError, RuntimeError, ValueError) as err:  # a null byte, a name too long, a symlink loop
+            raise HTTPException(400, f"model_path {shown!r} is not a usable path: {err}") from err
+        if not (path.is_relative_to(self.weights_root) and file.is_relative_to(self.weights_root)):
+            raise HTTPException(403, f"model_path {shown!r} is outside serve.weights_root={self.weights_root}")
+        if not path.is_dir():
+            raise HTTPException(400, f"model_path {shown!r} is not a directory: give the directory holding model.safetensors")
         if not file.is_file():
-            raise HTTPException(400, f"no safetensors weights at {file}")
+            raise HTTPException(400, f"model_path {shown!r} holds no model.safetensors")
+        return file
+
+    def load_from_disk(self, model_path: str) -> None:
+        """Load the weights of `model_path` (weights_file) in place, once their names and shapes (the
+        file's header) are known to fit the served model."""
+        file = self.weights_file(model_path)
+        state = self.model.state_dict()
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                shapes = {name: list(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118 (not a dict)
+        except (SafetensorError, OSError) as err:
+            raise HTTPException(400, f"{file} is not a readable safetensors file: {err}") from err
+        wrong = [name for name, shape in shapes.items() if name not in state or list(state[name].shape) != shape]
+        if wrong:
+            raise HTTPException(400, f"weights at {file} do not match the served model: {len(wrong)} tensors of "
+                                     f"unknown names or shapes, e.g. {wrong[:5]}")
         with self.engine_lock:
-            missing, unexpected = load_weights(self.model, file)
+            try:
+                missing, unexpected = load_weights(self.model, file)
+            except (SafetensorError, OSError, RuntimeError) as err:
+                raise HTTPException(400, f"cannot load {file}: {err}") from err
             if missing or unexpected:
                 raise HTTPException(400, f"weights at {file} do not match the served model: missing {missing[:5]}, "
                                          f"unexpected {unexpected[:5]}")
@@ -153,6 +257,10 @@ class GenerationServer:
             tensors = request.tensors()
         except ValueError as err:
             raise HTTPException(400, str(err)) from err
+        for name, dtype, shape in tensors:  # before anything is received: a bad entry would break the broadcast
+            if dtype not in DTYPES or any(size < 0 for size in shape):
+                raise HTTPException(400, f"tensor {_shown(name)!r}: dtype {_shown(dtype)!r} (one of {sorted(DTYPES)}) "
+                                         f"and shape {shape[:8]} (sizes >= 0) cannot be received")
         params = dict(self.model.named_parameters())
         device = next(self.model.parameters()).device
         unknown = []
@@ -199,8 +307,7 @@ class _BoundedBody:
             more = message.get("more_body", False)
         if max(size, received) > limit:
             counters.add(request_errors_total=1)
-            too_large = {"error": {"message": f"body exceeds serve.max_body_bytes={limit}", "code": 413}}
-            return await JSONResponse(too_large, status_code=413)(scope, receive, send)
+            return await error_response(413, f"body exceeds serve.max_body_bytes={limit}")(scope, receive, send)
         pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay():
@@ -212,6 +319,20 @@ class _BoundedBody:
             await send(message)
 
         await self.app(scope, replay, counted)
+
+
+def _strings(value) -> list[str]:
+    """Every string in a JSON value (a chat request's messages: contents, parts, names)."""
+    found, pending = [], [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return found
 
 
 async def _until_disconnected(raw: Request, work) -> dict:
@@ -234,34 +355,51 @@ def build_app(server: GenerationServer) -> FastAPI:
     cfg = server.cfg
     app = FastAPI(title="aligner-ext generation server")
 
+    expected_key = None if cfg.api_key is None else f"Bearer {cfg.api_key}".encode()
+
     def authorised(request: Request) -> None:
-        if cfg.api_key is not None and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+        if expected_key is None:
+            return
+        given = request.headers.get("authorization", "").encode("latin-1")  # the header's bytes, as sent
+        if not hmac.compare_digest(given, expected_key):
             raise HTTPException(401, "missing or wrong API key (Authorization: Bearer <key>)")
 
     app.add_middleware(_BoundedBody, server=server)
 
-    @app.exception_handler(HTTPException)
-    async def openai_error(request: Request, err: HTTPException):
-        return JSONResponse({"error": {"message": err.detail, "code": err.status_code}}, status_code=err.status_code)
+    @app.exception_handler(StarletteHTTPException)  # ours and the router's (unknown path, wrong method)
+    async def openai_error(request: Request, err: StarletteHTTPException):
+        return error_response(err.status_code, str(err.detail), getattr(err, "code", None), getattr(err, "param", None))
+
+    @app.exception_handler(RequestValidationError)  # a body that is not JSON or not the endpoint's fields
+    async def invalid_body(request: Request, err: RequestValidationError):
+        problems = [(".".join(str(part) for part in problem["loc"] if part != "body"), problem["msg"])
+                    for problem in err.errors()]
+        said = "; ".join(f"{where}: {what}" if where else what for where, what in problems[:3])
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        return error_response(400, _shown(f"invalid request body: {said}{more}".replace("\n", " "), 500))
 
     keyed = [Depends(authorised)]
 
+    # the cheap GET endpoints run on the event loop, so they answer while every worker thread waits for the engine
     @app.get("/health")
-    def health() -> dict:
+    async def health() -> dict:
         return {"status": "ok", "weight_version": server.weight_version}
 
     @app.get("/metrics", dependencies=keyed)
-    def metrics() -> PlainTextResponse:
+    async def metrics() -> PlainTextResponse:
         return PlainTextResponse(server.counters.prometheus() + f"aligner_ext_weight_version {server.weight_version}\n")
 
     @app.get("/v1/models", dependencies=keyed)
-    def models() -> dict:
+    async def models() -> dict:
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "owned_by": "aligner-ext"}]}
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(request: CompletionRequest, raw: Request) -> dict:
+        server.check_model(request.model)
         if request.logprobs is not None and request.logprobs > 1:
             raise HTTPException(400, "logprobs > 1 (top alternatives) is not served; 0 or 1 returns the sampled tokens'")
+        items = request.prompt if isinstance(request.prompt, list) else [request.prompt]
+        server.check_chars([len(item) for item in items if isinstance(item, str)])
 
         def work(cancelled: threading.Event) -> dict:
             prompts = server.completion_prompts(request.prompt)
@@ -271,6 +409,9 @@ def build_app(server: GenerationServer) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> dict:
+        server.check_model(request.model)
+        server.check_chars([sum(len(text) for text in _strings(request.messages))])  # the messages make one prompt
+
         def work(cancelled: threading.Event) -> dict:
             try:
                 prompt = server.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
@@ -284,7 +425,7 @@ def build_app(server: GenerationServer) -> FastAPI:
 
     @app.post("/update_weights_from_disk", dependencies=keyed)
     def update_weights_from_disk(request: DiskWeightsRequest) -> dict:
-        server.load_from_disk(Path(request.model_path))
+        server.load_from_disk(request.model_path)
         return {"success": True, "message": f"loaded {request.model_path}", "weight_version": server.weight_version}
 
     @app.post("/init_weights_update_group", dependencies=keyed)
@@ -315,6 +456,7 @@ def build_server(cfg) -> GenerationServer:
     from aligner_ext.support import check_engine
     from aligner_ext.trainer.build import generation_engine_name, model_directory
 
+    resolved_weights_root(cfg.serve)  # a missing directory is refused before the model loads
     model_dir = model_directory(cfg, Path(cfg.trainer.output_dir) / cfg.trainer.run_name)
     check_engine(cfg.generator.engine, AutoConfig.from_pretrained(model_dir))  # one line, before the weights load
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

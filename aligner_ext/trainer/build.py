@@ -1,38 +1,53 @@
-"""Config names -> objects. The only place that reads plug-in names from the config."""
+"""Config names -> objects. The only place that reads plug-in names from the config.
+
+What a user can fix stops the build with a UserError (aligner_ext/errors.py), which the CLI prints as
+one line: a plug-in name that does not resolve (`check_plugin_names`, before anything loads), a
+plug-in that refuses its settings (`construct`), a training row the experience maker would fail on
+(`ExperienceMaker.check_rows`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import linecache
 import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 from aligner_ext.algorithms.advantages import ADVANTAGES
 from aligner_ext.config import RunConfig
+from aligner_ext.context import BuildContext
 from aligner_ext.data import build_loader, builtin_rows
 from aligner_ext.data.loader import PromptLoader
-import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
-from aligner_ext.context import BuildContext
 from aligner_ext.distributed import main_process_first
-from aligner_ext.errors import ContractError, ModelPathError
-from aligner_ext.files import follow_umask
+from aligner_ext.errors import ConfigError, ModelPathError, UserError, error_line
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
+from aligner_ext.files import follow_umask
 from aligner_ext.generation.base import ENGINES, GenerationEngine
 from aligner_ext.generation.sharded import split_across_ranks
 from aligner_ext.losses.base import LOSSES, Loss
+from aligner_ext.models import warmup_cache
 from aligner_ext.models.base import POLICIES, Policy, Reference
 from aligner_ext.models.hf import resolve_device
 from aligner_ext.models.kernels import start_compile_workers
 from aligner_ext.models.tiny import build_char_tokenizer, build_tiny_model
 from aligner_ext.models.warmup import supervised_warmup
+from aligner_ext.registry import load_dotted
 from aligner_ext.rewards.manager import RewardManager
+from aligner_ext.rules import Registered, rule_of
 from aligner_ext.support import check_run, rollout_refusal
 from aligner_ext.trainer.contracts import check_stages, step_stages
+from aligner_ext.trainer.run_dir import EMBEDDED_MODEL
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -70,14 +85,20 @@ def generation_engine_name(cfg: RunConfig, model_config, device: torch.device) -
 
 
 def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
-    """Build and warm up the embedded tiny model once per run; later calls (resume) reuse it."""
-    directory = run_dir / "base_model"
+    """Build and warm up the embedded tiny model once per run; later calls (resume) reuse it, and a
+    warm-up of the same inputs done before on this machine is copied from its cache (models/warmup_cache.py)."""
+    directory = run_dir / EMBEDDED_MODEL
     if (directory / "config.json").exists():
         return directory
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, cfg.model.tiny).to(resolve_device(cfg.policy.device))
+    device = resolve_device(cfg.policy.device)
     rows = builtin_rows(cfg.data.builtin_task, "train", cfg.data.builtin_train_size, cfg.data.seed)
     examples = EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker).warmup_examples(cfg, rows)
+    cache = warmup_cache.cache_root(cfg.model.warmup.cache_dir)
+    key = warmup_cache.warmup_key(cfg.model.tiny, cfg.model.warmup, examples, device.type)
+    if warmup_cache.fetch(cache, key, directory):
+        return directory
+    model = build_tiny_model(tokenizer, cfg.model.tiny).to(device)
     logger.info("warming up the embedded model on %d examples from %d %s rows", len(examples), len(rows),
                 cfg.data.builtin_task)
     supervised_warmup(model, tokenizer, examples, cfg.model.warmup, progress=cfg.trainer.progress_bar)
@@ -87,6 +108,7 @@ def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     follow_umask(tmp)
     tmp.rename(directory)
+    warmup_cache.store(cache, key, directory)
     del model  # the policy backend loads its own copy from `directory`
     if torch.cuda.is_available():
         # Hand the warm-up's cached blocks back: other processes on this GPU (the run's other ranks,
@@ -122,9 +144,11 @@ def model_directory(cfg: RunConfig, run_dir: Path) -> Path | str:
 
 
 def build_components(cfg: RunConfig, run_dir: Path) -> Components:
-    """Every part of a run. What is cheap to check (the model path, whether the backend and engine run
-    the model, the data files, every row's reward function) is checked before the model loads; the
-    plug-ins' batch contracts once they are built (trainer/contracts.py)."""
+    """Every part of a run. What is cheap to check (the plug-in names, the model path, whether the backend
+    and engine run the model, the data files, every row's reward function) is checked before the model
+    loads; the plug-ins' settings, batch contracts (trainer/contracts.py) and the training rows against
+    the experience maker once they are built, before the first step."""
+    check_plugin_names(cfg)
     model_dir = model_directory(cfg, run_dir)
     check_run(cfg, model_dir)  # the model's family and layout, from config.json alone (aligner_ext/support.py)
     if resolve_device(cfg.policy.device).type == "cuda":
@@ -137,25 +161,29 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     rewards = RewardManager(cfg.reward)
     try:
         rewards.check(train_loader.rows + (val_loader.rows if val_loader else []))
-    except Exception:
-        rewards.close()
-        raise
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    policy = POLICIES.get(cfg.policy.backend)(model, cfg.policy, cfg.trainer.total_steps)
-    reference = policy.frozen_reference() if cfg.loss.kl_coef > 0 else None
-    engine_name = generation_engine_name(cfg, model.config, policy.device)
-    generation_model = policy.generation_model(engine_name)
-    engine = split_across_ranks(ENGINES.get(engine_name)(generation_model, tokenizer, getattr(cfg.generator, engine_name)),
-                                cfg.generator.split_across_ranks, getattr(generation_model, "split_group", None))
-    ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=engine, rewards=rewards)
-    advantage = ADVANTAGES.get(cfg.algorithm.adv_estimator).from_context(ctx)
-    loss = LOSSES.get(cfg.algorithm.loss).from_context(ctx)
-    ctx.reads_after_experience = frozenset(advantage.reads) | frozenset(loss.reads)
-    maker = build_experience_maker(ctx)
-    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        backend = cfg.policy.backend
+        policy = construct(cfg, "policy backend", "policy.backend", backend, POLICIES.get(backend),
+                           lambda cls: cls(model, cfg.policy, cfg.trainer.total_steps), section="policy")
+        reference = policy.frozen_reference() if cfg.loss.kl_coef > 0 else None
+        engine_name = generation_engine_name(cfg, model.config, policy.device)
+        generation_model = policy.generation_model(engine_name)
+        engine = construct(cfg, "generation engine", "generator.engine", engine_name, ENGINES.get(engine_name),
+                           lambda cls: cls(generation_model, tokenizer, getattr(cfg.generator, engine_name)),
+                           section=f"generator.{engine_name}")
+        engine = split_across_ranks(engine, cfg.generator.split_across_ranks,
+                                    getattr(generation_model, "split_group", None))
+        ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=engine, rewards=rewards)
+        advantage = construct(cfg, "advantage estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator,
+                              ADVANTAGES.get(cfg.algorithm.adv_estimator), lambda cls: cls.from_context(ctx))
+        loss = construct(cfg, "loss", "algorithm.loss", cfg.algorithm.loss, LOSSES.get(cfg.algorithm.loss),
+                         lambda cls: cls.from_context(ctx))
+        ctx.reads_after_experience = frozenset(advantage.reads) | frozenset(loss.reads)
+        maker = build_experience_maker(ctx)
         check_stages(step_stages(maker, reference is not None, advantage, cfg.algorithm.adv_estimator, loss,
                                  cfg.algorithm.loss))
-    except ContractError:
+        maker.check_rows(train_loader.rows)
+    except BaseException:
         rewards.close()
         raise
     rewards.start()  # the workers start up while the first rollouts generate
@@ -168,7 +196,69 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
 
 def build_experience_maker(ctx: BuildContext) -> ExperienceMaker:
     """The configured maker, wrapped by each of `algorithm.experience_wrappers` in order (innermost first)."""
-    maker = EXPERIENCE_MAKERS.get(ctx.cfg.algorithm.experience_maker).from_context(ctx)
+    name = ctx.cfg.algorithm.experience_maker
+    maker = construct(ctx.cfg, "experience maker", "algorithm.experience_maker", name, EXPERIENCE_MAKERS.get(name),
+                      lambda cls: cls.from_context(ctx))
     for name in ctx.cfg.algorithm.experience_wrappers:
-        maker = EXPERIENCE_WRAPPERS.get(name).from_context(maker, ctx)
+        maker = construct(ctx.cfg, "experience wrapper", "algorithm.experience_wrappers", name,
+                          EXPERIENCE_WRAPPERS.get(name), lambda cls: cls.from_context(maker, ctx))
     return maker
+
+
+def check_plugin_names(cfg: RunConfig) -> None:
+    """Resolve every plug-in name of the config (a field declared with `rules.plugin` / `plugins`) now, before
+    anything loads: the config check knows the registered names, but a dotted path `pkg.module:attr` is
+    imported only here. A name that does not resolve is a ConfigError naming the key."""
+    for key, field, value in _settings(cfg):
+        rule = rule_of(field)
+        if not isinstance(rule, Registered):
+            continue
+        registry = load_dotted(rule.registry)
+        for name in value if rule.many else [value]:
+            if name in rule.extra:
+                continue
+            try:
+                registry.get(name)
+            except (KeyError, ImportError, AttributeError, ValueError) as err:
+                raise ConfigError(f"{key}={name}: {err.args[0] if err.args else err}") from err
+
+
+def construct(cfg: RunConfig, kind: str, key: str, name: str, cls: Any, make: Callable[[Any], T],
+              section: str | None = None) -> T:
+    """`make(cls)`: the plug-in `name` of `kind`, chosen by the config key `key`. A ValueError or TypeError
+    that the plug-in raises on purpose (a `raise` statement in its package) is about its settings, an
+    ImportError so raised about a missing extra: it becomes a ConfigError naming the plug-in, its key and
+    its settings' section (`section`, else the section holding `cls.Config`). Any other error is a bug
+    and keeps its traceback."""
+    try:
+        return make(cls)
+    except (ValueError, TypeError, ImportError) as err:
+        packages = {"aligner_ext", getattr(cls, "__module__", "").split(".")[0]}
+        if isinstance(err, UserError) or not _raised_on_purpose(err, packages):
+            raise
+        config_type = getattr(cls, "Config", None)
+        section = section or next((key for key, _, value in _settings(cfg) if type(value) is config_type), None)
+        settings = f"; its settings: {section}" if section else ""
+        raise ConfigError(f"{kind} {name} ({key}{settings}) cannot be built: {error_line(err)}") from err
+
+
+def _raised_on_purpose(err: BaseException, packages: set[str]) -> bool:
+    """Whether `err` comes from a `raise` statement in one of `packages` (a message for the caller), rather
+    than from an operation that failed (`None + 1`, a bad call into a library)."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+    return module.split(".")[0] in packages and line.lstrip().startswith("raise ")
+
+
+def _settings(config: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """(dotted key, field, value) of every field of the dataclass tree `config`, sections before what they hold."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        yield prefix + field.name, field, value
+        if dataclasses.is_dataclass(value):
+            yield from _settings(value, f"{prefix}{field.name}.")

@@ -21,12 +21,15 @@ from aligner_ext.config import RunConfig, as_tree, changed_settings, settings, t
 from aligner_ext.distributed import init_from_env, is_main_process
 from aligner_ext.files import follow_umask
 from aligner_ext.models.base import DivergedRun
+from aligner_ext.threads import compute_threads, usable_cores
+from aligner_ext.trackers import build_trackers
 from aligner_ext.trainer.build import Components, build_components
 from aligner_ext.trainer.checkpoint import Checkpointer, CorruptCheckpoint
 from aligner_ext.trainer.evaluate import evaluate
 from aligner_ext.trainer.metrics import MetricsLogger, StageTimer, plot_history, read_history
+from aligner_ext.trainer.run_dir import EXPORTED_MODEL, SAVED_CONFIG, SUMMARY, claim_run_dir
+from aligner_ext.trainer.startup import startup_lines
 from aligner_ext.trainer.step_metrics import batch_metrics
-from aligner_ext.trackers import build_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +52,23 @@ class RunSummary:
 
 def train(cfg: RunConfig) -> RunSummary:
     init_from_env()  # under torchrun: every process runs this loop; only the main one writes files
+    threads = compute_threads(cfg.trainer.cpu_threads)
+    torch.set_num_threads(threads)
+    logger.info("%d compute thread(s) per process (trainer.cpu_threads; %d usable cores)", threads, usable_cores())
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.run_name
+    checkpointer = Checkpointer(run_dir, cfg.trainer.keep_last, cfg.trainer.allow_unverified_checkpoint)
+    start = claim_run_dir(cfg, run_dir, checkpointer)  # before anything is written there
+    if start.finished:
+        logger.warning("run directory %s: %s", run_dir, start.describe)
+        return finished_summary(run_dir / SUMMARY)
     if is_main_process():
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        (run_dir / SAVED_CONFIG).write_text(to_yaml(cfg))
     torch.manual_seed(cfg.trainer.seed)
     parts = build_components(cfg, run_dir)
-    checkpointer = Checkpointer(run_dir, cfg.trainer.keep_last, cfg.trainer.allow_unverified_checkpoint)
+    if is_main_process():
+        for line in startup_lines(cfg, parts, run_dir, start.describe):
+            logger.info(line)
     start_step, before = resume(cfg, parts, checkpointer)
     log = MetricsLogger(run_dir, cfg.trainer.tensorboard, start_step, trackers=lambda: build_trackers(
         cfg.trainer.wandb, cfg.trainer.mlflow, cfg.trainer.run_name, run_dir, as_tree(cfg), settings(cfg)))
@@ -66,9 +79,9 @@ def train(cfg: RunConfig) -> RunSummary:
     temperature = cfg.rollout.temperature
     after = before
     started = time.perf_counter()
-    steps = range(start_step, cfg.trainer.total_steps)
-    for step in tqdm(steps, desc="GRPO", disable=not cfg.trainer.progress_bar, initial=start_step,
-                     total=cfg.trainer.total_steps):
+    progress = tqdm(range(start_step, cfg.trainer.total_steps), desc="GRPO", disable=not cfg.trainer.progress_bar,
+                    initial=start_step, total=cfg.trainer.total_steps)
+    for step in progress:
         timer = StageTimer()
         with timer("rollout"):
             batch, metrics = parts.maker.make_experience(parts.train_loader, step)
@@ -79,9 +92,10 @@ def train(cfg: RunConfig) -> RunSummary:
         metrics["timing/tokens_per_s"] = metrics.get("response/num_tokens", 0.0) / metrics["timing/step_s"]
         done = step + 1
         if done == cfg.trainer.total_steps or (cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0):
-            after = run_eval(cfg, parts)
+            after = run_eval(cfg, parts, done)
             metrics.update(after)
         log.log(done, metrics)
+        progress.set_postfix_str(progress_line(metrics, after), refresh=False)
         if metrics.get("actor/diverged_updates", 0.0) > 0:  # the guard's verdict: these weights are never saved
             ratio = metrics["actor/update_ratio_max"]
             raise DivergedRun(
@@ -94,13 +108,13 @@ def train(cfg: RunConfig) -> RunSummary:
         if cfg.trainer.save_every and done % cfg.trainer.save_every == 0 and done < cfg.trainer.total_steps:
             save(cfg, parts, checkpointer, done, before)
     if start_step >= cfg.trainer.total_steps:  # resumed a finished run: nothing trained, evaluate again
-        after = run_eval(cfg, parts)
+        after = run_eval(cfg, parts, start_step)
     save(cfg, parts, checkpointer, cfg.trainer.total_steps, before)
     if cfg.trainer.export_hf:
-        parts.policy.save_pretrained(str(run_dir / "hf_model"))  # collective for sharded policies
+        parts.policy.save_pretrained(str(run_dir / EXPORTED_MODEL))  # collective for sharded policies
         if is_main_process():
-            parts.tokenizer.save_pretrained(str(run_dir / "hf_model"))
-            follow_umask(run_dir / "hf_model")
+            parts.tokenizer.save_pretrained(str(run_dir / EXPORTED_MODEL))
+            follow_umask(run_dir / EXPORTED_MODEL)
     parts.rewards.close()
     if is_main_process():
         plot_history(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png")
@@ -114,8 +128,18 @@ def train(cfg: RunConfig) -> RunSummary:
         held_out_before=dict(before), held_out_after=dict(after),
     )
     if is_main_process():
-        (run_dir / "summary.json").write_text(json.dumps(json_safe(summary.__dict__), indent=2, allow_nan=False))
+        (run_dir / SUMMARY).write_text(json.dumps(json_safe(summary.__dict__), indent=2, allow_nan=False))
     return summary
+
+
+def finished_summary(path: Path) -> RunSummary:
+    """The summary a finished run wrote (`json_safe` stored NaN as null: read back as NaN)."""
+    def nan_for_null(value):
+        if isinstance(value, dict):
+            return {key: nan_for_null(item) for key, item in value.items()}
+        return math.nan if value is None else value
+
+    return RunSummary(**nan_for_null(json.loads(path.read_text())))
 
 
 def json_safe(value):
@@ -169,7 +193,19 @@ def old_logprobs_from_training(parts: Components, batch_size: int) -> bool:
     return parts.policy.cfg.old_logprob_pass == "auto" and not read_before_training
 
 
-def run_eval(cfg: RunConfig, parts: Components) -> dict[str, float]:
+def progress_line(metrics: dict[str, float], held_out: dict[str, float]) -> str:
+    """The progress bar's postfix: this step's training reward, accuracy and time, the latest held-out accuracy."""
+    parts = [f"reward {metrics['reward/mean']:.3f}"] if "reward/mean" in metrics else []
+    if math.isfinite(metrics.get("reward/accuracy", math.nan)):
+        parts.append(f"acc {100 * metrics['reward/accuracy']:.0f}%")
+    parts.append(f"{metrics['timing/step_s']:.1f} s/step")
+    if "val/accuracy" in held_out:
+        parts.append(f"val acc {100 * held_out['val/accuracy']:.1f}%")
+    return ", ".join(parts)
+
+
+def run_eval(cfg: RunConfig, parts: Components, step: int = 0) -> dict[str, float]:
+    """Held-out evaluation (greedy, or the experience maker's own), with one log line of its headline."""
     if parts.val_loader is None:
         return {}
 
@@ -177,7 +213,11 @@ def run_eval(cfg: RunConfig, parts: Components) -> dict[str, float]:
         return evaluate(parts.engine, parts.rewards, parts.tokenizer, loader, cfg.rollout.max_response_length,
                         cfg.rollout.stop)
 
-    return parts.maker.evaluate(parts.val_loader, greedy)
+    held_out = parts.maker.evaluate(parts.val_loader, greedy)
+    if "val/accuracy" in held_out and is_main_process():
+        logger.info("step %d: held-out accuracy %.1f%%, mean reward %.3f", step, 100 * held_out["val/accuracy"],
+                    held_out.get("val/reward_mean", math.nan))
+    return held_out
 
 
 def save(cfg: RunConfig, parts: Components, checkpointer: Checkpointer, step: int, before: dict[str, float]) -> None:

@@ -8,17 +8,27 @@ import math
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.distributed import is_main_process
 
 logger = logging.getLogger(__name__)
 
-# (panel title, training metric, held-out metric)
-PLOTTED = (("reward", "reward/mean", "val/reward_mean"), ("accuracy", "reward/accuracy", "val/accuracy"))
+# The end-of-run plot's panels, in order: (quantity, y-axis unit or "", (metric key, series label) ...).
+# A training series (first) is drawn with its moving average, a held-out one with markers.
+TRAIN_LABEL, HELD_OUT_LABEL = "train (batch mean)", "held-out (greedy)"
+PLOTTED = (
+    ("reward", "", (("reward/mean", TRAIN_LABEL), ("val/reward_mean", HELD_OUT_LABEL))),
+    ("accuracy", "", (("reward/accuracy", TRAIN_LABEL), ("val/accuracy", HELD_OUT_LABEL))),
+    ("response length", "tokens", (("response/length_mean", TRAIN_LABEL), ("val/response_length", HELD_OUT_LABEL))),
+    ("KL to the reference", "per token", (("actor/kl", TRAIN_LABEL),)),
+    ("entropy", "nats per token", (("actor/entropy", TRAIN_LABEL),)),
+)
+PANEL_COLUMNS = 3
 
 
 class StageTimer:
@@ -138,39 +148,102 @@ def read_history(path: str | Path) -> list[dict]:
 
 
 def plot_history(metrics_path: str | Path, png_path: str | Path) -> Path:
-    """A PNG of reward (left) and accuracy (right) per step: training values with a moving average,
-    held-out evaluations as markers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    history = read_history(metrics_path)
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for axis, (title, train_key, val_key) in zip(axes, PLOTTED):
-        _plot_series(axis, history, train_key, "train (batch)", smooth=True)
-        _plot_series(axis, history, val_key, "held-out (greedy)", smooth=False)
-        axis.set_xlabel("step")
-        axis.set_title(title)
-        axis.grid(alpha=0.3)
-        if axis.lines:
-            axis.legend()
-    figure.tight_layout()
+    """Write `history_figure(metrics_path)` as a PNG at `png_path`."""
+    figure = history_figure(metrics_path)
     figure.savefig(png_path, dpi=100)
-    plt.close(figure)
     return Path(png_path)
 
 
-def _plot_series(axis, history: list[dict], key: str, label: str, smooth: bool) -> None:
-    points = [(r["step"], r[key]) for r in history if r.get(key) is not None]
-    if not points:
-        return
+@dataclass
+class Panel:
+    """One quantity's axes: its series as (label, [(step, value)]), and the quantities it also shows."""
+
+    quantity: str
+    unit: str
+    series: list[tuple[str, list[tuple[int, float]]]]
+    same_as: list[str] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        return " = ".join([self.quantity, *self.same_as])
+
+    @property
+    def ylabel(self) -> str:
+        return f"{self.title} ({self.unit})" if self.unit else self.title
+
+
+def history_panels(history: list[dict]) -> list[Panel]:
+    """The panels of PLOTTED that have data. A panel whose every series repeats, point for point, the
+    series of the same label in an earlier panel (the demo task's reward is its accuracy) is not drawn
+    again: the earlier panel's title names both quantities."""
+    panels: list[Panel] = []
+    for quantity, unit, keys in PLOTTED:
+        series = [(label, points) for key, label in keys if (points := _points(history, key))]
+        if not series:
+            continue
+        same = next((p for p in panels if _same_series(p.series, series)), None)
+        if same is not None:
+            same.same_as.append(quantity)
+        else:
+            panels.append(Panel(quantity, unit, series))
+    return panels
+
+
+def history_figure(metrics_path: str | Path):
+    """A matplotlib Figure of a run's metrics.jsonl: one panel per quantity of `history_panels`, step on
+    x and the quantity on y, training values with a moving average and held-out evaluations as
+    markers, one legend below the panels; titled with the run's directory name."""
+    from matplotlib.figure import Figure
+
+    metrics_path = Path(metrics_path)
+    panels = history_panels(read_history(metrics_path))
+    columns = max(1, min(PANEL_COLUMNS, len(panels)))
+    rows = max(1, math.ceil(len(panels) / columns))
+    figure = Figure(figsize=(4.6 * columns, 3.9 * rows), layout="constrained")
+    figure.suptitle(f"{metrics_path.parent.name}: training and held-out metrics per step")
+    axes = figure.subplots(rows, columns, squeeze=False).flatten()
+    legend: dict[str, object] = {}  # label -> line, in order of first appearance
+    for axis, panel in zip(axes, panels):
+        for label, points in panel.series:
+            _plot_series(axis, points, label, smooth=label == TRAIN_LABEL)
+        axis.set_title(panel.title)
+        axis.set_xlabel("step")
+        axis.set_ylabel(panel.ylabel)
+        axis.grid(alpha=0.3)
+        for line in axis.lines:
+            legend.setdefault(line.get_label(), line)
+    for axis in axes[len(panels):]:
+        axis.set_axis_off()
+    if legend:  # one legend for all panels (a series has the same style in each), below them, off the data
+        figure.legend(list(legend.values()), list(legend), loc="outside lower center", ncol=len(legend),
+                      frameon=False)
+    else:
+        axes[0].text(0.5, 0.5, "no metrics logged", ha="center", va="center", transform=axes[0].transAxes)
+    return figure
+
+
+def _points(history: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(record["step"], record[key]) for record in history if record.get(key) is not None]
+
+
+def _same_series(a: list[tuple[str, list]], b: list[tuple[str, list]]) -> bool:
+    """Whether two panels' series are the same labels with the same points (to float rounding)."""
+    return [label for label, _ in a] == [label for label, _ in b] and all(
+        len(x) == len(y) and all(sx == sy and math.isclose(vx, vy, rel_tol=1e-9, abs_tol=1e-12)
+                                 for (sx, vx), (sy, vy) in zip(x, y))
+        for (_, x), (_, y) in zip(a, b))
+
+
+def _plot_series(axis, points: list[tuple[int, float]], label: str, smooth: bool) -> None:
+    """Held-out values as markers; training values as a line, with a moving average over 1/15 of the
+    steps once that is more than one step."""
     steps, values = zip(*points)
-    if not smooth:
-        axis.plot(steps, values, marker="o", label=label)
-        return
-    line = axis.plot(steps, values, alpha=0.3, label=label)[0]
+    color = "C0" if smooth else "C1"
     window = max(1, len(values) // 15)
+    if not smooth or window == 1:  # a moving average of 1 would draw the same curve twice
+        axis.plot(steps, values, color=color, marker=None if smooth else "o", markersize=4, label=label)
+        return
+    axis.plot(steps, values, color=color, alpha=0.3, label=label)
     averaged = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
                 for i in range(len(values))]
-    axis.plot(steps, averaged, color=line.get_color(), label=f"{label}, moving average of {window}")
+    axis.plot(steps, averaged, color=color, label=f"{label}, moving average of {window}")

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.table import Table
 
 from aligner_ext.trainer.loop import RunSummary
+
+
+def _value(number: float) -> str:
+    """A held-out metric; NaN is a metric undefined at that evaluation (e.g. calibration with no confidence)."""
+    return "undefined" if math.isnan(number) else f"{number:.3f}"
 
 
 def print_summary(summary: RunSummary) -> None:
@@ -18,13 +25,18 @@ def print_summary(summary: RunSummary) -> None:
         ("accuracy", summary.accuracy_before, summary.accuracy_after, 100.0),
         ("mean reward", summary.reward_before, summary.reward_after, 1.0),
     ):
+        if math.isnan(before) and math.isnan(after):  # nothing was evaluated
+            table.add_row(name, "no validation set", "no validation set", "")
+            continue
         unit = " pts" if scale == 100.0 else ""
         table.add_row(name, f"{before * scale:.1f}", f"{after * scale:.1f}", f"{(after - before) * scale:+.1f}{unit}")
     shown = {"val/accuracy", "val/reward_mean", "val/num_prompts"}
     for key in sorted(set(summary.held_out_before) & set(summary.held_out_after) - shown):
         before, after = summary.held_out_before[key], summary.held_out_after[key]
         if before is not None and after is not None:
-            table.add_row(key.removeprefix("val/"), f"{before:.3f}", f"{after:.3f}", f"{after - before:+.3f}")
+            change = after - before
+            table.add_row(key.removeprefix("val/"), _value(before), _value(after),
+                          "" if math.isnan(change) else f"{change:+.3f}")
     console = Console()
     console.print(table)
     for key, value in summary.run_means.items():

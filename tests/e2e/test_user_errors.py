@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from aligner_ext.algorithms.advantages import GroupAdvantage
 from aligner_ext.cli import main
 from aligner_ext.errors import TRACEBACK_ENV
 from small_run import SMALL_MODEL
@@ -103,3 +104,78 @@ def test_importance_sampling_with_the_graded_prompt_is_refused_naming_the_field(
     error = one_line_error(capsys, [*SMALL_MODEL, "+variant=graded_prompt", "loss.importance_sampling_cap=2",
                                     f"trainer.output_dir={tmp_path}"])
     assert "loss clipped_pg reads batch field 'generation_logprobs'" in error
+
+
+def never(what):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{what} before the fault was reported")
+    return refuse
+
+
+def test_a_prompt_over_the_length_limit_names_the_row_and_the_limit(tmp_path, capsys):
+    long_row = {**row(2), "prompt": [{"role": "user", "content": "What is 2+2? " * 40}]}
+    data = rows_file(tmp_path / "train.jsonl", [row(0), row(1), long_row])
+    error = one_line_error(capsys, SMALL_MODEL + [f"data.train_files=[{data}]", "data.max_prompt_length=64",
+                                                  f"trainer.output_dir={tmp_path}"])
+    assert f"row {data}:2 (" in error and "longer than data.max_prompt_length=64 tokens" in error
+    assert "data.overlong_prompt" in error
+
+
+@pytest.mark.parametrize("line,where", [
+    (json.dumps({**row(1), "prompt": [{"content": "What is 2+2?"}]}), "row 1 (line 2): field 'prompt[0].role'"),
+    (json.dumps({**row(1), "reward_model": "4"}), "row 1 (line 2): field 'reward_model' must be an object"),
+    ('{"prompt": [', "row 1 (line 2): invalid JSON"),
+], ids=["no-role", "reward-model-not-an-object", "invalid-json"])
+def test_a_malformed_row_names_the_file_row_and_field(tmp_path, capsys, line, where):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps(row(0)) + "\n" + line + "\n" + json.dumps(row(2)) + "\n")
+    error = one_line_error(capsys, SMALL_MODEL + [f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}"])
+    assert f"{data} {where}" in error
+
+
+def test_a_cpo_row_without_a_hint_stops_the_build_naming_the_row_and_field(tmp_path, capsys, monkeypatch):
+    hinted = [{**row(i), "extra_info": {"gold_solution": "2+2=4"}} for i in range(6)]
+    data = rows_file(tmp_path / "train.jsonl", hinted[:4] + [row(4)] + hinted[4:])
+    monkeypatch.setattr("aligner_ext.experience.base.GroupSampling.generate", never("a rollout was generated"))
+    error = one_line_error(capsys, SMALL_MODEL + ["+variant=cpo", f"data.train_files=[{data}]",
+                                                  f"trainer.output_dir={tmp_path}"])
+    assert f"row {data}:4: no extra_info.gold_solution / solution to use as the CPO hint" in error
+    assert "(1 of 7 training rows have none)" in error and "cpo.hint.missing=skip" in error
+
+
+def test_a_plugin_path_that_does_not_import_names_the_key_before_anything_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("aligner_ext.trainer.build.embedded_model_dir", never("the model was built"))
+    error = one_line_error(capsys, SMALL_MODEL + ["algorithm.adv_estimator=no_such_package.estimators:Mine",
+                                                  f"trainer.output_dir={tmp_path}"])
+    assert "algorithm.adv_estimator=no_such_package.estimators:Mine: cannot import module" in error
+
+
+class RefusingEstimator(GroupAdvantage):
+    """A user's estimator (by dotted path) that checks a setting of its own when it is built."""
+
+    @classmethod
+    def from_context(cls, ctx):
+        raise ValueError(f"advantage.std_floor={ctx.cfg.advantage.std_floor:g} is below this estimator's 0.01")
+
+
+def test_a_plugin_that_refuses_its_settings_names_the_plugin_and_its_section(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("aligner_ext.experience.base.GroupSampling.generate", never("a rollout was generated"))
+    error = one_line_error(capsys, SMALL_MODEL + [f"algorithm.adv_estimator={__name__}:RefusingEstimator",
+                                                  "advantage.std_floor=0.001", f"trainer.output_dir={tmp_path}"])
+    assert (f"advantage estimator {__name__}:RefusingEstimator (algorithm.adv_estimator; its settings: advantage) "
+            "cannot be built: advantage.std_floor=0.001 is below this estimator's 0.01") in error
+
+
+def test_a_tokenizer_without_a_chat_template_names_it(tmp_path, capsys, monkeypatch):
+    from transformers import AutoTokenizer
+
+    load = AutoTokenizer.from_pretrained
+
+    def without_template(*args, **kwargs):  # a base (not chat) checkpoint's tokenizer
+        tokenizer = load(*args, **kwargs)
+        tokenizer.chat_template = None
+        return tokenizer
+
+    monkeypatch.setattr("aligner_ext.trainer.build.AutoTokenizer.from_pretrained", without_template)
+    error = one_line_error(capsys, SMALL_MODEL + [f"trainer.output_dir={tmp_path}"])
+    assert "has no chat template; use a chat/instruct checkpoint as model.path" in error

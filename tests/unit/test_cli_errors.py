@@ -53,3 +53,20 @@ def test_another_rank_nobody_stops_prints_its_own_line(tmp_path):
     process = start(1, tmp_path, wait_s=0.2)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 2 and stderr.count(ERROR) == 1 and (tmp_path / "waiting").exists()
+
+
+def test_ctrl_c_during_training_is_one_line_and_exit_130(monkeypatch, capsys, tmp_path):
+    import pytest
+
+    import aligner_ext.trainer.loop
+    from aligner_ext.cli import main
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(aligner_ext.trainer.loop, "train", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", f"trainer.output_dir={tmp_path}"])
+    assert stopped.value.code == 130
+    err = capsys.readouterr().err
+    assert err == "aligner-ext: interrupted; the same command resumes from the newest checkpoint\n"

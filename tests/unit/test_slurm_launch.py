@@ -44,14 +44,16 @@ def test_dry_run_of_two_nodes_prints_each_torchrun(capsys):
 def test_dry_run_of_a_heterogeneous_job_with_servers(capsys):
     assert main(["serve", "--het-group", "1", "--dry-run", "--", "model.path=/m"], env=HET) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "[gen1] CUDA_VISIBLE_DEVICES=0 aligner-ext serve serve.host=0.0.0.0 serve.port=8000 model.path=/m",
-        "[gen1] CUDA_VISIBLE_DEVICES=1 aligner-ext serve serve.host=0.0.0.0 serve.port=8001 model.path=/m",
+        "[gen1] CUDA_VISIBLE_DEVICES=0 aligner-ext serve serve.host=0.0.0.0 serve.port=8000 "
+        "serve.api_key_env=ALIGNER_EXT_API_KEY model.path=/m",
+        "[gen1] CUDA_VISIBLE_DEVICES=1 aligner-ext serve serve.host=0.0.0.0 serve.port=8001 "
+        "serve.api_key_env=ALIGNER_EXT_API_KEY model.path=/m",
     ]
     assert main(["train", "--het-group", "0", "--servers-het-group", "1", "--dry-run", "--", "model.path=/m"], env=HET) == 0
     lines = capsys.readouterr().out.splitlines()
     remote = ("generator.engine=remote 'generator.remote.urls=[http://gen1:8000,http://gen1:8001]' "
               "generator.remote.weight_sync=distributed generator.remote.weight_sync_address=train1 "
-              "generator.remote.weight_sync_port=29600 model.path=/m")
+              "generator.remote.weight_sync_port=29600 generator.remote.api_key_env=ALIGNER_EXT_API_KEY model.path=/m")
     assert lines == [f"[train{n}] torchrun --nnodes=2 --node_rank={n - 1} --nproc_per_node=8 --rdzv_backend=c10d "
                      f"--rdzv_endpoint=train1:29500 --rdzv_id=43 -m aligner_ext train {remote}" for n in (1, 2)]
 
@@ -78,3 +80,9 @@ def test_sbatch_scripts_parse_and_dry_run(tmp_path):
     out = subprocess.run(["bash", REPO / "scripts" / "slurm" / "train_with_servers.sbatch", "model.path=/m"],
                          env={**env, **HET}, cwd=REPO, check=True, capture_output=True, text=True).stdout
     assert len(out.splitlines()) == 4 and "serve.port=8001" in out and "--rdzv_endpoint=train1:29500" in out
+
+
+def test_servers_are_not_started_without_the_shared_key(capsys):
+    server_node = {**HET, "SLURMD_NODENAME": "gen1"}
+    assert main(["serve", "--het-group", "1", "--", "model.path=/m"], env=server_node) == 2
+    assert "export ALIGNER_EXT_API_KEY" in capsys.readouterr().err

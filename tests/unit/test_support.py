@@ -138,8 +138,8 @@ def warnings(tmp_path, caplog, hf_config, prompt: int, response: int) -> list[st
     hf_config.save_pretrained(tmp_path)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="aligner_ext.support"):
-        check_run(load_config("base", [f"data.max_prompt_length={prompt}", f"rollout.max_response_length={response}"]),
-                  tmp_path)
+        check_run(load_config("base", [f"data.max_prompt_length={prompt}", f"rollout.max_response_length={response}",
+                                       f"model.tiny.max_position_embeddings={prompt + response}"]), tmp_path)
     return [record.getMessage() for record in caplog.records]
 
 
@@ -175,6 +175,6 @@ def test_serve_with_the_rollout_engine_refuses_before_the_weights_load(tmp_path,
     LlamaConfig(**TINY, vocab_size=len(tokenizer), mlp_bias=True).save_pretrained(model)
     tokenizer.save_pretrained(model)
     (model / "model.safetensors").write_bytes(b"not weights")
-    cfg = load_config("base", [*ROLLOUT, f"model.path={model}", f"trainer.output_dir={tmp_path}"])
+    cfg = load_config("base", [*ROLLOUT, f"model.path={model}", f"trainer.output_dir={tmp_path}"], for_training=False)
     with pytest.raises(UnsupportedModel, match=r"mlp_bias=True is not supported .*" + HF_ONLY.replace(".", r"\.")):
         build_server(cfg)

@@ -22,6 +22,7 @@ from typing import Any, Sequence, TypeVar
 
 from aligner_ext.data.readers import parse_row
 from aligner_ext.data.types import PromptRow
+from aligner_ext.errors import DataError
 from aligner_ext.registry import Registry
 
 SPLITS = ("train", "val")
@@ -45,7 +46,7 @@ def sft_target(row: PromptRow) -> str:
     """The response a supervised warm-up trains on for `row` (no end-of-turn token)."""
     gold = row.extra_info.get("gold_solution")
     if not isinstance(gold, str) or not gold:
-        raise ValueError(f"row {row.row_id} has no extra_info.gold_solution to use as the supervised target")
+        raise DataError(f"row {row.row_id} has no extra_info.gold_solution to use as the supervised target")
     return gold
 
 

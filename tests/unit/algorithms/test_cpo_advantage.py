@@ -132,15 +132,15 @@ def test_mi_alpha_is_accepted_with_a_warning(caplog):
     assert "cpo.mi_alpha=0.1 is accepted" in caplog.text
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"cpo_lambda": 1.0}, r"cpo\.cpo_lambda must be > 1"),
-    ({"difficulty": "seven"}, r"cpo\.difficulty must be one of three, five, variance"),
-    ({"uncertainty": "rank"}, r"cpo\.uncertainty must be one of minmax, vocab"),
-    ({"variance_low": 0.6}, r"cpo\.variance_low \(0\.6\) must be <= cpo\.variance_high"),
+@pytest.mark.parametrize("override, message", [
+    ("cpo.cpo_lambda=1.0", r"^cpo\.cpo_lambda=1: must be a finite number > 1$"),
+    ("cpo.difficulty=seven", r"^cpo\.difficulty='seven': must be one of three, five, variance$"),
+    ("cpo.uncertainty=rank", r"^cpo\.uncertainty='rank': must be one of minmax, vocab$"),
+    ("cpo.variance_low=0.6", r"cpo\.variance_low \(0\.6\) must be <= cpo\.variance_high"),
 ])
-def test_bad_cpo_config_names_the_key(kwargs, message):
+def test_bad_cpo_config_names_the_key(override, message):
     with pytest.raises(ValueError, match=message):
-        CPOConfig(**kwargs)
+        load_config("base", ["algorithm.adv_estimator=cpo", override])
 
 
 def test_seed_keys_compose_from_the_command_line():

@@ -54,11 +54,11 @@ def test_cpo_seed_keys_set_ours():
 
 def test_mtpo_dapo_and_cpo_seed_keys_set_ours():
     cfg = load_config("base", ["+variant=mtpo", "num_generations=8", "beta=0.04", "epsilon=0.1", "epsilon_high=0.3",
-                               "num_iterations=2", "temperature=0.7", "learning_rate=2e-6", "max_prompt_length=512",
+                               "num_iterations=2", "temperature=0.7", "learning_rate=2e-6", "max_prompt_length=300",
                                "loss_type=grpo", "scale_rewards=false"])
     assert (cfg.rollout.n, cfg.loss.kl_coef, cfg.loss.epsilon, cfg.loss.epsilon_high) == (8, 0.04, 0.1, 0.3)
     assert (cfg.policy.num_iterations, cfg.rollout.temperature, cfg.policy.optim.lr) == (2, 0.7, 2e-6)
-    assert cfg.data.max_prompt_length == 512
+    assert cfg.data.max_prompt_length == 300
     assert cfg.loss.agg_mode == "seq-mean-token-mean" and cfg.advantage.use_std is False
     assert load_config("base", ["loss_type=dapo", "scale_rewards=group"]).loss.agg_mode == "token-mean"
     dapo = load_config("base", ["+variant=dapo", "data.rollout_batch_size=12", "worker.rollout.n=6",

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
-from aligner_ext.data.hints import HintConfig, insertion_point
+from aligner_ext.config import load_config
+from aligner_ext.data.hints import HintConfig, check_hints, insertion_point
 from aligner_ext.data.templating import encode_prompt, left_pad, right_pad
 from aligner_ext.data.types import PromptRow
+from aligner_ext.errors import DataError
 from aligner_ext.experience.hint_logprobs import hinted_batch, hinted_prompts
 from aligner_ext.models.tiny import build_char_tokenizer
 
@@ -153,7 +155,7 @@ def test_ground_truth_as_hint(tiny_tokenizer):
 def test_missing_hint_is_an_error_naming_the_row_or_a_counted_skip(tiny_tokenizer):
     bare = dataclasses.replace(ROW_B, row_id="data.jsonl:7", extra_info={})
     batch = make_batch(tiny_tokenizer, [ROW_A, bare], ["19", "1", "12", "2"])
-    with pytest.raises(ValueError, match=r"row data\.jsonl:7: no extra_info\.gold_solution / solution .*cpo\.hint\.missing=skip"):
+    with pytest.raises(DataError, match=r"row data\.jsonl:7: no extra_info\.gold_solution / solution .*hint\.missing=skip"):
         hinted_prompts(batch, tiny_tokenizer, HintConfig(), gold_as_hint=True)
     prompts = hinted_prompts(batch, tiny_tokenizer, HintConfig(missing="skip"), gold_as_hint=True)
     assert prompts.num_missing == 2
@@ -188,6 +190,18 @@ def test_a_template_that_changes_the_surrounding_tokens_fails_the_insertion_chec
     assert tokenizer.decode(prompts.prompt_ids[0]) == f"user (24): {GOLD_A}\n12+7=\nassistant:"
 
 
+def test_check_hints_refuses_every_row_the_hint_pass_would_refuse_naming_the_first():
+    bare = [dataclasses.replace(ROW_B, row_id=f"data.jsonl:{i}", extra_info={}) for i in (3, 5)]
+    with pytest.raises(DataError, match=r"^row data\.jsonl:3: no extra_info\.gold_solution / solution to use as "
+                                        r"the CPO hint \(cpo\.gold_as_hint=True\) \(2 of 3 training rows have none\)"):
+        check_hints([ROW_A, *bare], HintConfig(), gold_as_hint=True)
+    check_hints([ROW_A, *bare], HintConfig(missing="skip"), gold_as_hint=True)
+    check_hints([ROW_A, *bare], HintConfig(), gold_as_hint=False)  # the ground truth is the hint: every row has one
+    no_user = dataclasses.replace(ROW_A, row_id="data.jsonl:9", messages=[{"role": "system", "content": "12+7="}])
+    with pytest.raises(DataError, match=r"^row data\.jsonl:9: field 'prompt' has no user message to put the CPO hint"):
+        check_hints([ROW_A, no_user], HintConfig(missing="skip"), gold_as_hint=True)
+
+
 def test_insertion_point_on_hand_lists():
     assert insertion_point([1, 2, 3], [1, 9, 9, 2, 3]) == 1
     assert insertion_point([1, 2, 3], [1, 2, 3, 4]) == 3
@@ -195,11 +209,12 @@ def test_insertion_point_on_hand_lists():
     assert insertion_point([1, 2, 3], [9, 2, 3, 4]) is None
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"placement": "middle"}, r"cpo\.hint\.placement must be one of user_prefix, reference_prompt, assistant_turn"),
-    ({"prefix_template": "no placeholder"}, r"cpo\.hint\.prefix_template must contain \{hint\}"),
-    ({"max_hint_length": -1}, r"cpo\.hint\.max_hint_length must be >= 0"),
+@pytest.mark.parametrize("override, message", [
+    ("cpo.hint.placement=middle",
+     r"^cpo\.hint\.placement='middle': must be one of user_prefix, reference_prompt, assistant_turn"),
+    ("cpo.hint.prefix_template='no placeholder'", r"cpo\.hint\.prefix_template must contain \{hint\}"),
+    ("cpo.hint.max_hint_length=-1", r"^cpo\.hint\.max_hint_length=-1: must be a finite number >= 0$"),
 ])
-def test_bad_hint_config_names_the_key(kwargs, message):
+def test_bad_hint_config_names_the_key(override, message):
     with pytest.raises(ValueError, match=message):
-        HintConfig(**kwargs)
+        load_config("base", [override])

@@ -5,8 +5,11 @@ import logging
 
 import pytest
 
+from aligner_ext.config import load_config
 from aligner_ext.data.loader import DataConfig, PromptLoader, build_loader, load_split
 from aligner_ext.data.types import PromptRow
+from aligner_ext.errors import DataError
+from aligner_ext.models.tiny import build_char_tokenizer
 
 # ChatML around one user message costs 19 tokens with the character tokenizer:
 # <|im_start|> + "user\n" (5) + content + <|im_end|> + "\n" + <|im_start|> + "assistant\n" (10)
@@ -37,8 +40,9 @@ OVERLONG_ROWS = ["a", "b" * 10, "c" * 30]
 
 def test_overlong_error_names_the_row_and_lengths(tiny_tokenizer):
     cfg = DataConfig(max_prompt_length=35, overlong_prompt="error")
-    expected = r"1 of 3 prompts are longer than data.max_prompt_length=35.*t:2 \(49 tokens\)"
-    with pytest.raises(ValueError, match=expected):
+    expected = (r"1 of 3 prompts \(field 'prompt', chat template included\) are longer than "
+                r"data.max_prompt_length=35.*row t:2 \(49 tokens\)")
+    with pytest.raises(DataError, match=expected):
         PromptLoader(make_rows(OVERLONG_ROWS), tiny_tokenizer, cfg, batch_size=2, shuffle=False)
 
 
@@ -69,9 +73,21 @@ def test_overlong_truncate_left_keeps_the_last_tokens(tiny_tokenizer):
     assert draws[0].prompt_ids == tiny_tokenizer.convert_tokens_to_ids(chatml_tokens("a"))
 
 
+def test_a_row_the_chat_template_refuses_is_a_data_error_naming_it():
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if loop.index0 % 2 == 0 and m['role'] != 'user' %}"
+                               "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    rows = make_rows(["a", "b"])
+    rows[1].messages.insert(0, {"role": "system", "content": "s"})
+    with pytest.raises(DataError, match=r"^row t:1: field 'prompt': the tokenizer's chat template refuses these "
+                                        r"messages \(TemplateError: roles must alternate user/assistant\)"):
+        PromptLoader(rows, tokenizer, DataConfig(), batch_size=1, shuffle=False)
+
+
 def test_all_rows_skipped_is_an_error(tiny_tokenizer):
     cfg = DataConfig(max_prompt_length=20, overlong_prompt="skip")
-    with pytest.raises(ValueError, match="no prompts left"):
+    with pytest.raises(DataError, match="no prompts left"):
         PromptLoader(make_rows(["bb", "ccc"]), tiny_tokenizer, cfg, batch_size=1, shuffle=False)
 
 
@@ -125,9 +141,9 @@ def test_state_round_trip_resumes_the_same_batches(tiny_tokenizer):
 
 def test_resume_with_other_data_or_seed_is_an_error(tiny_tokenizer):
     state = loader_over(tiny_tokenizer, n=7, batch_size=3, shuffle=True, seed=1).state_dict()
-    with pytest.raises(ValueError, match="num_rows=7"):
+    with pytest.raises(DataError, match="num_rows=7"):
         loader_over(tiny_tokenizer, n=6, batch_size=3, shuffle=True, seed=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="seed=1"):
+    with pytest.raises(DataError, match="seed=1"):
         loader_over(tiny_tokenizer, n=7, batch_size=3, shuffle=True, seed=2).load_state_dict(state)
 
 
@@ -141,12 +157,12 @@ def test_iterate_once_is_one_ordered_pass_and_leaves_the_stream(tiny_tokenizer):
 
 
 def test_data_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="overlong_prompt must be one of error, skip, truncate_left; got 'drop'"):
-        DataConfig(overlong_prompt="drop")
-    with pytest.raises(ValueError, match="train_batch_size must be >= 1"):
-        DataConfig(train_batch_size=0)
-    with pytest.raises(ValueError, match="seed must be >= 0"):
-        DataConfig(seed=-1)
+    with pytest.raises(ValueError, match="^data.overlong_prompt='drop': must be one of error, skip, truncate_left$"):
+        load_config("base", ["data.overlong_prompt=drop"])
+    with pytest.raises(ValueError, match="^data.train_batch_size=0: must be a finite number >= 1$"):
+        load_config("base", ["data.train_batch_size=0"])
+    with pytest.raises(ValueError, match="^data.seed=-1: must be a finite number >= 0$"):
+        load_config("base", ["data.seed=-1"])
 
 
 def test_load_split_prefers_files_and_skips_builtin_val_for_user_data(tmp_path):

@@ -6,9 +6,16 @@ import random
 
 import pytest
 
+from aligner_ext.config import load_config
 from aligner_ext.experience.base import RolloutConfig
 from aligner_ext.experience.graded_prompt import (
-    GradedPromptConfig, choose_criteria, generation_messages, group_ratio, inactive_reason, num_shown, step_factor,
+    GradedPromptConfig,
+    choose_criteria,
+    generation_messages,
+    group_ratio,
+    inactive_reason,
+    num_shown,
+    step_factor,
     system_message,
 )
 
@@ -137,14 +144,14 @@ def test_activation_conditions():
     assert "rollout.n is 1" in inactive_reason(on, RolloutConfig(n=1))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"rule": "step_sigmoid"}, "graded_prompt.rule must be one of linear, binary"),
-    ({"step_decay": "cosine"}, "graded_prompt.step_decay must be one of none, linear, power, sigmoid"),
-    ({"existing_system": "replace"}, "graded_prompt.existing_system must be one of append, prepend"),
-    ({"full_reveal_count": -1}, "full_reveal_count must be >= 0"),
-    ({"step_power": 0.0}, "step_power must be > 0"),
-    ({"include_item": "{name}: {points}"}, r"graded_prompt.include_item may use only"),
+@pytest.mark.parametrize("override, message", [
+    ("graded_prompt.rule=step_sigmoid", "^graded_prompt.rule='step_sigmoid': must be one of linear, binary$"),
+    ("graded_prompt.step_decay=cosine", "^graded_prompt.step_decay='cosine': must be one of none, linear, power, sigmoid$"),
+    ("graded_prompt.existing_system=replace", "^graded_prompt.existing_system='replace': must be one of append, prepend$"),
+    ("graded_prompt.full_reveal_count=-1", "^graded_prompt.full_reveal_count=-1: must be a finite number >= 0$"),
+    ("graded_prompt.step_power=0.0", "^graded_prompt.step_power=0: must be a finite number > 0$"),
+    ("graded_prompt.include_item='{name}: {points}'", r"graded_prompt.include_item may use only"),
 ])
-def test_bad_config_is_named(kwargs, message):
+def test_bad_config_is_named(override, message):
     with pytest.raises(ValueError, match=message):
-        GradedPromptConfig(**kwargs)
+        load_config("base", [override])

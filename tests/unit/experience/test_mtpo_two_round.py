@@ -2,6 +2,7 @@
 both rounds, round 2 continuing the exact round-1 ids, nested group ids, segment ids, the
 first-confidence-only mask and its denominators, segment rewards, and the two-round evaluation."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -192,6 +193,23 @@ def test_evaluate_runs_both_rounds_greedily(tiny_tokenizer, rewards):
     assert metrics["val/auroc"] == 1.0
     assert metrics["val/confidence_parsed_ratio"] == 0.5 and metrics["val/num_prompts"] == 2
     assert metrics["val/reward_mean"] == pytest.approx((1.5 + 1.46 + 0.0) / 2)
+
+
+def test_evaluation_where_no_confidence_is_stated_leaves_calibration_undefined(tiny_tokenizer, rewards):
+    def unsure(text, row):  # every answer closes and is right; no confidence ever parses
+        return "<confidence>high" if text.endswith("</answer>") else "<think>t</think><answer>red</answer>"
+
+    engine = RecordingEngine(ContextLM(tiny_tokenizer, unsure), tiny_tokenizer, HFEngineConfig())
+    engine.calls = []
+    maker = TwoRoundSampling(TwoRoundSampling.Config(num_answer_generations=2, num_confidence_generations=3,
+                                                     max_answer_length=MAX_ANSWER, max_confidence_length=MAX_CONFIDENCE),
+                             RolloutConfig(n=6), engine, rewards, tiny_tokenizer, seed=3)
+    rows = [qa_row(0, "Q1", "red"), qa_row(1, "Q2", "red")]
+    metrics = maker.evaluate(PromptLoader(rows, tiny_tokenizer, DataConfig(), batch_size=2, shuffle=False),
+                             greedy=lambda loader: pytest.fail("single-round used"))
+    assert metrics["val/accuracy"] == 1.0 and metrics["val/confidence_parsed_ratio"] == 0.0
+    for name in ("brier", "ece", "auroc", "mean_confidence"):  # not 0.000: nothing was calibrated
+        assert math.isnan(metrics[f"val/{name}"]), name
 
 
 def test_configuration_errors(tiny_tokenizer, rewards):

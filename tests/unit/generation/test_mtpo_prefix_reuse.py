@@ -26,7 +26,7 @@ def test_reuse_gives_the_same_continuations_with_one_prefill_per_distinct_prompt
     prefill_rows = []
     hook = tiny_model.register_forward_pre_hook(
         lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape) if kwargs.get(
-            "past_key_values") is None else None, with_kwargs=True)
+            "cache", kwargs.get("past_key_values")) is None else None, with_kwargs=True)
     reused = HFGenerationEngine(tiny_model, tiny_tokenizer, HFEngineConfig(reuse_prompt_prefill=True)).generate(
         prompts, params)
     hook.remove()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from aligner_ext.config import load_config
 from aligner_ext.generation.base import SamplingParams
 from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
 from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
@@ -198,12 +199,11 @@ def test_the_two_stage_race_over_a_large_vocabulary_is_the_one_stage_argmax_and_
 
 def test_configuration_errors(tiny_tokenizer):
     model = small_llama(tiny_tokenizer)
-    with pytest.raises(ValueError, match="max_batch_size"):
-        rollout(model, tiny_tokenizer, max_batch_size=0)
-    with pytest.raises(ValueError, match="kv_cache_memory_share"):
-        rollout(model, tiny_tokenizer, kv_cache_memory_share=0.0)
-    with pytest.raises(ValueError, match="attention must be one of auto, sdpa, flex"):
-        rollout(model, tiny_tokenizer, attention="flash")
+    for override, message in (("max_batch_size=0", "max_batch_size=0: must be a finite number >= 1"),
+                              ("kv_cache_memory_share=0.0", "kv_cache_memory_share=0: must be a finite number > 0"),
+                              ("attention=flash", "attention='flash': must be one of auto, sdpa, flex")):
+        with pytest.raises(ValueError, match=f"^generator.rollout.{message}"):
+            load_config("base", [f"generator.rollout.{override}"])
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="generator.engine=hf"):
         rollout(gpt2, tiny_tokenizer)
@@ -309,8 +309,9 @@ def test_the_compiled_decode_step_writes_the_cache_and_computes_as_the_eager_one
     logits and the same cache, written in place at each row's position and nowhere else. OLMo 3: the
     post-MLP norm applied in the next layer's function, q/k norms over the whole projection; SmolLM3:
     a layer without RoPE (no tables)."""
-    from aligner_ext.generation.decoder import HFDecoder
     from family_models import family_model
+
+    from aligner_ext.generation.decoder import HFDecoder
 
     model = small_llama(tiny_tokenizer) if family == "llama" else family_model(family, tiny_tokenizer)
     eager, compiled = HFDecoder(model), HFDecoder(model, compile=True)

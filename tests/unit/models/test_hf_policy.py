@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
+from aligner_ext.config import load_config
 from aligner_ext.data.types import PromptRow
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.base import OptimConfig, PolicyConfig
@@ -97,8 +98,8 @@ def test_lr_schedule_multipliers():
     assert cosine(6) == pytest.approx(0.55)
     assert cosine(10) == pytest.approx(0.1)
     assert lr_lambda(OptimConfig(), total_steps=10)(7) == 1.0
-    with pytest.raises(ValueError, match="schedule"):
-        lr_lambda(OptimConfig(schedule="step"), total_steps=10)
+    with pytest.raises(ValueError, match="^policy.optim.schedule='step': must be one of constant, linear, cosine$"):
+        load_config("base", ["policy.optim.schedule=step"])
 
 
 def test_a_resume_applies_changed_optimizer_and_schedule_settings(tiny_model, tiny_tokenizer):

@@ -8,8 +8,8 @@ import types
 import pytest
 from transformers import AutoModelForCausalLM
 
+from aligner_ext.config import load_config
 from aligner_ext.errors import ConfigError
-from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.family_configs import family_config
 from aligner_ext.models.kernels import apply_kernels, patch_with_liger
 
@@ -56,8 +56,8 @@ def test_unsupported_decoders_a_missing_package_and_bad_names_are_refused(monkey
     tiny_model.config.model_type = "gpt2"
     with pytest.raises(ConfigError, match="not 'gpt2'"):
         patch_with_liger(tiny_model)
-    with pytest.raises(ValueError, match="policy.kernels must be auto, none or liger"):
-        PolicyConfig(kernels="fast")
+    with pytest.raises(ValueError, match="^policy.kernels='fast': must be one of auto, none, liger$"):
+        load_config("base", ["policy.kernels=fast"])
 
 
 @pytest.mark.parametrize("family, partial, expected", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from aligner_ext.config import load_config
 from aligner_ext.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from aligner_ext.models.warmup import WarmupConfig, supervised_warmup, uses_bfloat16
 
@@ -21,8 +22,8 @@ def test_autocast_choice(device, setting, expected):
 
 
 def test_unknown_autocast_setting_is_named():
-    with pytest.raises(ValueError, match="model.warmup.autocast must be one of"):
-        WarmupConfig(autocast="fp8")
+    with pytest.raises(ValueError, match="^model.warmup.autocast='fp8': must be one of auto, bfloat16, none$"):
+        load_config("base", ["model.warmup.autocast=fp8"])
 
 
 def linear_output_dtypes(setting: str, steps: int) -> tuple[set[torch.dtype], float, float]:

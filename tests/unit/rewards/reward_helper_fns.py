@@ -38,6 +38,11 @@ def exit_worker(response, row):
     os._exit(3)
 
 
+def raise_keyboard_interrupt(response, row):
+    """What a SIGINT handler that some library installs would raise in the worker."""
+    raise KeyboardInterrupt
+
+
 def sleep_then_score(response, row):
     """Sleep `extra_info['sleep_s']` seconds (after writing this process's pid to `extra_info['pid_file']`)."""
     if "pid_file" in row.extra_info:
@@ -68,3 +73,16 @@ def spin_forever_in_c(response, row):
     """As spin_forever, but the loop is C code holding the GIL, so no other thread of the worker ever runs."""
     Path(row.extra_info["pid_file"]).write_text(str(os.getpid()))
     return float(sum(itertools.repeat(1)))
+
+
+def verl_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A verl-style reward function (verl's signature and dict result), used unchanged."""
+    right = solution_str.strip().endswith(str(ground_truth))
+    return {"score": 1.0 if right else -1.0, "acc": right, "pid": os.getpid()}
+
+
+def torch_threads(response, row):
+    """The worker's torch intra-op threads, and its OMP_NUM_THREADS."""
+    import torch
+
+    return RewardResult(score=float(torch.get_num_threads()), info={"omp": os.environ.get("OMP_NUM_THREADS")})

@@ -173,3 +173,11 @@ def test_start_runs_the_workers_before_the_first_score_and_close_stops_them():
     assert results[0].score == 1.0
     manager.close()
     assert not any(is_alive(pid) for pid in pids)
+
+
+def test_a_verl_compute_score_scores_in_the_workers_as_it_is():
+    cfg = RewardConfig(sources={"gsm8k": f"{HELPERS}:verl_compute_score"})
+    with RewardManager(cfg) as manager:
+        results = manager.score(["so 42", "so 41"], [row("gsm8k", "42"), row("gsm8k", "42", index=1)])
+    assert [(r.score, r.correct) for r in results] == [(1.0, 1.0), (-1.0, 0.0)]
+    assert results[0].info["pid"] != os.getpid()  # scored in a worker process

@@ -1,8 +1,7 @@
 """Reward workers end with their trainer: a SIGKILLed trainer whose reward call hangs leaves no worker
-spinning behind it; and a closed pool's workers exit cleanly (status 0, no traceback)."""
+spinning behind it (a closed pool's workers exiting cleanly: test_reward_worker_shutdown.py)."""
 
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -12,9 +11,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from aligner_ext.data.types import PromptRow
-from aligner_ext.rewards.manager import _WorkerPool
 
 HERE = Path(__file__).parent
 
@@ -80,21 +76,3 @@ def test_workers_die_within_seconds_of_a_sigkilled_trainer(tmp_path, hold, spin)
             trainer.kill()
             trainer.wait()
 
-
-def test_closed_pool_workers_exit_cleanly_with_a_reply_unread():
-    """Closing the manager's end with a reply unread gives the idle worker ECONNRESET, not EOF: it must
-    still exit with status 0 (a traceback exits 1)."""
-    sys.path.insert(0, str(HERE))
-    try:
-        import reward_helper_fns
-
-        pool = _WorkerPool(1)
-        pool.wait_started()
-        row = PromptRow(row_id="r:0", messages=[{"role": "user", "content": "q"}], data_source="count")
-        worker = pool.workers[0]
-        worker.conn.send_bytes(pickle.dumps((reward_helper_fns.count_words, "one two", row)))
-        assert worker.conn.poll(30)  # the reply has arrived; it is never read
-        pool.close()
-        assert worker.process.exitcode == 0
-    finally:
-        sys.path.remove(str(HERE))

@@ -216,10 +216,11 @@ def test_builtin_rubric_judge_uses_the_run_configs_judge(serve):
     assert own.with_reward_config(cfg.reward) is own
 
 
-def test_judge_in_a_reward_worker_and_its_failure_counted(serve):
+def test_judge_in_a_reward_worker_and_its_failure_counted(serve, monkeypatch):
     server = serve(met_if_parity_or_false_claim)
     name = f"test_judge_{server.url.rsplit(':', 1)[1].split('/')[0]}"
-    REWARDS.register(name)(RubricReward(RubricConfig(grader="judge", judge=config(server.url, max_retries=1))))
+    judge = RubricReward(RubricConfig(grader="judge", judge=config(server.url, max_retries=1)))
+    monkeypatch.setitem(REWARDS._entries, name, judge)  # registered for this test only
     with RewardManager(RewardConfig(sources={"healthbench": name}, num_workers=1, timeout_s=30)) as manager:
         ok = manager.score(["12 is even."], [rubric_row()])[0]
         assert ok.score == pytest.approx((3 - 4) / 7) and len(server.requests) == 4  # requests came from the worker

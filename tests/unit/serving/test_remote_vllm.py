@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from aligner_ext.config import load_config
 from aligner_ext.generation import remote_vllm
 from aligner_ext.generation.base import SamplingParams
 from aligner_ext.generation.remote import RemoteEngineConfig, ServerError
@@ -169,8 +170,8 @@ def test_the_fake_refuses_what_vllm_refuses(tiny_tokenizer):
 
 
 def test_settings_vllm_cannot_take_are_refused():
-    with pytest.raises(ValueError, match="server_kind must be one of sglang, vllm"):
-        RemoteEngineConfig(server_kind="trtllm")
+    with pytest.raises(ValueError, match="^generator.remote.server_kind='trtllm': must be one of sglang, vllm$"):
+        load_config("base", ["generator.remote.server_kind=trtllm"])
     with pytest.raises(ValueError, match="NCCL only"):
         RemoteEngineConfig(server_kind="vllm", weight_sync="distributed", weight_sync_backend="gloo")
     with pytest.raises(ValueError, match="policy on a GPU"):

@@ -10,6 +10,7 @@ import openai
 import pytest
 import torch
 
+from aligner_ext.config import load_config
 from aligner_ext.generation.base import SamplingParams
 from aligner_ext.generation.remote import RemoteEngine, RemoteEngineConfig, ServerError, parse_choice
 from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
@@ -106,7 +107,8 @@ def test_weights_pushed_after_an_update_change_the_servers_outputs(tiny_tokenize
     policy = small_model(tok)
     prompts = [tok.encode(text) for text in TEXTS[:4]]
     greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
-    with served(policy, tok) as (url_a, _), served(policy, tok) as (url_b, server_b):
+    with (served(policy, tok, weights_root=str(tmp_path)) as (url_a, _),
+          served(policy, tok, weights_root=str(tmp_path)) as (url_b, server_b)):
         engine = remote(policy, tok, [url_a, url_b], weight_sync=weight_sync, weight_sync_dir=str(tmp_path / "sync"),
                         weight_sync_address="127.0.0.1", max_prompts_per_request=2)
         before = engine.generate(prompts, greedy)
@@ -164,8 +166,8 @@ def test_bad_configuration_is_refused():
         RemoteEngine(None, None, RemoteEngineConfig())
     with pytest.raises(ValueError, match="weight_sync_dir"):
         RemoteEngine(None, None, RemoteEngineConfig(urls=["http://x"], weight_sync="disk"))
-    with pytest.raises(ValueError, match="weight_sync must be one of"):
-        RemoteEngineConfig(weight_sync="nfs")
+    with pytest.raises(ValueError, match="^generator.remote.weight_sync='nfs': must be one of none, disk, distributed$"):
+        load_config("base", ["generator.remote.weight_sync=nfs"])
 
 
 @pytest.mark.slow

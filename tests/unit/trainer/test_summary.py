@@ -16,3 +16,29 @@ def test_summary_lists_every_held_out_metric(capsys):
     assert "ece" in out and "0.455" in out and "0.140" in out and "-0.315" in out
     assert "num_prompts" not in out
     assert "run mean of dynamic_sampling/filtered_fraction: 0.099" in out
+
+
+def test_a_run_without_validation_says_so_instead_of_nan(capsys):
+    nan = float("nan")
+    print_summary(RunSummary(run_dir="runs/x", steps=3, accuracy_before=nan, accuracy_after=nan, reward_before=nan,
+                             reward_after=nan, train_seconds=1.0, run_means={}, held_out_before={}, held_out_after={}))
+    out = capsys.readouterr().out
+    assert "no validation set" in out and "nan" not in out
+
+
+def test_the_progress_line_shows_reward_accuracy_step_time_and_held_out_accuracy():
+    from aligner_ext.trainer.loop import progress_line
+
+    line = progress_line({"reward/mean": 0.4375, "reward/accuracy": 0.4375, "timing/step_s": 1.26},
+                         {"val/accuracy": 0.585})
+    assert line == "reward 0.438, acc 44%, 1.3 s/step, val acc 58.5%"
+    assert progress_line({"timing/step_s": 2.0, "reward/accuracy": float("nan")}, {}) == "2.0 s/step"
+
+
+def test_an_undefined_held_out_metric_says_so(capsys):
+    nan = float("nan")
+    print_summary(RunSummary(run_dir="runs/x", steps=3, accuracy_before=0.25, accuracy_after=0.5, reward_before=0.1,
+                             reward_after=0.2, train_seconds=1.0, run_means={},
+                             held_out_before={"val/brier": nan}, held_out_after={"val/brier": 0.125}))
+    out = capsys.readouterr().out
+    assert "undefined" in out and "0.125" in out and "nan" not in out
