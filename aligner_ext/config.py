@@ -25,7 +25,7 @@ from aligner_ext.experience.base import RolloutConfig
 from aligner_ext.experience.dynamic_sampling import DynamicSamplingConfig
 from aligner_ext.experience.graded_prompt import GradedPromptConfig
 from aligner_ext.experience.two_round import TwoRoundSampling
-from aligner_ext.from_verl import VERL_ALIASES, VERL_VALUE_ALIASES, no_equivalent
+from aligner_ext.from_verl import VERL_ALIASES, VERL_SECTIONS, VERL_VALUE_ALIASES, no_equivalent
 from aligner_ext.generation.hf import HFEngineConfig
 from aligner_ext.generation.remote import RemoteEngineConfig
 from aligner_ext.generation.rollout import RolloutEngineConfig
@@ -309,15 +309,18 @@ def _one_line(err: BaseException, name: str, overrides: list[str]) -> str:
     first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
     if not full_key:
         return f"config {name!r} with overrides {overrides}: {first_line}"
-    if not any(override.lstrip("+~").startswith(full_key) for override in overrides):
-        full_key = f"{full_key} (in config {name!r})"
+    given = [key for key in (override.lstrip("+~").partition("=")[0] for override in overrides)
+             if key == full_key or key.startswith(full_key + ".")]
+    key = given[0] if given else full_key  # OmegaConf names a missing section, the override the whole key
+    where = key if given else f"{key} (in config {name!r})"
     if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
-        keys = settings(RunConfig())
-        known = {prefix for key in keys for prefix in _prefixes(key)}
-        close = difflib.get_close_matches(err.full_key, known, n=1, cutoff=0.75)
+        known = {prefix for setting in settings(RunConfig()) for prefix in _prefixes(setting)}
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
         hint = f" (did you mean {close[0]}?)" if close else " (`aligner-ext config --reference` lists every key)"
-        return f"{full_key}: no such setting{hint}"
-    return f"{full_key}: {first_line}"
+        if key.split(".")[0] in VERL_SECTIONS:
+            hint += "; docs/from_verl.md maps verl's keys to ours"
+        return f"{where}: no such setting{hint}"
+    return f"{where}: {first_line}"
 
 
 def _schema():

@@ -8,6 +8,8 @@ solution_str, ground_truth, extra_info)`) is a reward as it is: rewards/verl_sco
 
 from __future__ import annotations
 
+VERL_SECTIONS = ("actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "ray_kwargs",
+                 "global_profiler")  # top-level sections only verl has
 ACTOR = "actor_rollout_ref.actor."
 ROLLOUT = "actor_rollout_ref.rollout."
 

@@ -87,7 +87,7 @@ def test_overrides_take_effect():
 @pytest.mark.parametrize("override, key", [
     ("trainer.not_a_key=1", "trainer.not_a_key"),
     ("+trainer.not_a_key=1", "trainer.not_a_key"),  # Hydra itself would let `+` add it to the schema
-    ("+not_a_section.x=1", "not_a_section"),
+    ("+not_a_section.x=1", "not_a_section.x"),
 ])
 def test_unknown_key_fails_naming_the_key(override, key):
     with pytest.raises(ValueError, match=rf"^{re.escape(key)}: no such setting"):

@@ -69,6 +69,12 @@ def test_a_verl_key_with_no_equivalent_is_one_line_saying_what_to_use(override, 
     assert err.count("\n") == 1
 
 
+def test_another_verl_key_is_named_whole_with_a_pointer_to_the_page():
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref\.actor\.use_torch_compile: no such setting .*; "
+                                         r"docs/from_verl\.md maps verl's keys to ours$"):
+        load_config("base", ["actor_rollout_ref.actor.use_torch_compile=false"])
+
+
 def test_a_verl_value_without_an_equivalent_names_the_accepted_ones():
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name=sglang: accepted values are vllm, hf"):
         load_config("base", ["actor_rollout_ref.rollout.name=sglang"])

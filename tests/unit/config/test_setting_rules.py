@@ -99,7 +99,7 @@ def test_a_negative_value_is_refused_or_means_something(key):
     ("policy.device=gpu", "policy.device='gpu': must be auto, cpu, cuda or cuda:N"),
     ("algorithm.experience_wrappers=[dynamic_samplin]", "(did you mean 'dynamic_sampling'?)"),
     ("policy.optim.lrr=1", "policy.optim.lrr: no such setting (did you mean policy.optim.lr?)"),
-    ("polcy.backend=hf", "polcy: no such setting (did you mean policy?)"),
+    ("polcy.backend=hf", "polcy.backend: no such setting (did you mean policy.backend?)"),
     ("policy.optim.lr=abc", "policy.optim.lr: Value 'abc' of type 'str' could not be converted to Float"),
 ])
 def test_a_bad_setting_is_one_line_naming_it(override, message, capsys):
