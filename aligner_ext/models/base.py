@@ -153,7 +153,7 @@ class PolicyConfig:
     num_iterations: int = number(1, ge=1)  # passes over each step batch against the stored old log-probs
     old_logprob_pass: str = choice("auto", "auto", "always")  # auto: skipped when the step is one on-policy update (the training forward's detached log-probs are the old ones) | always
     logprob_chunk_size: int = number(4096, ge=1)  # response tokens per chunk of the fused log-prob head (bounds its [tokens, vocab] logits)
-    kernels: str = choice("auto", "auto", "none", "liger")  # training kernels: liger (HF backend: Liger-Kernel's Triton RMSNorm, SwiGLU, RoPE, models/kernels.py; megatron backend: Liger's RMSNorm and megatron-core's fused SwiGLU, models/megatron/model.py, less memory; CUDA; extra liger) | none (the plain modules) | auto (liger where it runs: a CUDA device and the package; measured faster on both backends)
+    kernels: str = choice("auto", "auto", "none", "liger")  # training kernels: liger (HF backend: Liger-Kernel's Triton RMSNorm, SwiGLU, RoPE, models/kernels.py; megatron backend: Liger's RMSNorm and megatron-core's fused SwiGLU / GeGLU, models/megatron/model.py, less memory; CUDA; extra liger) | none (the plain modules) | auto (liger where it runs: a CUDA device and the package; measured faster on both backends)
     tensor_model_parallel_size: int = number(1, ge=1)  # megatron backend: GPUs each layer is split across (TP)
     pipeline_model_parallel_size: int = number(1, ge=1)  # megatron backend: pipeline stages the layers are split into (PP)
     sequence_parallel: bool = False  # megatron backend: shard norm/dropout activations over TP ranks (TP > 1)

@@ -152,25 +152,25 @@ def full_batch(preset: Preset, vocab: int):
     return batch
 
 
-def megatron_train(config, preset: Preset, workspace: Path, args) -> dict:
-    """Old log-probs and one update per call on the GRPO step's batch shape, the policy at TP=1."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from aligner_ext.losses.clipped_pg import ClippedPGLoss
+def megatron_policy(model, preset: Preset, lr: float, steps: int, tokens: int = MEGATRON_TOKENS):
+    """The Megatron backend's policy at TP=1 over `model` (an HF model), packed micro-batches of `tokens`."""
     from aligner_ext.models.base import OptimConfig, PolicyConfig
     from aligner_ext.models.megatron.policy import MegatronPolicy
 
-    dtype = torch.bfloat16 if preset.device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(workspace / "model", dtype=dtype)
-    policy = MegatronPolicy(model, PolicyConfig(backend="megatron", dtype=str(dtype).removeprefix("torch."),
-                                                micro_batch_size=preset.micro_batch, micro_batch_tokens=MEGATRON_TOKENS,
-                                                optim=OptimConfig(lr=args.lr)), total_steps=args.steps + 2)
-    batch = full_batch(preset, config.vocab_size)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return MegatronPolicy(model, PolicyConfig(backend="megatron", dtype=dtype, micro_batch_size=preset.micro_batch,
+                                              micro_batch_tokens=tokens, optim=OptimConfig(lr=lr)),
+                          total_steps=steps + 2)
+
+
+def megatron_calls(policy, batch, device: str, steps: int, warmup: int = 1) -> list[dict]:
+    """Old log-probs and one update per call, timed by phase (PhaseClock), after `warmup` calls."""
+    from aligner_ext.losses.clipped_pg import ClippedPGLoss
+
     loss = ClippedPGLoss(ClippedPGLoss.Config())
-    clock = PhaseClock(preset.device)
+    clock = PhaseClock(device)
     calls = []
-    for _ in range(1 + args.steps):  # the first call warms up
+    for _ in range(warmup + steps):
         clock.push("logprobs")
         batch.old_logprobs, _ = policy.logprobs(batch, 1.0)
         clock.pop()
@@ -178,7 +178,32 @@ def megatron_train(config, preset: Preset, workspace: Path, args) -> dict:
         policy.train(batch, loss, 1.0)
         clock.pop()
         calls.append(clock.take_step())
-    return {"calls": calls[1:]}
+    return calls[warmup:]
+
+
+def megatron_train(config, preset: Preset, workspace: Path, args) -> dict:
+    """Old log-probs and one update per call on the GRPO step's batch shape, the policy at TP=1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if preset.device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(workspace / "model", dtype=dtype)
+    policy = megatron_policy(model, preset, args.lr, args.steps)
+    return {"calls": megatron_calls(policy, full_batch(preset, config.vocab_size), preset.device, args.steps)}
+
+
+def family_preset(name: str, tiny: bool, **overrides):
+    """The HF config of family `name` at SIZES (`overrides` on top) and the workload as a Preset."""
+    from aligner_ext.models.family_configs import family_config
+
+    size = "tiny" if tiny else "gpu"
+    config = family_config(name, **{**SIZES[size], **overrides})
+    work = WORKLOADS[size]
+    preset = Preset(name, "words", config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                    config.num_key_value_heads, config.intermediate_size, config.vocab_size, prompts=work["prompts"],
+                    n=work["n"], prompt_length=work["prompt_length"], response_length=work["response_length"],
+                    micro_batch=work["micro_batch"], device="cpu" if tiny else "cuda", variant_steps=1)
+    return config, preset
 
 
 def worker(args) -> None:
@@ -187,19 +212,13 @@ def worker(args) -> None:
     from transformers import AutoModelForCausalLM
 
     from aligner_ext.config import load_config
-    from aligner_ext.models.family_configs import family_config
     from aligner_ext.support import megatron_refusal, rollout_refusal
     from aligner_ext.trainer.build import generation_engine_name
     from grpo_step_lib import build_word_tokenizer
 
-    name, size = args.worker, "tiny" if args.tiny else "gpu"
-    device = "cpu" if args.tiny else "cuda"
-    config = family_config(name, **SIZES[size])
-    work = WORKLOADS[size]
-    preset = Preset(name, "words", config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-                    config.num_key_value_heads, config.intermediate_size, config.vocab_size, prompts=work["prompts"],
-                    n=work["n"], prompt_length=work["prompt_length"], response_length=work["response_length"],
-                    micro_batch=work["micro_batch"], device=device, variant_steps=1)
+    name = args.worker
+    config, preset = family_preset(name, args.tiny)
+    device = preset.device
     result = {"family": name, "model_type": config.model_type, "model": shape(config), "preset": preset.__dict__,
               "auto_engine": generation_engine_name(load_config("base", []), config, torch.device(device)),
               "rollout_refusal": rollout_refusal(config)}
@@ -234,6 +253,27 @@ def worker(args) -> None:
 
 
 # ---------------------------------------------------------------- the driver
+
+def driver_arguments(parser, timeout: float) -> None:
+    """The options every per-family benchmark of this folder shares (families.py, megatron_families.py,
+    sliding_window.py): the CPU check, the learning rate, the time limits, the output folder."""
+    parser.add_argument("--tiny", action="store_true", help="the CPU at the tiny size (checks the script runs)")
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds per family (and tree)")
+    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for the whole run")
+    parser.add_argument("--out", type=Path, default=None, help="default: bench_out/<script>[_tiny]")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+
+
+def driver_setup(args, name: str) -> dict | None:
+    """--out resolved and made; in the driver (not a worker), the measured hardware (the CPU run
+    measures on smaller operands: seconds, not minutes, on two cores)."""
+    args.out = (args.out or HERE.parent.parent / "bench_out" / (f"{name}_tiny" if args.tiny else name)).resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.worker:
+        return None
+    return measure_hardware("cpu", 512, 2**22) if args.tiny else measure_hardware("cuda")
+
 
 def summarise(result: dict, hardware: dict, why: str) -> dict:
     """Medians over the measured steps and calls; rates against the bounds (module docstring). A part
@@ -317,21 +357,14 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=",".join(LAYOUTS), help="comma-separated, from " + ", ".join(LAYOUTS))
-    parser.add_argument("--tiny", action="store_true", help="the CPU at a tiny size (checks the script runs)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured GRPO steps first (compilation, graphs)")
     parser.add_argument("--steps", type=int, default=2, help="measured GRPO steps; timed Megatron train calls")
-    parser.add_argument("--lr", type=float, default=1e-6)
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per family")
-    parser.add_argument("--out", type=Path, default=None, help="default: bench_out/families[_tiny]")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    driver_arguments(parser, timeout=600)
     args = parser.parse_args()
-    args.out = (args.out or HERE.parent.parent / "bench_out" / ("families_tiny" if args.tiny else "families")).resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
+    hardware = driver_setup(args, "families")
     if args.worker:
         return worker(args)
     started = time.perf_counter()
-    # the CPU run measures on smaller operands: seconds, not minutes, on two cores
-    hardware = measure_hardware("cpu", 512, 2**22) if args.tiny else measure_hardware("cuda")
     report = {"date": datetime.date.today().isoformat(), "hardware": hardware,
               "workload": WORKLOADS["tiny" if args.tiny else "gpu"], "sizes": SIZES["tiny" if args.tiny else "gpu"],
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "families": {}}

@@ -18,6 +18,13 @@ One call runs, each in its own process and one after another (the device otherwi
      of --variant-engine);
 then prints and writes `grpo_step.md` and `grpo_step.json` under --out.
 
+Before / after in one call: with `--prev DIR` (a `git archive` of an earlier commit), a system written
+`prev:NAME` runs this harness's worker with the library of DIR (its `aligner_ext` and `conf/` first on
+the path), on the same workspace and reference; the report then gives, per system with both sides,
+the ratio after / before of the step and of each phase. `--torch-profile PHASES`: our systems run one
+more step after the measured ones with those phases under torch.profiler (<out>/<system>.torch_profile.txt:
+device time per phase, by kind of kernel, and the top kernels of each).
+
 Identical work: the same weights and prompts (every prompt exactly P tokens), n samples each,
 every response exactly R tokens (EOS ignored; checked from each system's own counts), bf16
 weights on the GPU (TRL's default mode keeps float32 weights under bf16 autocast, as it ships),
@@ -70,6 +77,7 @@ OURS = {"ours": ("hf", []), "ours_rollout": ("rollout", []),
         "ours_megatron_distopt": ("rollout", ["policy.backend=megatron", "policy.micro_batch_tokens=8192",
                                               "policy.recompute_activations=true", "policy.use_distributed_optimizer=true"])}
 VARIANTS = ("dapo", "cpo", "mtpo", "graded_prompt")
+PREV_PREFIX = "prev:"  # a system run with the library of --prev (module docstring)
 PHASES = ("generation", "logprobs", "train", "weight_sync", "rewards", "other")
 
 
@@ -142,16 +150,17 @@ def reference_worker(args) -> None:
 
 # ---------------------------------------------------------------- the driver
 
-def run_worker(name: str, command: list[str], out: Path, timeout: float) -> tuple[dict | None, str]:
-    """Run one worker in its own process (and process group): (its result JSON, "") or (None, why not)."""
+def run_worker(name: str, command: list[str], out: Path, timeout: float, root: Path = ROOT) -> tuple[dict | None, str]:
+    """Run one worker in its own process (and process group): (its result JSON, "") or (None, why not).
+    `root`: the tree whose library the worker imports (an earlier checkout's for a before / after)."""
     if timeout < 30:
         print(f"== {name}: skipped, {timeout:.0f} s of the budget left", flush=True)
         return None, "skipped: the call's --budget was spent"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(root)] + [p for p in [env.get("PYTHONPATH")] if p])
     print(f"== {name}: {' '.join(command)}", flush=True)
     with open(out / f"{name}.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
                                    start_new_session=True)
         try:
             code = process.wait(timeout=timeout)
@@ -160,6 +169,9 @@ def run_worker(name: str, command: list[str], out: Path, timeout: float) -> tupl
             process.wait()
             code = f"timeout after {timeout:.0f} s"
     result = out / f"{name}.json"
+    if code != 0 and isinstance(code, str) and result.exists():  # its results were written before the limit
+        print(f"   {name}: {code}, after writing its results (kept)", flush=True)
+        return json.loads(result.read_text()), ""
     if code != 0 or not result.exists():
         tail = (out / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
         print(f"   {name} failed ({code}):\n     " + "\n     ".join(tail), flush=True)
@@ -206,7 +218,7 @@ def summarise(result: dict, preset: Preset, floor: dict, hardware: dict) -> dict
     phases = {phase: statistics.median(step["phases_s"].get(phase, 0.0) for step in measured) for phase in PHASES}
     peaks = {phase: max(step["peak_gib"].get(phase, 0.0) for step in measured) for phase in PHASES}
     sequences = preset.prompts * preset.n
-    if result["system"].startswith("ours"):
+    if result["system"].removeprefix(PREV_PREFIX).startswith("ours"):
         calls = [call for step in measured for call in step["generate_calls"]]
         lengths = (min(c["min_length"] for c in calls), max(c["max_length"] for c in calls))
         generated = statistics.median(sum(c["tokens"] for c in step["generate_calls"]) for step in measured)
@@ -276,9 +288,31 @@ def render(report: dict) -> str:
             lines.append(f"| {name} | {s['step_s'][0]:.2f} [{s['step_s'][1]:.2f}, {s['step_s'][2]:.2f}] | {ratio} "
                          f"| {p['generation']:.2f} | {p['logprobs']:.2f} | {p['train']:.2f} | {p['rewards']:.3f} "
                          f"| {s['generated_tokens']:,.0f} | {s['note']} |")
+    lines += ratio_lines(systems)
     for name, error in report["failures"].items():
         lines.append(f"\n{name} did not finish: {error}")
     return "\n".join(lines)
+
+
+def ratio_lines(systems: dict) -> list[str]:
+    """After / before of the step and of each phase, for every system run from both trees (`prev:`)."""
+    pairs = [(name, systems[PREV_PREFIX + name]) for name in systems
+             if not name.startswith(PREV_PREFIX) and PREV_PREFIX + name in systems]
+    if not pairs:
+        return []
+    lines = ["", "After / before (this tree over `--prev`'s, medians; below 1 is faster):", "",
+             "| system | step | " + " | ".join(PHASES) + " | peak GiB train |", "| --- " * (len(PHASES) + 3) + "|"]
+    for name, before in pairs:
+        after = systems[name]
+
+        def ratio(a: float, b: float) -> str:
+            return f"{a / b:.3f}" if b > 1e-4 else "-"
+
+        cells = [ratio(after["step_s"][0], before["step_s"][0])]
+        cells += [ratio(after["phases_s"][phase], before["phases_s"][phase]) for phase in PHASES]
+        cells.append(ratio(after["peak_gib"]["train"], before["peak_gib"]["train"]))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def variant_note(name: str, result: dict) -> str:
@@ -314,6 +348,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--profile-first-step", action="store_true",
                         help="our systems run their first step under cProfile (<out>/<system>.first_step_profile.txt)")
+    parser.add_argument("--torch-profile", default="", help="phases (comma-separated, e.g. train,logprobs) of one more "
+                        "step of our systems (this tree's) to run under torch.profiler (<out>/<system>.torch_profile.txt)")
+    parser.add_argument("--prev", type=Path, default=None,
+                        help="an earlier checkout's tree: systems written prev:NAME run with its library")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per worker process")
     parser.add_argument("--budget", type=float, default=float("inf"),
                         help="seconds for the whole call: a worker gets at most what is left, and the report is "
@@ -346,20 +384,27 @@ def main() -> None:
               "logprob_check": {}, "failures": {}, "variant_engine": args.variant_engine,
               "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     for system in [s for s in args.systems.split(",") if s]:
-        if system.startswith("ours"):
-            engine, settings = OURS[system]
+        base, root = system.removeprefix(PREV_PREFIX), ROOT
+        if base != system:
+            if args.prev is None:
+                sys.exit(f"{system}: name the earlier tree with --prev")
+            root = args.prev.resolve()
+        if base.startswith("ours"):
+            engine, settings = OURS[base]
             script, extra = "grpo_step_ours.py", ["--engine", engine, "--system", system,
                                                   *[arg for setting in settings for arg in ("--set", setting)]]
             extra += ["--profile-first-step"] if args.profile_first_step else []
+            extra += ["--torch-profile", args.torch_profile] if args.torch_profile and base == system else []  # this tree's side
         else:
-            script, extra = "grpo_step_trl.py", ["--mode", system.removeprefix("trl_")]
-        result, why = run_worker(system, [sys.executable, str(HERE / script), *common, *extra, "--steps", str(args.steps),
-                                     "--out", str(args.out / f"{system}.json")], args.out, left())
+            script, extra = "grpo_step_trl.py", ["--mode", base.removeprefix("trl_")]
+        stem = system.replace(":", "_")  # file names without the colon
+        result, why = run_worker(stem, [sys.executable, str(HERE / script), *common, *extra, "--steps", str(args.steps),
+                                        "--out", str(args.out / f"{stem}.json")], args.out, left(), root)
         if result is None:
             report["failures"][system] = why
         else:
             report["systems"][system] = summarise(result, preset, floor, hardware)
-            report["logprob_check"][system] = relative_error(torch.load(args.out / f"{system}.probe.pt"), reference)
+            report["logprob_check"][system] = relative_error(torch.load(args.out / f"{stem}.probe.pt"), reference)
         write_report(report, args.out, started)
     for variant in [v for v in args.variants.split(",") if v]:
         name = f"ours_{variant}" if args.variant_engine == "hf" else f"ours_{args.variant_engine}_{variant}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 import time
 from dataclasses import asdict, dataclass
@@ -205,6 +206,10 @@ class PhaseClock:
         self.seconds: dict[str, float] = {}
         self.peak_bytes: dict[str, int] = {}
         self.last = self._now()
+        # every outermost call of a phase named here runs under its own torch.profiler session,
+        # summarised (`kernel_summary`) into `profiles[phase]`
+        self.profiling: set[str] = set()
+        self.profiles: dict[str, list[dict]] = {}
 
     def _now(self) -> float:
         if self.cuda:
@@ -234,10 +239,15 @@ class PhaseClock:
 
         def timed(*args, **kwargs):
             self.push(phase)
+            session = start_profile(self.cuda) if phase in self.profiling and len(self.stack) == 1 else None
             try:
                 return inner(*args, **kwargs)
             finally:
+                if session is not None:
+                    session.__exit__(None, None, None)
                 self.pop()
+                if session is not None:
+                    self.profiles.setdefault(phase, []).append(kernel_summary(session))
 
         setattr(owner, method, timed)
 
@@ -248,6 +258,87 @@ class PhaseClock:
                   "peak_gib": {phase: value / 2**30 for phase, value in self.peak_bytes.items()}}
         self.seconds, self.peak_bytes = {}, {}
         return record
+
+
+# Kinds of device kernels by name (the first pattern that matches): where a step's device time goes.
+KERNEL_KINDS = (
+    ("attention", r"flash|fmha|attn|attention|_split_kernel"),
+    ("matrix products", r"gemm|nvjet|cutlass|xmma|cublas|splitk"),
+    ("norms", r"rms|layer_?norm|rsqrt"),
+    ("optimizer", r"multi_tensor|adam"),
+    ("other Triton (compiled, Liger)", r"^triton_|_kernel$|^_"),
+    ("copies and fills", r"copy|memcpy|memset|cat|fill"),
+    ("elementwise (eager)", r"elementwise|vectorized|unrolled"),
+    ("reductions (eager)", r"reduce"),
+    ("indexing", r"index|scatter|gather|embedding"),
+)
+
+
+def start_profile(cuda: bool):
+    """A torch.profiler session (CPU and, on a GPU, CUDA activity), entered."""
+    from torch.profiler import ProfilerActivity, profile
+
+    session = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    session.__enter__()
+    return session
+
+
+def device_time_us(event) -> float:
+    """A key_averages row's device time (microseconds), whatever this torch calls the field."""
+    return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+
+
+def kernel_summary(session, top: int = 25, ranges: str | None = None) -> dict:
+    """Where a profiled session's device time went: busy seconds, kernels by kind (KERNEL_KINDS) and
+    the `top` kernels by name; with `ranges`, for every record_function range whose name starts with
+    it the device time of the kernels its thread launched inside (nested ranges counted in each) and
+    its span on the device, the device time of each kind of autograd backward node, and the host's
+    busiest operators by their own CPU time."""
+    averages = session.key_averages()
+    own = device_time_us
+    device = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA and own(e) > 0]
+    # a record_function range shows on the device too (its span there): not a kernel
+    kernels = [e for e in device if not getattr(e, "is_user_annotation", False)]
+    spans = {e.key: own(e) / 1e6 for e in device if getattr(e, "is_user_annotation", False)}
+    if not kernels:  # the CPU: operators by their own time
+        own = lambda event: event.self_cpu_time_total  # noqa: E731
+        kernels = [e for e in averages if own(e) > 0]
+    busy = sum(own(e) for e in kernels) / 1e6
+    kinds: dict[str, float] = {}
+    for event in kernels:
+        kind = next((name for name, pattern in KERNEL_KINDS if re.search(pattern, event.key, re.I)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + own(event) / 1e6
+    ordered = sorted(kernels, key=own, reverse=True)[:top]
+    summary = {"busy_s": busy, "kinds_s": dict(sorted(kinds.items(), key=lambda item: -item[1])),
+               "top": [{"name": e.key[:100], "calls": e.count, "s": own(e) / 1e6} for e in ordered]}
+    if ranges is not None:
+        cpu = [e for e in averages if e.device_type == torch.autograd.DeviceType.CPU and device_time_us(e) > 0]
+        # a range's kernels (launched by its own thread: a forward's, not the backward's) and its span on the device
+        summary["ranges_s"] = {e.key: device_time_us(e) / 1e6 for e in cpu if e.key.startswith(ranges)}
+        summary["spans_s"] = {key: seconds for key, seconds in spans.items() if key.startswith(ranges)}
+        busiest = sorted((e for e in averages if e.device_type == torch.autograd.DeviceType.CPU),
+                         key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+        summary["host_s"] = {e.key[:80]: e.self_cpu_time_total / 1e6 for e in busiest}
+        node = "autograd::engine::evaluate_function: "
+        summary["backward_s"] = dict(sorted(((e.key.removeprefix(node), device_time_us(e) / 1e6)
+                                             for e in cpu if e.key.startswith(node)), key=lambda item: -item[1])[:top])
+    return summary
+
+
+def render_summary(title: str, summary: dict) -> str:
+    """A `kernel_summary` as text: kinds, then the top kernels, with their shares of the busy time."""
+    busy = summary["busy_s"] or 1.0
+    lines = [f"{title}: device busy {summary['busy_s']:.4f} s", "  by kind:"]
+    lines += [f"    {seconds:9.4f} s {100 * seconds / busy:5.1f}%  {kind}" for kind, seconds in summary["kinds_s"].items()]
+    lines.append("  top kernels (calls):")
+    lines += [f"    {k['s']:9.4f} s {100 * k['s'] / busy:5.1f}%  {k['name']} ({k['calls']})" for k in summary["top"]]
+    for key, label in (("spans_s", "spans on the device (first kernel to last)"),
+                       ("ranges_s", "ranges (kernels launched inside, forward only)"),
+                       ("backward_s", "backward nodes"), ("host_s", "host: operators by their own CPU time")):
+        if summary.get(key):
+            lines.append(f"  {label}:")
+            lines += [f"    {seconds:9.4f} s {100 * seconds / busy:5.1f}%  {name}" for name, seconds in summary[key].items()]
+    return "\n".join(lines)
 
 
 def write_json(path: Path, payload: dict) -> None:

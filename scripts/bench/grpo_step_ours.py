@@ -21,7 +21,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from grpo_step_lib import DATA_SOURCE, Preset, PhaseClock, write_json  # noqa: E402
+from grpo_step_lib import DATA_SOURCE, Preset, PhaseClock, render_summary, write_json  # noqa: E402
 
 VARIANT_OVERRIDES = {  # what each variant overlay needs beyond the shared workload
     "none": [],
@@ -34,9 +34,13 @@ VARIANT_OVERRIDES = {  # what each variant overlay needs beyond the shared workl
 
 def overrides(preset: Preset, workspace: Path, variant: str, lr: float, engine: str) -> list[str]:
     sequences = preset.prompts * preset.n
+    # prompts may take every position the responses leave (the config refuses more than the model's)
+    response = preset.response_length + (preset.response_length // 2 if variant == "mtpo" else 0)
+    positions = json.loads((workspace / "model" / "config.json").read_text())["max_position_embeddings"]
     common = [
         f"model.path={workspace / 'model'}", f"data.train_files=[{workspace / 'rows.jsonl'}]",
-        f"data.train_batch_size={preset.prompts}", "data.max_prompt_length=4096", "data.shuffle=false",
+        f"data.train_batch_size={preset.prompts}", f"data.max_prompt_length={positions - response}",
+        "data.shuffle=false",
         f"rollout.n={preset.n}", f"rollout.max_response_length={preset.response_length}", "rollout.ignore_eos=true",
         f"+reward.sources.{DATA_SOURCE}=grpo_step_lib:score", "loss.kl_coef=0.0",
         f"policy.device={preset.device}", f"policy.micro_batch_size={preset.micro_batch}", f"policy.optim.lr={lr}",
@@ -116,6 +120,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="one more config override (repeatable)")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="run the first step under cProfile: its heaviest calls in <out>.first_step_profile.txt")
+    parser.add_argument("--torch-profile", default="", help="phases (comma-separated: train, logprobs, generation, "
+                        "...) of one more step after the measured ones to run under torch.profiler: where their "
+                        "device time went, in <out>.torch_profile.txt (generation's 10^5 kernels take a minute)")
     args = parser.parse_args()
 
     from aligner_ext.config import load_config
@@ -166,7 +173,6 @@ def main() -> None:
         steps.append(record)
         print(f"[ours {args.engine} {args.variant}] step {step}: {record['step_s']:.2f} s "
               + " ".join(f"{k}={v:.2f}" for k, v in sorted(record["phases_s"].items())), flush=True)
-    parts.rewards.close()
     skipped = old_logprobs_from_training(parts, preset.prompts * preset.n)
     forward_passes = ("1 training forward/backward (its log-probs are the old ones)" if skipped
                       else "1 log-prob forward + 1 training forward/backward")
@@ -176,6 +182,17 @@ def main() -> None:
                                      "policy_dtype": str(next(parts.generation_model.parameters()).dtype),
                                      "forward_passes_per_step": forward_passes},
     })
+    if args.torch_profile:  # one more step, not a measured one (written above): each phase under torch.profiler
+        clock.profiling = set(args.torch_profile.split(","))
+        batch, _ = parts.maker.make_experience(parts.train_loader, args.warmup + args.steps)
+        if len(batch):
+            update_policy(parts, batch, StageTimer(), cfg.rollout.temperature)
+        record = clock.take_step()
+        args.out.with_suffix(".torch_profile.txt").write_text("\n\n".join(
+            render_summary(f"{phase} (call {index}, {record['phases_s'].get(phase, 0.0):.3f} s of wall time in the step)",
+                           summary) for phase, calls in clock.profiles.items() for index, summary in enumerate(calls)) + "\n")
+        print(f"[ours {args.engine} {args.variant}] profiled step: {record['step_s']:.2f} s", flush=True)
+    parts.rewards.close()
 
 
 if __name__ == "__main__":

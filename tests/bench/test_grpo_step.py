@@ -11,7 +11,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 
-from grpo_step import floors  # noqa: E402
+from grpo_step import floors, ratio_lines  # noqa: E402
 from grpo_step_lib import PRESETS, PhaseClock, Preset  # noqa: E402
 
 
@@ -32,6 +32,16 @@ def test_floors_by_hand():
     assert floor["prefill_floor_s"] == pytest.approx(prefill / 1e6)
     expected = floor["decode_bound_s"] + prefill / 1e6 + 4 * 37200 * (1 + 1 / 3) / 1e6
     assert floor["step_floor_s"] == pytest.approx(expected)
+
+
+def test_ratios_after_over_before_per_phase():
+    phases = {"generation": 2.0, "logprobs": 0.0, "train": 1.0, "weight_sync": 0.1, "rewards": 0.01, "other": 0.2}
+    before = {"step_s": [4.0, 4.0, 4.0], "phases_s": phases, "peak_gib": {"train": 10.0}}
+    after = {"step_s": [3.0, 3.0, 3.0], "phases_s": {**phases, "generation": 1.0}, "peak_gib": {"train": 12.0}}
+    lines = ratio_lines({"prev:ours": before, "ours": after, "other": after})
+    # one row, for the system run from both trees; "-" where the phase took no time
+    assert lines[-1] == "| ours | 0.750 | 0.500 | - | 1.000 | 1.000 | 1.000 | 1.000 | 1.200 |"
+    assert sum(line.startswith(("| ours", "| other")) for line in lines) == 1
 
 
 class ScriptedClock(PhaseClock):
@@ -59,11 +69,18 @@ def test_phase_clock_charges_each_interval_to_the_innermost_phase():
 @pytest.mark.slow
 def test_our_side_on_the_cpu(tmp_path):
     preset = PRESETS["tiny"]
-    command = [sys.executable, str(BENCH / "grpo_step.py"), "--preset", "tiny", "--systems", "ours",
-               "--variants", "mtpo", "--steps", "1", "--variant-steps", "1", "--profile-first-step", "--out", str(tmp_path)]
-    subprocess.run(command, check=True, capture_output=True, timeout=600)
+    command = [sys.executable, str(BENCH / "grpo_step.py"), "--preset", "tiny", "--systems", "prev:ours,ours",
+               "--variants", "mtpo", "--steps", "1", "--variant-steps", "1", "--profile-first-step", "--torch-profile", "generation,train",
+               "--prev", str(BENCH.parents[1]), "--out", str(tmp_path)]
+    subprocess.run(command, check=True, capture_output=True, timeout=900)
     report = json.loads((tmp_path / "grpo_step.json").read_text())
     assert report["failures"] == {}
+    # the before / after plumbing (this tree on both sides here): both measured, a ratio per phase,
+    # and this tree's side profiled one more step
+    assert set(report["systems"]) == {"prev:ours", "ours"}
+    assert "| ours | " in (tmp_path / "grpo_step.md").read_text().split("After / before")[1]
+    assert (tmp_path / "ours.torch_profile.txt").read_text().startswith("generation (call 0")
+    assert not (tmp_path / "prev_ours.torch_profile.txt").exists()
     ours = report["systems"]["ours"]
     # every response ran to R tokens (EOS ignored) and the trainer saw P + R per sequence
     assert ours["response_lengths"] == [preset.response_length, preset.response_length]

@@ -32,7 +32,12 @@ def test_liger_norms_only_where_a_liger_mode_is_the_family_formula(family, liger
     """Liger's RMSNorm computes Llama's formula (mode llama) and Gemma's (mode gemma, offset 1), not
     OLMo's float32 scaling: kernels=liger leaves OLMo's norms to the library's own."""
     from aligner_ext.models.family_configs import family_config
-    from aligner_ext.models.megatron.model import LigerRMSNorm, RMSNorm, norm_module, transformer_config
+    from aligner_ext.models.megatron.model import (
+        LigerRMSNorm,
+        RMSNorm,
+        norm_module,
+        transformer_config,
+    )
 
     config = family_config(family, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=8, intermediate_size=64, vocab_size=100, max_position_embeddings=64)
@@ -41,3 +46,36 @@ def test_liger_norms_only_where_a_liger_mode_is_the_family_formula(family, liger
     if liger_norm:
         assert LigerRMSNorm.CASTING[megatron_config.architecture.norm] == {"llama3": (0.0, "llama"),
                                                                             "gemma3_text": (1.0, "gemma")}[family]
+
+
+@pytest.mark.parametrize("kernels", ["none", "liger"])
+def test_gemma_geglu_is_megatron_cores_fused_tanh_kernel_only_where_fused(kernels):
+    """Gemma's GeGLU (tanh approximation): megatron-core's fused kernel takes F.gelu as the activation
+    and computes the tanh approximation, forward and backward; unfused, F.gelu would be the exact erf
+    GELU, so the config names it only with the fusion on."""
+    import torch.nn.functional as F
+    from megatron.core.fusions import fused_bias_geglu
+
+    from aligner_ext.models.family_configs import family_config
+    from aligner_ext.models.megatron.model import transformer_config
+
+    config = family_config("gemma3_text", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=100,
+                           max_position_embeddings=64)
+    megatron_config = transformer_config(config, 1, 1, torch.float32, kernels=kernels)
+    assert megatron_config.bias_activation_fusion is (kernels == "liger")
+    y = torch.randn(5, 2 * 7, dtype=torch.float64, requires_grad=True)
+    gate, up = y.chunk(2, dim=-1)
+    expected = F.gelu(gate, approximate="tanh") * up
+    if kernels == "none":
+        assert megatron_config.activation_func is not F.gelu
+        assert torch.allclose(megatron_config.activation_func(gate) * up, expected)
+        return
+    assert megatron_config.activation_func is F.gelu
+    # the fused kernel's own functions, uncompiled (torch.compile wraps them on first call)
+    forward = getattr(fused_bias_geglu.geglu, "_torchdynamo_orig_callable", fused_bias_geglu.geglu)
+    backward = getattr(fused_bias_geglu.geglu_back, "_torchdynamo_orig_callable", fused_bias_geglu.geglu_back)
+    assert torch.allclose(forward(y), expected, atol=1e-7)
+    grad = torch.randn(5, 7, dtype=torch.float64)
+    (reference,) = torch.autograd.grad(expected, y, grad)
+    assert torch.allclose(backward(grad, y.detach()), reference, atol=1e-7)

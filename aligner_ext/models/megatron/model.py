@@ -13,16 +13,18 @@ written here, in megatron-core's local layer spec (`block_spec`):
 - `RMSNorm`, every norm in the family's formula (`architecture.rms_norm`: llama, float32_scale,
   gemma), its weight marked for megatron-core's sequence-parallel gradient all-reduce
   (megatron-core's torch norm refuses sequence parallelism, its fused norms need Apex or Transformer
-  Engine); Liger's kernel for the llama and gemma formulas (`kernels="liger"`).
+  Engine); Liger's kernel for the llama and gemma formulas (`kernels="liger"`), torch.compile's
+  fused kernels for the others on GPUs (`fused_rms_norm`).
 - Post-norms, which megatron-core has not: `PostNormSelfAttention` and `PostNormMLP` normalise their
   module's output (`output_norm`: after the row-parallel projection's reduction, before the residual
   add). OLMo 2/3 has them instead of the input and pre-MLP norms (IdentityOp there), Gemma 3 besides.
 - `ProjectionRMSNorm`: OLMo's q (k) norm over the whole projection, of which a TP rank holds its
   heads (K/V groups): the mean of squares is summed over the TP group, the weight is TP-sharded.
 - `SDPAttention`, the core attention: each layer's plan (`Architecture.layers`, by its global layer
-  number): its RoPE table (partial rotary for Phi-3) or none (SmolLM3's NoPE layers), and its sliding
-  window or none; then torch's `scaled_dot_product_attention` (causal or windowed, GQA) so GPUs get
-  fused kernels without Transformer Engine or flash-attn.
+  number): its RoPE table (partial rotary for Phi-3) or none (SmolLM3's NoPE layers), applied with the
+  layer's q/k norms in one compiled call (`qk_prologue`, handed the norms by `FamilySelfAttention`),
+  and its sliding window or none; then torch's `scaled_dot_product_attention` (causal or windowed,
+  GQA) so GPUs get fused kernels without Transformer Engine or flash-attn.
 - Gemma's embedding scale, in `stage_forward` after the embedding.
 
 Sequence layout: our batches are left-padded, and attention takes no padding mask. `pack_rows`
@@ -87,8 +89,30 @@ class SequenceLayout(PackedSeqParams):
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [s, s] bool (unpacked rows, windows < s)
 
 
-# x [s, b, heads, d] rotated on its leading rotary_dim dimensions; one fused kernel forward and one backward on GPUs
-apply_rotary = compiled_on_cuda(rotate)
+# The family's RMSNorm (optionally over a mean of squares summed over TP): one fused kernel forward and
+# one backward on GPUs instead of eager's chain of float32 elementwise kernels and their saved copies
+fused_rms_norm = compiled_on_cuda(rms_norm)
+
+
+def qk_prologue(query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                eps: float, formula: str, qk_norm: str | None, cos: torch.Tensor | None,
+                sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [s, b, heads, d] and key [s, b, groups, d] through the layer's q/k norms (`qk_norm`: per
+    head, over the whole projection, or None) and its RoPE (cos, sin [s, 1, 1, rotary_dim]; None: a
+    layer without RoPE). One function, compiled on GPUs (`fused_qk_prologue`): one call forward and one
+    backward per layer for what were up to four (two norms, two rotations), each costing the host its
+    launch and autograd bookkeeping."""
+    if qk_norm == "head":
+        query, key = rms_norm(query, q_weight, eps, formula), rms_norm(key, k_weight, eps, formula)
+    elif qk_norm == "projection":
+        query = rms_norm(query.flatten(-2), q_weight, eps, formula).view(query.shape)
+        key = rms_norm(key.flatten(-2), k_weight, eps, formula).view(key.shape)
+    if cos is not None:
+        query, key = rotate(query, cos, sin), rotate(key, cos, sin)
+    return query, key
+
+
+fused_qk_prologue = compiled_on_cuda(qk_prologue)
 
 
 class SDPAttention(MegatronModule):
@@ -99,8 +123,10 @@ class SDPAttention(MegatronModule):
     from the config's Architecture by `layer_number` (megatron-core's, 1-based and global across
     pipeline stages). RoPE is applied here from the `SequenceLayout`'s table of the layer
     (`stage_forward` hands megatron-core no rotary embedding, whose own unfused chain recomputed cos
-    and sin in every layer). A packed micro-batch (b = 1, several sequences end to end) carries the
-    sequences' cumulative lengths: each sequence then attends to itself alone (`models/attention.py`).
+    and sin in every layer), together with the layer's q/k norms where `FamilySelfAttention` hands
+    them over (`qk_norms`: their modules keep the weights and pass their input through), in one
+    compiled call (`qk_prologue`). A packed micro-batch (b = 1, several sequences end to end) carries
+    the sequences' cumulative lengths: each sequence then attends to itself alone (`models/attention.py`).
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -111,6 +137,7 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         plan = config.architecture.layers[layer_number - 1]
         self.rope, self.window = plan.rope, plan.window
+        self.qk_norms: tuple[RMSNorm, RMSNorm] | None = None  # set by FamilySelfAttention (a tuple: no submodules)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -119,9 +146,14 @@ class SDPAttention(MegatronModule):
         if not isinstance(packed_seq_params, SequenceLayout):
             raise ValueError("SDPAttention takes the SequenceLayout stage_forward builds (rotary tables, boundaries)")
         seq, batch, heads, dim = query.shape
-        if self.rope is not None:
-            cos, sin = packed_seq_params.rotary[self.rope]
-            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        cos, sin = packed_seq_params.rotary[self.rope] if self.rope is not None else (None, None)
+        if self.qk_norms is not None or cos is not None:
+            q_norm, k_norm = self.qk_norms or (None, None)
+            normed = q_norm is not None
+            query, key = fused_qk_prologue(
+                query, key, q_norm.weight if normed else None, k_norm.weight if normed else None,
+                q_norm.eps if normed else 0.0, self.config.architecture.norm,
+                self.config.architecture.qk_norm if normed else None, cos, sin)
         if packed_seq_params.cu_seqlens_q is not None:
             out = packed_causal_attention(query.squeeze(1), key.squeeze(1), value.squeeze(1),
                                           packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q,
@@ -147,9 +179,13 @@ class RMSNorm(torch.nn.Module):
         self.formula = config.architecture.norm
         # megatron-core all-reduces the gradients of weights so marked over TP (finalize_model_grads)
         self.weight.sequence_parallel = config.sequence_parallel
+        # a q/k norm that the core attention applies (`FamilySelfAttention`): its call passes x through
+        self.applied_by_core_attention = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.formula)
+        if self.applied_by_core_attention:
+            return x
+        return fused_rms_norm(x, self.weight, self.eps, self.formula)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """The weight as a distributed checkpoint stores it (megatron-core's MLP asks each of its
@@ -173,6 +209,8 @@ class LigerRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
+        if self.applied_by_core_attention:
+            return x
         offset, casting = self.CASTING[self.formula]
         # in_place=False: megatron-core's residual path still reads the incoming gradient
         return LigerRMSNormFunction.apply(x, self.weight, self.eps, offset, casting, False)
@@ -202,13 +240,15 @@ class ProjectionRMSNorm(RMSNorm):
         set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.applied_by_core_attention:  # TP = 1 (FamilySelfAttention): the formula's own mean, in qk_prologue
+            return x
         flat = x.flatten(-2)
         mean_square = None  # TP = 1: the whole projection is here, the formula's own mean
         if self.tensor_parallel > 1:
             square_sum = all_reduce(flat.float().pow(2).sum(-1, keepdim=True),
                                     group=parallel_state.get_tensor_model_parallel_group())
             mean_square = square_sum / self.projection_size
-        return rms_norm(flat, self.weight, self.eps, self.formula, mean_square).view_as(x)
+        return fused_rms_norm(flat, self.weight, self.eps, self.formula, mean_square).view_as(x)
 
 
 def norm_module(config: ArchitectureConfig) -> type[RMSNorm]:
@@ -216,10 +256,26 @@ def norm_module(config: ArchitectureConfig) -> type[RMSNorm]:
     return LigerRMSNorm if config.kernels == "liger" and config.architecture.norm in LigerRMSNorm.CASTING else RMSNorm
 
 
-class PostNormSelfAttention(SelfAttention):
-    """megatron-core's SelfAttention with its output normalised (`output_norm`, HF's post-attention
-    norm of OLMo 2/3 and Gemma 3): after the row-parallel projection's reduction (its sequence shard
-    under sequence parallelism), before the residual add."""
+class FamilySelfAttention(SelfAttention):
+    """megatron-core's SelfAttention whose q/k norms the core attention applies, fused with RoPE
+    (`SDPAttention`, `qk_prologue`): the norm modules keep their weights (checkpoints, gradients,
+    the rollout engine read them there) and pass their input through. OLMo's norms over the whole
+    projection under tensor parallelism stay in their modules, which sum the squares over the ranks."""
+
+    def __init__(self, config: ArchitectureConfig, submodules, layer_number: int, **kwargs):
+        super().__init__(config, submodules, layer_number, **kwargs)
+        norms = (self.q_layernorm, self.k_layernorm)
+        if all(isinstance(norm, RMSNorm) for norm in norms) and not (
+                config.architecture.qk_norm == "projection" and config.tensor_model_parallel_size > 1):
+            for norm in norms:
+                norm.applied_by_core_attention = True
+            self.core_attention.qk_norms = norms
+
+
+class PostNormSelfAttention(FamilySelfAttention):
+    """`FamilySelfAttention` with its output normalised (`output_norm`, HF's post-attention norm of
+    OLMo 2/3 and Gemma 3): after the row-parallel projection's reduction (its sequence shard under
+    sequence parallelism), before the residual add."""
 
     def __init__(self, config: ArchitectureConfig, submodules, layer_number: int, **kwargs):
         super().__init__(config, submodules, layer_number, **kwargs)
@@ -260,15 +316,17 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
     """The megatron-core TransformerConfig of an HF config of any family `architecture()` covers
     (`UnsupportedModel`, one line, for the others).
 
-    `kernels="liger"` (GPUs) turns on megatron-core's own fused SwiGLU (`bias_activation_fusion`, a
-    torch.compile'd kernel) where the activation is silu, and `block_spec` Liger's RMSNorm where it
-    computes the family's formula (llama, gemma). `recompute` keeps only each layer's input in the forward and recomputes
-    the layer in the backward (megatron-core's full, uniform activation recomputation, one layer per
-    checkpoint): less memory, about a third more compute.
+    `kernels="liger"` (GPUs) turns on megatron-core's own fused gated activation
+    (`bias_activation_fusion`, a torch.compile'd kernel forward and backward: SwiGLU, or Gemma's tanh
+    GeGLU), and `block_spec` Liger's RMSNorm where it computes the family's formula (llama, gemma);
+    the other norms (OLMo's) are compiled on GPUs either way. `recompute` keeps only each layer's
+    input in the forward and recomputes the layer in the backward (megatron-core's full, uniform
+    activation recomputation, one layer per checkpoint): less memory, about a third more compute.
     """
     if kernels not in ("none", "liger"):
         raise ValueError(f"kernels must be none or liger (auto is resolved by the policy), got {kernels!r}")
     arch = architecture(hf_config)
+    fused_activation = kernels == "liger"  # megatron-core's compiled SwiGLU / GeGLU kernels
     if hf_config.num_key_value_heads % tensor_parallel:
         raise ValueError(
             f"num_key_value_heads={hf_config.num_key_value_heads} must be divisible by "
@@ -289,7 +347,10 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
-        activation_func=activation(arch.activation),
+        # megatron-core fuses the gated activation where `bias_activation_fusion` is set: SwiGLU for
+        # F.silu, GeGLU for F.gelu, whose fused kernel is the tanh approximation Gemma's MLP uses (its
+        # unfused path would take F.gelu as the exact erf GELU: F.gelu is named only when fused)
+        activation_func=F.gelu if fused_activation and arch.activation == "gelu_tanh" else activation(arch.activation),
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
         # per-head norms: replicated weights whose gradients megatron-core all-reduces over TP by this
@@ -298,7 +359,7 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
         softmax_scale=arch.softmax_scale,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=kernels == "liger" and arch.activation == "silu",
+        bias_activation_fusion=fused_activation,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -339,8 +400,7 @@ def block_spec(config: ArchitectureConfig) -> TransformerBlockSubmodules:
     elif arch.qk_norm == "projection":
         attention.q_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"projection": "query"})
         attention.k_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"projection": "key"})
-    if "post_attention" in arch.norm_names:
-        layer.self_attention.module = PostNormSelfAttention
+    layer.self_attention.module = PostNormSelfAttention if "post_attention" in arch.norm_names else FamilySelfAttention
     if "post_mlp" in arch.norm_names:
         layer.mlp = PostNormMLP
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)

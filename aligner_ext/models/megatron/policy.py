@@ -66,7 +66,7 @@ PACK_PAD_ID = 0  # fills the columns after each row's real tokens; never attende
 
 def megatron_kernels(kernels: str, device: torch.device) -> str:
     """`policy.kernels` for the GPTModel's layers: liger = Liger-Kernel's RMSNorm and megatron-core's
-    fused SwiGLU (model.py). Decision: auto is liger where it runs (a CUDA device, the package
+    fused SwiGLU / GeGLU (model.py). Decision: auto is liger where it runs (a CUDA device, the package
     installed), as on the HF backend. Measured at 1.5B on one H100 with a GRPO step's batch (256
     sequences, docs/benchmarks.md) the train call is 1.18x faster and holds 13 GiB less; on a small
     batch (32 sequences) it was slower, the host then launching kernels slower than the GPU ran them."""
