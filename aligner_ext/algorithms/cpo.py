@@ -70,10 +70,10 @@ class CPOConfig:
     gold_as_hint: bool = True  # CPO hint: extra_info.gold_solution (true) or the ground truth (docs/variants/cpo.md)
     wrap_method: str = plugin("none", "aligner_ext.algorithms.cpo_wrappers:CPO_WRAPPERS")  # CPO advantage wrapper (algorithms/cpo_wrappers.py); none = GRPO advantages
     cpo_lambda: float = number(5.0, gt=1)  # ratio clamp [1/λ, λ] of exp(lp_hint - lp), > 1; read by naive* and noaccmask only
-    pos_alpha: float = number(0.05, ge=0)  # weight of the terms on correct rows (the seed's default; public scripts use 0)
-    neg_alpha: float = number(0.1, ge=0)  # weight of the terms on wrong rows (the seed's default)
-    mi_alpha: float | None = number(None)  # the seed's key, accepted; no wrapper reads it (a set value logs a warning)
-    uncertainty: str = choice("minmax", *UNCERTAINTY_MODES)  # U from entropy: minmax (per row, the public code) | vocab (H / log V, the seed)
+    pos_alpha: float = number(0.05, ge=0)  # weight of the terms on correct rows (the CPO guide's default; public scripts use 0)
+    neg_alpha: float = number(0.1, ge=0)  # weight of the terms on wrong rows (the CPO guide's default)
+    mi_alpha: float | None = number(None)  # the CPO guide's key, accepted; no wrapper reads it (a set value logs a warning)
+    uncertainty: str = choice("minmax", *UNCERTAINTY_MODES)  # U from entropy: minmax (per row, the public code) | vocab (H / log V, the CPO guide)
     difficulty: str = choice("three", *DIFFICULTY_MODES)  # three (+1/0/-1) | five (-2..+2 by fraction correct) | variance (reward variance)
     variance_low: float = number(0.1, ge=0)  # difficulty=variance: group reward variance below this is +1 (easy)
     variance_high: float = number(0.5, ge=0)  # difficulty=variance: group reward variance above this is -1 (hard)

@@ -64,13 +64,13 @@ PLACEHOLDER = re.compile(r"\{(hint|question)\}")
 class HintConfig:
     """Where the CPO hint goes in the prompt, and what happens to rows without one."""
 
-    placement: str = choice("user_prefix", *PLACEMENTS)  # user_prefix (the seed) | reference_prompt | assistant_turn
+    placement: str = choice("user_prefix", *PLACEMENTS)  # user_prefix (the CPO guide's) | reference_prompt | assistant_turn
     prefix_template: str = PREFIX_TEMPLATE  # user_prefix: text put before the last user turn's content
     reference_template: str = REFERENCE_TEMPLATE  # reference_prompt: the last user turn's new content
     followup_template: str = FOLLOWUP_TEMPLATE  # assistant_turn: user turn after the assistant turn holding the hint
     missing: str = choice("error", *MISSING_POLICIES)  # row without a hint: error (names the row) | skip (GRPO advantages for it; counted)
     max_hint_length: int = number(0, ge=0)  # hint tokens kept; 0 keeps the whole hint (the batch grows wider instead)
-    truncate_side: str = choice("left", *TRUNCATE_SIDES)  # end of an overlong hint that is dropped: left (keeps its answer) | right (the seed)
+    truncate_side: str = choice("left", *TRUNCATE_SIDES)  # end of an overlong hint that is dropped: left (keeps its answer) | right (the CPO guide's)
     check_insertion: bool = True  # user_prefix / assistant_turn: error unless the hint is one contiguous insertion
     solution_fields: list[str] = field(default_factory=lambda: ["gold_solution", "solution"])  # extra_info fields holding the hint (cpo.gold_as_hint), first non-empty wins; public CPO data uses `solution`
 
