@@ -20,20 +20,23 @@ from aligner_ext.rewards.base import RewardResult
 VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth")  # verl's first three, by name
 
 
+def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin or C function: not one of verl's Python reward functions
+        return {}
+
+
 def is_verl_signature(fn: Callable[..., Any]) -> bool:
     """Whether `fn` takes verl's arguments (data_source, solution_str, ground_truth[, extra_info])."""
-    try:
-        names = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):  # a builtin or C function: not one of verl's Python reward functions
-        return False
-    return names[:3] == list(VERL_PARAMETERS)
+    return tuple(_parameters(fn))[:3] == VERL_PARAMETERS
 
 
 def adapt(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` as a reward of ours: wrapped if it has verl's signature, else unchanged."""
-    if not is_verl_signature(fn):
+    parameters = _parameters(fn)
+    if tuple(parameters)[:3] != VERL_PARAMETERS:
         return fn
-    parameters = inspect.signature(fn).parameters
     takes_extra_info = "extra_info" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
     return functools.partial(call_verl_score, fn, takes_extra_info)
 
