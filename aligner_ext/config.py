@@ -20,7 +20,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from aligner_ext.algorithms.advantages import GroupAdvantage, check_group_size
 from aligner_ext.algorithms.cpo import CPOConfig
-from aligner_ext.data.loader import DataConfig
+from aligner_ext.data.loader import DataConfig, check_val_set_names
 from aligner_ext.experience.base import RolloutConfig
 from aligner_ext.experience.dynamic_sampling import DynamicSamplingConfig
 from aligner_ext.experience.graded_prompt import GradedPromptConfig
@@ -30,12 +30,12 @@ from aligner_ext.generation.hf import HFEngineConfig
 from aligner_ext.generation.remote import RemoteEngineConfig
 from aligner_ext.generation.rollout import RolloutEngineConfig
 from aligner_ext.generation.vllm_colocated import VLLMEngineConfig
-from aligner_ext.losses.clipped_pg import ClippedPGLoss
+from aligner_ext.losses.settings import LossConfig
 from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.tiny import TinyModelConfig
 from aligner_ext.models.warmup import WarmupConfig
 from aligner_ext.rewards.manager import RewardConfig
-from aligner_ext.rules import check_settings, choice, number, plugin, plugins
+from aligner_ext.rules import check_settings, choice, number, numbers, plugin, plugins
 from aligner_ext.secrets import read_secret, redact
 from aligner_ext.trackers import MlflowConfig, WandbConfig
 from aligner_ext.variants import active_variants, merge_variant_overrides, resolve_variants
@@ -72,9 +72,37 @@ class AlgorithmConfig:
     """Which plug-in fills each stage of the loop (names from the registries)."""
 
     experience_maker: str = plugin("group_sampling", "aligner_ext.experience.base:EXPERIENCE_MAKERS")  # how rollouts are produced and scored
-    experience_wrappers: list[str] = plugins(["dynamic_sampling", "hint_logprobs"], "aligner_ext.experience.base:EXPERIENCE_WRAPPERS")  # wrappers around the maker, innermost first; each is active only when its own switch is on
+    experience_wrappers: list[str] = plugins(["overlong", "dynamic_sampling", "hint_logprobs"], "aligner_ext.experience.base:EXPERIENCE_WRAPPERS")  # wrappers around the maker, innermost first; each is active only when its own switch is on
     adv_estimator: str = plugin("grpo", "aligner_ext.algorithms.advantages:ADVANTAGES")  # how rewards become per-token advantages
     loss: str = plugin("clipped_pg", "aligner_ext.losses.base:LOSSES")  # how a batch becomes a gradient
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (trainer/evaluate.py, docs/evaluation.md): when, how many responses, which sets."""
+
+    every: int = number(0, ge=0)  # evaluate every N steps; 0 = only before training (step 0) and after the last step
+    k: int = number(1, ge=1)  # responses per validation prompt; 1 at temperature 0 is greedy accuracy (the default); above 1 adds mean@k, pass@j and maj@k
+    temperature: float = number(0.0, ge=0)  # sampling temperature; 0 = greedy (k must then be 1)
+    top_p: float = number(1.0, gt=0, le=1)  # nucleus mass; 1.0 disables it
+    pass_at: list[int] = numbers([], ge=1)  # the j of each pass@j reported (each <= k); empty: 1, 2, 4, ... below k, and k
+    sets: list[str] = field(default_factory=list)  # names of data.val_sets to evaluate; empty: every validation set
+
+    def __post_init__(self) -> None:
+        if self.k > 1 and self.temperature == 0:
+            raise ValueError(f"trainer.eval.k={self.k} at trainer.eval.temperature=0: greedy decoding gives the same "
+                             "response k times; set a temperature above 0, or k=1")
+        if self.pass_at and self.k == 1:
+            raise ValueError(f"trainer.eval.pass_at={list(self.pass_at)}: pass@j is reported for trainer.eval.k > 1")
+        if any(j > self.k for j in self.pass_at):
+            raise ValueError(f"trainer.eval.pass_at={list(self.pass_at)}: each must be at most trainer.eval.k={self.k}")
+
+    def describe(self) -> str:
+        """How responses are drawn, for the summary and the plot: `greedy`, or `8 samples, temperature 0.7`."""
+        if self.k == 1 and self.temperature == 0:
+            return "greedy"
+        samples = "1 sample" if self.k == 1 else f"{self.k} samples"
+        return f"{samples}, temperature {self.temperature:g}" + (f", top-p {self.top_p:g}" if self.top_p < 1 else "")
 
 
 @dataclass
@@ -90,7 +118,7 @@ class TrainerConfig:
     keep_last: int = number(2, ge=0)  # checkpoints kept on disk (older ones are deleted); 0 keeps all
     resume: bool = True  # continue from the run directory's latest checkpoint if there is one
     allow_unverified_checkpoint: bool = False  # resume from a checkpoint without manifest.json (written before manifests): its files go unchecked
-    eval_every: int = number(0, ge=0)  # held-out evaluation every k steps; 0 = only before and after training
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
     log_samples_every: int = number(10, ge=0)  # write sample completions every k steps; 0 = never
     num_log_samples: int = number(4, ge=0)  # completions written each time
     tensorboard: bool = True  # mirror metrics to TensorBoard (<run dir>/tensorboard)
@@ -155,7 +183,7 @@ class RunConfig:
     advantage: GroupAdvantage.Config = field(default_factory=GroupAdvantage.Config)
     mtpo: TwoRoundSampling.Config = field(default_factory=TwoRoundSampling.Config)
     cpo: CPOConfig = field(default_factory=CPOConfig)
-    loss: ClippedPGLoss.Config = field(default_factory=ClippedPGLoss.Config)
+    loss: LossConfig = field(default_factory=LossConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)  # `aligner-ext serve` only
@@ -198,6 +226,8 @@ ALIASES: dict[str, str] = {
     "algorithm.dynamic_sample_max_gen_batches": "dynamic_sampling.max_gen_batches",
     "algorithm.gold_as_hint": "cpo.gold_as_hint",
     "algorithm.wrap_method": "cpo.wrap_method",
+    # the evaluation's settings moved to their own section
+    "trainer.eval_every": "trainer.eval.every",
     **VERL_ALIASES,  # verl's own keys (from_verl.py, docs/from_verl.md)
 }
 # Seed keys whose values are named differently too: seed key -> (our key, {seed value: our value}).
@@ -373,6 +403,7 @@ def check_across_sections(cfg: RunConfig, for_training: bool = True) -> None:
 
     resolve_variants(cfg)
     check_group_size(cfg)
+    check_val_set_names(cfg.data, cfg.trainer.eval.sets)
     sequences = cfg.data.train_batch_size * cfg.rollout.n
     if cfg.policy.mini_batch_size > sequences:
         raise ValueError(f"policy.mini_batch_size={cfg.policy.mini_batch_size}: larger than a step's batch "

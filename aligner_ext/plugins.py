@@ -5,18 +5,22 @@ need no entry: registries import dotted paths on demand.
 """
 
 import aligner_ext.algorithms.advantages  # noqa: F401
-import aligner_ext.algorithms.mtpo  # noqa: F401
 import aligner_ext.algorithms.cpo  # noqa: F401
+import aligner_ext.algorithms.estimators  # noqa: F401
+import aligner_ext.algorithms.mtpo  # noqa: F401
 import aligner_ext.experience.base  # noqa: F401
 import aligner_ext.experience.dynamic_sampling  # noqa: F401
 import aligner_ext.experience.graded_prompt  # noqa: F401
 import aligner_ext.experience.hint_logprobs  # noqa: F401
+import aligner_ext.experience.overlong  # noqa: F401
 import aligner_ext.experience.two_round  # noqa: F401
 import aligner_ext.generation.hf  # noqa: F401
 import aligner_ext.generation.remote  # noqa: F401
 import aligner_ext.generation.rollout  # noqa: F401
 import aligner_ext.generation.vllm_colocated  # noqa: F401 - registers the name only; vllm loads on use
+import aligner_ext.losses.cispo  # noqa: F401
 import aligner_ext.losses.clipped_pg  # noqa: F401
+import aligner_ext.losses.gspo  # noqa: F401
 import aligner_ext.models.hf  # noqa: F401
 import aligner_ext.models.megatron  # noqa: F401 - registers the name only; megatron-core loads on use
 import aligner_ext.rewards  # noqa: F401

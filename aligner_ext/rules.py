@@ -45,19 +45,35 @@ class Range(Rule):
     lt: float | None = None
 
     def problem(self, value: Any) -> str | None:
+        return self.describe() if self.outside(value) else None
+
+    def outside(self, value: Any) -> bool:
+        """Whether `value` is not a finite number within the bounds (None is within: an unset setting)."""
         if value is None:
-            return None
+            return False
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return self.describe()
-        if ((self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
-                or (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt)):
-            return self.describe()
-        return None
+            return True
+        return ((self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
+                or (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt))
 
     def describe(self) -> str:
         bounds = [f"{sign} {_short(bound)}" for sign, bound in
                   ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt)) if bound is not None]
         return "a finite number" + (" " + " and ".join(bounds) if bounds else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class EachInRange(Range):
+    """A list of finite numbers, each within the bounds (a lone number is judged as one number)."""
+
+    def problem(self, value: Any) -> str | None:
+        if not isinstance(value, (list, tuple)):
+            return Range.describe(self) if self.outside(value) else None
+        bad = [item for item in value if self.outside(item)]
+        return f"{self.describe()}; {_short(bad[0])} is not" if bad else None
+
+    def describe(self) -> str:
+        return "a list, each item " + Range.describe(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +125,12 @@ class Registered(Rule):
 def number(default: float | int | None, *, ge=None, gt=None, le=None, lt=None) -> Any:
     """A numeric field admitting finite values within the bounds (and None when `default` is None)."""
     return dataclasses.field(default=default, metadata={RULE: Range(ge=ge, gt=gt, le=le, lt=lt)})
+
+
+def numbers(default: list[int | float], *, ge=None, gt=None, le=None, lt=None) -> Any:
+    """A list field of numbers, each admitting finite values within the bounds."""
+    return dataclasses.field(default_factory=lambda: list(default),
+                             metadata={RULE: EachInRange(ge=ge, gt=gt, le=le, lt=lt)})
 
 
 def choice(default: str, *choices: str) -> Any:

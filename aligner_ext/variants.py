@@ -7,13 +7,21 @@ maker (or its `mtpo_segments` estimator); the graded system prompt its maker (or
 merged in order, and a single-valued key two overlays set keeps the later value, so the switches
 are read after the merge and every pair that is on is checked against `PAIRS`. A pair either
 composes, with the semantics written in docs/variants/README.md, or is refused naming both.
-A composing pair may adjust one setting of the other: dynamic sampling under MTPO filters by segment.
+A composing pair may adjust settings of the other: dynamic sampling under MTPO filters by segment
+and leaves the dapo overlay's overlong shaping off.
+The switches beside the variants (the estimators and losses researchers compare with, DAPO's overlong
+techniques) are checked against every variant that is on, through `SWITCH_REFUSALS`: a pair not
+listed there composes.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+
+from aligner_ext.algorithms.advantages import ADVANTAGES
+from aligner_ext.losses.base import LOSSES
+from aligner_ext.losses.off_policy import CORRECTIONS, correction_mode
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +38,30 @@ PAIRS: dict[frozenset[str], str | None] = {
                                          "have no defined semantics together yet",
     frozenset({"mtpo", "graded_prompt"}): "both set algorithm.experience_maker (two_round, graded_prompt); one would "
                                           "silently replace the other",
+}
+
+
+_SEGMENTS = ("MTPO's answers and confidences are compared over different groups (algorithm.adv_estimator="
+             "mtpo_segments); a single-round estimator would baseline their summed reward over all G x H samples")
+_CPO_ESTIMATOR = ("both set algorithm.adv_estimator (CPO's wrappers shape GRPO's advantages, algorithm.adv_estimator="
+                  "cpo); one would silently replace the other")
+_GRADED_LOGPROBS = ("the engine samples under per-sample system prompts, so its log-probs are not those of the trained "
+                    "prompt: their ratio to the trainer's measures the system prompt, not an engine mismatch")
+_OWN_CAPS = ("two-round rollouts have caps of their own (mtpo.max_answer_length, mtpo.max_confidence_length), not "
+             "rollout.max_response_length")
+# (switch, variant) -> why they do not compose; every other pair does (docs/variants/README.md).
+SWITCH_REFUSALS: dict[tuple[str, str], str] = {
+    ("algorithm.adv_estimator=rloo", "cpo"): _CPO_ESTIMATOR,
+    ("algorithm.adv_estimator=reinforce_plus_plus", "cpo"): _CPO_ESTIMATOR,
+    ("algorithm.adv_estimator=reinforce_plus_plus_baseline", "cpo"): _CPO_ESTIMATOR,
+    ("algorithm.adv_estimator=rloo", "mtpo"): _SEGMENTS,
+    ("algorithm.adv_estimator=reinforce_plus_plus", "mtpo"): _SEGMENTS,
+    ("algorithm.adv_estimator=reinforce_plus_plus_baseline", "mtpo"): _SEGMENTS,
+    ("algorithm.loss=gspo", "mtpo"): "GSPO clips one ratio per sequence, and a two-round sample holds two segments "
+                                     "with advantages of their own (its answer masked out in all but one copy)",
+    **{(f"loss.off_policy_correction={mode}", "graded_prompt"): _GRADED_LOGPROBS for mode in CORRECTIONS[1:]},
+    ("rollout.overlong_buffer_fraction>0", "mtpo"): _OWN_CAPS,
+    ("rollout.overlong_filter=true", "mtpo"): _OWN_CAPS,
 }
 
 
@@ -66,9 +98,10 @@ def active_variants(cfg) -> set[str]:
 
 
 def resolve_variants(cfg) -> None:
-    """Refuse a pair of variants that does not compose, or a variant's setting that nothing would
-    read; turn the graded maker on from its switch alone (the seed's behaviour) and dynamic sampling's
-    segment filter on under MTPO."""
+    """Refuse a pair of variants that does not compose, a switch that does not compose with a variant
+    (`check_switches`), or a setting that nothing would read; turn the graded maker on from its switch
+    alone (the original recipe's behaviour), and under MTPO dynamic sampling's segment filter on and the
+    dapo overlay's overlong shaping off."""
     algorithm = cfg.algorithm
     active = sorted(active_variants(cfg))
     for index, first in enumerate(active):
@@ -76,12 +109,14 @@ def resolve_variants(cfg) -> None:
             reason = PAIRS[frozenset({first, second})]
             if reason is not None:
                 raise ValueError(f"variants {first} and {second} do not compose: {reason} (docs/variants/README.md)")
+    if {"dapo", "mtpo"} <= set(active):
+        _filter_by_segments(cfg.dynamic_sampling)
+        _no_overlong_shaping(cfg.rollout)
+    check_switches(cfg, active)
     wrap_method = cfg.cpo.wrap_method
     if wrap_method != "none" and algorithm.adv_estimator != "cpo":
         raise ValueError(f"cpo.wrap_method={wrap_method} is read only by algorithm.adv_estimator=cpo "
                          f"(it is {algorithm.adv_estimator}); set wrap_method=none or adv_estimator=cpo")
-    if {"dapo", "mtpo"} <= set(active):
-        _filter_by_segments(cfg.dynamic_sampling)
     if cfg.graded_prompt.enabled and algorithm.experience_maker == "group_sampling":
         logger.info("graded_prompt.enabled=true: algorithm.experience_maker set to graded_prompt")
         algorithm.experience_maker = "graded_prompt"
@@ -99,3 +134,40 @@ def _filter_by_segments(dynamic_sampling) -> None:
     if dynamic_sampling.filter_metric == "correct":
         logger.info("dynamic sampling with MTPO: dynamic_sampling.filter_metric set to segments")
         dynamic_sampling.filter_metric = "segments"
+
+
+def _no_overlong_shaping(rollout) -> None:
+    """Under MTPO, the dapo overlay's overlong shaping is left off: two-round rollouts have caps of their own."""
+    if rollout.overlong_buffer_fraction > 0:
+        logger.info("dynamic sampling with MTPO: rollout.overlong_buffer_fraction set to 0 (%s)", _OWN_CAPS)
+        rollout.overlong_buffer_fraction = 0.0
+
+
+def active_switches(cfg) -> set[str]:
+    """The switches beside the variants that `cfg` sets, spelt as in SWITCH_REFUSALS (registered names, not aliases)."""
+    def canonical(registry, name: str) -> str:
+        return registry.name_of(registry.get(name)) if name in registry else name
+
+    switches = {f"algorithm.adv_estimator={canonical(ADVANTAGES, cfg.algorithm.adv_estimator)}",
+                f"algorithm.loss={canonical(LOSSES, cfg.algorithm.loss)}"}
+    if correction_mode(cfg.loss) != "none":
+        switches.add(f"loss.off_policy_correction={correction_mode(cfg.loss)}")
+    if cfg.rollout.overlong_buffer_fraction > 0:
+        switches.add("rollout.overlong_buffer_fraction>0")
+    if cfg.rollout.overlong_filter:
+        switches.add("rollout.overlong_filter=true")
+    return switches
+
+
+def check_switches(cfg, active: list[str]) -> None:
+    """Refuse a switch that does not compose with a variant that is on (SWITCH_REFUSALS), or that nothing reads."""
+    switches = sorted(active_switches(cfg))
+    for switch in switches:
+        for variant in active:
+            reason = SWITCH_REFUSALS.get((switch, variant))
+            if reason is not None:
+                raise ValueError(f"{switch} and variant {variant} do not compose: {reason} (docs/variants/README.md)")
+    overlong = [switch for switch in switches if switch.startswith("rollout.overlong")]
+    if overlong and "overlong" not in cfg.algorithm.experience_wrappers:
+        raise ValueError(f"{overlong[0]} is applied by the experience wrapper overlong, which "
+                         "algorithm.experience_wrappers does not list")

@@ -238,6 +238,14 @@ def render() -> str:
         "`no_rope_layer_interval`): those layers attend over unrotated queries and keys (`LayerPlan.rope` is "
         "None).",
         "",
+        "## LoRA adapters",
+        "",
+        "`policy.lora.rank > 0` trains low-rank adapters instead of the weights on both backends, for every "
+        "family above (and, on the HF backend, every model whose projections are `torch.nn.Linear`): the HF "
+        "backend's through peft, the Megatron backend's on its column- and row-parallel linears, sharded as "
+        "their weights; the rollout engine runs them from the policy's own tensors. What is stored, what "
+        "generation servers get and the decisions: [docs/lora.md](lora.md).",
+        "",
         "## A random-weight checkpoint of a family",
         "",
         "`aligner_ext.models.family_configs.family_config(name, **sizes)` gives the HF config of a family's "

@@ -66,6 +66,13 @@ def group_baseline_normalize(
     return torch.where(identical, torch.zeros_like(centred), centred)
 
 
+def check_finite_rewards(batch: ExperienceBatch) -> None:
+    """Raise naming the rows whose reward is NaN or infinite (a reward function's bug, not a number to train on)."""
+    if not torch.isfinite(batch.rewards).all():
+        rows = torch.nonzero(~torch.isfinite(batch.rewards)).flatten().tolist()
+        raise ValueError(f"non-finite rewards for rows {[batch.samples[i].row.row_id for i in rows]}")
+
+
 def check_group_size(cfg) -> None:
     """rollout.n against the configured estimator's `min_group_size` (also run by `load_config`, so
     `aligner-ext config` refuses it)."""
@@ -79,23 +86,27 @@ def check_group_size(cfg) -> None:
 
 @ADVANTAGES.register("grpo", "group_norm")
 class GroupAdvantage:
-    """GRPO group-normalised advantage, broadcast over the loss-masked response tokens."""
+    """GRPO group-normalised advantage, broadcast over the loss-masked response tokens.
+
+    Other estimators that give each sample one value subclass it and override `per_sample`
+    (algorithms/estimators.py); they share the `advantage` config section.
+    """
 
     @dataclass
     class Config:
-        """How rewards are normalised within a prompt group."""
+        """How rewards are normalised: within a prompt group (grpo, mtpo_segments) or over the batch (REINFORCE++)."""
 
-        use_std: bool = True  # normalise by the group std (false = Dr.GRPO: mean-centring only)
-        std_floor: float = number(1e-4, gt=0)  # lower bound of the group std, in reward units (see module docstring)
+        use_std: bool = True  # divide by the std (grpo: the group's; reinforce_plus_plus*: the batch's); false = mean-centring only (Dr.GRPO)
+        std_floor: float = number(1e-4, gt=0)  # lower bound of that std, in reward units (see module docstring)
 
     reads = ("rewards",)
+    min_group_size = 2  # a group of one has advantage 0: nothing would be trained
 
     def __init__(self, cfg: Config):
         if cfg.std_floor <= 0:
             raise ValueError(f"advantage.std_floor must be > 0, got {cfg.std_floor}")
         self.cfg = cfg
-
-    min_group_size = 2  # a group of one has advantage 0: nothing would be trained
+        self._metrics: dict[str, float] = {}
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "GroupAdvantage":
@@ -104,12 +115,13 @@ class GroupAdvantage:
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor:
         """[B, R] float32: A_i on every token where response_mask is True, 0 elsewhere."""
-        if not torch.isfinite(batch.rewards).all():
-            rows = torch.nonzero(~torch.isfinite(batch.rewards)).flatten().tolist()
-            raise ValueError(f"non-finite rewards for rows {[batch.samples[i].row.row_id for i in rows]}")
-        per_sample = group_baseline_normalize(batch.rewards, batch.group_ids, self.cfg.use_std, self.cfg.std_floor)
-        return per_sample.to(torch.float32)[:, None] * batch.response_mask.to(torch.float32)
+        check_finite_rewards(batch)
+        return self.per_sample(batch).to(torch.float32)[:, None] * batch.response_mask.to(torch.float32)
 
+    def per_sample(self, batch: ExperienceBatch) -> torch.Tensor:
+        """Override point: [B] float64 advantage of each sample; GRPO's is its group-normalised reward."""
+        return group_baseline_normalize(batch.rewards, batch.group_ids, self.cfg.use_std, self.cfg.std_floor)
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        """What the last call wants logged for the step (none for GRPO)."""
+        return dict(self._metrics)

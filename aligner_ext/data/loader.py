@@ -18,6 +18,7 @@ Validation uses `iterate_once()`: one pass in file order, no shuffling, last bat
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -25,7 +26,7 @@ import numpy as np
 from jinja2 import TemplateError
 
 from aligner_ext.data.readers import load_files
-from aligner_ext.data.tasks import builtin_rows
+from aligner_ext.data.tasks import TASKS, builtin_rows
 from aligner_ext.data.templating import encode_prompt
 from aligner_ext.data.types import PromptDraw, PromptRow
 from aligner_ext.errors import DataError
@@ -34,6 +35,8 @@ from aligner_ext.rules import choice, number, plugin
 logger = logging.getLogger(__name__)
 
 OVERLONG_POLICIES = ("error", "skip", "truncate_left")
+VAL_SET_NAME = re.compile(r"[\w.+-]+")
+DEFAULT_VAL_SET = "val"  # the name of the one validation set of data.val_files or the built-in task
 
 
 @dataclass
@@ -41,7 +44,8 @@ class DataConfig:
     """Where prompts come from and how they are batched."""
 
     train_files: list[str] = field(default_factory=list)  # parquet/jsonl training files; empty: the built-in task
-    val_files: list[str] = field(default_factory=list)  # validation files; empty: see load_split
+    val_files: list[str] = field(default_factory=list)  # validation files, one set; empty: see load_split
+    val_sets: dict[str, list[str]] = field(default_factory=dict)  # named validation sets instead of val_files, each added as +data.val_sets.<name>=[files or built-in task names (the task's val split)]; metrics keyed val/<name>/... (docs/evaluation.md)
     builtin_task: str = plugin("arithmetic", "aligner_ext.data.tasks.base:TASKS")  # built-in task name (data/tasks) or dotted path to a task function
     builtin_train_size: int = number(2000, ge=1)  # rows generated for the built-in train split
     builtin_val_size: int = number(200, ge=0)  # rows generated for the built-in val split; 0: no validation
@@ -51,6 +55,17 @@ class DataConfig:
     overlong_prompt: str = choice("error", *OVERLONG_POLICIES)  # longer prompts: error | skip | truncate_left (keep the last tokens)
     shuffle: bool = True  # reshuffle the training rows every epoch
     seed: int = number(0, ge=0)  # seeds the built-in task's rows and the epoch permutations (>= 0)
+
+    def __post_init__(self) -> None:
+        if self.val_files and self.val_sets:
+            raise ValueError("data.val_files and data.val_sets are both given: name the files of data.val_files as "
+                             "one more set of data.val_sets")
+        for name, entries in self.val_sets.items():
+            if not VAL_SET_NAME.fullmatch(name):
+                raise ValueError(f"data.val_sets.{name}: a set's name is part of its metrics' keys (val/<name>/...): "
+                                 "letters, digits, '_', '-', '.' and '+' only")
+            if not entries:
+                raise ValueError(f"data.val_sets.{name} is empty: list its files or built-in task names")
 
 
 def load_split(cfg: DataConfig, split: str) -> list[PromptRow]:
@@ -79,6 +94,36 @@ def build_loader(cfg: DataConfig, tokenizer, split: str) -> "PromptLoader | None
     if split == "train":
         return PromptLoader(rows, tokenizer, cfg, cfg.train_batch_size, cfg.shuffle)
     return PromptLoader(rows, tokenizer, cfg, cfg.val_batch_size, shuffle=False)
+
+
+def check_val_set_names(cfg: DataConfig, names: list[str]) -> None:
+    """Refuse a name in `names` (trainer.eval.sets) that is not a set of `cfg.val_sets`."""
+    unknown = [name for name in names if name not in cfg.val_sets]
+    if unknown:
+        known = ", ".join(cfg.val_sets) or "none: data.val_sets is empty"
+        raise ValueError(f"trainer.eval.sets={list(names)}: {', '.join(unknown)} is not a set of data.val_sets "
+                         f"(its sets: {known})")
+
+
+def build_val_loaders(cfg: DataConfig, tokenizer, names: list[str]) -> dict[str, "PromptLoader"]:
+    """The validation sets to evaluate, by name: the sets of `cfg.val_sets` listed in `names` (all of them when
+    `names` is empty), or else the one set of `load_split(cfg, "val")`, named DEFAULT_VAL_SET; {} when
+    there is no validation data. An entry of a set that names a built-in task gives that task's val split
+    (`builtin_val_size` rows); any other entry is a data file."""
+    check_val_set_names(cfg, names)
+    if not cfg.val_sets:
+        loader = build_loader(cfg, tokenizer, "val")
+        return {} if loader is None else {DEFAULT_VAL_SET: loader}
+    loaders = {}
+    for name, entries in cfg.val_sets.items():
+        if names and name not in names:
+            continue
+        rows = []
+        for entry in entries:
+            rows += (builtin_rows(entry, "val", cfg.builtin_val_size, cfg.seed) if entry in TASKS
+                     else load_files([entry]))
+        loaders[name] = PromptLoader(rows, tokenizer, cfg, cfg.val_batch_size, shuffle=False)
+    return loaders
 
 
 class PromptLoader:

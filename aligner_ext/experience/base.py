@@ -7,8 +7,9 @@ group id. Variants override one of its named steps instead of copying the flow:
 - `requests(draws)`: what the generator sees for each sample (graded system prompt changes it);
 - `generate(requests)`: how responses are produced (two-round rollouts change it);
 - `score(batch)`: how responses become rewards;
-- `evaluate(loader, greedy)` (on every maker): held-out metrics; the default is the loop's greedy
-  single-round evaluation (two-round rollouts evaluate both rounds);
+- `evaluate(loader, single_round)` (on every maker): held-out metrics; the default is the run's
+  single-round evaluation (trainer/evaluate.py: greedy, or k samples per prompt); two-round rollouts
+  evaluate both rounds, and say so in `own_evaluation`;
 - `warmup_examples(cfg, rows)` (a class method): the (messages, target) pairs the embedded model's
   supervised warm-up trains on; the default is each row's prompt and gold solution (the graded
   system prompt also shows its system messages, so the tiny model learns to read them).
@@ -41,7 +42,7 @@ EXPERIENCE_WRAPPERS = Registry("experience wrapper")  # take the inner maker, ad
 
 @dataclass
 class RolloutConfig:
-    """Sampling of training rollouts (validation is greedy with the same length cap and stops)."""
+    """Sampling of training rollouts (held-out evaluation has the same length cap and stops; its sampling is trainer.eval)."""
 
     n: int = number(8, ge=1)  # responses per prompt: the GRPO group size
     temperature: float = number(1.0, gt=0)  # sampling temperature; log-probs for training use the same temperature
@@ -50,6 +51,9 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  # stop strings, kept in the response
     return_logprobs: bool = True  # keep the engine's sampling log-probs: each step logs their gap to the trainer's (rollout/logprob_diff_mean, _max)
     ignore_eos: bool = False  # sampled EOS ids do not end a response, so each runs to max_response_length (benchmarks: equal work on every system; stop strings still end one)
+    overlong_buffer_fraction: float = number(0.0, ge=0, lt=1)  # DAPO's overlong reward shaping: the last fraction of max_response_length (DAPO: 4096 of 20480 tokens, 0.2) is a buffer where the reward falls linearly to -overlong_penalty at the cap; 0 = off (experience/overlong.py)
+    overlong_penalty: float = number(1.0, gt=0)  # the penalty at the cap, in reward units (DAPO: 1)
+    overlong_filter: bool = False  # DAPO's overlong filtering: responses cut at max_response_length (finish reason length) are masked out of the loss
 
     def __post_init__(self) -> None:
         if any(not isinstance(text, str) or not text for text in self.stop):
@@ -73,6 +77,7 @@ class ExperienceMaker(abc.ABC):
     """
 
     summary_metrics: tuple[str, ...] = ()  # metrics whose run mean the end-of-run summary shows
+    own_evaluation: str | None = None  # how `evaluate` departs from the single-round evaluation, whose sampling settings (trainer.eval) the build then refuses (read from the configured maker's class); None: it runs that one
     reads: tuple[str, ...] = ()  # ExperienceBatch fields it needs from the inner maker (wrappers), checked at build
     writes: tuple[str, ...] = ()  # optional ExperienceBatch fields every batch it returns has set
 
@@ -80,14 +85,15 @@ class ExperienceMaker(abc.ABC):
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         """Return the step's batch (rewards set, log-probs and advantages not yet) and its metrics."""
 
-    def evaluate(self, loader: PromptLoader, greedy: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
+    def evaluate(self, loader: PromptLoader,
+                 single_round: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
         """Override point: held-out metrics over one pass of `loader`.
 
-        `greedy` is the loop's single-round greedy evaluation (trainer/evaluate.py), the default. A
-        maker whose samples take another shape (two-round rollouts) evaluates its own way; a
-        wrapper forwards to its inner maker.
+        `single_round` is the run's evaluation of one response round (trainer/evaluate.py), the
+        default. A maker whose samples take another shape (two-round rollouts) evaluates its own way
+        and names it in `own_evaluation`; a wrapper forwards to its inner maker.
         """
-        return greedy(loader)
+        return single_round(loader)
 
     @classmethod
     def warmup_examples(cls, cfg, rows: list[PromptRow]) -> list[tuple[list[dict[str, str]], str]]:
@@ -118,8 +124,9 @@ class ExperienceWrapper(ExperienceMaker):
         self.inner = inner
         self.summary_metrics = inner.summary_metrics
 
-    def evaluate(self, loader: PromptLoader, greedy: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
-        return self.inner.evaluate(loader, greedy)
+    def evaluate(self, loader: PromptLoader,
+                 single_round: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
+        return self.inner.evaluate(loader, single_round)
 
     def check_rows(self, rows: list[PromptRow]) -> None:
         self.inner.check_rows(rows)

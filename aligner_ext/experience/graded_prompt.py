@@ -27,7 +27,7 @@ engine's sampling log-probs (`rollout.return_logprobs`) were computed under s_i:
 Decisions (docs/variants/graded_prompt.md; tests/unit/experience/test_graded_prompt_*.py):
 - Active only when `enabled`, sampling (`rollout.temperature` > 0) and `rollout.n` > 1; otherwise
   this maker samples exactly as GroupSampling. Validation never goes through a maker
-  (trainer/evaluate.py samples the plain prompts greedily).
+  (trainer/evaluate.py answers the plain prompts, greedily or as trainer.eval samples).
 - Rounding half up, not Python's round() (RuscaRL's, half to even: 2.5 -> 2), so k grows
   monotonically with the ratio. N counts only non-zero items, so k_i criteria are really shown.
 - The system message goes through the tokenizer's own chat template (`encode_prompt` on the

@@ -98,6 +98,7 @@ class TwoRoundSampling(GroupSampling):
         rewards: SegmentRewards.Config = field(default_factory=SegmentRewards.Config)
 
     summary_metrics = ("mtpo/valid_answer_ratio", "mtpo/round2_time_ratio")
+    own_evaluation = "it evaluates two greedy rounds, one answer and one confidence per prompt"
     writes = (*GroupSampling.writes, "answer_group_ids", "segment_ids", "answer_rewards", "confidence_rewards")
 
     def __init__(self, mtpo: Config, rollout: RolloutConfig, engine: GenerationEngine, rewards: RewardManager,
@@ -218,8 +219,10 @@ class TwoRoundSampling(GroupSampling):
                                                     batch.response_lengths, width)
         return batch
 
-    def evaluate(self, loader: PromptLoader, greedy: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
+    def evaluate(self, loader: PromptLoader,
+                 single_round: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
         """Greedy two rounds, one answer and one confidence per prompt; accuracy and calibration.
+        Sampled evaluation (trainer.eval.k > 1) is refused at build (`own_evaluation`).
 
         A missing or unparseable confidence counts as 0 (RLCR's evaluation); how often that
         happened is `val/confidence_parsed_ratio`. With no confidence stated at all, calibration is

@@ -4,6 +4,12 @@ A reward function is a module-level function `fn(response: str, row: PromptRow) 
 It must be module-level (picklable by reference) because `RewardManager` runs it in worker processes.
 A plain number is read as `RewardResult(score=value, correct=None)`.
 
+A function that extracts an answer from the response and compares it declares so
+(`register_reward(..., extracts_answer=True)`, or `fn.extracts_answer = True` on a function of your
+own) and reports it in `RewardResult.answer`: the held-out majority vote (maj@k,
+trainer/evaluate.py) counts responses by it. The answer is extracted in the worker, under the call's
+time limit, as the score is.
+
 Two tables:
 - `REWARDS`: reward name -> function; a name that is not registered but contains a dot is imported
   as `pkg.module:fn`, so user functions plug in without registering.
@@ -31,13 +37,18 @@ class RewardResult:
     score: float  # the reward the policy is trained on
     correct: float | None = None  # raw outcome 1.0 / 0.0 before any shaping; None: no notion of correctness
     info: dict[str, Any] = field(default_factory=dict)  # what the function wants logged (extracted answer, ...)
+    answer: str | None = None  # the extracted answer as compared (normalised), what maj@k votes on; None: none found
 
 
-def register_reward(name: str, *aliases: str, data_sources: tuple[str, ...] = ()) -> Callable[[Any], Any]:
-    """Register a reward function under `name` (and aliases) and make it the default for `data_sources`."""
+def register_reward(name: str, *aliases: str, data_sources: tuple[str, ...] = (),
+                    extracts_answer: bool = False) -> Callable[[Any], Any]:
+    """Register a reward function under `name` (and aliases) and make it the default for `data_sources`;
+    `extracts_answer`: it reports the answer it compared in `RewardResult.answer`."""
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
         REWARDS.register(name, *aliases)(fn)
+        if extracts_answer:
+            fn.extracts_answer = True
         for source in data_sources:
             if DATA_SOURCES.get(source, name) != name:
                 raise ValueError(f"data_source {source!r} is mapped to both {DATA_SOURCES[source]!r} and {name!r}")

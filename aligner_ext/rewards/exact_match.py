@@ -56,16 +56,16 @@ def _golds(row: PromptRow) -> list[str]:
 def _match(response: str, row: PromptRow, normalize: Callable[[str], str]) -> RewardResult:
     answer = normalize(extract_answer(response))
     ok = any(answer == normalize(gold) for gold in _golds(row))
-    return RewardResult(score=float(ok), correct=float(ok), info={"answer": answer})
+    return RewardResult(score=float(ok), correct=float(ok), info={"answer": answer}, answer=answer)
 
 
-@register_reward("exact_match")
+@register_reward("exact_match", extracts_answer=True)
 def exact_match_reward(response: str, row: PromptRow) -> RewardResult:
     """1.0 if the extracted answer equals the ground truth after `normalize_text`, else 0.0."""
     return _match(response, row, normalize_text)
 
 
-@register_reward("squad_exact_match", data_sources=("short_qa",))
+@register_reward("squad_exact_match", data_sources=("short_qa",), extracts_answer=True)
 def squad_exact_match_reward(response: str, row: PromptRow) -> RewardResult:
     """1.0 if the extracted answer equals the ground truth after `normalize_answer`, else 0.0."""
     return _match(response, row, normalize_answer)

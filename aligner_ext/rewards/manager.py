@@ -378,6 +378,10 @@ class RewardManager:
         """{data_source: the reward function's name} over `rows` (the run's start-up summary)."""
         return {source: self._resolve(row)[0] for source, row in {row.data_source: row for row in rows}.items()}
 
+    def extracts_answer(self, row: PromptRow) -> bool:
+        """Whether the row's reward function reports the answer it compared (`RewardResult.answer`, rewards/base.py)."""
+        return bool(getattr(self._resolve(row)[1], "extracts_answer", False))
+
     def _resolve(self, row: PromptRow) -> tuple[str, Callable[..., Any]]:
         """(reward name, function) for the row's data_source; raise ValueError naming what is missing."""
         source = row.data_source

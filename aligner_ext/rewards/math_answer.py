@@ -16,6 +16,9 @@ Decisions:
   off (`parsing_timeout=None`, `timeout_seconds=None`) and `RewardManager` enforces the limit by
   killing the worker process. The warning math-verify logs about this is filtered out.
 - A missing or unparseable ground truth raises (the manager counts and logs it as an error).
+- The answer reported for majority voting (`RewardResult.answer`) is math-verify's parse of the
+  prediction as sympy prints it: `\\frac{1}{2}`, `\\frac12`, `2/4` and `0.5` all vote `1/2`, but
+  expressions sympy leaves in different forms, `(x+1)^2` and `x^2+2x+1`, are different votes.
 - GSM8K (`gsm8k`, the default for `gsm8k` and `openai/gsm8k` rows): the answer is the number after
   the last `####`, as GSM8K's own solutions and verl's gsm8k reward write it, else the boxed answer;
   a ground truth holding a whole GSM8K solution is read the same way.
@@ -78,23 +81,24 @@ def _verify(response: str, row: PromptRow, pred_config: tuple) -> RewardResult:
     gold = parse_gold(row.ground_truth)
     pred = parse(response, extraction_config=pred_config, parsing_timeout=None)
     ok = bool(pred) and verify(gold, pred, timeout_seconds=None)
-    return RewardResult(score=float(ok), correct=float(ok), info={"answer": str(pred[-1]) if pred else None})
+    return RewardResult(score=float(ok), correct=float(ok), info={"answer": str(pred[-1]) if pred else None},
+                        answer=str(pred[0]) if pred else None)
 
 
-@register_reward("math_verify", data_sources=MATH_DATA_SOURCES)
+@register_reward("math_verify", data_sources=MATH_DATA_SOURCES, extracts_answer=True)
 def math_verify_reward(response: str, row: PromptRow) -> RewardResult:
     """1.0 if the response's marked (boxed / LaTeX) answer equals the ground truth, else 0.0."""
     return _verify(response, row, _PRED_CONFIG)
 
 
-@register_reward("gsm8k", data_sources=("gsm8k", "openai/gsm8k"))
+@register_reward("gsm8k", data_sources=("gsm8k", "openai/gsm8k"), extracts_answer=True)
 def gsm8k_reward(response: str, row: PromptRow) -> RewardResult:
     """1.0 if the number after the response's last `####` (else its boxed answer) equals the ground truth."""
     answer = after_hashes(response)
     return _verify(f"${answer}$" if answer is not None else response, row, _PRED_CONFIG)
 
 
-@register_reward("math_verify_lenient")
+@register_reward("math_verify_lenient", extracts_answer=True)
 def math_verify_lenient_reward(response: str, row: PromptRow) -> RewardResult:
     """As `math_verify`, but a plain number or expression in the response also counts as its answer."""
     return _verify(response, row, _LENIENT_PRED_CONFIG)

@@ -37,7 +37,7 @@ def extract_choice(response: str) -> str | None:
     return end.group(1) if end else None
 
 
-@register_reward("multiple_choice", data_sources=("multiple_choice", "gpqa"))
+@register_reward("multiple_choice", data_sources=("multiple_choice", "gpqa"), extracts_answer=True)
 def multiple_choice_reward(response: str, row: PromptRow) -> RewardResult:
     """1.0 if the chosen letter is the ground-truth letter, else 0.0."""
     gold = _LETTER.fullmatch(str(row.ground_truth))
@@ -45,4 +45,4 @@ def multiple_choice_reward(response: str, row: PromptRow) -> RewardResult:
         raise ValueError(f"ground_truth {row.ground_truth!r} is not one letter A-J")
     choice = extract_choice(response)
     ok = choice == gold.group(1).upper()
-    return RewardResult(score=float(ok), correct=float(ok), info={"choice": choice})
+    return RewardResult(score=float(ok), correct=float(ok), info={"choice": choice}, answer=choice)

@@ -1,7 +1,8 @@
 """Config names -> objects. The only place that reads plug-in names from the config.
 
 What a user can fix stops the build with a UserError (aligner_ext/errors.py), which the CLI prints as
-one line: a plug-in name that does not resolve (`check_plugin_names`, before anything loads), a
+one line: a plug-in name that does not resolve (`check_plugin_names`, before anything loads), sampled
+evaluation with a maker that evaluates its own way (`check_evaluation`, before anything loads too), a
 plug-in that refuses its settings (`construct`), a training row the experience maker would fail on
 (`ExperienceMaker.check_rows`).
 """
@@ -23,7 +24,7 @@ import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 from aligner_ext.algorithms.advantages import ADVANTAGES
 from aligner_ext.config import RunConfig
 from aligner_ext.context import BuildContext
-from aligner_ext.data import build_loader, builtin_rows
+from aligner_ext.data import build_loader, build_val_loaders, builtin_rows
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.distributed import main_process_first
 from aligner_ext.errors import ConfigError, ModelPathError, UserError, error_line
@@ -64,7 +65,7 @@ class Components:
     advantage: object
     loss: Loss
     train_loader: PromptLoader
-    val_loader: PromptLoader | None  # None when there is no validation set
+    val_loaders: dict[str, PromptLoader]  # the validation sets to evaluate, by name; {} when there is none
 
 
 def generation_engine_name(cfg: RunConfig, model_config, device: torch.device) -> str:
@@ -149,6 +150,7 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     loads; the plug-ins' settings, batch contracts (trainer/contracts.py) and the training rows against
     the experience maker once they are built, before the first step."""
     check_plugin_names(cfg)
+    check_evaluation(cfg)
     model_dir = model_directory(cfg, run_dir)
     check_run(cfg, model_dir)  # the model's family and layout, from config.json alone (aligner_ext/support.py)
     if resolve_device(cfg.policy.device).type == "cuda":
@@ -157,10 +159,10 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     train_loader = build_loader(cfg.data, tokenizer, "train")
-    val_loader = build_loader(cfg.data, tokenizer, "val")
+    val_loaders = build_val_loaders(cfg.data, tokenizer, cfg.trainer.eval.sets)
     rewards = RewardManager(cfg.reward)
     try:
-        rewards.check(train_loader.rows + (val_loader.rows if val_loader else []))
+        rewards.check(train_loader.rows + [row for loader in val_loaders.values() for row in loader.rows])
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         backend = cfg.policy.backend
         policy = construct(cfg, "policy backend", "policy.backend", backend, POLICIES.get(backend),
@@ -177,7 +179,7 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         advantage = construct(cfg, "advantage estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator,
                               ADVANTAGES.get(cfg.algorithm.adv_estimator), lambda cls: cls.from_context(ctx))
         loss = construct(cfg, "loss", "algorithm.loss", cfg.algorithm.loss, LOSSES.get(cfg.algorithm.loss),
-                         lambda cls: cls.from_context(ctx))
+                         lambda cls: cls.from_context(ctx), section="loss")  # every loss reads the whole section
         ctx.reads_after_experience = frozenset(advantage.reads) | frozenset(loss.reads)
         maker = build_experience_maker(ctx)
         check_stages(step_stages(maker, reference is not None, advantage, cfg.algorithm.adv_estimator, loss,
@@ -190,7 +192,7 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     return Components(
         tokenizer=tokenizer, policy=policy, reference=reference, engine=engine, generation_model=generation_model,
         rewards=ctx.rewards,
-        maker=maker, advantage=advantage, loss=loss, train_loader=train_loader, val_loader=val_loader,
+        maker=maker, advantage=advantage, loss=loss, train_loader=train_loader, val_loaders=val_loaders,
     )
 
 
@@ -203,6 +205,17 @@ def build_experience_maker(ctx: BuildContext) -> ExperienceMaker:
         maker = construct(ctx.cfg, "experience wrapper", "algorithm.experience_wrappers", name,
                           EXPERIENCE_WRAPPERS.get(name), lambda cls: cls.from_context(maker, ctx))
     return maker
+
+
+def check_evaluation(cfg: RunConfig) -> None:
+    """Refuse sampled evaluation (trainer.eval, above k=1 at temperature 0) with an experience maker that
+    evaluates its own way (`ExperienceMaker.own_evaluation`): it would ignore those settings."""
+    settings, name = cfg.trainer.eval, cfg.algorithm.experience_maker
+    own = EXPERIENCE_MAKERS.get(name).own_evaluation
+    if own and (settings.k > 1 or settings.temperature > 0):
+        raise ConfigError(f"trainer.eval.k={settings.k}, trainer.eval.temperature={settings.temperature:g} with "
+                          f"experience maker {name} (algorithm.experience_maker): {own}, which sampled "
+                          "evaluation does not change; keep trainer.eval.k=1 and trainer.eval.temperature=0")
 
 
 def check_plugin_names(cfg: RunConfig) -> None:

@@ -25,7 +25,7 @@ from aligner_ext.threads import compute_threads, usable_cores
 from aligner_ext.trackers import build_trackers
 from aligner_ext.trainer.build import Components, build_components
 from aligner_ext.trainer.checkpoint import Checkpointer, CorruptCheckpoint
-from aligner_ext.trainer.evaluate import evaluate
+from aligner_ext.trainer.evaluate import Evaluator
 from aligner_ext.trainer.metrics import MetricsLogger, StageTimer, plot_history, read_history
 from aligner_ext.trainer.run_dir import EXPORTED_MODEL, SAVED_CONFIG, SUMMARY, claim_run_dir
 from aligner_ext.trainer.startup import startup_lines
@@ -48,6 +48,7 @@ class RunSummary:
     run_means: dict[str, float]  # run mean of each metric the experience maker lists in summary_metrics
     held_out_before: dict[str, float]  # every val/* metric of the evaluation before RL
     held_out_after: dict[str, float]  # and of the last evaluation
+    evaluation: str = "greedy"  # how held-out responses were drawn (trainer.eval): "8 samples, temperature 0.7"
 
 
 def train(cfg: RunConfig) -> RunSummary:
@@ -72,8 +73,9 @@ def train(cfg: RunConfig) -> RunSummary:
     start_step, before = resume(cfg, parts, checkpointer)
     log = MetricsLogger(run_dir, cfg.trainer.tensorboard, start_step, trackers=lambda: build_trackers(
         cfg.trainer.wandb, cfg.trainer.mlflow, cfg.trainer.run_name, run_dir, as_tree(cfg), settings(cfg)))
+    evaluator = Evaluator(cfg, parts)
     if start_step == 0:
-        before = run_eval(cfg, parts)
+        before = evaluator(0)
         if before:
             log.log(0, before)
     temperature = cfg.rollout.temperature
@@ -91,8 +93,8 @@ def train(cfg: RunConfig) -> RunSummary:
         metrics.update(parts.train_loader.metrics())
         metrics["timing/tokens_per_s"] = metrics.get("response/num_tokens", 0.0) / metrics["timing/step_s"]
         done = step + 1
-        if done == cfg.trainer.total_steps or (cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0):
-            after = run_eval(cfg, parts, done)
+        if evaluator.due(done):
+            after = evaluator(done)
             metrics.update(after)
         log.log(done, metrics)
         progress.set_postfix_str(progress_line(metrics, after), refresh=False)
@@ -108,7 +110,7 @@ def train(cfg: RunConfig) -> RunSummary:
         if cfg.trainer.save_every and done % cfg.trainer.save_every == 0 and done < cfg.trainer.total_steps:
             save(cfg, parts, checkpointer, done, before)
     if start_step >= cfg.trainer.total_steps:  # resumed a finished run: nothing trained, evaluate again
-        after = run_eval(cfg, parts, start_step)
+        after = evaluator(start_step)
     save(cfg, parts, checkpointer, cfg.trainer.total_steps, before)
     if cfg.trainer.export_hf:
         parts.policy.save_pretrained(str(run_dir / EXPORTED_MODEL))  # collective for sharded policies
@@ -117,7 +119,7 @@ def train(cfg: RunConfig) -> RunSummary:
             follow_umask(run_dir / EXPORTED_MODEL)
     parts.rewards.close()
     if is_main_process():
-        plot_history(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png")
+        plot_history(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png", cfg.trainer.eval.describe())
     log.close(files=(run_dir / "reward_accuracy.png",))
     summary = RunSummary(
         run_dir=str(run_dir), steps=cfg.trainer.total_steps,
@@ -125,7 +127,7 @@ def train(cfg: RunConfig) -> RunSummary:
         reward_before=before.get("val/reward_mean", math.nan), reward_after=after.get("val/reward_mean", math.nan),
         train_seconds=time.perf_counter() - started,
         run_means=run_means(run_dir / "metrics.jsonl", parts.maker.summary_metrics),
-        held_out_before=dict(before), held_out_after=dict(after),
+        held_out_before=dict(before), held_out_after=dict(after), evaluation=cfg.trainer.eval.describe(),
     )
     if is_main_process():
         (run_dir / SUMMARY).write_text(json.dumps(json_safe(summary.__dict__), indent=2, allow_nan=False))
@@ -202,22 +204,6 @@ def progress_line(metrics: dict[str, float], held_out: dict[str, float]) -> str:
     if "val/accuracy" in held_out:
         parts.append(f"val acc {100 * held_out['val/accuracy']:.1f}%")
     return ", ".join(parts)
-
-
-def run_eval(cfg: RunConfig, parts: Components, step: int = 0) -> dict[str, float]:
-    """Held-out evaluation (greedy, or the experience maker's own), with one log line of its headline."""
-    if parts.val_loader is None:
-        return {}
-
-    def greedy(loader) -> dict[str, float]:
-        return evaluate(parts.engine, parts.rewards, parts.tokenizer, loader, cfg.rollout.max_response_length,
-                        cfg.rollout.stop)
-
-    held_out = parts.maker.evaluate(parts.val_loader, greedy)
-    if "val/accuracy" in held_out and is_main_process():
-        logger.info("step %d: held-out accuracy %.1f%%, mean reward %.3f", step, 100 * held_out["val/accuracy"],
-                    held_out.get("val/reward_mean", math.nan))
-    return held_out
 
 
 def save(cfg: RunConfig, parts: Components, checkpointer: Checkpointer, step: int, before: dict[str, float]) -> None:

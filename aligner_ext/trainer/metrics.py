@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -18,16 +19,18 @@ from aligner_ext.distributed import is_main_process
 
 logger = logging.getLogger(__name__)
 
-# The end-of-run plot's panels, in order: (quantity, y-axis unit or "", (metric key, series label) ...).
-# A training series (first) is drawn with its moving average, a held-out one with markers.
-TRAIN_LABEL, HELD_OUT_LABEL = "train (batch mean)", "held-out (greedy)"
+# The end-of-run plot's panels, in order: (quantity, y-axis unit or "", training key, held-out key or None).
+# A training series is drawn with its moving average, a held-out one with markers; the accuracy panel also
+# shows the held-out pass@k and maj@k of a sampled evaluation (SAMPLED).
+TRAIN_LABEL = "train (batch mean)"
 PLOTTED = (
-    ("reward", "", (("reward/mean", TRAIN_LABEL), ("val/reward_mean", HELD_OUT_LABEL))),
-    ("accuracy", "", (("reward/accuracy", TRAIN_LABEL), ("val/accuracy", HELD_OUT_LABEL))),
-    ("response length", "tokens", (("response/length_mean", TRAIN_LABEL), ("val/response_length", HELD_OUT_LABEL))),
-    ("KL to the reference", "per token", (("actor/kl", TRAIN_LABEL),)),
-    ("entropy", "nats per token", (("actor/entropy", TRAIN_LABEL),)),
+    ("reward", "", "reward/mean", "val/reward_mean"),
+    ("accuracy", "", "reward/accuracy", "val/accuracy"),
+    ("response length", "tokens", "response/length_mean", "val/response_length"),
+    ("KL to the reference", "per token", "actor/kl", None),
+    ("entropy", "nats per token", "actor/entropy", None),
 )
+SAMPLED = re.compile(r"val/(pass|maj)_at_(\d+)")
 PANEL_COLUMNS = 3
 
 
@@ -147,9 +150,9 @@ def read_history(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_history(metrics_path: str | Path, png_path: str | Path) -> Path:
-    """Write `history_figure(metrics_path)` as a PNG at `png_path`."""
-    figure = history_figure(metrics_path)
+def plot_history(metrics_path: str | Path, png_path: str | Path, evaluation: str = "greedy") -> Path:
+    """Write `history_figure(metrics_path, evaluation)` as a PNG at `png_path`."""
+    figure = history_figure(metrics_path, evaluation)
     figure.savefig(png_path, dpi=100)
     return Path(png_path)
 
@@ -172,13 +175,17 @@ class Panel:
         return f"{self.title} ({self.unit})" if self.unit else self.title
 
 
-def history_panels(history: list[dict]) -> list[Panel]:
-    """The panels of PLOTTED that have data. A panel whose every series repeats, point for point, the
-    series of the same label in an earlier panel (the demo task's reward is its accuracy) is not drawn
-    again: the earlier panel's title names both quantities."""
+def history_panels(history: list[dict], evaluation: str = "greedy") -> list[Panel]:
+    """The panels of PLOTTED that have data; `evaluation` says how the held-out responses were drawn
+    (`EvalConfig.describe`). A panel whose every series repeats, point for point, the series of the same
+    label in an earlier panel (the demo task's reward is its accuracy) is not drawn again: the earlier
+    panel's title names both quantities."""
     panels: list[Panel] = []
-    for quantity, unit, keys in PLOTTED:
-        series = [(label, points) for key, label in keys if (points := _points(history, key))]
+    for quantity, unit, train_key, held_out_key in PLOTTED:
+        keys = [(train_key, TRAIN_LABEL), (held_out_key, f"held-out ({evaluation})")]
+        if quantity == "accuracy":
+            keys += sampled_keys(history)
+        series = [(label, points) for key, label in keys if key and (points := _points(history, key))]
         if not series:
             continue
         same = next((p for p in panels if _same_series(p.series, series)), None)
@@ -189,23 +196,38 @@ def history_panels(history: list[dict]) -> list[Panel]:
     return panels
 
 
-def history_figure(metrics_path: str | Path):
+def sampled_keys(history: list[dict]) -> list[tuple[str, str]]:
+    """(key, label) of the held-out pass@k of the largest k logged and of maj@k, when the evaluation sampled."""
+    logged: dict[str, set[int]] = {"pass": set(), "maj": set()}
+    for record in history:
+        for key in record:
+            if match := SAMPLED.fullmatch(key):
+                logged[match.group(1)].add(int(match.group(2)))
+    return [(f"val/{kind}_at_{max(ks)}", f"held-out {kind}@{max(ks)}") for kind, ks in logged.items() if ks]
+
+
+def history_figure(metrics_path: str | Path, evaluation: str = "greedy"):
     """A matplotlib Figure of a run's metrics.jsonl: one panel per quantity of `history_panels`, step on
     x and the quantity on y, training values with a moving average and held-out evaluations as
     markers, one legend below the panels; titled with the run's directory name."""
     from matplotlib.figure import Figure
 
     metrics_path = Path(metrics_path)
-    panels = history_panels(read_history(metrics_path))
+    panels = history_panels(read_history(metrics_path), evaluation)
     columns = max(1, min(PANEL_COLUMNS, len(panels)))
     rows = max(1, math.ceil(len(panels) / columns))
     figure = Figure(figsize=(4.6 * columns, 3.9 * rows), layout="constrained")
     figure.suptitle(f"{metrics_path.parent.name}: training and held-out metrics per step")
     axes = figure.subplots(rows, columns, squeeze=False).flatten()
     legend: dict[str, object] = {}  # label -> line, in order of first appearance
+    held_out_colors: dict[str, str] = {}  # a held-out series keeps its colour in every panel
     for axis, panel in zip(axes, panels):
         for label, points in panel.series:
-            _plot_series(axis, points, label, smooth=label == TRAIN_LABEL)
+            if label == TRAIN_LABEL:
+                _plot_series(axis, points, label, smooth=True, color="C0")
+            else:
+                color = held_out_colors.setdefault(label, f"C{1 + len(held_out_colors)}")
+                _plot_series(axis, points, label, smooth=False, color=color)
         axis.set_title(panel.title)
         axis.set_xlabel("step")
         axis.set_ylabel(panel.ylabel)
@@ -234,11 +256,10 @@ def _same_series(a: list[tuple[str, list]], b: list[tuple[str, list]]) -> bool:
         for (_, x), (_, y) in zip(a, b))
 
 
-def _plot_series(axis, points: list[tuple[int, float]], label: str, smooth: bool) -> None:
+def _plot_series(axis, points: list[tuple[int, float]], label: str, smooth: bool, color: str) -> None:
     """Held-out values as markers; training values as a line, with a moving average over 1/15 of the
     steps once that is more than one step."""
     steps, values = zip(*points)
-    color = "C0" if smooth else "C1"
     window = max(1, len(values) // 15)
     if not smooth or window == 1:  # a moving average of 1 would draw the same curve twice
         axis.plot(steps, values, color=color, marker=None if smooth else "o", markersize=4, label=label)

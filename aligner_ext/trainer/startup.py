@@ -1,5 +1,6 @@
 """What a run says when it starts: where it writes and whether it resumed, how much data each split
-has and whether a step repeats rows, how long the prompts are, and which reward scores each data_source."""
+has and whether a step repeats rows, how long the prompts are, which reward scores each data_source,
+and which data_sources have no majority vote in a sampled evaluation."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ def percentile(sorted_values: list[int], share: float) -> int:
 
 def startup_lines(cfg: RunConfig, parts: Components, run_dir: Path, start: str) -> list[str]:
     lines = [f"run directory {run_dir}: {start}"]
-    for split, loader in (("train", parts.train_loader), ("validation", parts.val_loader)):
-        if loader is None:
-            lines.append("validation: no validation set (no held-out evaluation)")
-            continue
+    several = len(parts.val_loaders) > 1
+    splits = [("train", parts.train_loader)] + [(f"validation set {name}" if several else "validation", loader)
+                                                for name, loader in parts.val_loaders.items()]
+    for split, loader in splits:
         lengths = sorted(loader.prompt_lengths)
         line = (f"{split}: {len(loader)} rows; prompt tokens p50 {percentile(lengths, 0.5)}, p90 "
                 f"{percentile(lengths, 0.9)}, max {lengths[-1]} (data.max_prompt_length={cfg.data.max_prompt_length})")
@@ -31,7 +32,15 @@ def startup_lines(cfg: RunConfig, parts: Components, run_dir: Path, start: str) 
             line += (f"; fewer rows than a batch of {loader.batch_size} (data.train_batch_size): every step repeats "
                      "rows")
         lines.append(line)
-    rows = parts.train_loader.rows + (parts.val_loader.rows if parts.val_loader is not None else [])
-    rewards = ", ".join(f"{source} -> {name}" for source, name in sorted(parts.rewards.reward_names(rows).items()))
+    if not parts.val_loaders:
+        lines.append("validation: no validation set (no held-out evaluation)")
+    val_rows = [row for loader in parts.val_loaders.values() for row in loader.rows]
+    rewards = ", ".join(f"{source} -> {name}" for source, name in
+                        sorted(parts.rewards.reward_names(parts.train_loader.rows + val_rows).items()))
     lines.append(f"rewards by data_source: {rewards}")
+    k = cfg.trainer.eval.k
+    unvoted = sorted({row.data_source for row in val_rows if not parts.rewards.extracts_answer(row)}) if k > 1 else []
+    if unvoted:
+        lines.append(f"maj@{k} is not reported for data_source {', '.join(unvoted)}: its reward extracts no answer "
+                     "(RewardResult.answer, docs/rewards.md)")
     return lines

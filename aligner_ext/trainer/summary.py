@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import math
+import re
 
 from rich.console import Console
 from rich.table import Table
 
 from aligner_ext.trainer.loop import RunSummary
+
+
+def _name(key: str) -> str:
+    """A held-out metric's row name: `val/pass_at_8` -> `pass@8` (keys spell @ as _at_ for MLflow)."""
+    return re.sub(r"_at_(\d+)$", r"@\1", key.removeprefix("val/"))
+
+
+def _in_number_order(key: str) -> list:
+    """Sort key putting pass@2 before pass@16."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
 def _value(number: float) -> str:
@@ -17,7 +28,7 @@ def _value(number: float) -> str:
 
 def print_summary(summary: RunSummary) -> None:
     table = Table(title=f"Run summary ({summary.steps} steps, {summary.train_seconds:.0f} s of RL)")
-    table.add_column("held-out (greedy)")
+    table.add_column(f"held-out ({summary.evaluation})")
     table.add_column("before RL", justify="right")
     table.add_column("after RL", justify="right")
     table.add_column("change", justify="right")
@@ -30,12 +41,12 @@ def print_summary(summary: RunSummary) -> None:
             continue
         unit = " pts" if scale == 100.0 else ""
         table.add_row(name, f"{before * scale:.1f}", f"{after * scale:.1f}", f"{(after - before) * scale:+.1f}{unit}")
-    shown = {"val/accuracy", "val/reward_mean", "val/num_prompts"}
-    for key in sorted(set(summary.held_out_before) & set(summary.held_out_after) - shown):
+    held_out = set(summary.held_out_before) & set(summary.held_out_after) - {"val/accuracy", "val/reward_mean"}
+    for key in sorted((key for key in held_out if not key.endswith("num_prompts")), key=_in_number_order):
         before, after = summary.held_out_before[key], summary.held_out_after[key]
         if before is not None and after is not None:
             change = after - before
-            table.add_row(key.removeprefix("val/"), _value(before), _value(after),
+            table.add_row(_name(key), _value(before), _value(after),
                           "" if math.isnan(change) else f"{change:+.3f}")
     console = Console()
     console.print(table)

@@ -1,5 +1,6 @@
 """Every registered loss: the sum of its micro-batch losses (with the step's global counts) equals the
-full-batch loss, in value and gradient. A new loss is covered as soon as it registers."""
+full-batch loss, in value and gradient, with a KL term and with an off-policy correction too. A new loss
+is covered as soon as it registers (built with an aggregation mode and a correction it defines)."""
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ def batch_with_everything(rows=5, width=4, seed=0) -> tuple[ExperienceBatch, tor
         advantages=torch.randn(rows, width, generator=gen, dtype=torch.float64) * valid,
         old_logprobs=current + 0.3 * torch.randn(rows, width, generator=gen, dtype=torch.float64),
         ref_logprobs=current + 0.2 * torch.randn(rows, width, generator=gen, dtype=torch.float64),
+        generation_logprobs=current + 0.2 * torch.randn(rows, width, generator=gen, dtype=torch.float64),
     )
     return batch, params
 
@@ -48,10 +50,15 @@ def loss_value_and_grad(loss, batch, params, splits):
 
 
 @pytest.mark.parametrize("name", LOSSES.names())
-@pytest.mark.parametrize("overrides", [[], ["loss.kl_coef=0.1", "loss.agg_mode=seq-mean-token-mean"]])
+@pytest.mark.parametrize("overrides", [[], ["loss.kl_coef=0.1", "loss.agg_mode=seq-mean-token-mean"],
+                                       ["loss.off_policy_correction=sequence_tis", "loss.importance_sampling_cap=2"]])
 def test_micro_batch_split_does_not_change_loss_or_gradient(name, overrides):
-    cfg = load_config("base", overrides)
-    loss = LOSSES.get(name).from_context(BuildContext(cfg=cfg, tokenizer=None, policy=None, engine=None, rewards=None))
+    cls = LOSSES.get(name)
+    defined = getattr(cls, "agg_modes", None)
+    if defined and not any(o.startswith("loss.agg_mode=") for o in overrides) and "token-mean" not in defined:
+        overrides = overrides + [f"loss.agg_mode={defined[0]}"]  # a loss that does not define the default mode
+    cfg = load_config("base", [f"algorithm.loss={name}", *overrides])
+    loss = cls.from_context(BuildContext(cfg=cfg, tokenizer=None, policy=None, engine=None, rewards=None))
     batch, params = batch_with_everything()
     whole, whole_grad = loss_value_and_grad(loss, batch, params, [[0, 1, 2, 3, 4]])
     split, split_grad = loss_value_and_grad(loss, batch, params, [[0], [1, 2], [3, 4]])

@@ -13,7 +13,7 @@ from small_run import SMALL_MODEL
 pytestmark = pytest.mark.slow
 
 RUN = [*SMALL_MODEL, "trainer.total_steps=2", "trainer.save_every=1", "trainer.tensorboard=false",
-       "trainer.eval_every=0"]
+       "trainer.eval.every=0"]
 
 
 def fingerprint(directory):

@@ -98,14 +98,6 @@ def test_a_plugin_missing_its_batch_fields_names_the_field_and_its_writer(tmp_pa
     assert "written by experience maker two_round" in error
 
 
-def test_importance_sampling_with_the_graded_prompt_is_refused_naming_the_field(tmp_path, capsys):
-    # the graded prompt samples under per-sample system prompts: its engine log-probs are not pi_gen of
-    # the trained prompt, so the maker does not provide them and the loss's read fails at build
-    error = one_line_error(capsys, [*SMALL_MODEL, "+variant=graded_prompt", "loss.importance_sampling_cap=2",
-                                    f"trainer.output_dir={tmp_path}"])
-    assert "loss clipped_pg reads batch field 'generation_logprobs'" in error
-
-
 def never(what):
     def refuse(*args, **kwargs):
         raise AssertionError(f"{what} before the fault was reported")

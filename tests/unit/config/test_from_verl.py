@@ -39,7 +39,7 @@ def test_a_verl_launch_is_read_as_ours():
     assert cfg.loss.agg_mode == "seq-mean-token-mean"
     assert (cfg.rollout.n, cfg.rollout.temperature, cfg.generator.engine) == (4, 0.9, "hf")
     assert cfg.advantage.use_std is False
-    assert (cfg.trainer.total_steps, cfg.trainer.save_every, cfg.trainer.eval_every) == (12, 4, 3)
+    assert (cfg.trainer.total_steps, cfg.trainer.save_every, cfg.trainer.eval.every) == (12, 4, 3)
     assert (cfg.trainer.run_name, cfg.trainer.resume) == ("verl_style", False)
 
 

@@ -90,7 +90,7 @@ def test_a_negative_value_is_refused_or_means_something(key):
     ("policy.dtype=fp16", "policy.dtype='fp16': must be one of auto, float32, bfloat16, float64"),
     ("policy.optim.schedule=cosin", "(did you mean 'cosine'?)"),
     ("algorithm.adv_estimator=grpp", "'grpp' is not one (did you mean 'grpo'?)"),
-    ("algorithm.loss=bar", "algorithm.loss='bar': must be a loss name (clipped_pg)"),
+    ("algorithm.loss=bar", "algorithm.loss='bar': must be a loss name (cispo, clipped_pg, gspo)"),
     ("generator.engine=vlm", "(did you mean 'vllm'?)"),
     ("policy.backend=megatorn", "(did you mean 'megatron'?)"),
     ("loss.kl_estimator=k4", "loss.kl_estimator='k4': must be a KL estimator name"),

@@ -222,7 +222,7 @@ def test_composes_with_group_sampling_and_real_rewards(tiny_tokenizer):
 
 def test_evaluation_and_state_go_through_to_the_wrapped_maker():
     class OwnEvaluation(ScriptedMaker):
-        def evaluate(self, loader, greedy):
+        def evaluate(self, loader, single_round):
             return {"val/own": 1.0}
 
         def state_dict(self):
@@ -232,7 +232,7 @@ def test_evaluation_and_state_go_through_to_the_wrapped_maker():
             self.loaded = state
 
     maker = wrap(OwnEvaluation([]))
-    assert maker.evaluate(None, greedy=lambda loader: {"val/greedy": 0.0}) == {"val/own": 1.0}
+    assert maker.evaluate(None, single_round=lambda loader: {"val/single": 0.0}) == {"val/own": 1.0}
     state = maker.state_dict()
     assert state["inner"] == {"cursor": 7}
     maker.load_state_dict(state)

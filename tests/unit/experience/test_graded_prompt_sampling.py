@@ -12,7 +12,7 @@ from aligner_ext.data.templating import encode_prompt
 from aligner_ext.data.types import PromptRow
 from aligner_ext.experience.base import RolloutConfig
 from aligner_ext.experience.graded_prompt import GradedPromptConfig, GradedPromptSampling
-from aligner_ext.generation.base import GenerationEngine, GenerationOutput
+from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.models.tiny import build_char_tokenizer
 from aligner_ext.rewards.manager import RewardConfig, RewardManager
 from aligner_ext.trainer.evaluate import evaluate
@@ -125,7 +125,7 @@ def test_validation_samples_the_plain_prompt(tiny_tokenizer, rewards):
     engine = ScriptedEngine(tiny_tokenizer, [GOLD_12])
     GradedPromptSampling(RolloutConfig(n=3), GradedPromptConfig(**COMPACT), engine, rewards, tiny_tokenizer)
     loader = PromptLoader(rows, tiny_tokenizer, DataConfig(), batch_size=2, shuffle=False)
-    evaluate(engine, rewards, tiny_tokenizer, loader, max_new_tokens=80, stop=[])  # what the loop's run_eval calls
+    evaluate(engine, rewards, tiny_tokenizer, loader, SamplingParams(max_new_tokens=80, temperature=0.0))
     assert engine.prompts == [encode_prompt(tiny_tokenizer, row.messages) for row in rows]
 
 

@@ -183,7 +183,8 @@ def test_segment_rewards_by_hand(tiny_tokenizer, rewards):
 
 def test_evaluate_runs_both_rounds_greedily(tiny_tokenizer, rewards):
     maker, engine = make_maker(tiny_tokenizer, rewards)
-    metrics = maker.evaluate(loader_of(tiny_tokenizer), greedy=lambda loader: pytest.fail("single-round used"))
+    metrics = maker.evaluate(loader_of(tiny_tokenizer),
+                             single_round=lambda loader: pytest.fail("single-round used"))
     (_, round1), (round2_prompts, round2) = engine.calls
     assert round1.temperature == 0 and round2.temperature == 0 and len(round2_prompts) == 1
     # Q1 -> row 0 -> "red" closed, then c = 0.8; Q2 -> row 1 -> never closes (confidence counted as 0)
@@ -206,7 +207,7 @@ def test_evaluation_where_no_confidence_is_stated_leaves_calibration_undefined(t
                              RolloutConfig(n=6), engine, rewards, tiny_tokenizer, seed=3)
     rows = [qa_row(0, "Q1", "red"), qa_row(1, "Q2", "red")]
     metrics = maker.evaluate(PromptLoader(rows, tiny_tokenizer, DataConfig(), batch_size=2, shuffle=False),
-                             greedy=lambda loader: pytest.fail("single-round used"))
+                             single_round=lambda loader: pytest.fail("single-round used"))
     assert metrics["val/accuracy"] == 1.0 and metrics["val/confidence_parsed_ratio"] == 0.0
     for name in ("brier", "ece", "auroc", "mean_confidence"):  # not 0.000: nothing was calibrated
         assert math.isnan(metrics[f"val/{name}"]), name

@@ -206,3 +206,22 @@ def test_as_result():
         as_result(float("inf"))
     with pytest.raises(ValueError, match="finite"):
         as_result(RewardResult(score=float("nan")))
+
+
+@pytest.mark.parametrize("name, responses, gold, answers", [
+    ("math_verify", [r"\boxed{\frac{1}{2}}", r"\boxed{\frac12}", r"\boxed{0.5}", r"\boxed{(x+1)^2}", "no answer"],
+     "1/2", ["1/2", "1/2", "1/2", "(x + 1)**2", None]),
+    ("gsm8k", ["so #### 1,042", r"\boxed{7}"], "1042", ["1042", "7"]),
+    ("exact_match", [r"\boxed{ The Cat. }", "<answer>dog</answer>", "plain text"], "the cat",
+     ["the cat", "dog", "plain text"]),
+    ("squad_exact_match", [r"\boxed{The cat!}"], "cat", ["cat"]),
+    ("multiple_choice", [r"\boxed{(b)}", "Answer: C", "no letter here"], "B", ["B", "C", None]),
+])
+def test_rewards_with_answer_extraction_report_the_answer_they_compared(name, responses, gold, answers):
+    assert REWARDS.get(name).extracts_answer
+    assert [as_result(REWARDS.get(name)(response, row(gold))).answer for response in responses] == answers
+
+
+def test_a_reward_without_answer_extraction_says_so():
+    assert not getattr(REWARDS.get("format_boxed"), "extracts_answer", False)
+    assert as_result(REWARDS.get("format_boxed")(r"\boxed{1}", row("1"))).answer is None

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from aligner_ext.data.types import PromptDraw, PromptRow
-from aligner_ext.generation.base import GenerationOutput
+from aligner_ext.generation.base import GenerationOutput, SamplingParams
 from aligner_ext.rewards.base import RewardResult
 from aligner_ext.trainer.evaluate import evaluate
 
@@ -57,7 +57,8 @@ class ListLoader:
 
 def run(ids, batch_size=2):
     engine = EchoEngine()
-    metrics = evaluate(engine, TableRewards(), CharTokenizer(), ListLoader(ids, batch_size), 4, ["\n"])
+    metrics = evaluate(engine, TableRewards(), CharTokenizer(), ListLoader(ids, batch_size),
+                       SamplingParams(max_new_tokens=4, temperature=0.0, stop=["\n"]))
     assert all(p.temperature == 0.0 for p in engine.params)
     return metrics
 

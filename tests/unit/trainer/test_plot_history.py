@@ -86,3 +86,18 @@ def test_plot_history_writes_the_png(tmp_path):
         warnings.simplefilter("error")
         png = plot_history(path, tmp_path / "run" / "reward_accuracy.png")
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_a_sampled_evaluation_adds_pass_and_maj_to_the_accuracy_panel(tmp_path):
+    records = [step_record(s, 0.1 * s, reward=0.5) for s in range(1, 5)]
+    for record in records[1::2]:  # the held-out steps
+        record.update({"val/pass_at_1": 0.2, "val/pass_at_2": 0.3, "val/pass_at_4": 0.5, "val/maj_at_4": 0.25})
+    figure = history_figure(write_history(tmp_path / "run", records), "4 samples, temperature 1")
+    drawn = {line.get_label(): (list(line.get_ydata()), line.get_color()) for line in figure.axes[1].lines}
+    assert list(drawn) == ["train (batch mean)", "held-out (4 samples, temperature 1)", "held-out pass@4",
+                           "held-out maj@4"]
+    assert drawn["held-out pass@4"][0] == [0.5, 0.5] and drawn["held-out maj@4"][0] == [0.25, 0.25]
+    assert len({color for _, color in drawn.values()}) == 4
+    reward_labels = [line.get_label() for line in figure.axes[0].lines]  # held-out keeps its colour there
+    assert reward_labels == ["train (batch mean)", "held-out (4 samples, temperature 1)"]
+    assert figure.axes[0].lines[1].get_color() == drawn["held-out (4 samples, temperature 1)"][1]

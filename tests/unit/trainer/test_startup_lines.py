@@ -22,7 +22,7 @@ def test_the_lines_say_what_a_run_starts_with(tiny_tokenizer, tmp_path):
     loader = PromptLoader(rows, tiny_tokenizer, DataConfig(), batch_size=4, shuffle=False)
     lengths = sorted(loader.prompt_lengths)
     assert lengths[1] - lengths[0] == 10 and lengths[2] - lengths[1] == 10  # one token per character
-    parts = SimpleNamespace(train_loader=loader, val_loader=None, rewards=RewardManager(RewardConfig()))
+    parts = SimpleNamespace(train_loader=loader, val_loaders={}, rewards=RewardManager(RewardConfig()))
     lines = startup_lines(load_config("base"), parts, tmp_path / "run", "resumed from step 4 (step_4)")
     assert lines[0] == f"run directory {tmp_path / 'run'}: resumed from step 4 (step_4)"
     assert lines[1] == (f"train: 3 rows; prompt tokens p50 {lengths[1]}, p90 {lengths[2]}, max {lengths[2]} "

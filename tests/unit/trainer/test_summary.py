@@ -42,3 +42,16 @@ def test_an_undefined_held_out_metric_says_so(capsys):
                              held_out_before={"val/brier": nan}, held_out_after={"val/brier": 0.125}))
     out = capsys.readouterr().out
     assert "undefined" in out and "0.125" in out and "nan" not in out
+
+
+def test_a_sampled_evaluation_is_named_with_pass_and_maj_rows_in_order(capsys):
+    before = {"val/accuracy": 0.25, "val/reward_mean": 0.25, "val/pass_at_2": 0.4, "val/pass_at_16": 0.6,
+              "val/maj_at_16": 0.3, "val/arith/pass_at_16": 0.7}
+    after = {key: value + 0.1 for key, value in before.items()}
+    print_summary(RunSummary(run_dir="runs/x", steps=3, accuracy_before=0.25, accuracy_after=0.35, reward_before=0.25,
+                             reward_after=0.35, train_seconds=1.0, run_means={}, held_out_before=before,
+                             held_out_after=after, evaluation="16 samples, temperature 0.7"))
+    out = capsys.readouterr().out
+    assert "held-out (16 samples, temperature 0.7)" in out
+    rows = [line.split("│")[1].strip() for line in out.splitlines() if line.count("│") >= 4]
+    assert rows[2:] == ["arith/pass@16", "maj@16", "pass@2", "pass@16"]

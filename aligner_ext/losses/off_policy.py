@@ -1,0 +1,119 @@
+"""Off-policy corrections for an engine whose probabilities differ from the trainer's: a detached weight
+per token that multiplies each token's policy-gradient term (never the KL term), in every loss.
+
+The engine that sampled the tokens (a generation server, bf16 kernels, MoE routing that differs
+from the trainer's) computes slightly different probabilities than the trainer, so the samples come
+from pi_gen, not pi_old. With rho_t = pi_old(y_t) / pi_gen(y_t) = exp(old_logprob - generation_logprob)
+per token and rho = prod_t rho_t = exp(sum_t (old - generation)) over the sequence's generated tokens
+(`loss.off_policy_correction`):
+
+    none            w = 1
+    token_tis       w_t = min(rho_t, C)                    truncated IS per token
+    sequence_tis    w_t = min(rho, C)                      truncated IS per sequence, on all its tokens
+    token_mask      w_t = rho_t * 1[low <= rho_t <= high]  masked IS per token
+    sequence_mask   w_t = rho * 1[low <= rho <= high]      masked IS per sequence, on all its tokens
+
+with C = `loss.importance_sampling_cap`, [low, high] = `loss.importance_sampling_low`, `_high`.
+
+Sources: truncated IS (TIS: Yao et al. 2025, "Your efficient RL framework secretly brings you
+off-policy RL training"; verl's `tis_imp_ratio_cap`, TRL's `vllm_importance_sampling_cap`); masked
+IS (MIS: the Ling team's IcePop, 2025, which masks tokens whose ratio leaves [0.5, 2]) and the
+token / sequence comparison of Liu, Li et al. 2025 ("When speed kills stability: demystifying RL
+collapse from the training-inference mismatch"), where the sequence-level masked estimator is the
+stable one; TRL names the same four modes token_truncate, sequence_truncate, token_mask, sequence_mask.
+
+Decisions (tests/unit/losses/test_off_policy.py pins them):
+- A masked token weighs 0 but stays in the loss's normaliser (the global token or sequence count),
+  as a truncated weight would. verl and slime instead drop rejected tokens from the normaliser,
+  which needs the mask before the step's first micro-batch; here the trainer's old log-probs of a
+  single on-policy update come from the training forward itself (docs/grpo.md), so the mask is not
+  known then. Kept tokens carry rho (masked IS), not 1.
+- `importance_sampling_cap` > 0 with `off_policy_correction=none` selects token_tis, so a config that
+  sets only the cap (docs/serving.md) keeps token-level TIS; a mode that reads no cap refuses one,
+  and a truncating mode refuses a cap of 0.
+- The sequence ratio is over the generated tokens (`response_valid`), the whole sampled sequence,
+  even where a variant leaves some out of the loss. Log-ratios are clamped to +-log_ratio_clamp
+  (per token, then the sequence's sum) before exp, so a wild sequence cannot overflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from aligner_ext.batch import ExperienceBatch
+
+CORRECTIONS = ("none", "token_tis", "sequence_tis", "token_mask", "sequence_mask")
+TRUNCATING = ("token_tis", "sequence_tis")
+
+
+def correction_mode(cfg) -> str:
+    """The correction the `loss` section asks for: a cap alone selects token_tis (module docstring)."""
+    if cfg.off_policy_correction == "none" and cfg.importance_sampling_cap > 0:
+        return "token_tis"
+    return cfg.off_policy_correction
+
+
+@dataclass(frozen=True)
+class CorrectionWeights:
+    """The weights of one micro-batch and where the correction acted."""
+
+    weight: torch.Tensor  # [b, R] detached weight of each token's policy-gradient term
+    active: torch.Tensor  # [b, R] bool: truncated at the cap (tis modes) or masked out (mask modes)
+
+
+class OffPolicyCorrection:
+    """One of CORRECTIONS (module docstring), applied to a micro-batch's tokens."""
+
+    def __init__(self, mode: str, cap: float, low: float, high: float, log_ratio_clamp: float):
+        if mode not in CORRECTIONS:
+            raise ValueError(f"unknown loss.off_policy_correction {mode!r}; known: {', '.join(CORRECTIONS)}")
+        if cap < 0:
+            raise ValueError(f"loss.importance_sampling_cap must be >= 0 (0: off), got {cap:g}")
+        if mode in TRUNCATING and cap == 0:
+            raise ValueError(f"loss.off_policy_correction={mode} truncates at loss.importance_sampling_cap, which is "
+                             f"{cap:g}: set it > 0 (verl and TRL use 2)")
+        if mode not in TRUNCATING and cap > 0:
+            raise ValueError(f"loss.importance_sampling_cap={cap:g} is read only by token_tis and sequence_tis; "
+                             f"loss.off_policy_correction={mode} does not truncate")
+        if not 0 < low <= 1 <= high:
+            raise ValueError(f"loss.importance_sampling_low={low:g} and _high={high:g} must satisfy 0 < low <= 1 <= high")
+        self.mode, self.cap, self.low, self.high, self.clamp = mode, cap, low, high, log_ratio_clamp
+        self.reads: tuple[str, ...] = () if mode == "none" else ("generation_logprobs",)
+
+    @classmethod
+    def from_config(cls, cfg) -> "OffPolicyCorrection":
+        """From the `loss` section."""
+        return cls(correction_mode(cfg), cfg.importance_sampling_cap, cfg.importance_sampling_low,
+                   cfg.importance_sampling_high, cfg.log_ratio_clamp)
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.mode.startswith("sequence")
+
+    @torch.no_grad()
+    def __call__(self, batch: ExperienceBatch) -> CorrectionWeights | None:
+        """The weights of `batch`'s tokens, or None when the correction is off."""
+        if self.mode == "none":
+            return None
+        valid = batch.response_valid
+        log_ratio = torch.where(valid, batch.old_logprobs - batch.generation_logprobs, 0.0)
+        log_ratio = log_ratio.clamp(-self.clamp, self.clamp)
+        if self.sequence_level:
+            log_ratio = log_ratio.sum(dim=1, keepdim=True).clamp(-self.clamp, self.clamp).expand_as(valid)
+        ratio = torch.exp(log_ratio)
+        if self.mode in TRUNCATING:
+            return CorrectionWeights(ratio.clamp(max=self.cap), ratio >= self.cap)
+        outside = (ratio < self.low) | (ratio > self.high)
+        return CorrectionWeights(torch.where(outside, 0.0, ratio), outside)
+
+    def metrics(self, weights: CorrectionWeights | None,
+                token_mean: Callable[[torch.Tensor], float]) -> dict[str, float]:
+        """actor/is_weight_mean and the share of tokens truncated (actor/is_capped_frac) or masked out
+        (actor/is_masked_frac), each a token mean over the loss tokens."""
+        if weights is None:
+            return {}
+        share = "actor/is_capped_frac" if self.mode in TRUNCATING else "actor/is_masked_frac"
+        return {"actor/is_weight_mean": token_mean(weights.weight), share: token_mean(weights.active)}

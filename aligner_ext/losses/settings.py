@@ -1,0 +1,31 @@
+"""The run config's `loss` section: what every policy-gradient loss shares, clipped_pg's clip range at
+its top level, and GSPO's and CISPO's own clips in their subsections (losses/policy_gradient.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aligner_ext.losses.aggregation import AGG_MODES
+from aligner_ext.losses.cispo import CISPOLoss
+from aligner_ext.losses.gspo import GSPOLoss
+from aligner_ext.losses.off_policy import CORRECTIONS
+from aligner_ext.rules import choice, number, plugin
+
+
+@dataclass
+class LossConfig:
+    """The policy loss (algorithm.loss): clip range, aggregation, KL penalty and off-policy correction."""
+
+    epsilon: float = number(0.2, ge=0, lt=1)  # clipped_pg's lower clip: the ratio is clipped below at 1 - epsilon
+    epsilon_high: float = number(0.2, ge=0)  # clipped_pg's upper clip: clipped above at 1 + epsilon_high (DAPO: 0.28)
+    agg_mode: str = choice("token-mean", *AGG_MODES)  # token-mean | seq-mean-token-mean | seq-mean-token-sum (gspo: seq-mean-token-mean only)
+    kl_coef: float = number(0.0, ge=0)  # beta, weight of the KL(pi || ref) term; 0 disables the reference model
+    kl_estimator: str = plugin("k3", "aligner_ext.losses.kl:KL_ESTIMATORS")  # k1 | k2 | k3 (losses/kl.py)
+    log_ratio_clamp: float = number(20.0, gt=0)  # |logprob - old_logprob| bound before exp, in nats
+    clip_ratio_c: float = number(0.0, ge=0)  # clipped_pg's dual clip: a negative-advantage token's loss is capped at -clip_ratio_c * A (verl: 3.0); 0 disables it
+    off_policy_correction: str = choice("none", *CORRECTIONS)  # weight of each token's term by pi_old / pi_gen, pi_gen the engine's log-probs: none | token_tis | sequence_tis (truncated at importance_sampling_cap) | token_mask | sequence_mask (dropped outside [importance_sampling_low, importance_sampling_high]); losses/off_policy.py
+    importance_sampling_cap: float = number(0.0, ge=0)  # truncation C of token_tis and sequence_tis (verl / TRL use 2); > 0 with off_policy_correction=none selects token_tis
+    importance_sampling_low: float = number(0.5, gt=0, le=1)  # token_mask / sequence_mask drop tokens or sequences whose ratio is below this (IcePop: 0.5)
+    importance_sampling_high: float = number(2.0, ge=1)  # token_mask / sequence_mask drop tokens or sequences whose ratio is above this (IcePop: 2)
+    gspo: GSPOLoss.Config = field(default_factory=GSPOLoss.Config)  # read by algorithm.loss=gspo
+    cispo: CISPOLoss.Config = field(default_factory=CISPOLoss.Config)  # read by algorithm.loss=cispo
