@@ -26,6 +26,7 @@ setup(
         "fastapi>=0.110",  # aligner-ext serve (serving/)
         "uvicorn>=0.29",
         "psutil>=5.9",  # how many cores are free when a run starts (aligner_ext/threads.py)
+        "peft>=0.17",  # policy.lora (models/lora.py): small and pure Python, so always installed
     ],
     extras_require={
         "megatron": ["megatron-core>=0.16,<0.17"],

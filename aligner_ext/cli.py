@@ -56,18 +56,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def launch_rank() -> int:
+    """This process's rank as torchrun set it (0 without torchrun): the CLI reads it before any process
+    group exists, without importing torch (aligner_ext/distributed.py has the same rule)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def configure_logging(level: str) -> None:
     """Under torchrun every process runs the same loop and would print every line once per rank: rank 0
     logs at `level`, the others only warnings and errors, each line tagged with its rank."""
-    from aligner_ext.distributed import launched_world_size, rank
-
     level_number = logging.getLevelName(level.upper())
     if not isinstance(level_number, int):
         raise SystemExit(f"unknown --log-level {level!r}: use DEBUG, INFO, WARNING or ERROR")
     tag = ""
-    if launched_world_size() > 1:
-        tag = f"[rank {rank()}] "
-        if rank() != 0:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        tag = f"[rank {launch_rank()}] "
+        if launch_rank() != 0:
             level_number = max(level_number, logging.WARNING)
     logging.basicConfig(level=level_number, format=f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s")
 
@@ -80,9 +84,7 @@ def fail(message: str) -> NoReturn:
     rank waits to be stopped so and then exits 2 too, printing nothing. One that is not stopped within
     OWN_ERROR_WAIT_S met an error of its own (rank 0 went on): it prints its line and exits 2.
     """
-    from aligner_ext.distributed import is_main_process
-
-    if not is_main_process():
+    if launch_rank() != 0:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
         time.sleep(OWN_ERROR_WAIT_S)
     _parser().exit(2, message + "\n")

@@ -18,23 +18,15 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from aligner_ext.algorithms.advantages import GroupAdvantage, check_group_size
-from aligner_ext.algorithms.cpo import CPOConfig
-from aligner_ext.data.loader import DataConfig, check_val_set_names
-from aligner_ext.experience.base import RolloutConfig
-from aligner_ext.experience.dynamic_sampling import DynamicSamplingConfig
-from aligner_ext.experience.graded_prompt import GradedPromptConfig
-from aligner_ext.experience.two_round import TwoRoundSampling
+from aligner_ext.algorithms.settings import AdvantageConfig, CPOConfig, check_group_size
+from aligner_ext.data.settings import DataConfig, check_val_set_names
+from aligner_ext.experience.settings import DynamicSamplingConfig, GradedPromptConfig, RolloutConfig, TwoRoundConfig
 from aligner_ext.from_verl import VERL_ALIASES, VERL_SECTIONS, VERL_VALUE_ALIASES, no_equivalent
-from aligner_ext.generation.hf import HFEngineConfig
-from aligner_ext.generation.remote import RemoteEngineConfig
-from aligner_ext.generation.rollout import RolloutEngineConfig
+from aligner_ext.generation.settings import HFEngineConfig, RemoteEngineConfig, RolloutEngineConfig
 from aligner_ext.generation.vllm_colocated import VLLMEngineConfig
 from aligner_ext.losses.settings import LossConfig
-from aligner_ext.models.base import PolicyConfig
-from aligner_ext.models.tiny import TinyModelConfig
-from aligner_ext.models.warmup import WarmupConfig
-from aligner_ext.rewards.manager import RewardConfig
+from aligner_ext.models.settings import PolicyConfig, TinyModelConfig, WarmupConfig
+from aligner_ext.rewards.settings import RewardConfig
 from aligner_ext.rules import check_settings, choice, number, numbers, plugin, plugins
 from aligner_ext.secrets import read_secret, redact
 from aligner_ext.trackers import MlflowConfig, WandbConfig
@@ -180,8 +172,8 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    advantage: GroupAdvantage.Config = field(default_factory=GroupAdvantage.Config)
-    mtpo: TwoRoundSampling.Config = field(default_factory=TwoRoundSampling.Config)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    mtpo: TwoRoundConfig = field(default_factory=TwoRoundConfig)
     cpo: CPOConfig = field(default_factory=CPOConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -189,9 +181,9 @@ class RunConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)  # `aligner-ext serve` only
 
 
-# Keys of the frameworks the seeds were written for -> our keys. `load_config` rewrites command-line
+# Keys of the frameworks the original recipes were written for -> our keys. `load_config` rewrites command-line
 # overrides that name one (`apply_aliases`), and YAML settings of those inside one of our sections
-# (`_move_seed_keys`); a variant adds its seed's keys here.
+# (`_move_recipe_keys`); a variant adds its original recipe's keys here.
 ALIASES: dict[str, str] = {
     "actor_rollout_ref.rollout.enable_graded_system_prompt": "graded_prompt.enabled",
     "actor_rollout_ref.rollout.graded_system_prompt_full_reveal_count": "graded_prompt.full_reveal_count",
@@ -221,7 +213,7 @@ ALIASES: dict[str, str] = {
     "learning_rate": "policy.optim.lr",
     "max_prompt_length": "data.max_prompt_length",
     "max_completion_length": "rollout.max_response_length",
-    # DAPO and CPO: the seeds keep these variant settings under algorithm.*; ours live in the variant's own section
+    # DAPO and CPO: the original recipes keep these variant settings under algorithm.*; ours live in the variant's own section
     "algorithm.use_dynamic_sample": "dynamic_sampling.enabled",
     "algorithm.dynamic_sample_max_gen_batches": "dynamic_sampling.max_gen_batches",
     "algorithm.gold_as_hint": "cpo.gold_as_hint",
@@ -230,7 +222,7 @@ ALIASES: dict[str, str] = {
     "trainer.eval_every": "trainer.eval.every",
     **VERL_ALIASES,  # verl's own keys (from_verl.py, docs/from_verl.md)
 }
-# Seed keys whose values are named differently too: seed key -> (our key, {seed value: our value}).
+# Recipe keys whose values are named differently too: recipe key -> (our key, {recipe value: our value}).
 VALUE_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
     # TRL's loss_type: grpo averages each sequence's tokens, then the sequences; bnpo and dapo average
     # all tokens of the batch; dr_grpo sums each sequence's tokens (TRL then divides by a fixed length,
@@ -241,9 +233,9 @@ VALUE_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
     "scale_rewards": ("advantage.use_std", {"true": "true", "group": "true", "false": "false", "none": "false"}),
     **VERL_VALUE_ALIASES,
 }
-# Seed keys inside one of our sections: a YAML file copied from a seed may set them too (`_move_seed_keys`).
-_SECTION_ALIASES = {seed: ours for seed, ours in ALIASES.items()
-                    if seed.split(".")[0] in RunConfig.__dataclass_fields__}
+# Original recipes' keys inside one of our sections: a YAML file copied from one may set them too (`_move_recipe_keys`).
+_SECTION_ALIASES = {theirs: ours for theirs, ours in ALIASES.items()
+                    if theirs.split(".")[0] in RunConfig.__dataclass_fields__}
 _OVERRIDE_PREFIX = re.compile(r"^(\+\+|\+|~)?")
 
 
@@ -253,7 +245,7 @@ def apply_aliases(overrides: list[str]) -> list[str]:
 
     Alias targets are schema keys, so a leading `+` (add a new key) is dropped; `++` and `~` are kept.
     A verl key with no equivalent here is a ValueError saying what to use instead.
-    Naming one setting by both its seed key and ours, with different values, is a ValueError naming both.
+    Naming one setting by both its recipe key and ours, with different values, is a ValueError naming both.
     """
     rewritten, given = [], {}  # given: our key -> (the name it was first given by, its value)
     for override in overrides:
@@ -290,7 +282,7 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
     positions; `serve` checks each request's instead).
 
     Raises ValueError naming the key for an unknown key, a wrong type or an invalid value.
-    Overrides naming a seed key are first rewritten to ours (`apply_aliases`).
+    Overrides naming a recipe key are first rewritten to ours (`apply_aliases`).
     """
     overrides = merge_variant_overrides(apply_aliases(list(overrides or [])))
     from hydra import compose, initialize_config_dir
@@ -309,14 +301,12 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
     if OmegaConf.get_type(composed) is not RunConfig:
         raise ValueError(f"{directory / name}.yaml must list '{SCHEMA_NAME}' first in its defaults")
     tree = OmegaConf.to_container(composed)
-    _move_seed_keys(tree, overrides)
+    _move_recipe_keys(tree, overrides)
     try:  # Hydra lets `+key=value` add keys the schema lacks; merging into the schema rejects them
         validated = OmegaConf.merge(OmegaConf.structured(RunConfig), tree)
     except OmegaConfBaseException as err:
         raise ValueError(_one_line(err, name, overrides)) from err
     cfg = OmegaConf.to_object(validated)
-    import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins that names are checked against
-
     check_settings(cfg)
     check_across_sections(cfg, for_training)
     if cfg.trainer.run_name == "auto":
@@ -354,35 +344,35 @@ def _one_line(err: BaseException, name: str, overrides: list[str]) -> str:
 
 
 def _schema():
-    """`RunConfig` admitting the seed keys of `_SECTION_ALIASES`, so that YAML naming them composes; they and
-    their targets start unset (`???`), so `_move_seed_keys` sees which of the two names a file set."""
+    """`RunConfig` admitting the original recipes' keys of `_SECTION_ALIASES`, so that YAML naming them composes; they and
+    their targets start unset (`???`), so `_move_recipe_keys` sees which of the two names a file set."""
     schema = OmegaConf.structured(RunConfig)
-    for seed_key, ours in _SECTION_ALIASES.items():
-        OmegaConf.update(schema, seed_key, "???", force_add=True)
+    for recipe_key, ours in _SECTION_ALIASES.items():
+        OmegaConf.update(schema, recipe_key, "???", force_add=True)
         OmegaConf.update(schema, ours, "???")
     return schema
 
 
-def _move_seed_keys(tree: dict, overrides: list[str]) -> None:
-    """In the composed `tree`, give each of our keys that `_schema` left unset its seed key's value, or else
+def _move_recipe_keys(tree: dict, overrides: list[str]) -> None:
+    """In the composed `tree`, give each of our keys that `_schema` left unset its recipe key's value, or else
     drop it so that the schema's default applies. An override of our key wins (it comes last); both names
     set in YAML to different values is a ValueError naming both."""
     overridden = {override.lstrip("+~").partition("=")[0] for override in overrides}
-    for seed_key, ours in _SECTION_ALIASES.items():
-        seed_parent, seed_name = _parent(tree, seed_key)
+    for recipe_key, ours in _SECTION_ALIASES.items():
+        recipe_parent, recipe_name = _parent(tree, recipe_key)
         parent, name = _parent(tree, ours)
-        value = seed_parent.pop(seed_name)
+        value = recipe_parent.pop(recipe_name)
         if value != "???" and ours not in overridden:
             if parent[name] not in ("???", value):
-                raise ValueError(f"{seed_key}={value} and {ours}={parent[name]} set the same option; give one")
-            logger.info("%s=%s is read as %s (its name in the original recipe or verl)", seed_key, value, ours)
+                raise ValueError(f"{recipe_key}={value} and {ours}={parent[name]} set the same option; give one")
+            logger.info("%s=%s is read as %s (its name in the original recipe or verl)", recipe_key, value, ours)
             parent[name] = value
-    for seed_key, ours in _SECTION_ALIASES.items():  # after all of them: two seed keys may name one of ours
+    for recipe_key, ours in _SECTION_ALIASES.items():  # after all of them: two recipe keys may name one of ours
         parent, name = _parent(tree, ours)
         if parent.get(name) == "???":
             del parent[name]
-        sections = seed_key.split(".")[:-1]
-        for depth in range(len(sections), 1, -1):  # a section only seed keys made (verl's algorithm.filter_groups)
+        sections = recipe_key.split(".")[:-1]
+        for depth in range(len(sections), 1, -1):  # a section only recipe keys made (verl's algorithm.filter_groups)
             holder, section = _parent(tree, ".".join(sections[:depth]))
             if holder.get(section) == {}:
                 del holder[section]
@@ -399,8 +389,6 @@ def _parent(tree: dict, dotted: str) -> tuple[dict, str]:
 def check_across_sections(cfg: RunConfig, for_training: bool = True) -> None:
     """Checks that involve more than one section, so that `aligner-ext config` refuses what a run would
     (and the one setting inferred from another: the graded maker from its switch, `variants.py`)."""
-    import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
-
     resolve_variants(cfg)
     check_group_size(cfg)
     check_val_set_names(cfg.data, cfg.trainer.eval.sets)

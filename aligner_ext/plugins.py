@@ -1,7 +1,8 @@
 """Imports every built-in plug-in module so that its registrations run.
 
-`trainer/build.py` imports this module; a new built-in plug-in adds its module here. User plug-ins
-need no entry: registries import dotted paths on demand.
+`trainer/build.py` imports this module; a new built-in plug-in adds its module here and regenerates the
+name table that settings are checked against (`python scripts/gen_plugin_names.py`). User plug-ins need
+no entry: registries import dotted paths on demand.
 """
 
 import aligner_ext.algorithms.advantages  # noqa: F401
@@ -23,6 +24,9 @@ import aligner_ext.losses.clipped_pg  # noqa: F401
 import aligner_ext.losses.gspo  # noqa: F401
 import aligner_ext.models.hf  # noqa: F401
 import aligner_ext.models.megatron  # noqa: F401 - registers the name only; megatron-core loads on use
-import aligner_ext.rewards  # noqa: F401
+import aligner_ext.rewards.exact_match  # noqa: F401
+import aligner_ext.rewards.format  # noqa: F401
+import aligner_ext.rewards.math_answer  # noqa: F401
+import aligner_ext.rewards.multiple_choice  # noqa: F401
 import aligner_ext.rewards.calibration  # noqa: F401
 import aligner_ext.rewards.rubric  # noqa: F401

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import math
+import sys
 from typing import Any
+
+from aligner_ext.plugin_names import BUILTIN_PLUGINS, KINDS
 
 RULE = "aligner_ext.rule"  # the dataclass field metadata key holding a field's rule
 
@@ -100,26 +102,24 @@ class Registered(Rule):
 
     def problem(self, value: Any) -> str | None:
         for name in (value if self.many else [value]):
-            if name in self.extra or "." in name or ":" in name or name in self._registry():
+            if name in self.extra or "." in name or ":" in name or name in self._names() or self._registered(name):
                 continue
             return f"{self.describe()}; {name!r} is not one" + _did_you_mean(name, self._names())
         return None
 
     def describe(self) -> str:
-        kind = self._registry().kind
+        kind = KINDS[self.registry]
         what = f"a list of {kind} names" if self.many else f"a {kind} name"
         return f"{what} ({', '.join(self._names())}) or a dotted path pkg.module:attr"
 
-    def _registry(self):
-        """The registry; the built-in plug-ins are registered by then (config.load_config imports them)."""
-        module, _, attribute = self.registry.partition(":")
-        return getattr(importlib.import_module(module), attribute)
-
     def _names(self) -> list[str]:
-        """`extra` and the built-in names (a plug-in a user registers at run time is accepted, not listed)."""
-        registry = self._registry()
-        return [*self.extra, *(name for name in registry.names()
-                               if getattr(registry.get(name), "__module__", "").startswith("aligner_ext."))]
+        """`extra` and the built-in names, from the generated table (no plug-in module is imported)."""
+        return [*self.extra, *BUILTIN_PLUGINS[self.registry]]
+
+    def _registered(self, name: str) -> bool:
+        """A plug-in registered at run time, in a registry whose module is loaded already (accepted, not listed)."""
+        module, _, attribute = self.registry.partition(":")
+        return module in sys.modules and name in getattr(sys.modules[module], attribute)
 
 
 def number(default: float | int | None, *, ge=None, gt=None, le=None, lt=None) -> Any:

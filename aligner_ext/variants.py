@@ -19,9 +19,10 @@ from __future__ import annotations
 import logging
 import re
 
-from aligner_ext.algorithms.advantages import ADVANTAGES
-from aligner_ext.losses.base import LOSSES
-from aligner_ext.losses.off_policy import CORRECTIONS, correction_mode
+from aligner_ext.losses.settings import CORRECTIONS, correction_mode
+from aligner_ext.plugin_names import CANONICAL
+
+ESTIMATORS, LOSSES = "aligner_ext.algorithms.advantages:ADVANTAGES", "aligner_ext.losses.base:LOSSES"  # registries
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +146,9 @@ def _no_overlong_shaping(rollout) -> None:
 
 def active_switches(cfg) -> set[str]:
     """The switches beside the variants that `cfg` sets, spelt as in SWITCH_REFUSALS (registered names, not aliases)."""
-    def canonical(registry, name: str) -> str:
-        return registry.name_of(registry.get(name)) if name in registry else name
-
-    switches = {f"algorithm.adv_estimator={canonical(ADVANTAGES, cfg.algorithm.adv_estimator)}",
-                f"algorithm.loss={canonical(LOSSES, cfg.algorithm.loss)}"}
+    estimator, loss = cfg.algorithm.adv_estimator, cfg.algorithm.loss
+    switches = {f"algorithm.adv_estimator={CANONICAL[ESTIMATORS].get(estimator, estimator)}",
+                f"algorithm.loss={CANONICAL[LOSSES].get(loss, loss)}"}
     if correction_mode(cfg.loss) != "none":
         switches.add(f"loss.off_policy_correction={correction_mode(cfg.loss)}")
     if cfg.rollout.overlong_buffer_fraction > 0:

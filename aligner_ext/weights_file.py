@@ -21,7 +21,11 @@ def save_weights(model: torch.nn.Module, path: Path) -> None:
     """The model's weights as safetensors, a tied tensor once. Parameters that view one shared buffer
     (the rollout engine's fused projections) are saved as they are: safetensors' `save_model`
     refuses any storage that no single tensor covers."""
-    state = model.state_dict()
+    save_state(model.state_dict(), path)
+
+
+def save_state(state: dict[str, torch.Tensor], path: Path) -> None:
+    """`save_weights` of a state dict (a merged one: aligner_ext/adapters.py)."""
     duplicates = {name for names in tied_groups(state) for name in names[1:]}
     save_file({name: value.detach().contiguous() for name, value in state.items() if name not in duplicates},
               str(path), metadata={"format": "pt"})

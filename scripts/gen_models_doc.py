@@ -2,7 +2,8 @@
 (`aligner_ext/architecture.py::FAMILIES`, `models/family_configs.py::LAYOUTS`), the Liger patches of the HF
 backend (`models/kernels.py::LIGER_PATCHES`), and for every cell of the support matrix and every
 refusal shown, the verdict of the functions that refuse a run (`aligner_ext/support.py`) on the
-family's config. tests/test_models_doc.py fails when the committed page differs.
+family's config; the measured speed of every family, from the benchmark results docs/benchmarks.md is
+made of (docs/bench_results/). tests/test_models_doc.py fails when the committed page differs.
 
     python scripts/gen_models_doc.py           # rewrites docs/models.md
     python scripts/gen_models_doc.py --check   # exit 1 if docs/models.md is not what this renders
@@ -22,6 +23,9 @@ from aligner_ext.models.kernels import LIGER_PATCHES
 from aligner_ext.support import long_context_warning, megatron_refusal, rollout_refusal
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+import run as bench  # noqa: E402  (scripts/bench/run.py: the benchmark results' family table)
+
 REGENERATE = "python scripts/gen_models_doc.py"
 # Every family at one small size that every layout of the matrix splits (heads, MLP, layers by 2).
 SIZES = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -237,6 +241,16 @@ def render() -> str:
         "SmolLM3 leaves RoPE out of every fourth layer (`no_rope_layers[i] == 0`, from "
         "`no_rope_layer_interval`): those layers attend over unrotated queries and keys (`LayerPlan.rope` is "
         "None).",
+        "",
+        "## Measured speed at ~1B",
+        "",
+        "Every family at hidden 2048, 16 layers, 32 query / 8 key-value heads, MLP 8192, with its own "
+        "vocabulary, RoPE, windows and norms, on one H100: the engine `generator.engine=auto` picks, "
+        "decoding in the GRPO step against its bound, training MFU on both backends, the whole GRPO step "
+        "(HF backend) and peak memory; each rate also as a multiple of Llama's measured in the same call, "
+        "in bold under 0.85. Commands, dates and the profiles: [docs/benchmarks.md](benchmarks.md).",
+        "",
+        bench.families_table(),
         "",
         "## LoRA adapters",
         "",

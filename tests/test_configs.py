@@ -15,7 +15,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-import aligner_ext.rewards  # noqa: F401  (registers the reward functions)
+import aligner_ext.plugins  # noqa: F401  (registers the reward functions)
 import aligner_ext.trainer.build  # noqa: F401  (imports every module that registers a plug-in)
 from aligner_ext.algorithms.advantages import ADVANTAGES
 from aligner_ext.cli import main

@@ -29,16 +29,15 @@ Decisions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from aligner_ext.algorithms.settings import AdvantageConfig, check_group_size
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
 from aligner_ext.groups import group_stats
 from aligner_ext.registry import Registry
-from aligner_ext.rules import number
 
 ADVANTAGES = Registry("advantage estimator")
 
@@ -73,17 +72,6 @@ def check_finite_rewards(batch: ExperienceBatch) -> None:
         raise ValueError(f"non-finite rewards for rows {[batch.samples[i].row.row_id for i in rows]}")
 
 
-def check_group_size(cfg) -> None:
-    """rollout.n against the configured estimator's `min_group_size` (also run by `load_config`, so
-    `aligner-ext config` refuses it)."""
-    name = cfg.algorithm.adv_estimator
-    needed = getattr(ADVANTAGES.get(name), "min_group_size", 1) if name in ADVANTAGES else 1
-    if cfg.rollout.n < needed:
-        raise ValueError(f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={name} normalises rewards within a "
-                         f"prompt's group and needs at least {needed} samples per prompt (a group of one has "
-                         "advantage 0, so nothing would be trained)")
-
-
 @ADVANTAGES.register("grpo", "group_norm")
 class GroupAdvantage:
     """GRPO group-normalised advantage, broadcast over the loss-masked response tokens.
@@ -92,12 +80,7 @@ class GroupAdvantage:
     (algorithms/estimators.py); they share the `advantage` config section.
     """
 
-    @dataclass
-    class Config:
-        """How rewards are normalised: within a prompt group (grpo, mtpo_segments) or over the batch (REINFORCE++)."""
-
-        use_std: bool = True  # divide by the std (grpo: the group's; reinforce_plus_plus*: the batch's); false = mean-centring only (Dr.GRPO)
-        std_floor: float = number(1e-4, gt=0)  # lower bound of that std, in reward units (see module docstring)
+    Config = AdvantageConfig  # its settings (aligner_ext/algorithms/settings.py)
 
     reads = ("rewards",)
     min_group_size = 2  # a group of one has advantage 0: nothing would be trained

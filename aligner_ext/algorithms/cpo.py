@@ -7,7 +7,7 @@ difficulty D (below) and computes, per response token (lp = `old_logprobs`, the 
 
     Δ = lp_hint - lp,   MI = exp(lp_hint)·Δ,   ratio = clamp(exp(Δ), 1/cpo_lambda, cpo_lambda)
     U = (H - min_row H) / (max_row H - min_row H + 1e-8)     (uncertainty=minmax, the public code)
-    U = H / log(vocab size)                                   (uncertainty=vocab, the seed)
+    U = H / log(vocab size)                                   (uncertainty=vocab, the original recipe)
 
 takes the GRPO advantage A (`algorithms/advantages.py`, config section `advantage`) and applies the
 wrapper named by `cpo.wrap_method` (algorithms/cpo_wrappers.py lists all 18 and their
@@ -15,12 +15,12 @@ formulas). MI is the sampled-token term of KL(p_hint || p), not a true mutual in
 
 Difficulty of a group (explicit group ids, `aligner_ext/groups.py::group_stats`) on the raw
 outcome c (`batch.correct`; a row whose reward reports no correctness counts as correct when its
-reward is > 0, the seed's test):
+reward is > 0, the original recipe's test):
 - `three`: +1 every sample correct, -1 every sample wrong, 0 mixed ("all agree" = spread <= eps,
   the same test dynamic sampling uses). The public code's version always returns 0 (it compares a
   list with a float); this one works.
 - `five` (seed §4.5): fraction f correct: 0 -> -2, <= 1/4 -> -1, < 3/4 -> 0, < 1 -> +1, 1 -> +2
-  (with n = 8 exactly the seed's 0 / 1-2 / 3-5 / 6-7 / 8 correct).
+  (with n = 8 exactly the original recipe's 0 / 1-2 / 3-5 / 6-7 / 8 correct).
 - `variance` (seed §4.5): unbiased reward variance < variance_low -> +1, > variance_high -> -1, else 0.
 Wrappers test only the sign of D, so every scale drives the same branches.
 
@@ -37,22 +37,18 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
 
 import torch
 
 from aligner_ext.algorithms.advantages import ADVANTAGES, GroupAdvantage
 from aligner_ext.algorithms.cpo_wrappers import CPO_WRAPPERS, Shaping
+from aligner_ext.algorithms.settings import CPOConfig
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
-from aligner_ext.data.hints import HintConfig
 from aligner_ext.groups import group_stats
-from aligner_ext.rules import choice, number, plugin
 
 logger = logging.getLogger(__name__)
 
-UNCERTAINTY_MODES = ("minmax", "vocab")
-DIFFICULTY_MODES = ("three", "five", "variance")
 DIFFICULTY_LEVELS = {  # level -> metric name, per mode
     "three": {-1: "all_wrong", 0: "mixed", 1: "all_correct"},
     "five": {-2: "all_wrong", -1: "mostly_wrong", 0: "mixed", 1: "mostly_correct", 2: "all_correct"},
@@ -61,28 +57,6 @@ DIFFICULTY_LEVELS = {  # level -> metric name, per mode
 AGREE_EPS = 1e-6  # outcomes within this spread count as "all agree"
 MINMAX_EPS = 1e-8  # added to max - min in the min-max uncertainty (the public code's value)
 SEQ_EPS = 1e-10  # added to the token count in row means (the public code's value)
-
-
-@dataclass
-class CPOConfig:
-    """CPO's hint source and advantage shaping (on with `algorithm.adv_estimator=cpo`)."""
-
-    gold_as_hint: bool = True  # CPO hint: extra_info.gold_solution (true) or the ground truth (docs/variants/cpo.md)
-    wrap_method: str = plugin("none", "aligner_ext.algorithms.cpo_wrappers:CPO_WRAPPERS")  # CPO advantage wrapper (algorithms/cpo_wrappers.py); none = GRPO advantages
-    cpo_lambda: float = number(5.0, gt=1)  # ratio clamp [1/λ, λ] of exp(lp_hint - lp), > 1; read by naive* and noaccmask only
-    pos_alpha: float = number(0.05, ge=0)  # weight of the terms on correct rows (the CPO guide's default; public scripts use 0)
-    neg_alpha: float = number(0.1, ge=0)  # weight of the terms on wrong rows (the CPO guide's default)
-    mi_alpha: float | None = number(None)  # the CPO guide's key, accepted; no wrapper reads it (a set value logs a warning)
-    uncertainty: str = choice("minmax", *UNCERTAINTY_MODES)  # U from entropy: minmax (per row, the public code) | vocab (H / log V, the CPO guide)
-    difficulty: str = choice("three", *DIFFICULTY_MODES)  # three (+1/0/-1) | five (-2..+2 by fraction correct) | variance (reward variance)
-    variance_low: float = number(0.1, ge=0)  # difficulty=variance: group reward variance below this is +1 (easy)
-    variance_high: float = number(0.5, ge=0)  # difficulty=variance: group reward variance above this is -1 (hard)
-    hint: HintConfig = field(default_factory=HintConfig)  # hint placement (data/hints.py)
-
-    def __post_init__(self) -> None:
-        if self.variance_low > self.variance_high:
-            raise ValueError(f"cpo.variance_low ({self.variance_low}) must be <= cpo.variance_high "
-                             f"({self.variance_high})")
 
 
 def outcomes(batch: ExperienceBatch) -> tuple[torch.Tensor, int]:
@@ -186,7 +160,7 @@ class CPOAdvantage:
         self.vocab_size = vocab_size
         self._metrics: dict[str, float] = {}
         if cfg.mi_alpha is not None:
-            logger.warning("cpo.mi_alpha=%s is accepted for the seed's scripts but no CPO wrapper reads it",
+            logger.warning("cpo.mi_alpha=%s is accepted for the original recipe's scripts but no CPO wrapper reads it",
                            cfg.mi_alpha)
 
     @classmethod

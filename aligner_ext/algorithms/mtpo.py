@@ -9,7 +9,7 @@ R_conf(k) the confidence-side reward (rewards/calibration.py):
     A_t       = A_ans  on round-1 tokens (segment 0)  and  A_conf on round-2 tokens (segment 1),
                 both only where response_mask is True
 
-(without the std division when `advantage.use_std` is false: the seed's `scale_rewards: false`).
+(without the std division when `advantage.use_std` is false: the original recipe's `scale_rewards: false`).
 Source: the MTPO description in the RLCR fork (`MTPO.md`; reference notes, section 2.2).
 
 Decisions (docs/variants/mtpo.md; tests/unit/algorithms/test_mtpo_advantages.py pins them):

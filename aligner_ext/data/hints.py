@@ -6,7 +6,7 @@ The hint is the row's gold solution (the first non-empty of `cpo.hint.solution_f
 own chat template exactly as the loader renders prompts (`templating.encode_prompt`), so no token id
 is hard-coded and any template works. Three placements:
 
-- `user_prefix` (default, as the seed): `prefix_template` ("{hint}\\n") at the start of the last user
+- `user_prefix` (default, as the original recipe): `prefix_template` ("{hint}\\n") at the start of the last user
   turn's content;
 - `reference_prompt` (the public code's current version): the last user turn's content becomes
   `reference_template` with `{question}` (its old content) and `{hint}`;
@@ -17,10 +17,10 @@ This module works on rows and prompt ids; the batch-level pass (hinted prompts o
 left-padded to their own width, the same response tensors) is `experience/hint_logprobs.py`.
 
 Decisions:
-- A hint longer than the prompt padding widens the batch; it is never cut to fit (the seed cuts it
+- A hint longer than the prompt padding widens the batch; it is never cut to fit (the original recipe cuts it
   to the padding silently). It is truncated only when `max_hint_length` > 0, and then by
   `truncate_side`: `left` drops its start and keeps the final answer (as the public code), `right`
-  keeps its start (as the seed). Truncations are counted.
+  keeps its start (as the original recipe). Truncations are counted.
 - For the insertion placements, `check_insertion` requires the hinted prompt's ids to be the
   original prompt's ids with one contiguous run inserted, so the un-hinted prompt is compared token
   for token (a tokenizer that merges the hint's last characters with the following text fails with
@@ -38,49 +38,14 @@ Decisions:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
+from aligner_ext.data.settings import HintConfig
 from aligner_ext.data.templating import encode_prompt
 from aligner_ext.data.types import PromptRow
 from aligner_ext.errors import DataError
-from aligner_ext.rules import choice, number
 
-PLACEMENTS = ("user_prefix", "reference_prompt", "assistant_turn")
-MISSING_POLICIES = ("error", "skip")
-TRUNCATE_SIDES = ("left", "right")
 
-PREFIX_TEMPLATE = "{hint}\n"
-REFERENCE_TEMPLATE = (  # the public code's prompt, shortened to its instruction
-    "###Question: {question}\n###Reference Answer: {hint}\n"
-    "Given the above question and its reference answer, produce a step-by-step explanation that logically "
-    "leads to the reference answer and put your final answer within \\boxed{}, without mentioning or implying "
-    "any prior access to the reference answer."
-)
-FOLLOWUP_TEMPLATE = "{question}\nPlease refer to the above solution to derive your answer."
 PLACEHOLDER = re.compile(r"\{(hint|question)\}")
-
-
-@dataclass
-class HintConfig:
-    """Where the CPO hint goes in the prompt, and what happens to rows without one."""
-
-    placement: str = choice("user_prefix", *PLACEMENTS)  # user_prefix (the CPO guide's) | reference_prompt | assistant_turn
-    prefix_template: str = PREFIX_TEMPLATE  # user_prefix: text put before the last user turn's content
-    reference_template: str = REFERENCE_TEMPLATE  # reference_prompt: the last user turn's new content
-    followup_template: str = FOLLOWUP_TEMPLATE  # assistant_turn: user turn after the assistant turn holding the hint
-    missing: str = choice("error", *MISSING_POLICIES)  # row without a hint: error (names the row) | skip (GRPO advantages for it; counted)
-    max_hint_length: int = number(0, ge=0)  # hint tokens kept; 0 keeps the whole hint (the batch grows wider instead)
-    truncate_side: str = choice("left", *TRUNCATE_SIDES)  # end of an overlong hint that is dropped: left (keeps its answer) | right (the CPO guide's)
-    check_insertion: bool = True  # user_prefix / assistant_turn: error unless the hint is one contiguous insertion
-    solution_fields: list[str] = field(default_factory=lambda: ["gold_solution", "solution"])  # extra_info fields holding the hint (cpo.gold_as_hint), first non-empty wins; public CPO data uses `solution`
-
-    def __post_init__(self) -> None:
-        required = {"prefix_template": ("{hint}",), "reference_template": ("{hint}", "{question}"),
-                    "followup_template": ("{question}",)}
-        for name, placeholders in required.items():
-            for placeholder in placeholders:
-                if placeholder not in getattr(self, name):
-                    raise ValueError(f"cpo.hint.{name} must contain {placeholder}; got {getattr(self, name)!r}")
 
 
 def hint_text(row: PromptRow, gold_as_hint: bool, solution_fields: list[str]) -> str | None:

@@ -18,55 +18,19 @@ Validation uses `iterate_once()`: one pass in file order, no shuffling, last bat
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
 from jinja2 import TemplateError
 
 from aligner_ext.data.readers import load_files
+from aligner_ext.data.settings import DEFAULT_VAL_SET, OVERLONG_POLICIES, DataConfig, check_val_set_names
 from aligner_ext.data.tasks import TASKS, builtin_rows
 from aligner_ext.data.templating import encode_prompt
 from aligner_ext.data.types import PromptDraw, PromptRow
 from aligner_ext.errors import DataError
-from aligner_ext.rules import choice, number, plugin
 
 logger = logging.getLogger(__name__)
-
-OVERLONG_POLICIES = ("error", "skip", "truncate_left")
-VAL_SET_NAME = re.compile(r"[\w.+-]+")
-DEFAULT_VAL_SET = "val"  # the name of the one validation set of data.val_files or the built-in task
-
-
-@dataclass
-class DataConfig:
-    """Where prompts come from and how they are batched."""
-
-    train_files: list[str] = field(default_factory=list)  # parquet/jsonl training files; empty: the built-in task
-    val_files: list[str] = field(default_factory=list)  # validation files, one set; empty: see load_split
-    val_sets: dict[str, list[str]] = field(default_factory=dict)  # named validation sets instead of val_files, each added as +data.val_sets.<name>=[files or built-in task names (the task's val split)]; metrics keyed val/<name>/... (docs/evaluation.md)
-    builtin_task: str = plugin("arithmetic", "aligner_ext.data.tasks.base:TASKS")  # built-in task name (data/tasks) or dotted path to a task function
-    builtin_train_size: int = number(2000, ge=1)  # rows generated for the built-in train split
-    builtin_val_size: int = number(200, ge=0)  # rows generated for the built-in val split; 0: no validation
-    train_batch_size: int = number(16, ge=1)  # prompts per training step
-    val_batch_size: int = number(64, ge=1)  # prompts per validation batch
-    max_prompt_length: int = number(256, ge=1)  # longest prompt, in tokens, chat template included
-    overlong_prompt: str = choice("error", *OVERLONG_POLICIES)  # longer prompts: error | skip | truncate_left (keep the last tokens)
-    shuffle: bool = True  # reshuffle the training rows every epoch
-    seed: int = number(0, ge=0)  # seeds the built-in task's rows and the epoch permutations (>= 0)
-
-    def __post_init__(self) -> None:
-        if self.val_files and self.val_sets:
-            raise ValueError("data.val_files and data.val_sets are both given: name the files of data.val_files as "
-                             "one more set of data.val_sets")
-        for name, entries in self.val_sets.items():
-            if not VAL_SET_NAME.fullmatch(name):
-                raise ValueError(f"data.val_sets.{name}: a set's name is part of its metrics' keys (val/<name>/...): "
-                                 "letters, digits, '_', '-', '.' and '+' only")
-            if not entries:
-                raise ValueError(f"data.val_sets.{name} is empty: list its files or built-in task names")
-
 
 def load_split(cfg: DataConfig, split: str) -> list[PromptRow]:
     """Rows of `split` ("train" or "val").
@@ -94,15 +58,6 @@ def build_loader(cfg: DataConfig, tokenizer, split: str) -> "PromptLoader | None
     if split == "train":
         return PromptLoader(rows, tokenizer, cfg, cfg.train_batch_size, cfg.shuffle)
     return PromptLoader(rows, tokenizer, cfg, cfg.val_batch_size, shuffle=False)
-
-
-def check_val_set_names(cfg: DataConfig, names: list[str]) -> None:
-    """Refuse a name in `names` (trainer.eval.sets) that is not a set of `cfg.val_sets`."""
-    unknown = [name for name in names if name not in cfg.val_sets]
-    if unknown:
-        known = ", ".join(cfg.val_sets) or "none: data.val_sets is empty"
-        raise ValueError(f"trainer.eval.sets={list(names)}: {', '.join(unknown)} is not a set of data.val_sets "
-                         f"(its sets: {known})")
 
 
 def build_val_loaders(cfg: DataConfig, tokenizer, names: list[str]) -> dict[str, "PromptLoader"]:

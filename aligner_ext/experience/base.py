@@ -20,7 +20,7 @@ The training prompt is always the draw's own prompt tokens, whatever the generat
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -31,33 +31,13 @@ from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.tasks import sft_target
 from aligner_ext.data.templating import left_pad, right_pad
 from aligner_ext.data.types import PromptDraw, PromptRow
+from aligner_ext.experience.settings import RolloutConfig
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.registry import Registry
 from aligner_ext.rewards.manager import RewardManager
-from aligner_ext.rules import number
 
 EXPERIENCE_MAKERS = Registry("experience maker")
 EXPERIENCE_WRAPPERS = Registry("experience wrapper")  # take the inner maker, add one behaviour
-
-
-@dataclass
-class RolloutConfig:
-    """Sampling of training rollouts (held-out evaluation has the same length cap and stops; its sampling is trainer.eval)."""
-
-    n: int = number(8, ge=1)  # responses per prompt: the GRPO group size
-    temperature: float = number(1.0, gt=0)  # sampling temperature; log-probs for training use the same temperature
-    top_p: float = number(1.0, gt=0, le=1)  # nucleus mass; 1.0 disables it
-    max_response_length: int = number(32, ge=1)  # response cap, in tokens
-    stop: list[str] = field(default_factory=list)  # stop strings, kept in the response
-    return_logprobs: bool = True  # keep the engine's sampling log-probs: each step logs their gap to the trainer's (rollout/logprob_diff_mean, _max)
-    ignore_eos: bool = False  # sampled EOS ids do not end a response, so each runs to max_response_length (benchmarks: equal work on every system; stop strings still end one)
-    overlong_buffer_fraction: float = number(0.0, ge=0, lt=1)  # DAPO's overlong reward shaping: the last fraction of max_response_length (DAPO: 4096 of 20480 tokens, 0.2) is a buffer where the reward falls linearly to -overlong_penalty at the cap; 0 = off (experience/overlong.py)
-    overlong_penalty: float = number(1.0, gt=0)  # the penalty at the cap, in reward units (DAPO: 1)
-    overlong_filter: bool = False  # DAPO's overlong filtering: responses cut at max_response_length (finish reason length) are masked out of the loss
-
-    def __post_init__(self) -> None:
-        if any(not isinstance(text, str) or not text for text in self.stop):
-            raise ValueError(f"rollout.stop strings must be non-empty, got {list(self.stop)}")
 
 
 @dataclass

@@ -17,7 +17,7 @@ Decisions (docs/variants/dapo.md; tests/unit/experience/test_dynamic_sampling.py
 - The filter is a predicate per group (by group id) returning keep and a reason, counted into
   metrics (experience/filters.py). Single-round batches are judged on the raw outcome before any
   shaping: `correct` by default, or the sequence sum of the token-level scores (`filter_metric:
-  seq_reward`, the seed's metric). MTPO's two-round batches are judged per segment (`segments`:
+  seq_reward`, the original recipe's metric). MTPO's two-round batches are judged per segment (`segments`:
   kept when the answers' or one answer's confidences' rewards spread); with MTPO on, the default
   `correct` is read as `segments` (variants.py).
 - Every generation batch asks only for the missing groups (times `oversample`, 1.0 by default), so
@@ -26,7 +26,7 @@ Decisions (docs/variants/dapo.md; tests/unit/experience/test_dynamic_sampling.py
   (each group at most `max_surplus_age` steps after it was sampled, since an older policy sampled
   it), else discarded and counted. The carried groups are saved in checkpoints.
 - When `dynamic_sampling.max_gen_batches` is reached, `on_max_gen_batches` decides:
-  `train_on_kept` (the seed's behaviour: a smaller batch this step) or `error`.
+  `train_on_kept` (the original recipe's behaviour: a smaller batch this step) or `error`.
 - The prompt stream is endless and crosses epoch boundaries, so exhausting the data mid-accumulation
   simply starts the next epoch (`data/epoch` shows it).
 - If every group is filtered and the bound is hit, the step's batch is empty: the loop logs the
@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 
 from aligner_ext.batch import ExperienceBatch, concat_batches
 from aligner_ext.context import BuildContext
@@ -46,26 +45,10 @@ from aligner_ext.errors import UserError
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.experience.base import EXPERIENCE_WRAPPERS, ExperienceMaker, ExperienceWrapper
 from aligner_ext.experience.filters import FILTERS
-from aligner_ext.rules import choice, number
+from aligner_ext.experience.settings import DynamicSamplingConfig
 
 logger = logging.getLogger(__name__)
 
-FILTER_METRICS = tuple(FILTERS)
-ON_MAX_GEN_BATCHES = ("train_on_kept", "error")
-
-
-@dataclass
-class DynamicSamplingConfig:
-    """Dynamic sampling's switch, group filter and refill policy."""
-
-    enabled: bool = False  # DAPO dynamic sampling: drop groups whose outcomes all agree, refill (docs/variants/dapo.md)
-    max_gen_batches: int = number(3, ge=0)  # generation batches per step at most; 0 = unbounded
-    filter_metric: str = choice("correct", *FILTER_METRICS)  # what is compared within a group: correct | seq_reward (sum of token scores) | segments (MTPO's answer and confidence rewards; experience/filters.py)
-    eps: float = number(1e-6, ge=0)  # a group is kept when its outcomes' spread (max - min) exceeds eps
-    on_max_gen_batches: str = choice("train_on_kept", *ON_MAX_GEN_BATCHES)  # when the bound is hit: train_on_kept | error
-    oversample: float = number(1.0, ge=1)  # each generation batch draws ceil(missing groups * oversample) prompts
-    keep_surplus: bool = False  # carry valid groups beyond the target to later steps (sampled by an older policy)
-    max_surplus_age: int = number(1, ge=1)  # steps a carried group may wait before it is discarded
 
 
 class _PromptQuota:

@@ -61,54 +61,13 @@ from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import encode_prompt
 from aligner_ext.data.types import PromptDraw, PromptRow
 from aligner_ext.errors import ConfigError, DataError
-from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, RolloutConfig, SampleRequest, without
+from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, SampleRequest, without
+from aligner_ext.experience.settings import GradedPromptConfig, RolloutConfig
 from aligner_ext.rewards.rubric import judge_metrics
-from aligner_ext.rules import choice, number
 
 logger = logging.getLogger(__name__)
 
-RULES = ("linear", "binary")
-STEP_DECAYS = ("none", "linear", "power", "sigmoid")
-EXISTING_SYSTEM = ("append", "prepend")
 LOG_TAG = "[graded system prompt]"
-
-
-@dataclass
-class GradedPromptConfig:
-    """Graded system prompt: the share of the rubric each sample of a group sees (docs/variants/graded_prompt.md)."""
-
-    enabled: bool = False  # the switch (seed: actor_rollout_ref.rollout.enable_graded_system_prompt); acts with algorithm.experience_maker=graded_prompt
-    rule: str = choice("linear", *RULES)  # per-sample ratio: linear (1, (n-2)/(n-1), ..., 0) | binary (the first full_reveal_count samples 1, the rest 0)
-    full_reveal_count: int = number(1, ge=0)  # binary rule: samples per group that see every criterion
-    step_decay: str = choice("none", *STEP_DECAYS)  # factor over training steps multiplied into every ratio: none | linear | power | sigmoid
-    step_power: float = number(1.0, gt=0)  # power decay exponent p: (1 - x)^p, x = training progress in [0, 1]
-    sigmoid_start_point: float = number(0.3, ge=0, le=1)  # sigmoid decay midpoint x0, in training progress [0, 1] (RuscaRL's run: 0.2)
-    sigmoid_steepness: float = number(10.0, gt=0)  # sigmoid decay steepness k: 1 / (1 + exp(k (x - x0))) (RuscaRL's run: 125)
-    keep_in_training: bool = False  # train on the generator's prompt (system message included) instead of the original
-    existing_system: str = choice("append", *EXISTING_SYSTEM)  # a row's own leading system message: append (own text, then criteria) | prepend
-    base_when_zero: bool = False  # samples shown no criterion get base_system_prompt (else no system message)
-    base_system_prompt: str = "You are a helpful assistant."  # the system message when no criterion is shown
-    header: str = "You are a helpful assistant. For this question, please consider the following evaluation criteria:"  # first paragraph; empty: none
-    include_heading: str = "IMPORTANT POINTS TO INCLUDE (you should aim to address these):"  # above the positive items
-    include_item: str = "Criterion {index}: {criterion} (worth {points} points)"  # one positive item; fields index, criterion, points
-    avoid_heading: str = "IMPORTANT POINTS TO AVOID (you should not do these):"  # above the negative items
-    avoid_item: str = "Criterion {index}: {criterion} (penalty: {points} points)"  # one negative item; points is the penalty |p|
-    footer: str = "Please provide a comprehensive and helpful response that addresses the user's concerns while following the above guidelines."  # paragraph after the items; empty: none
-    include_evaluation_warning: bool = True  # end with evaluation_warning (an instruction never to mention the criteria)
-    warmup_unshown_share: float = number(0.5, ge=0, le=1)  # embedded-model warm-up only: chance that its target meets a positive criterion not shown
-    evaluation_warning: str = (  # the instruction never to mention the criteria (RuscaRL's text)
-        "IMPORTANT: Do not mention or reference these evaluation criteria in your response. Do not indicate that "
-        "you have seen any scoring rubric or evaluation guidelines. Your response should appear natural and "
-        "spontaneous. Revealing that you have access to evaluation criteria would be considered cheating and is "
-        "strictly prohibited.")
-
-    def __post_init__(self) -> None:
-        for name in ("include_item", "avoid_item"):
-            try:
-                getattr(self, name).format(index=1, criterion="c", points="1")
-            except (KeyError, IndexError, ValueError) as err:
-                raise ValueError(f"graded_prompt.{name} may use only {{index}}, {{criterion}}, {{points}}: "
-                                 f"{err!r}") from err
 
 
 def group_ratio(index: int, n: int, cfg: GradedPromptConfig) -> float:

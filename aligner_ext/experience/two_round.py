@@ -23,7 +23,7 @@ Decisions (docs/variants/mtpo.md; tests/unit/experience/test_mtpo_two_round.py p
   masked copies count in no loss denominator (GlobalCounts are taken over `response_mask`).
 - An answer that did not close (finish "eos" or "length") gets no round 2: its H samples hold the
   round-1 tokens alone (trained once, by the rule above) and every reward term is 0.
-- `rollout.n` is the seed's `num_generations` = G * H (samples per prompt); the maker checks it
+- `rollout.n` is the original recipe's `num_generations` = G * H (samples per prompt); the maker checks it
   so other components that read `rollout.n` (e.g. dynamic sampling) see the true group size.
 - No EOS is appended after the confidence stop string: the samples hold what the engine
   sampled, as in single-round GRPO with `rollout.stop`.
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -49,13 +49,13 @@ from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.types import PromptDraw
 from aligner_ext.errors import ConfigError
-from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, RolloutConfig, SampleRequest
+from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, SampleRequest
 from aligner_ext.experience.calibration_metrics import calibration_metrics
+from aligner_ext.experience.settings import RolloutConfig, TwoRoundConfig
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.groups import first_rows
 from aligner_ext.rewards.calibration import SegmentRewards, SegmentScore
 from aligner_ext.rewards.manager import RewardManager
-from aligner_ext.rules import number
 
 _CLOSED_ANSWER = re.compile(r"<answer>.*?</answer>", re.DOTALL)  # what a valid answer holds
 
@@ -84,18 +84,7 @@ class ScoredSample:
 class TwoRoundSampling(GroupSampling):
     """MTPO rollouts: round 1 answers, round 2 confidences (see the module docstring)."""
 
-    @dataclass
-    class Config:
-        """MTPO two-round rollouts (docs/variants/mtpo.md): sizes, stops, the loss rule and the segment rewards."""
-
-        num_answer_generations: int = number(4, ge=1)  # G: round-1 answers per prompt (the answer baseline's group)
-        num_confidence_generations: int = number(2, ge=1)  # H: round-2 continuations per answer; rollout.n must equal G * H
-        max_answer_length: int = number(512, ge=1)  # round-1 cap, in tokens
-        max_confidence_length: int = number(256, ge=1)  # round-2 cap, in tokens
-        answer_stop_str: str = "</answer>"  # ends round 1; kept in the sample
-        confidence_stop_str: str = "</confidence>"  # ends round 2; kept in the sample
-        apply_answer_loss_on_first_confidence_only: bool = True  # round-1 tokens count only in the first of the H samples of an answer
-        rewards: SegmentRewards.Config = field(default_factory=SegmentRewards.Config)
+    Config = TwoRoundConfig  # its settings (aligner_ext/experience/settings.py)
 
     summary_metrics = ("mtpo/valid_answer_ratio", "mtpo/round2_time_ratio")
     own_evaluation = "it evaluates two greedy rounds, one answer and one confidence per prompt"

@@ -51,6 +51,12 @@ first function or before the head, since under tensor parallelism it needs the s
 (Compiling the attention into the same graph, or every layer into one, was measured slower or
 compiled for minutes: docs/benchmarks.md.)
 
+Low-rank adapters (LoRA, `aligner_ext/adapters.py`) run from the policy's own A and B tensors inside
+the same functions: each adapted product is `x W^T + (x A^T) B^T * alpha / r` (`Projection.adapters`,
+`LayerWeights.o_adapter`, `down_adapter`), op for op as peft's forward, so nothing is merged into the
+frozen base and no second copy of it exists; on a fused projection the base product stays one and
+each output adds its own adapter's term.
+
 Attention goes through `attend_prefill` and one of DECODE_ATTENTION, the one place to swap kernels:
 `attention="sdpa"` (torch SDPA: cuDNN or flash on a GPU, under an additive mask), `"flex"`
 (FlexAttention, compiled with the layer functions' settings) or `"triton"` (our flash-decoding
@@ -67,12 +73,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
+from aligner_ext.adapters import LowRank, adapter_of, add_low_rank, is_adapted, linear
 from aligner_ext.architecture import (
     Architecture, UnsupportedModel, activation, apply_rotary, architecture, rms_norm, rope_tables, rotary_cos_sin,
     scale_embedding,
 )
 from aligner_ext.generation import decode_attention
 from aligner_ext.generation.decode_attention import attend_decode_triton
+from aligner_ext.generation.settings import ATTENTION_CHOICES
 
 
 class SlotKVCache:
@@ -101,18 +109,32 @@ class SlotKVCache:
 
 class Projection(NamedTuple):
     """Products whose outputs are used side by side: one fused weight (and bias) split into `sizes`
-    output columns, or one weight per output (bias entries None where the model has none)."""
+    output columns, or one weight per output (bias entries None where the model has none); with LoRA,
+    one adapter per output (None where that output has none), or none at all (empty)."""
 
     weights: tuple[torch.Tensor, ...]
     biases: tuple[torch.Tensor | None, ...]
     sizes: tuple[int, ...]
+    adapters: tuple[LowRank | None, ...] = ()
 
 
 def project(x: torch.Tensor, projection: Projection) -> tuple[torch.Tensor, ...]:
-    """The outputs of `projection` for `x`, one per original product."""
+    """The outputs of `projection` for `x`, one per original product, each with its adapter's term."""
     if len(projection.weights) == 1:
-        return F.linear(x, projection.weights[0], projection.biases[0]).split(projection.sizes, dim=-1)
-    return tuple(F.linear(x, w, b) for w, b in zip(projection.weights, projection.biases))
+        outputs = F.linear(x, projection.weights[0], projection.biases[0]).split(projection.sizes, dim=-1)
+    else:
+        outputs = tuple(F.linear(x, w, b) for w, b in zip(projection.weights, projection.biases))
+    if not projection.adapters:
+        return outputs
+    return tuple(out if adapter is None else add_low_rank(out, x, adapter)
+                 for out, adapter in zip(outputs, projection.adapters))
+
+
+def split_adapter(adapter: LowRank | None, sizes: tuple[int, ...]) -> tuple[LowRank | None, ...]:
+    """An adapter of a fused product as one per output: B's rows split (views), A shared."""
+    if adapter is None:
+        return (None,) * len(sizes)
+    return tuple(LowRank(adapter.a, b, adapter.scale) for b in adapter.b.split(sizes))
 
 
 class LayerWeights(NamedTuple):
@@ -133,6 +155,8 @@ class LayerWeights(NamedTuple):
     down: torch.Tensor
     down_bias: torch.Tensor | None
     post_mlp_norm: torch.Tensor | None
+    o_adapter: LowRank | None = None  # LoRA of the attention's output projection
+    down_adapter: LowRank | None = None  # of the MLP's down projection
 
 
 def fused_buffer(params: list[torch.Tensor]) -> torch.Tensor | None:
@@ -193,7 +217,8 @@ def split_qkv(x: torch.Tensor, projection: Projection, shape: Shape) -> tuple[to
                 k.reshape(batch, width, shape.kv_heads, shape.head_dim),
                 v.reshape(batch, width, shape.kv_heads, shape.head_dim))
     per_group = shape.num_heads // shape.kv_heads
-    grouped = F.linear(x, projection.weights[0], projection.biases[0])
+    grouped = linear(x, projection.weights[0], projection.biases[0],
+                     projection.adapters[0] if projection.adapters else None)  # the adapter of the whole product
     grouped = grouped.reshape(batch, width, shape.kv_heads, per_group + 2, shape.head_dim)
     q = grouped[:, :, :, :per_group].reshape(batch, width, shape.num_heads, shape.head_dim)
     return q, grouped[:, :, :, per_group], grouped[:, :, :, per_group + 1]
@@ -242,7 +267,7 @@ def out_projection(attended: torch.Tensor, w: LayerWeights) -> torch.Tensor:
     """The attention output [b, H, s, d] projected back to [b, s, h] (under tensor parallelism this
     rank's partial sum)."""
     batch, _, width, _ = attended.shape
-    return F.linear(attended.transpose(1, 2).reshape(batch, width, -1), w.o, w.o_bias)
+    return linear(attended.transpose(1, 2).reshape(batch, width, -1), w.o, w.o_bias, w.o_adapter)
 
 
 def residual_mlp(hidden: torch.Tensor, projected: torch.Tensor, w: LayerWeights,
@@ -254,7 +279,7 @@ def residual_mlp(hidden: torch.Tensor, projected: torch.Tensor, w: LayerWeights,
     sum over the ranks first."""
     hidden = hidden + norm(projected, w.post_attention_norm, shape)
     gate, up = project(norm(hidden, w.pre_mlp_norm, shape), w.gate_up)
-    return hidden, F.linear(activation(shape.activation)(gate) * up, w.down, w.down_bias)
+    return hidden, linear(activation(shape.activation)(gate) * up, w.down, w.down_bias, w.down_adapter)
 
 
 def layer_output_parts(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights,
@@ -357,7 +382,6 @@ DECODE_ATTENTION = {
     "flex": DecodeAttention(additive_mask, attend_decode_flex, True),  # eager FlexAttention is a slow reference
     "triton": DecodeAttention(_positions_only, _attend_triton, False, True),
 }
-ATTENTION_CHOICES = ("auto", *DECODE_ATTENTION)
 
 
 def resolve_attention(attention: str, device: torch.device) -> str:
@@ -578,24 +602,42 @@ class HFDecoder(Decoder):
         self.fuse_projections = fuse_projections
         self.layers = [self._weights(layer) for layer in self.base.layers]
         self.output = model.get_output_embeddings()
+        self._check_adapters()
         super().__init__(config, compile, attention)
+
+    def _check_adapters(self) -> None:
+        """Refuse adapters on layers other than the attention and MLP projections (the embedding, the
+        head), which the decode step would silently run without."""
+        projections = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
+                       "gate_up_proj"}
+        for name, module in self.model.named_modules():
+            if is_adapted(module) and name.rsplit(".", 1)[-1] not in projections:
+                raise ValueError(f"the rollout engine runs LoRA adapters on the attention and MLP projections only, "
+                                 f"not on {name} (policy.lora.target_modules); generator.engine=hf runs it")
 
     def _weights(self, layer) -> LayerWeights:
         attn, mlp, shape = layer.self_attn, layer.mlp, self.shape
         norms = {role: getattr(layer, name).weight for role, name in self.architecture.norm_names.items()}
         if self.architecture.fused_checkpoint:  # Phi-3: q/k/v and gate/up are one matrix each already
-            qkv = Projection((attn.qkv_proj.weight,), (attn.qkv_proj.bias,),
-                             (shape.num_heads * shape.head_dim, shape.kv_heads * shape.head_dim,
-                              shape.kv_heads * shape.head_dim))
+            sizes = (shape.num_heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.kv_heads * shape.head_dim)
+            qkv = Projection((attn.qkv_proj.weight,), (attn.qkv_proj.bias,), sizes,
+                             self._adapters(split_adapter(adapter_of(attn.qkv_proj), sizes)))
             half = mlp.gate_up_proj.weight.shape[0] // 2
-            gate_up = Projection((mlp.gate_up_proj.weight,), (mlp.gate_up_proj.bias,), (half, half))
+            gate_up = Projection((mlp.gate_up_proj.weight,), (mlp.gate_up_proj.bias,), (half, half),
+                                 self._adapters(split_adapter(adapter_of(mlp.gate_up_proj), (half, half))))
         else:
             qkv = self._projection([attn.q_proj, attn.k_proj, attn.v_proj])
             gate_up = self._projection([mlp.gate_proj, mlp.up_proj])
         qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.architecture.qk_norm else (None, None)
         return LayerWeights(
             norms.get("input"), qkv, *qk_norms, attn.o_proj.weight, attn.o_proj.bias, norms.get("post_attention"),
-            norms.get("pre_mlp"), gate_up, mlp.down_proj.weight, mlp.down_proj.bias, norms.get("post_mlp"))
+            norms.get("pre_mlp"), gate_up, mlp.down_proj.weight, mlp.down_proj.bias, norms.get("post_mlp"),
+            adapter_of(attn.o_proj), adapter_of(mlp.down_proj))
+
+    @staticmethod
+    def _adapters(adapters: tuple[LowRank | None, ...]) -> tuple[LowRank | None, ...]:
+        """`Projection.adapters`: empty when no output has one."""
+        return adapters if any(adapter is not None for adapter in adapters) else ()
 
     def _projection(self, linears: list[torch.nn.Linear]) -> Projection:
         """The linears as one fused product when `fuse_projections` (and their biases all exist or
@@ -603,10 +645,11 @@ class HFDecoder(Decoder):
         weights = [linear.weight for linear in linears]
         biases = [linear.bias for linear in linears]
         sizes = tuple(weight.shape[0] for weight in weights)
+        adapters = self._adapters(tuple(adapter_of(linear) for linear in linears))
         has_bias = [bias is not None for bias in biases]
         if not self.fuse_projections or (any(has_bias) and not all(has_bias)):
-            return Projection(tuple(weights), tuple(biases), sizes)
-        return Projection((fuse_rows(weights),), (fuse_rows(biases) if all(has_bias) else None,), sizes)
+            return Projection(tuple(weights), tuple(biases), sizes, adapters)
+        return Projection((fuse_rows(weights),), (fuse_rows(biases) if all(has_bias) else None,), sizes, adapters)
 
     def refresh(self) -> None:
         """Fuse again the layers whose parameters no longer view their buffers (module docstring);

@@ -44,24 +44,15 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from aligner_ext.data.templating import left_pad
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams, check_sampling
+from aligner_ext.generation.settings import HFEngineConfig
 from aligner_ext.generation.stopping import StopStringMatcher
-from aligner_ext.rules import number
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class HFEngineConfig:
-    """Settings of the in-process transformers engine."""
-
-    batch_size: int = number(256, ge=1)  # sequences per forward pass; larger calls are split into chunks of this size
-    reuse_prompt_prefill: bool = False  # run the prompt forward once per distinct prompt of a chunk and copy its KV cache to the duplicates
 
 
 @ENGINES.register("hf")

@@ -29,23 +29,20 @@ import logging
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from aligner_ext import distributed
+from aligner_ext.adapters import merged_parameters, merged_state
 from aligner_ext.generation import remote_vllm
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.settings import RemoteEngineConfig
 from aligner_ext.generation.weight_group import WeightGroup, describe
-from aligner_ext.rules import choice, number
-from aligner_ext.secrets import read_secret
-from aligner_ext.weights_file import save_weights
+from aligner_ext.weights_file import save_state
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_SYNC_MODES = ("none", "disk", "distributed")
-SERVER_KINDS = ("sglang", "vllm")
 # what a server without the weight-update endpoints of `server_kind` is told
 MISSING_ENDPOINT_HINTS = {
     "sglang": "SGLang's weight-update endpoints (SGLang, aligner-ext serve); for a vLLM server set "
@@ -54,36 +51,6 @@ MISSING_ENDPOINT_HINTS = {
             "vLLM >= 0.16; distributed: vLLM >= 0.21 and --weight-transfer-config '{\"backend\": \"nccl\"}'); "
             "for SGLang or aligner-ext serve set generator.remote.server_kind=sglang",
 }
-ROUTING = ("round_robin", "least_loaded")
-
-
-@dataclass
-class RemoteEngineConfig:
-    """Settings of the remote engine (generation/remote.py)."""
-
-    urls: list[str] = field(default_factory=list)  # base URLs of the generation servers, e.g. http://node1:8000
-    api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer <api_key>`; never written to the run directory (aligner_ext/secrets.py): prefer api_key_env / api_key_file
-    api_key_env: str | None = None  # environment variable holding api_key (used when api_key is not given)
-    api_key_file: str | None = None  # file whose first line is api_key (used when neither api_key nor api_key_env is given)
-    model: str | None = None  # model id to request; unset: the first id each server's /v1/models lists
-    concurrency: int = number(4, ge=1)  # requests in flight per server
-    max_prompts_per_request: int = number(64, ge=1)  # prompts per completions request (a call is cut into chunks of at most this many)
-    routing: str = choice("least_loaded", *ROUTING)  # which server takes the next chunk: round_robin | least_loaded (fewest in flight)
-    timeout_s: float = number(600.0, gt=0)  # limit per request (each retry has its own), seconds
-    max_retries: int = number(3, ge=0)  # retries per request after a connection error, timeout, 408, 429 or 5xx (exponential backoff)
-    seed_stride: int = number(1_000_003, ge=1)  # chunk c of a call seeded s is requested with seed s + c * seed_stride
-    weight_sync: str = choice("none", *WEIGHT_SYNC_MODES)  # how updated weights reach the servers: none | disk | distributed (docs/serving.md)
-    weight_sync_dir: str | None = None  # disk: a directory the servers can read (the trainer writes model.safetensors there)
-    weight_sync_address: str | None = None  # distributed: this machine's address as the servers reach it; unset: its host name
-    weight_sync_port: int = number(0, ge=0, le=65535)  # distributed: TCP port of the weight group's store; 0 picks a free one
-    weight_sync_backend: str = choice("auto", "auto", "nccl", "gloo")  # distributed: nccl | gloo | auto (nccl when the policy is on a GPU); vllm servers: nccl only
-    server_kind: str = choice("sglang", *SERVER_KINDS)  # whose weight-update endpoints the servers speak: sglang (SGLang's; aligner-ext serve) | vllm (docs/serving.md)
-
-    def __post_init__(self) -> None:
-        self.api_key = read_secret(self.api_key, self.api_key_env, self.api_key_file, "generator.remote.api_key")
-        if self.server_kind == "vllm" and self.weight_sync_backend == "gloo":
-            raise ValueError("generator.remote.weight_sync_backend=gloo: vLLM's workers receive weights over NCCL only "
-                             "(server_kind=vllm); use nccl or auto")
 
 
 class ServerError(RuntimeError):
@@ -214,7 +181,9 @@ class RemoteEngine(GenerationEngine):
         return [parse_choice(choice, server.url, params.return_logprobs) for choice in choices]
 
     def update_weights(self, policy_model) -> None:
-        """Push the policy's weights to every server (rank 0 pushes; every rank waits for it)."""
+        """Push the policy's weights to every server (rank 0 pushes; every rank waits for it). A policy
+        with LoRA adapters pushes its merged weights (`adapters.merged_state`: new tensors, the base
+        untouched), which every server kind loads as it loads a full model."""
         if self.cfg.weight_sync != "none" and distributed.is_main_process():
             with torch.no_grad():
                 if self.cfg.weight_sync == "disk":
@@ -227,7 +196,7 @@ class RemoteEngine(GenerationEngine):
         directory = Path(self.cfg.weight_sync_dir)
         directory.mkdir(parents=True, exist_ok=True)
         staging = directory / "model.safetensors.tmp"
-        save_weights(model, staging)
+        save_state(merged_state(model), staging)
         staging.replace(directory / "model.safetensors")  # servers never read a half-written file
         if self.cfg.server_kind == "vllm":
             remote_vllm.reload_from_disk(self._on_every_server, str(directory))
@@ -235,7 +204,7 @@ class RemoteEngine(GenerationEngine):
             self._on_every_server("/update_weights_from_disk", lambda index: {"model_path": str(directory)})
 
     def _push_distributed(self, model) -> None:
-        named = list(model.named_parameters())
+        named = merged_parameters(model)
         if self._group is None:
             self._group = self._join_group(next(model.parameters()).device)
 

@@ -41,7 +41,6 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -49,30 +48,18 @@ import torch
 
 from aligner_ext.generation import sample_kernel
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
-from aligner_ext.generation.decoder import ATTENTION_CHOICES, HFDecoder, SlotKVCache
+from aligner_ext.generation.decoder import HFDecoder, SlotKVCache
 from aligner_ext.generation.hf import check_request, eos_ids_of
 from aligner_ext.generation.sampler import request_seed, sample
+from aligner_ext.generation.settings import RolloutEngineConfig
 from aligner_ext.generation.stopping import StopStringMatcher
-from aligner_ext.rules import choice, number
 
 PREFIX_BLOCK = 16  # kept sequences are matched by whole blocks of this many tokens
-SMALL_ROW_BUCKETS = (1, 2, 4, 8)  # CUDA-graph row counts below 16; from 16 on, every multiple of 16
+# CUDA-graph row counts below 16; from 16 on, every multiple of 16. No bucket of 1 row: torch.compile
+# specialises a dimension of size 1, so the first call that ends on slot 0 alone would recompile the
+# decode step (seconds) in the middle of training; one idle row costs nothing a step can measure.
+SMALL_ROW_BUCKETS = (2, 4, 8)
 LOOKAHEAD = 1  # decode steps launched before the host reads a step's tokens
-
-
-@dataclass
-class RolloutEngineConfig:
-    """Settings of the rollout engine (generation/rollout.py)."""
-
-    max_batch_size: int = number(256, ge=1)  # KV-cache slots: sequences decoded together
-    kv_cache_memory_share: float = number(0.5, gt=0, le=1)  # on a GPU, the share of free memory the KV cache may take (fewer slots if it does not fit)
-    share_prompt_prefill: bool = True  # prefill identical prompts of one admission once and copy their KV rows
-    prefix_cache: bool = True  # keep a call's KV cache for the next call: a prompt that extends a kept sequence prefills only its new tokens (MTPO's round 2)
-    cuda_graphs: bool = True  # on a GPU, replay the decode step from CUDA graphs (ignored on the CPU)
-    compile: bool = True  # on a GPU, torch.compile the decode step's layer functions and the sampler, and draw with the Triton race (ignored on the CPU)
-    attention: str = choice("auto", *ATTENTION_CHOICES)  # decode attention kernel: auto (triton on a GPU, sdpa on the CPU) | sdpa (torch SDPA: cuDNN / flash) | flex (FlexAttention, compiled on a GPU) | triton (flash-decoding Triton kernel, GPU)
-    fuse_projections: bool = True  # q/k/v and gate/up as one product each: the parameters become views of one buffer per group (no copy)
-    attended_length_step: int = number(128, ge=1)  # sdpa / flex: a decode step attends over the smallest multiple of this many cache positions that covers every sequence (triton reads each sequence to its own position)
 
 
 class _DeviceSlots:

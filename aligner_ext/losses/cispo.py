@@ -27,26 +27,20 @@ Decisions (tests/unit/losses/test_gspo_cispo.py pins them):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.losses.base import LOSSES
 from aligner_ext.losses.policy_gradient import PolicyGradientLoss
-from aligner_ext.rules import number
+from aligner_ext.losses.settings import CISPOConfig
 
 
 @LOSSES.register("cispo")
 class CISPOLoss(PolicyGradientLoss):
     """-sg(clip(r)) A logprob per token, with the shared correction, KL term and aggregation."""
 
-    @dataclass
-    class Config:
-        """CISPO's importance-weight clip (loss cispo; MiniMax-M1 sets no lower bound)."""
-
-        epsilon: float = number(1.0, ge=0, le=1)  # the weight is clipped below at 1 - epsilon; 1 = no lower clip (the paper)
-        epsilon_high: float = number(3.0, ge=0)  # the weight is clipped above at 1 + epsilon_high (the paper tunes it; Tinker's default 3, NeMo-RL's recipe 5)
+    Config = CISPOConfig  # its settings (aligner_ext/losses/settings.py)
 
     def surrogate(self, logprobs: torch.Tensor, log_ratio: torch.Tensor,
                   batch: ExperienceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

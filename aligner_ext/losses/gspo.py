@@ -34,26 +34,20 @@ Decisions (tests/unit/losses/test_gspo_cispo.py pins them):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.losses.base import LOSSES
 from aligner_ext.losses.policy_gradient import PolicyGradientLoss
-from aligner_ext.rules import number
+from aligner_ext.losses.settings import GSPOConfig
 
 
 @LOSSES.register("gspo")
 class GSPOLoss(PolicyGradientLoss):
     """Sequence-level ratio s_i, clipped per sequence, on every token of the sequence (GSPO-token form)."""
 
-    @dataclass
-    class Config:
-        """GSPO's sequence-ratio clip range (loss gspo; the paper's values)."""
-
-        epsilon: float = number(3e-4, ge=0, lt=1)  # the sequence ratio is clipped below at 1 - epsilon (GSPO: 3e-4)
-        epsilon_high: float = number(4e-4, ge=0)  # the sequence ratio is clipped above at 1 + epsilon_high (GSPO: 4e-4)
+    Config = GSPOConfig  # its settings (aligner_ext/losses/settings.py)
 
     agg_modes = ("seq-mean-token-mean",)
     corrections = ("none", "sequence_tis", "sequence_mask")

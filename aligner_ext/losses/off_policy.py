@@ -44,16 +44,9 @@ from typing import Callable
 import torch
 
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.losses.settings import CORRECTIONS, correction_mode
 
-CORRECTIONS = ("none", "token_tis", "sequence_tis", "token_mask", "sequence_mask")
 TRUNCATING = ("token_tis", "sequence_tis")
-
-
-def correction_mode(cfg) -> str:
-    """The correction the `loss` section asks for: a cap alone selects token_tis (module docstring)."""
-    if cfg.off_policy_correction == "none" and cfg.importance_sampling_cap > 0:
-        return "token_tis"
-    return cfg.off_policy_correction
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ flags, e.g. actor/clip_frac_low).
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,10 +35,8 @@ from aligner_ext.context import BuildContext
 from aligner_ext.losses.aggregation import AGG_MODES, aggregate, check_agg_mode
 from aligner_ext.losses.base import LOSSES, GlobalCounts, Loss
 from aligner_ext.losses.kl import KL_ESTIMATORS, kl_k3
-from aligner_ext.losses.off_policy import CORRECTIONS, CorrectionWeights, OffPolicyCorrection
-
-if TYPE_CHECKING:
-    from aligner_ext.losses.settings import LossConfig  # which imports the losses built on this module
+from aligner_ext.losses.off_policy import CorrectionWeights, OffPolicyCorrection
+from aligner_ext.losses.settings import CORRECTIONS, LossConfig
 
 
 class PolicyGradientLoss(Loss):
@@ -55,7 +52,7 @@ class PolicyGradientLoss(Loss):
     dual_clip = False  # whether it reads loss.clip_ratio_c (clipped_pg's dual clip); set for another, it is refused
     reads = ("advantages", "old_logprobs", "response_mask")
 
-    def __init__(self, cfg: "LossConfig"):
+    def __init__(self, cfg: LossConfig):
         if cfg.kl_coef < 0.0:
             raise ValueError(f"loss.kl_coef must be >= 0, got {cfg.kl_coef}")
         if cfg.log_ratio_clamp <= 0.0:

@@ -1,15 +1,35 @@
-"""The run config's `loss` section: what every policy-gradient loss shares, clipped_pg's clip range at
-its top level, and GSPO's and CISPO's own clips in their subsections (losses/policy_gradient.py)."""
+"""Settings of the losses: the run config's `loss` section (what every policy-gradient loss shares,
+clipped_pg's clip range at its top level, GSPO's and CISPO's own clips in their subsections;
+losses/policy_gradient.py).
+
+The dataclasses, each field with its rule, are kept free of torch and of the code that uses them:
+composing and checking a configuration (`aligner-ext config`, `load_config`) never imports a model
+library (tests/unit/config/test_plugin_names.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aligner_ext.losses.aggregation import AGG_MODES
-from aligner_ext.losses.cispo import CISPOLoss
-from aligner_ext.losses.gspo import GSPOLoss
-from aligner_ext.losses.off_policy import CORRECTIONS
 from aligner_ext.rules import choice, number, plugin
+
+AGG_MODE_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # losses/aggregation.py
+CORRECTIONS = ("none", "token_tis", "sequence_tis", "token_mask", "sequence_mask")  # losses/off_policy.py
+
+
+@dataclass
+class GSPOConfig:
+    """GSPO's sequence-ratio clip range (loss gspo; the paper's values)."""
+
+    epsilon: float = number(3e-4, ge=0, lt=1)  # the sequence ratio is clipped below at 1 - epsilon (GSPO: 3e-4)
+    epsilon_high: float = number(4e-4, ge=0)  # the sequence ratio is clipped above at 1 + epsilon_high (GSPO: 4e-4)
+
+
+@dataclass
+class CISPOConfig:
+    """CISPO's importance-weight clip (loss cispo; MiniMax-M1 sets no lower bound)."""
+
+    epsilon: float = number(1.0, ge=0, le=1)  # the weight is clipped below at 1 - epsilon; 1 = no lower clip (the paper)
+    epsilon_high: float = number(3.0, ge=0)  # the weight is clipped above at 1 + epsilon_high (the paper tunes it; Tinker's default 3, NeMo-RL's recipe 5)
 
 
 @dataclass
@@ -18,7 +38,7 @@ class LossConfig:
 
     epsilon: float = number(0.2, ge=0, lt=1)  # clipped_pg's lower clip: the ratio is clipped below at 1 - epsilon
     epsilon_high: float = number(0.2, ge=0)  # clipped_pg's upper clip: clipped above at 1 + epsilon_high (DAPO: 0.28)
-    agg_mode: str = choice("token-mean", *AGG_MODES)  # token-mean | seq-mean-token-mean | seq-mean-token-sum (gspo: seq-mean-token-mean only)
+    agg_mode: str = choice("token-mean", *AGG_MODE_NAMES)  # token-mean | seq-mean-token-mean | seq-mean-token-sum (gspo: seq-mean-token-mean only)
     kl_coef: float = number(0.0, ge=0)  # beta, weight of the KL(pi || ref) term; 0 disables the reference model
     kl_estimator: str = plugin("k3", "aligner_ext.losses.kl:KL_ESTIMATORS")  # k1 | k2 | k3 (losses/kl.py)
     log_ratio_clamp: float = number(20.0, gt=0)  # |logprob - old_logprob| bound before exp, in nats
@@ -27,5 +47,12 @@ class LossConfig:
     importance_sampling_cap: float = number(0.0, ge=0)  # truncation C of token_tis and sequence_tis (verl / TRL use 2); > 0 with off_policy_correction=none selects token_tis
     importance_sampling_low: float = number(0.5, gt=0, le=1)  # token_mask / sequence_mask drop tokens or sequences whose ratio is below this (IcePop: 0.5)
     importance_sampling_high: float = number(2.0, ge=1)  # token_mask / sequence_mask drop tokens or sequences whose ratio is above this (IcePop: 2)
-    gspo: GSPOLoss.Config = field(default_factory=GSPOLoss.Config)  # read by algorithm.loss=gspo
-    cispo: CISPOLoss.Config = field(default_factory=CISPOLoss.Config)  # read by algorithm.loss=cispo
+    gspo: GSPOConfig = field(default_factory=GSPOConfig)  # read by algorithm.loss=gspo
+    cispo: CISPOConfig = field(default_factory=CISPOConfig)  # read by algorithm.loss=cispo
+
+
+def correction_mode(cfg) -> str:
+    """The correction the `loss` section asks for: a cap alone selects token_tis (losses/off_policy.py)."""
+    if cfg.off_policy_correction == "none" and cfg.importance_sampling_cap > 0:
+        return "token_tis"
+    return cfg.off_policy_correction

@@ -6,7 +6,7 @@ the last `window` of them, itself included, as transformers' sliding window (`sl
 On a GPU, `torch.nn.attention.varlen.varlen_attn` (FlashAttention over cumulative lengths; torch >=
 2.10); where its signature has no `enable_gqa` (torch 2.11), key/value heads are repeated to the
 query heads first. Elsewhere (the CPU tests) each sequence goes through SDPA on its own slice, the
-same mathematics. Measured (docs/benchmarks.md, scripts/bench/attention_varlen.py): on the H100 the
+same mathematics. Measured (docs/benchmarks.md, scripts/bench/attention_varlen.py at 4e17684): on the H100 the
 varlen kernel over 16 packed sequences costs about what SDPA costs on the same rows padded, and the
 per-sequence loop 20x more, so the loop is the CPU path only.
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import abc
 import logging
 import math
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -20,7 +18,6 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.errors import UserError
 from aligner_ext.losses.base import Loss
 from aligner_ext.registry import Registry
-from aligner_ext.rules import choice, number, plugin
 
 POLICIES = Registry("policy backend")
 logger = logging.getLogger(__name__)
@@ -124,51 +121,9 @@ def update_metrics(totals: dict[str, float], grad_norms: list[float], skipped: i
     return metrics
 
 
-@dataclass
-class OptimConfig:
-    """AdamW and its learning-rate schedule (one schedule step per RL step)."""
-
-    lr: float = number(1e-6, ge=0)  # peak learning rate (typical for billion-parameter policies; conf/demo.yaml sets the tiny model's)
-    weight_decay: float = number(0.0, ge=0)  # AdamW decoupled weight decay
-    beta1: float = number(0.9, ge=0, lt=1)  # AdamW first-moment decay
-    beta2: float = number(0.999, ge=0, lt=1)  # AdamW second-moment decay
-    eps: float = number(1e-8, gt=0)  # AdamW denominator epsilon
-    grad_clip: float = number(1.0, ge=0)  # max global gradient L2 norm; 0 disables clipping
-    schedule: str = choice("constant", "constant", "linear", "cosine")  # constant | linear | cosine (decay to min_lr_ratio * lr after warm-up)
-    warmup_steps: int = number(0, ge=0)  # RL steps of linear warm-up from 0 to lr
-    min_lr_ratio: float = number(0.0, ge=0, le=1)  # final lr / peak lr for linear and cosine decay
-    max_nonfinite_in_a_row: int = number(3, ge=1)  # an update with a non-finite loss or gradient norm is skipped (and counted); this many in a row stop the run
-    max_update_ratio: float = number(0.1, ge=0)  # an update changing the weights' L2 norm by more than this fraction of it diverged: the run stops (exit 2) without saving it (0 disables)
-
-
-@dataclass
-class PolicyConfig:
-    """Which backend trains the policy, and how a batch is split for it."""
-
-    backend: str = plugin("hf", "aligner_ext.models.base:POLICIES")  # registered policy backend
-    dtype: str = choice("auto", "auto", "float32", "bfloat16", "float64")  # auto (bfloat16 on a GPU that supports it, else float32) | float32 | bfloat16 | float64
-    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
-    micro_batch_size: int = number(64, ge=1)  # sequences per forward/backward (memory knob; does not change the gradient)
-    mini_batch_size: int = number(0, ge=0)  # sequences per optimizer update; 0 = the whole step batch (one update)
-    num_iterations: int = number(1, ge=1)  # passes over each step batch against the stored old log-probs
-    old_logprob_pass: str = choice("auto", "auto", "always")  # auto: skipped when the step is one on-policy update (the training forward's detached log-probs are the old ones) | always
-    logprob_chunk_size: int = number(4096, ge=1)  # response tokens per chunk of the fused log-prob head (bounds its [tokens, vocab] logits)
-    kernels: str = choice("auto", "auto", "none", "liger")  # training kernels: liger (HF backend: Liger-Kernel's Triton RMSNorm, SwiGLU, RoPE, models/kernels.py; megatron backend: Liger's RMSNorm and megatron-core's fused SwiGLU / GeGLU, models/megatron/model.py, less memory; CUDA; extra liger) | none (the plain modules) | auto (liger where it runs: a CUDA device and the package; measured faster on both backends)
-    tensor_model_parallel_size: int = number(1, ge=1)  # megatron backend: GPUs each layer is split across (TP)
-    pipeline_model_parallel_size: int = number(1, ge=1)  # megatron backend: pipeline stages the layers are split into (PP)
-    sequence_parallel: bool = False  # megatron backend: shard norm/dropout activations over TP ranks (TP > 1)
-    use_distributed_optimizer: bool = False  # megatron backend: shard optimizer state over data-parallel ranks
-    micro_batch_tokens: int = number(0, ge=0)  # pack whole sequences end to end into micro-batches of at most this many tokens (both backends; no compute on pads; a longer sequence goes alone); 0 = micro_batch_size rows per micro-batch, padded
-    recompute_activations: bool = False  # megatron backend: keep only each layer's input and recompute the layer in the backward (less memory, ~1/3 more compute)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-
-    def __post_init__(self) -> None:
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"policy.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
-
-
 class Reference(Protocol):
-    """The KL penalty's reference: a frozen copy of the starting policy."""
+    """The KL penalty's reference, the starting policy: a frozen copy, or with LoRA the policy's own model
+    with its adapters switched off (docs/lora.md)."""
 
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> torch.Tensor:
         """Log-probs [B, R] of the response tokens, float32 on the CPU, zero past each response."""
@@ -177,7 +132,7 @@ class Reference(Protocol):
 class Policy(abc.ABC):
     """A trainable policy."""
 
-    model: torch.nn.Module | None  # the HF module checkpoints save; None for a backend that keeps no HF copy
+    model: torch.nn.Module | None  # the HF module checkpoints save; None where they hold no HF weights (no HF copy kept, or the Megatron backend's LoRA adapters)
     device: torch.device  # where it trains
     restores_own_weights: bool = False  # `load_sharded` restores the weights: a resume skips the checkpoint's model.safetensors
     def fills_old_logprobs(self, batch_size: int) -> bool:

@@ -8,26 +8,35 @@ accumulation): `policy.micro_batch_size` rows padded to a common width, or with
 attention kept within each sequence through `models/attention.hf_packed_attention`, no compute on
 pads). The loss divides by the mini-batch's global counts, so the gradient depends neither on the
 micro-batch size nor on packing.
+
+With `policy.lora.rank > 0` the model carries peft's adapters (`models/lora.py`): only they train and
+the optimizer holds only them; the KL reference is the same model with its adapters switched off
+(`AdaptersOff`), and the export writes the merged weights with the adapters in peft's format beside
+them (docs/lora.md).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
+from aligner_ext.adapters import merged_state
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
-from aligner_ext.models.base import (
-    POLICIES, NonFiniteGuard, OptimConfig, Policy, PolicyConfig, record_applied, update_metrics, weights_norm,
-)
+from aligner_ext.models import lora
 from aligner_ext.models.attention import hf_packed_attention
+from aligner_ext.models.base import (
+    POLICIES, NonFiniteGuard, Policy, record_applied, update_metrics, weights_norm,
+)
 from aligner_ext.models.kernels import apply_kernels
 from aligner_ext.models.logprobs import fused_logprobs
 from aligner_ext.models.packing import pack_end_to_end, token_micro_batches
+from aligner_ext.models.settings import OptimConfig, PolicyConfig
 
 PACK_PAD_ID = 0  # fills a packed row's tail; a sequence of its own, attended to by no real token
 
@@ -154,17 +163,19 @@ def split_rows(size: int, chunk: int) -> list[range]:
 
 @POLICIES.register("hf")
 class HFPolicy(Policy):
-    """An HF causal LM trained with AdamW; the generation engine may share `self.model`."""
-
+    """An HF causal LM trained with AdamW; the generation engine may share `self.model`. With LoRA,
+    `self.model` is the same transformers module with peft's layers inside and `peft_model` wraps it."""
 
     def __init__(self, model: PreTrainedModel, cfg: PolicyConfig, total_steps: int):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.model = cast_model(model, self.device, resolve_dtype(cfg.dtype, self.device))
         apply_kernels(self.model, cfg.kernels)
+        self.peft_model = lora.attach(self.model, cfg.lora) if cfg.lora.rank > 0 else None
+        self.trainable = [param for param in self.model.parameters() if param.requires_grad]
         optim = cfg.optim
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2),
+            self.trainable, lr=optim.lr, betas=(optim.beta1, optim.beta2),
             eps=optim.eps, weight_decay=optim.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
@@ -237,13 +248,13 @@ class HFPolicy(Policy):
         if fill:
             mini.old_logprobs, mini.entropy = filled_lp, filled_ent
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, clip))
         if not self.guard.admit(grad_norm, float(total_loss)):
             self.optimizer.zero_grad(set_to_none=True)
             return None, grad_norm, None
-        before = weights_norm(self.model.parameters())
+        before = weights_norm(self.trainable)
         self.optimizer.step()
-        return metrics, grad_norm, (before, weights_norm(self.model.parameters()))
+        return metrics, grad_norm, (before, weights_norm(self.trainable))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
@@ -269,9 +280,17 @@ class HFPolicy(Policy):
         self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def save_pretrained(self, directory: str) -> None:
-        self.model.save_pretrained(directory, safe_serialization=True)
+        """The HF checkpoint; with LoRA the merged weights (new tensors: the base keeps its values) and,
+        in `adapter/`, the adapters as peft writes them."""
+        if self.peft_model is None:
+            self.model.save_pretrained(directory, safe_serialization=True)
+            return
+        self.model.save_pretrained(directory, state_dict=merged_state(self.model), safe_serialization=True)
+        self.peft_model.save_pretrained(str(Path(directory) / lora.ADAPTER_DIR))
 
     def frozen_reference(self) -> "FrozenReference":
+        if self.peft_model is not None:
+            return AdaptersOff(self.peft_model, self.model, self.cfg)
         return FrozenReference(self.model, self.cfg)
 
 
@@ -299,3 +318,23 @@ class FrozenReference:
         if not rows:
             return batch.response_ids.new_zeros((0, batch.response_ids.shape[1]), dtype=torch.float32)
         return score(self.model, batch.select(rows), self.cfg, False, temperature)[0]
+
+
+class AdaptersOff(FrozenReference):
+    """The KL reference under LoRA: the policy's own module with its adapters switched off (peft's
+    `disable_adapter`), which is the base model the run started from, since the base weights never
+    train. No second copy of the model; the reference forward costs what a policy forward costs."""
+
+    def __init__(self, peft_model, model: PreTrainedModel, cfg: PolicyConfig):
+        self.peft_model = peft_model
+        self.model = model
+        self.cfg = cfg
+
+    def _score(self, batch: ExperienceBatch, rows: list[int], temperature: float) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.peft_model.disable_adapter():
+                return super()._score(batch, rows, temperature)
+        finally:
+            self.model.train(was_training)

@@ -11,12 +11,11 @@ the round trip).
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from aligner_ext.rules import number
+from aligner_ext.models.settings import TinyModelConfig
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -30,27 +29,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-@dataclass
-class TinyModelConfig:
-    """Size of the built-in model (used only when `model.path` is not set)."""
-
-    hidden_size: int = number(128, ge=1)  # width of the residual stream
-    num_layers: int = number(4, ge=1)  # transformer blocks
-    num_heads: int = number(4, ge=1)  # attention heads
-    num_kv_heads: int = number(2, ge=1)  # key/value heads (grouped-query attention)
-    intermediate_size: int = number(512, ge=1)  # MLP width
-    max_position_embeddings: int = number(512, ge=2)  # longest prompt + response, in tokens
-    seed: int = number(0, ge=0)  # seeds the random initialisation
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(f"model.tiny.num_heads={self.num_heads}: must divide model.tiny.hidden_size="
-                             f"{self.hidden_size} into heads of an even width (rotary embeddings rotate pairs)")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model.tiny.num_kv_heads={self.num_kv_heads}: must divide model.tiny.num_heads="
-                             f"{self.num_heads} (each key/value head serves a group of query heads)")
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:

@@ -9,30 +9,16 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from aligner_ext.data.templating import encode_prompt
-from aligner_ext.rules import choice, number
+from aligner_ext.models.settings import WarmupConfig
 
 logger = logging.getLogger(__name__)
 
 
-AUTOCAST_CHOICES = ("auto", "bfloat16", "none")
-
-
-@dataclass
-class WarmupConfig:
-    """Supervised warm-up of the embedded model (only when `model.path` is not set)."""
-
-    steps: int = number(200, ge=0)  # optimizer steps; stop early to leave the RL phase something to learn
-    batch_size: int = number(64, ge=1)  # sequences per step
-    lr: float = number(1e-3, gt=0)  # AdamW learning rate
-    seed: int = number(0, ge=0)  # order of the examples
-    autocast: str = choice("auto", *AUTOCAST_CHOICES)  # auto (bfloat16 autocast on a GPU, none on the CPU) | bfloat16 | none
-    cache_dir: str = "auto"  # where warmed models are kept, keyed by the warm-up's inputs, so a task's warm-up runs once per machine (models/warmup_cache.py): a directory | auto ($ALIGNER_EXT_CACHE, else $XDG_CACHE_HOME/aligner_ext, else ~/.cache/aligner_ext; + /warmup) | none
 
 
 def uses_bfloat16(device: torch.device, setting: str) -> bool:

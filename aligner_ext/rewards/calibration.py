@@ -22,7 +22,7 @@ Decisions (docs/variants/mtpo.md; tests/unit/rewards/test_mtpo_calibration.py pi
   text outside an answer tag can be matched), no round 2 is generated, and R_conf = 0.
 - Format checks are case-sensitive (the stop strings are too) and allow only whitespace around
   the tags. `format_answer_segment` requires `<think>` and `<answer>`; `format_confidence_segment`
-  requires `<analysis>` before the confidence (the seed's format line), while
+  requires `<analysis>` before the confidence (the original recipe's format line), while
   `format_confidence_segment_lenient` makes it optional (the public MTPO fork's regex). Which one
   applies is the config's `confidence_format` (a reward name, so a user function plugs in too).
 """
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from aligner_ext.data.types import PromptRow
 from aligner_ext.rewards.base import REWARDS, RewardResult, as_result, register_reward
 from aligner_ext.rewards.exact_match import squad_exact_match_reward
-from aligner_ext.rules import number, plugin
+from aligner_ext.rewards.settings import SegmentRewardsConfig
 
 _ANSWER_SEGMENT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
 _CONFIDENCE_SEGMENT = re.compile(r"\s*<analysis>.*?</analysis>\s*<confidence>[^<]*</confidence>\s*", re.DOTALL)
@@ -102,16 +102,7 @@ class SegmentScore:
 class SegmentRewards:
     """Weights the answer-side and confidence-side terms (see the module docstring)."""
 
-    @dataclass
-    class Config:
-        """Segment rewards of MTPO: weights of each term and the format check of each segment."""
-
-        correctness_weight: float = number(1.0)  # answer side: weight of the row's reward (by data_source), e.g. exact match
-        answer_format: str = plugin("format_answer_segment", "aligner_ext.rewards.base:REWARDS")  # reward name checking the round-1 text's format
-        answer_format_weight: float = number(0.5)  # answer side: weight of that format check
-        calibration_weight: float = number(1.0)  # confidence side: weight of 1 - (c - correct)^2
-        confidence_format: str = plugin("format_confidence_segment", "aligner_ext.rewards.base:REWARDS")  # format_confidence_segment (<analysis> required) | format_confidence_segment_lenient (optional) | a reward name
-        confidence_format_weight: float = number(0.5)  # confidence side: weight of that format check
+    Config = SegmentRewardsConfig  # its settings (aligner_ext/rewards/settings.py)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

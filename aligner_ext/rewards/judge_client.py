@@ -35,7 +35,6 @@ Decisions:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -50,7 +49,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import openai
 
-from aligner_ext.rules import number
+from aligner_ext.rewards.settings import JudgeConfig
 
 logger = logging.getLogger(__name__)
 _BEARER = re.compile(r"(?i)bearer\s+[^\s\"',;]+")
@@ -67,36 +66,6 @@ class JudgeError(RuntimeError):
 
 class JudgeUnavailable(JudgeError):
     """The judge endpoint could not be reached (down, refusing connections, or timing out)."""
-
-
-@dataclass
-class JudgeConfig:
-    """An OpenAI-compatible chat-completions judge: endpoint, model and limits."""
-
-    base_url: str = "http://127.0.0.1:8000/v1"  # endpoint root; requests go to <base_url>/chat/completions
-    model: str = "judge"  # model name sent with every request
-    api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the API key (never logged); unset: no key sent
-    template: str = "judge/rubric_grader.txt"  # grader prompt: a path, absolute or relative to conf/
-    temperature: float = number(0.0, ge=0)  # judge sampling temperature
-    max_tokens: int = number(1024, ge=1)  # cap on the judge's reply, in tokens
-    timeout_s: float = number(60.0, gt=0)  # limit per HTTP request (connect and each read), seconds
-    max_retries: int = number(3, ge=0)  # further attempts after a failed request or an unparseable reply
-    backoff_s: float = number(1.0, ge=0)  # wait before the first retry, seconds; doubled before each later one
-    max_concurrency: int = number(8, ge=1)  # requests in flight at once per client (per reward worker process)
-    cache_size: int = number(10000, ge=0)  # parsed replies kept for identical requests; 0 disables the cache
-
-    def __post_init__(self) -> None:
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"judge base_url must start with http:// or https://, got {self.base_url!r}")
-
-    def key(self) -> tuple:
-        """The field values: equal configs share one client (its cache and limit) in a process."""
-        return dataclasses.astuple(self)
-
-    def worst_case_s(self) -> float:
-        """Longest one `complete` call can take: every attempt timing out, plus the backoff waits."""
-        waits = sum(self.backoff_s * 2**k for k in range(self.max_retries))
-        return self.timeout_s * (self.max_retries + 1) + waits
 
 
 @dataclass

@@ -63,7 +63,6 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
@@ -71,29 +70,16 @@ from typing import Any, Callable
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import map_split
 from aligner_ext.errors import UserError
+from aligner_ext.rewards import exact_match, format, math_answer, multiple_choice  # noqa: F401 - register the built-in functions
 from aligner_ext.rewards.base import DATA_SOURCES, REWARDS, RewardResult, as_result, is_trainable_score
-from aligner_ext.rewards.judge_client import JudgeConfig
+from aligner_ext.rewards.settings import RewardConfig
 from aligner_ext.rewards.verl_score import adapt
-from aligner_ext.rules import number
 
 logger = logging.getLogger(__name__)
 
 MAX_LOGS_PER_ERROR = 3  # log lines per (reward, exception type); every occurrence is counted
 STARTUP_TIMEOUT_S = 120.0  # how long a new worker may take to start, seconds
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal this process gets when its parent exits
-
-
-@dataclass
-class RewardConfig:
-    """Which reward function scores each data_source, and the limits on a call."""
-
-    sources: dict[str, str] = field(default_factory=dict)  # data_source -> reward name or 'pkg.module:fn' (wins)
-    default: str | None = None  # reward for a data_source in no table; None: such a row is a config error
-    timeout_s: float = number(10.0, gt=0)  # wall-clock limit per call, seconds; then its worker is killed, score fallback_score
-    fallback_score: float = number(0.0)  # score of a call that raised, timed out or returned a bad value
-    num_workers: int = number(2, ge=1)  # worker processes
-    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the LLM judge of judge-graded rewards (rubric_judge)
-    split_across_ranks: bool = True  # under torchrun each process scores a contiguous share of every score() call and the results are all-gathered; false: every process scores everything
 
 
 class RewardSourceError(UserError, ValueError):

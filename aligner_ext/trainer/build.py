@@ -24,8 +24,8 @@ import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 from aligner_ext.algorithms.advantages import ADVANTAGES
 from aligner_ext.config import RunConfig
 from aligner_ext.context import BuildContext
-from aligner_ext.data import build_loader, build_val_loaders, builtin_rows
-from aligner_ext.data.loader import PromptLoader
+from aligner_ext.data.loader import PromptLoader, build_loader, build_val_loaders
+from aligner_ext.data.tasks import builtin_rows
 from aligner_ext.distributed import main_process_first
 from aligner_ext.errors import ConfigError, ModelPathError, UserError, error_line
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
@@ -33,7 +33,7 @@ from aligner_ext.files import follow_umask
 from aligner_ext.generation.base import ENGINES, GenerationEngine
 from aligner_ext.generation.sharded import split_across_ranks
 from aligner_ext.losses.base import LOSSES, Loss
-from aligner_ext.models import warmup_cache
+from aligner_ext.models import lora, warmup_cache
 from aligner_ext.models.base import POLICIES, Policy, Reference
 from aligner_ext.models.hf import resolve_device
 from aligner_ext.models.kernels import start_compile_workers
@@ -150,6 +150,7 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     loads; the plug-ins' settings, batch contracts (trainer/contracts.py) and the training rows against
     the experience maker once they are built, before the first step."""
     check_plugin_names(cfg)
+    lora.check_combination(cfg.policy.lora, cfg.generator.engine)
     check_evaluation(cfg)
     model_dir = model_directory(cfg, run_dir)
     check_run(cfg, model_dir)  # the model's family and layout, from config.json alone (aligner_ext/support.py)

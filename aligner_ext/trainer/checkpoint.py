@@ -2,7 +2,9 @@
 
 A checkpoint is `checkpoints/step_<N>/` holding the weights (`model.safetensors`), the tokenizer,
 and `trainer_state.pt` (optimizer, LR schedule, prompt-loader position, experience-maker state,
-RNG states), and `manifest.json` (every file's size and SHA-256, written last). It is written under
+RNG states), and `manifest.json` (every file's size and SHA-256, written last); a policy with LoRA
+adapters saves them alone (`adapters.safetensors`) with `base.json`, the path and checksum of the
+base model they belong to, and resuming them on another base is refused (models/lora.py). It is written under
 a temporary name and renamed into place only when complete, so every `step_<N>` directory is a
 complete checkpoint and a run killed mid-save keeps its previous one. `checkpoints/latest` (a
 one-line file, itself replaced atomically) names the newest one, but it is only a hint: the newest
@@ -46,13 +48,16 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
+from aligner_ext.adapters import adapter_state, model_is_adapted
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import barrier, is_main_process
 from aligner_ext.errors import (CheckpointError, CorruptCheckpoint, UnsafeCheckpoint, UnverifiedCheckpoint,
                                  error_line)
 from aligner_ext.files import follow_umask
+from aligner_ext.models import lora
 from aligner_ext.weights_file import load_weights, save_weights
 
 logger = logging.getLogger(__name__)
@@ -60,6 +65,8 @@ logger = logging.getLogger(__name__)
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
+WEIGHTS = "model.safetensors"
+ADAPTERS = "adapters.safetensors"  # instead of WEIGHTS when the policy trains LoRA adapters
 SAFE_TYPES = (ExperienceBatch, SampleInfo, PromptRow)  # the classes trainer_state.pt may hold
 
 
@@ -182,7 +189,9 @@ class Checkpointer:
         final = self.directory / f"step_{step}"
         tmp = self.directory / f".step_{step}.tmp"
         if is_main_process():
-            poisoned = [] if model is None else [name for name, tensor in model.state_dict().items()
+            adapted = model is not None and model_is_adapted(model)
+            saved = {} if model is None else adapter_state(model) if adapted else model.state_dict()
+            poisoned = [name for name, tensor in saved.items()
                         if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
             if poisoned:  # a resume from it could only fail or train on garbage: keep the previous checkpoint
                 raise RuntimeError(f"not saving step {step}: non-finite values in {len(poisoned)} weight tensor(s) "
@@ -197,8 +206,11 @@ class Checkpointer:
         barrier()
         if is_main_process():
             torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
-            if model is not None:
-                save_weights(model, tmp / "model.safetensors")
+            if adapted:
+                save_file({name: value.detach().contiguous() for name, value in saved.items()}, str(tmp / ADAPTERS))
+                lora.write_base(model.name_or_path, tmp)
+            elif model is not None:
+                save_weights(model, tmp / WEIGHTS)
             tokenizer.save_pretrained(str(tmp / "tokenizer"))
             _write_manifest(tmp, step)
             follow_umask(tmp)
@@ -232,10 +244,20 @@ class Checkpointer:
 
     @staticmethod
     def _load_weights(path: Path, model: torch.nn.Module) -> None:
+        adapted = model_is_adapted(model)
+        if adapted != (path / ADAPTERS).exists():
+            held, wanted = (WEIGHTS, "adapters (policy.lora.rank > 0)") if adapted else (ADAPTERS, "every weight")
+            raise CheckpointError(f"checkpoint {path} holds {held}, this run trains {wanted}: resume with the "
+                                  "policy.lora settings it was saved with, or start afresh (trainer.resume=false)")
+        file = path / (ADAPTERS if adapted else WEIGHTS)
         try:
-            missing, unexpected = load_weights(model, path / "model.safetensors")
+            if adapted:
+                lora.check_base(model.name_or_path, path)
+                lora.load_adapters(model, load_file(str(file), device=str(next(model.parameters()).device)), path)
+                return
+            missing, unexpected = load_weights(model, file)
         except SafetensorError as err:  # not safetensors: unverified, or replaced and the manifest recomputed
-            raise CorruptCheckpoint(f"{path / 'model.safetensors'}: unreadable ({err})") from err
+            raise CorruptCheckpoint(f"{file}: unreadable ({err})") from err
         except RuntimeError as err:  # a tensor of another shape
             raise CheckpointError(f"checkpoint {path} does not fit the model: {err}") from err
         if missing or unexpected:

@@ -1,4 +1,4 @@
-"""The family benchmark (scripts/bench/families.py): its decode bound and training FLOPs by hand
+"""The family benchmark (`run.py families`, scripts/bench/families.py): its decode bound and training FLOPs by hand
 (windowed layers count their window only), a refusal reported in the table, and a run of two
 families at the tiny size on the CPU."""
 
@@ -45,10 +45,10 @@ def test_a_refusal_is_a_note_of_the_table_not_a_crash():
 
 @pytest.mark.slow
 def test_two_families_at_the_tiny_size_on_the_cpu(tmp_path):
-    command = [sys.executable, str(BENCH / "families.py"), "--tiny", "--families", "gemma3_text,phi3",
-               "--warmup", "0", "--steps", "1", "--out", str(tmp_path)]
+    command = [sys.executable, str(BENCH / "run.py"), "families", "--tiny", "--families", "gemma3_text,phi3",
+               "--warmup", "0", "--steps", "1", "--megatron-warmup", "0", "--megatron-steps", "1", "--out", str(tmp_path)]
     subprocess.run(command, check=True, capture_output=True, timeout=600)
-    report = json.loads((tmp_path / "families.json").read_text())
+    report = json.loads((tmp_path / "result.json").read_text())["report"]
     assert list(report["families"]) == ["gemma3_text", "phi3"]
     for name, summary in report["families"].items():
         assert summary["auto_engine"] == "hf"  # the rollout engine runs on GPUs only

@@ -1,5 +1,6 @@
-"""The GRPO-step benchmark (scripts/bench/grpo_step.py): its bounds, its phase accounting, and a
-small run of our side on the CPU (TRL is not installed in CI; the side by side is in docs/benchmarks.md)."""
+"""The GRPO-step benchmark (`run.py grpo`, scripts/bench/grpo_step.py): its bounds, its phase accounting,
+and a small run of our side on the CPU (TRL is not installed in CI; the side by side is in
+docs/benchmarks.md)."""
 
 import json
 import subprocess
@@ -69,11 +70,13 @@ def test_phase_clock_charges_each_interval_to_the_innermost_phase():
 @pytest.mark.slow
 def test_our_side_on_the_cpu(tmp_path):
     preset = PRESETS["tiny"]
-    command = [sys.executable, str(BENCH / "grpo_step.py"), "--preset", "tiny", "--systems", "prev:ours,ours",
+    command = [sys.executable, str(BENCH / "run.py"), "grpo", "--preset", "tiny", "--systems", "prev:ours,ours",
                "--variants", "mtpo", "--steps", "1", "--variant-steps", "1", "--profile-first-step", "--torch-profile", "generation,train",
                "--prev", str(BENCH.parents[1]), "--out", str(tmp_path)]
     subprocess.run(command, check=True, capture_output=True, timeout=900)
-    report = json.loads((tmp_path / "grpo_step.json").read_text())
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert {"date", "machine", "commit", "command"} <= set(result["env"]) and result["subcommand"] == "grpo"
+    report = result["report"]
     assert report["failures"] == {}
     # the before / after plumbing (this tree on both sides here): both measured, a ratio per phase,
     # and this tree's side profiled one more step
@@ -88,9 +91,11 @@ def test_our_side_on_the_cpu(tmp_path):
     assert ours["generated_tokens"] == preset.prompts * preset.n * preset.response_length
     # float32 on the CPU: our log-probs are the float64 reference's up to rounding
     assert report["logprob_check"]["ours"]["relative_l2"] < 1e-5
-    # the phases of every step add up to it
+    # the phases of every step add up to it, and every step says what happened in it
     for step in json.loads((tmp_path / "ours.json").read_text())["steps"]:
         assert sum(step["phases_s"].values()) == pytest.approx(step["step_s"])
+        assert "gc_collections" in step["events"]
+    assert "Every measured step" in (tmp_path / "grpo_step.md").read_text()
     # MTPO: G = 2 answers of R tokens per prompt, then n = 8 confidences of R / 2
     mtpo = report["variants"]["mtpo"]
     assert mtpo["generated_tokens"] == preset.prompts * (2 * preset.response_length + 8 * preset.response_length // 2)

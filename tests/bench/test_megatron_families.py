@@ -1,4 +1,4 @@
-"""The Megatron family benchmark (scripts/bench/megatron_families.py): a before / after run of one
+"""The Megatron family benchmark (`run.py megatron`, scripts/bench/megatron_families.py): a before / after run of one
 family at the tiny size on the CPU (this tree on both sides), with the profile of a train call."""
 
 import json
@@ -16,8 +16,8 @@ BENCH = ROOT / "scripts" / "bench"
 
 @pytest.mark.slow
 def test_one_family_before_and_after_at_the_tiny_size_on_the_cpu(tmp_path):
-    command = [sys.executable, str(BENCH / "megatron_families.py"), "--tiny", "--families", "olmo2", "--steps", "1",
-               "--profile", "--prev", str(ROOT), "--out", str(tmp_path)]
+    command = [sys.executable, str(BENCH / "run.py"), "megatron", "--tiny", "--families", "olmo2", "--steps", "1",
+               "--warmup", "1", "--profile", "--prev", str(ROOT), "--out", str(tmp_path)]
     subprocess.run(command, check=True, capture_output=True, timeout=600)
     report = json.loads((tmp_path / "megatron_families.json").read_text())
     assert list(report["families"]) == ["prev:olmo2", "olmo2"]

@@ -1,4 +1,4 @@
-"""The sliding-window benchmark (scripts/bench/sliding_window.py) at the tiny size on the CPU, in
+"""The sliding-window benchmark (`run.py sliding-window`, scripts/bench/sliding_window.py) at the tiny size on the CPU, in
 float32: sequences several windows long, the Megatron forward and both rollout engines equal
 transformers' windowed model, and lifting the window moves the log-probs far outside that."""
 
@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 
 @pytest.mark.slow
 def test_windows_bite_and_agree_at_the_tiny_size_on_the_cpu(tmp_path):
-    command = [sys.executable, str(BENCH / "sliding_window.py"), "--tiny", "--families", "gemma3_text,mistral",
+    command = [sys.executable, str(BENCH / "run.py"), "sliding-window", "--tiny", "--families", "gemma3_text,mistral",
                "--steps", "1", "--repeats", "1", "--out", str(tmp_path)]
     subprocess.run(command, check=True, capture_output=True, timeout=600)  # exit 1 on any FAIL line
     report = json.loads((tmp_path / "sliding_window.json").read_text())

@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 
+from aligner_ext.models.settings import PolicyConfig
 import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.config import GeneratorConfig
@@ -18,7 +19,7 @@ from aligner_ext.data.types import PromptRow
 from aligner_ext.generation.base import ENGINES, SamplingParams
 from aligner_ext.generation.remote import RemoteEngineConfig
 from aligner_ext.losses.kl import KL_ESTIMATORS
-from aligner_ext.models.base import POLICIES, PolicyConfig
+from aligner_ext.models.base import POLICIES
 from aligner_ext.rewards.base import REWARDS, as_result
 from served_engine import serve_in_thread, serving
 

@@ -2,7 +2,7 @@
 
 megatron-core 0.16 hands every parameter one shared step tensor when it loads a distributed
 optimizer's state into torch's Adam; torch increments a step tensor once per parameter holding it.
-The distributed optimizer itself runs on GPUs only (scripts/bench/megatron_loop_gpu.sh resumes
+The distributed optimizer itself runs on GPUs only (scripts/bench/megatron_loop_gpu.sh at 4e17684 resumes
 one and compares it with the straight run); this pins the part that runs anywhere.
 """
 

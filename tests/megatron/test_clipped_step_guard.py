@@ -56,7 +56,7 @@ def test_a_finite_step_is_clipped_and_applied():
 def test_a_resume_applies_changed_betas_eps_and_weight_decay_keeping_exempt_groups():
     from types import SimpleNamespace
 
-    from aligner_ext.models.base import OptimConfig
+    from aligner_ext.models.settings import OptimConfig
     from aligner_ext.models.megatron.optimizer import apply_settings
 
     groups = [{"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "wd_mult": 1.0, "lr": 1e-3},

@@ -34,8 +34,8 @@ pytest.importorskip("megatron.core")
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo  # noqa: E402
 from aligner_ext.losses.clipped_pg import ClippedPGLoss  # noqa: E402
-from aligner_ext.models.base import OptimConfig, PolicyConfig  # noqa: E402
 from aligner_ext.models.hf import HFPolicy  # noqa: E402
+from aligner_ext.models.settings import OptimConfig, PolicyConfig  # noqa: E402
 from megatron_cases import batch_tensors, build_model, hf_configs, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow

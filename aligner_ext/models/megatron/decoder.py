@@ -25,7 +25,10 @@ MLP's outputs: OLMo, Gemma 3), `self_attention.{q,k}_layernorm` (per head, repli
 the whole projection, this rank's heads in Megatron's per-group order: the norm's mean of squares is
 summed over the TP group, `reduce`), `self_attention.linear_qkv`, `self_attention.linear_proj`,
 `mlp.linear_fc1` (this rank's gate rows, then its up rows), `mlp.linear_fc2`. Gemma's embedding
-scale applies after the vocabulary-parallel lookup's sum.
+scale applies after the vocabulary-parallel lookup's sum. LoRA adapters (`lora.py`, `*_lora.a` and
+`.b` beside their linear) enter as `adapters.LowRank` terms of their shards: a column-parallel one's
+B rows are this rank's output rows, a row-parallel one's partial product is summed over the group
+with the base product's.
 
 With pipeline parallelism a stage holds only its layers, and decoding needs them all: the model is
 resharded in memory (`PipelineGather`). Every rank keeps, next to its own stage's parameters (used
@@ -48,7 +51,9 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from aligner_ext.architecture import architecture, rms_norm
-from aligner_ext.generation.decoder import Decoder, LayerWeights, Projection, Shape
+from aligner_ext.adapters import LowRank
+from aligner_ext.generation.decoder import Decoder, LayerWeights, Projection, Shape, split_adapter
+from aligner_ext.models.megatron.lora import SUFFIX, ParallelLoRA
 from aligner_ext.models.megatron.model import output_weight
 
 
@@ -199,6 +204,9 @@ class MegatronDecoder(Decoder):
         self.group = parallel_state.get_tensor_model_parallel_group()
         self.tensor_parallel, self.tensor_rank = tp, parallel_state.get_tensor_model_parallel_rank()
         weights = model.weights()
+        # LoRA: every adapter has the same alpha / r
+        self.lora_scale = next(
+            (module.scale for module in model.core.modules() if isinstance(module, ParallelLoRA)), None)
         self.eps = config.layernorm_epsilon
         self.shape = Shape(config.num_attention_heads // tp, config.num_query_groups // tp, config.kv_channels,
                            self.eps, self.architecture.norm, self.architecture.activation, self.architecture.qk_norm,
@@ -220,11 +228,24 @@ class MegatronDecoder(Decoder):
         norms = {role: named[NORM_NAMES[role]] for role in self.architecture.norm_roles}
         qk_norms = ((named["self_attention.q_layernorm.weight"], named["self_attention.k_layernorm.weight"])
                     if self.architecture.qk_norm else (None, None))
+        qkv_adapter = self._adapter(named, "self_attention.linear_qkv")
+        fc1_adapter = self._adapter(named, "mlp.linear_fc1")
+        halves = (fc1.shape[0] // 2, fc1.shape[0] // 2)  # this rank's [gate rows; up rows]
+        qkv_projection = Projection((qkv,), (named.get("self_attention.linear_qkv.bias"),), (qkv.shape[0],),
+                                    (qkv_adapter,) if qkv_adapter else ())
+        fc1_projection = Projection((fc1,), (None,), halves, split_adapter(fc1_adapter, halves) if fc1_adapter else ())
         return LayerWeights(
-            norms.get("input"), Projection((qkv,), (named.get("self_attention.linear_qkv.bias"),), (qkv.shape[0],)),
+            norms.get("input"), qkv_projection,
             *qk_norms, named["self_attention.linear_proj.weight"], None, norms.get("post_attention"),
-            norms.get("pre_mlp"), Projection((fc1,), (None,), (fc1.shape[0] // 2, fc1.shape[0] // 2)),
-            named["mlp.linear_fc2.weight"], None, norms.get("post_mlp"))
+            norms.get("pre_mlp"), fc1_projection,
+            named["mlp.linear_fc2.weight"], None, norms.get("post_mlp"),
+            self._adapter(named, "self_attention.linear_proj"), self._adapter(named, "mlp.linear_fc2"))
+
+    def _adapter(self, named: dict[str, torch.Tensor], linear: str) -> LowRank | None:
+        """The LoRA adapter of a layer's linear (its shards: the sums over the ranks of a row-parallel
+        one's partial products are those of the base product), or None."""
+        a = named.get(f"{linear}{SUFFIX}.a")
+        return None if a is None else LowRank(a, named[f"{linear}{SUFFIX}.b"], self.lora_scale)
 
     @property
     def device(self) -> torch.device:

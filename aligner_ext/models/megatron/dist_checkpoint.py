@@ -44,6 +44,9 @@ tensor, and torch's Adam increments a step tensor once per parameter holding it,
 the step count grew by the number of parameters per update and Adam's bias correction went wrong
 (a run resumed at step 15 of 30 drifted from the straight run from step 17 on, 2x H200).
 
+With LoRA (`only=lora.is_adapter`) the checkpoint holds the adapters and their optimizer state
+alone: the frozen base is the model the run loads (models/megatron/lora.py).
+
 Every rank calls `save` and `load` (collectives inside); rank 0 writes the non-tensor state.
 
 Nothing the directory holds is unpickled beyond tensors, numbers, strings and containers, so a
@@ -62,7 +65,7 @@ import contextlib
 import io
 import pickle
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -184,22 +187,27 @@ def _raise_refusal_from(err: CheckpointException, directory: Path) -> None:
             raise _refusal(directory, cause) from err
 
 
-def sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool) -> dict:
-    """The model's and the optimizer's sharded state dicts (the optimizer's keyed by the model's)."""
+def sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool,
+                       only: Callable[[str], bool] | None = None) -> dict:
+    """The model's and the optimizer's sharded state dicts (the optimizer's keyed by the model's); `only`:
+    the model's entries whose key it admits."""
     model_state = model.sharded_state_dict()
+    if only is not None:
+        model_state = {key: value for key, value in model_state.items() if only(key)}
     return {"model": model_state,
             "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)}
 
 
-def save(directory: Path, model: torch.nn.Module, optimizer) -> None:
-    """Write `model` (this rank's GPTModel) and `optimizer` into `directory`, which must not exist yet."""
+def save(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str], bool] | None = None) -> None:
+    """Write `model` (this rank's GPTModel; `only`: the parameters it admits) and `optimizer` into
+    `directory`, which must not exist yet."""
     if dist.get_rank() == 0:
         directory.mkdir()
     dist.barrier()
-    dist_checkpointing.save(sharded_state_dict(model, optimizer, is_loading=False), str(directory))
+    dist_checkpointing.save(sharded_state_dict(model, optimizer, is_loading=False, only=only), str(directory))
 
 
-def load(directory: Path, model: torch.nn.Module, optimizer) -> None:
+def load(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str], bool] | None = None) -> None:
     """Load what `save` wrote, at this run's layout, into `model` and `optimizer`."""
     try:
         found = dist_checkpointing.check_is_distributed_checkpoint(str(directory))
@@ -213,12 +221,13 @@ def load(directory: Path, model: torch.nn.Module, optimizer) -> None:
             inner._init_optimizer_states_with_dummy_values()  # see the module docstring
     try:
         with _safe_readers():
-            state = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True), str(directory),
+            wanted = sharded_state_dict(model, optimizer, is_loading=True, only=only)
+            state = dist_checkpointing.load(wanted, str(directory),
                                             common_strategy=_SafeCommonLoadStrategy(), strict=StrictHandling.RAISE_ALL)
     except CheckpointException as err:
         _raise_refusal_from(err, directory)
         raise
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=only is None)
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     if len(inner) == 1 and isinstance(inner[0], DistributedOptimizer):
         _load_distributed(inner[0], state["optimizer"])

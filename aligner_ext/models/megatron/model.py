@@ -199,7 +199,7 @@ class RMSNorm(torch.nn.Module):
 class LigerRMSNorm(RMSNorm):
     """`RMSNorm` through Liger-Kernel's Triton kernel (one pass forward, one backward), for the two
     formulas whose Liger modes its own transformers patches use (Llama's and Gemma's, checked against
-    float32 on an H100: scripts/bench/liger_families.py): "llama" normalises in float32 and scales in
+    float32 on an H100: scripts/bench/liger_families.py at 4e17684): "llama" normalises in float32 and scales in
     the input's dtype, "gemma" does everything in float32 with the weight offset by 1. GPU only:
     `norm_module` picks it for `kernels="liger"`. (OLMo's float32 scaling would be mode "gemma" with
     offset 0: no faster at 1B in docs/benchmarks.md's measurement, so not taken.)"""

@@ -31,7 +31,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from aligner_ext.models.base import OptimConfig
+from aligner_ext.models.settings import OptimConfig
 
 
 def finalize_grads(model_chunks, num_tokens=None, **kwargs) -> None:

@@ -17,7 +17,13 @@ masks are False, `forward.pad_rows`).
   weight-sync stage) copies the Megatron weights into it in memory (`weights.py`), so the engine
   and the checkpoint see the current policy without a disk round trip.
 - The KL reference (`frozen_reference`) is a second GPTModel of the starting weights, sharded and
-  scheduled as the policy (frozen, no optimizer).
+  scheduled as the policy (frozen, no optimizer); with LoRA it is the policy's GPTModel with its
+  adapters switched off (`AdaptersOff`).
+- LoRA (`policy.lora.rank > 0`, `lora.py`): the GPTModel is frozen and an adapter sharded as each
+  adapted linear trains; DDP and the optimizer hold the adapters alone, the distributed checkpoint
+  holds them and their optimizer state (with `base.json`, the base's path and checksum), the HF
+  copy and the export hold the merged weights (`weights.py`), the export the adapters in peft's
+  format beside them, and the rollout engine runs them from their shards.
 
 Under the training loop every process runs the same loop on the same seeds, so every rank samples
 the same batch; `_check_replicated` verifies this (a fingerprint all-gathered per call) and raises
@@ -46,11 +52,12 @@ from megatron.core import parallel_state
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from aligner_ext.batch import ExperienceBatch
-from aligner_ext.errors import ConfigError
+from aligner_ext.errors import CheckpointError, ConfigError
 from aligner_ext.losses.base import Loss
-from aligner_ext.models.base import NonFiniteGuard, Policy, PolicyConfig, record_applied, update_metrics, weights_norm
+from aligner_ext.models import lora as base_lora
+from aligner_ext.models.base import NonFiniteGuard, Policy, record_applied, update_metrics, weights_norm
 from aligner_ext.models.hf import cast_model, lr_lambda, resolve_dtype, split_rows
-from aligner_ext.models.megatron import convert, dist_checkpoint
+from aligner_ext.models.megatron import convert, dist_checkpoint, lora
 from aligner_ext.models.megatron.forward import (
     Packed, filler_rows, forward_backward, forward_logprobs, pack, pack_sequences, pad_rows,
 )
@@ -60,6 +67,7 @@ from aligner_ext.models.megatron.optimizer import apply_settings, build_optimize
 from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
 from aligner_ext.models.megatron.weights import refit_hf_model
 from aligner_ext.models.packing import token_micro_batches
+from aligner_ext.models.settings import PolicyConfig
 
 PACK_PAD_ID = 0  # fills the columns after each row's real tokens; never attended to by a real token
 
@@ -91,15 +99,23 @@ class MegatronPolicy(Policy):
         init_model_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
         self.hf_config, self.generation_config = model.config, model.generation_config
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.model = cast_model(model, dtype=self.dtype)  # on the host until an engine samples it (generation_model)
+        self.hf_copy = cast_model(model, dtype=self.dtype)  # on the host until an engine samples it (generation_model)
+        self.base_path = str(model.name_or_path)  # what LoRA checkpoints point at
         self.generation: MegatronGenerationModel | None = None  # the rollout engine's model, once asked for
         self.core = self._core_from_hf()
+        self.adapters = lora.attach(self.core, cfg.lora) if cfg.lora.rank > 0 else []
         self.ddp = wrap_ddp(self.core, cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, cfg.use_distributed_optimizer)
         self.lr_at = lr_lambda(cfg.optim, total_steps)
         self.rl_step = 0
         self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_in_a_row, cfg.optim.max_update_ratio)
         set_lr(self.optimizer, cfg.optim.lr * self.lr_at(0))
+
+    @property
+    def model(self) -> PreTrainedModel | None:
+        """The HF copy, which checkpoints save; none with LoRA, whose checkpoints hold the adapters alone
+        (`save_sharded`)."""
+        return None if self.adapters else self.hf_copy
 
     def _core_from_hf(self) -> torch.nn.Module:
         """This rank's GPTModel with its shard of the HF copy's weights."""
@@ -108,14 +124,16 @@ class MegatronPolicy(Policy):
                                     self.cfg.recompute_activations)
         core = build_gpt_model(self.hf_config, config, self.device)
         shard = convert.hf_to_megatron_shard(
-            self.model.state_dict(), self.hf_config, tp, pp,
+            self.hf_copy.state_dict(), self.hf_config, tp, pp,
             parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
         )
         convert.load_shard(core, shard)
         return core
 
-    def frozen_reference(self) -> "MegatronReference":
-        if self.model is None:
+    def frozen_reference(self) -> "MegatronReference | AdaptersOff":
+        if self.adapters:
+            return AdaptersOff(self)
+        if self.hf_copy is None:
             raise RuntimeError("the KL reference is built from the starting weights: call frozen_reference before "
                                "generation_model drops the HF copy")
         return MegatronReference(self)
@@ -124,19 +142,19 @@ class MegatronPolicy(Policy):
         """The rollout engine runs the GPTModel's shards, and the HF copy is dropped; any other engine
         samples the HF copy on this rank's device, refitted after each update (module docstring)."""
         if engine_name == "rollout":
-            self.model = None
+            self.hf_copy = None
             self.generation = MegatronGenerationModel(self.core, self.hf_config, self.generation_config)
             return self.generation
-        return self.model.to(self.device)
+        return self.hf_copy.to(self.device)
 
     def sync_weights(self) -> None:
         """Bring what generates up to date: with PP > 1 the rollout engine's copies of the other
         stages (`decoder.PipelineGather`); the HF copy, in place on its device (`weights.py`)."""
         if self.generation is not None:
             self.generation.refresh()
-        if self.model is None:
+        if self.hf_copy is None:
             return
-        refit_hf_model(self.core, self.model, self.hf_config)
+        refit_hf_model(self.core, self.hf_copy, self.hf_config)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the copies are queued: the loop's timer should see them
 
@@ -267,7 +285,8 @@ class MegatronPolicy(Policy):
     def _weights_norm(self) -> float:
         """The weights' L2 norm over the model-parallel ranks' shards (a parameter that TP replicates
         counts once per TP rank, before and after alike), the same on every rank."""
-        squares = torch.tensor([weights_norm(self.ddp.parameters()) ** 2], dtype=torch.float64, device=self.device)
+        trained = [param for param in self.ddp.parameters() if param.requires_grad]
+        squares = torch.tensor([weights_norm(trained) ** 2], dtype=torch.float64, device=self.device)
         dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
         return float(squares.sqrt())
 
@@ -307,26 +326,55 @@ class MegatronPolicy(Policy):
         if not finite.item():
             raise RuntimeError(f"not saving {directory.name}: non-finite values in the policy's weights; the last "
                                "finite checkpoint stays the latest")
-        dist_checkpoint.save(directory / dist_checkpoint.DIRECTORY, self.core, self.optimizer)
+        if self.adapters and dist.get_rank() == 0:
+            base_lora.write_base(self.base_path, directory)
+        dist_checkpoint.save(directory / dist_checkpoint.DIRECTORY, self.core, self.optimizer, self._saved())
 
     def load_sharded(self, directory: Path) -> None:
-        """Load `directory/megatron` at this run's layout (collective), then refresh the HF copy."""
-        dist_checkpoint.load(directory / dist_checkpoint.DIRECTORY, self.core, self.optimizer)
+        """Load `directory/megatron` at this run's layout (collective), then refresh the HF copy. LoRA
+        adapters of another base are refused (`models/lora.check_base`)."""
+        if bool(self.adapters) != (directory / base_lora.BASE_FILE).exists():
+            held, wanted = ("every weight", "adapters") if self.adapters else ("adapters", "every weight")
+            raise CheckpointError(f"checkpoint {directory} holds {held}, this run trains {wanted}: resume with the "
+                                  "policy.lora settings it was saved with, or start afresh (trainer.resume=false)")
+        if self.adapters:
+            base_lora.check_base(self.base_path, directory)
+        dist_checkpoint.load(directory / dist_checkpoint.DIRECTORY, self.core, self.optimizer, self._saved())
         self.sync_weights()
+
+    def _saved(self):
+        """What the distributed checkpoint holds of the GPTModel: with LoRA the adapters alone."""
+        return lora.is_adapter if self.adapters else None
 
     def save_pretrained(self, directory: str) -> None:
         """Write the current weights as an HF checkpoint (rank 0 writes; every rank waits). Without an
         HF copy the shards are gathered into a transient one on the host."""
-        if self.model is None:
+        if self.hf_copy is None:
             model = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
             model.generation_config = self.generation_config
             refit_hf_model(self.core, model, self.hf_config)
         else:
             self.sync_weights()
-            model = self.model
+            model = self.hf_copy
+        adapters = lora.peft_state(self.adapters, self.hf_config) if self.adapters else None
         if dist.get_rank() == 0:
             model.save_pretrained(directory, safe_serialization=True)
+            if adapters is not None:
+                base_lora.save_peft(adapters, self.cfg.lora, self.base_path, Path(directory) / base_lora.ADAPTER_DIR)
         dist.barrier()
+
+
+class AdaptersOff:
+    """The KL reference under LoRA: the policy's GPTModel with its adapters switched off, which is the
+    base model the run started from. No second GPTModel."""
+
+    def __init__(self, policy: MegatronPolicy):
+        self.policy = policy
+
+    @torch.no_grad()
+    def logprobs(self, batch: ExperienceBatch, temperature: float) -> torch.Tensor:
+        with lora.adapters_off(self.policy.adapters):
+            return self.policy.logprobs_of(self.policy.core, batch, temperature)[0]
 
 
 class MegatronReference:

@@ -10,9 +10,12 @@ must hold the current weights after each `MegatronPolicy.train` call. Per Megatr
    gate/up split (fused again for Phi-3's checkpoint layout);
 3. with PP > 1, broadcast each HF parameter over the PP group from the stage that holds it, straight
    into the other stages' HF parameters.
+With LoRA adapters (`lora.py`) each adapted weight's shard is merged first (W + B A * alpha / r, a
+new tensor: the GPTModel's weight keeps its values) and the adapters themselves map to nothing: the
+HF copy is the merged model.
 No host copy, no pickled objects, no full-model allocation (temporaries: the gathered tensor and,
 for row-parallel, q/k/v and gate/up tensors, one rearranged copy of it). Only slicing and copying,
-so the HF copy equals `convert.megatron_to_hf` of the shards bit for bit (tests/megatron/test_megatron_tp_pp.py); scripts/bench/refit_bench.py times it.
+so the HF copy equals `convert.megatron_to_hf` of the shards bit for bit (tests/megatron/test_megatron_tp_pp.py); scripts/bench/refit_bench.py at 4e17684 times it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from aligner_ext.architecture import Architecture, architecture
-from aligner_ext.models.megatron import convert
+from aligner_ext.models.megatron import convert, lora
 
 LAYER_HF_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -42,7 +45,12 @@ def refit_hf_model(core: torch.nn.Module, hf_model: torch.nn.Module, hf_config) 
     pp, stage = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
     per_stage = hf_config.num_hidden_layers // pp
     written: list[str] = []
+    adapters = lora.adapters_by_weight(core)
     for name, param in core.named_parameters():
+        if lora.is_adapter(name):
+            continue
+        if name in adapters:
+            param = adapters[name].merged(param)
         full = param if convert.is_replicated(name, arch) else _tp_gathered(param, tp)
         written += _copy_into_hf(name, full, tp, hf, hf_config, arch, stage * per_stage)
     owned = sorted(name for name in hf if _stage_of(name, per_stage, pp) == stage)

@@ -17,8 +17,8 @@ from aligner_ext.data.types import PromptRow
 from aligner_ext.experience.base import ExperienceMaker
 from aligner_ext.experience.hint_logprobs import HintLogprobs
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
-from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.hf import HFPolicy
+from aligner_ext.models.settings import PolicyConfig
 
 GOLD_A, GOLD_B = "12+7=19\n\\boxed{19}", "3+4=7\n7+5=12\n\\boxed{12}"
 ROW_A = PromptRow("t:0", [{"role": "user", "content": "12+7="}], "arithmetic", "19",

@@ -7,7 +7,7 @@ import pytest
 
 from aligner_ext.config import load_config
 from aligner_ext.data.tasks.rubric_qa import check_passes
-from aligner_ext.data import builtin_rows
+from aligner_ext.data.tasks import builtin_rows
 from aligner_ext.experience.base import GroupSampling
 from aligner_ext.experience.graded_prompt import GradedPromptSampling, warmup_target
 

@@ -10,7 +10,8 @@ import torch
 
 from aligner_ext.config import load_config
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
-from aligner_ext.models.base import NonFiniteGuard, OptimConfig, weights_norm
+from aligner_ext.models.base import NonFiniteGuard, weights_norm
+from aligner_ext.models.settings import OptimConfig
 from test_hf_policy import make_policy
 from test_nonfinite_updates import prepared
 

@@ -11,8 +11,8 @@ from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.config import load_config
 from aligner_ext.data.types import PromptRow
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
-from aligner_ext.models.base import OptimConfig, PolicyConfig
 from aligner_ext.models.hf import HFPolicy, lr_lambda
+from aligner_ext.models.settings import OptimConfig, PolicyConfig
 
 
 def ragged_batch(vocab: int, seed: int = 0) -> ExperienceBatch:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
-from aligner_ext.models.base import NonFiniteGuard, NonFiniteUpdates, OptimConfig
+from aligner_ext.models.base import NonFiniteGuard, NonFiniteUpdates
+from aligner_ext.models.settings import OptimConfig
 from aligner_ext.trainer.checkpoint import LATEST, Checkpointer
 from test_hf_policy import make_policy, ragged_batch
 

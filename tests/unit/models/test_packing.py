@@ -9,9 +9,9 @@ import torch
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
-from aligner_ext.models.base import OptimConfig, PolicyConfig
 from aligner_ext.models.hf import HFPolicy, response_logprobs
 from aligner_ext.models.packing import pack_end_to_end, token_micro_batches
+from aligner_ext.models.settings import OptimConfig, PolicyConfig
 from test_hf_policy import ragged_batch
 
 PAD = 99

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from aligner_ext.models.base import PolicyConfig
 from aligner_ext.models.hf import FrozenReference
+from aligner_ext.models.settings import PolicyConfig
 from aligner_ext.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 HERE = Path(__file__).resolve().parent  # test_hf_policy.ragged_batch

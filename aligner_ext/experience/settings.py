@@ -1,0 +1,105 @@
+"""Settings of the experience makers and their wrappers.
+
+The dataclasses of their config sections, each field with its rule, kept free of torch and of the code
+that uses them: composing and checking a configuration (`aligner-ext config`, `load_config`) never
+imports a model library (tests/unit/config/test_plugin_names.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aligner_ext.rewards.settings import SegmentRewardsConfig
+from aligner_ext.rules import choice, number
+
+FILTER_METRICS = ("correct", "seq_reward", "segments")  # the group filters of experience/filters.py
+
+ON_MAX_GEN_BATCHES = ("train_on_kept", "error")
+RULES = ("linear", "binary")
+STEP_DECAYS = ("none", "linear", "power", "sigmoid")
+EXISTING_SYSTEM = ("append", "prepend")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling of training rollouts (held-out evaluation has the same length cap and stops; its sampling is trainer.eval)."""
+
+    n: int = number(8, ge=1)  # responses per prompt: the GRPO group size
+    temperature: float = number(1.0, gt=0)  # sampling temperature; log-probs for training use the same temperature
+    top_p: float = number(1.0, gt=0, le=1)  # nucleus mass; 1.0 disables it
+    max_response_length: int = number(32, ge=1)  # response cap, in tokens
+    stop: list[str] = field(default_factory=list)  # stop strings, kept in the response
+    return_logprobs: bool = True  # keep the engine's sampling log-probs: each step logs their gap to the trainer's (rollout/logprob_diff_mean, _max)
+    ignore_eos: bool = False  # sampled EOS ids do not end a response, so each runs to max_response_length (benchmarks: equal work on every system; stop strings still end one)
+    overlong_buffer_fraction: float = number(0.0, ge=0, lt=1)  # DAPO's overlong reward shaping: the last fraction of max_response_length (DAPO: 4096 of 20480 tokens, 0.2) is a buffer where the reward falls linearly to -overlong_penalty at the cap; 0 = off (experience/overlong.py)
+    overlong_penalty: float = number(1.0, gt=0)  # the penalty at the cap, in reward units (DAPO: 1)
+    overlong_filter: bool = False  # DAPO's overlong filtering: responses cut at max_response_length (finish reason length) are masked out of the loss
+
+    def __post_init__(self) -> None:
+        if any(not isinstance(text, str) or not text for text in self.stop):
+            raise ValueError(f"rollout.stop strings must be non-empty, got {list(self.stop)}")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """Dynamic sampling's switch, group filter and refill policy."""
+
+    enabled: bool = False  # DAPO dynamic sampling: drop groups whose outcomes all agree, refill (docs/variants/dapo.md)
+    max_gen_batches: int = number(3, ge=0)  # generation batches per step at most; 0 = unbounded
+    filter_metric: str = choice("correct", *FILTER_METRICS)  # what is compared within a group: correct | seq_reward (sum of token scores) | segments (MTPO's answer and confidence rewards; experience/filters.py)
+    eps: float = number(1e-6, ge=0)  # a group is kept when its outcomes' spread (max - min) exceeds eps
+    on_max_gen_batches: str = choice("train_on_kept", *ON_MAX_GEN_BATCHES)  # when the bound is hit: train_on_kept | error
+    oversample: float = number(1.0, ge=1)  # each generation batch draws ceil(missing groups * oversample) prompts
+    keep_surplus: bool = False  # carry valid groups beyond the target to later steps (sampled by an older policy)
+    max_surplus_age: int = number(1, ge=1)  # steps a carried group may wait before it is discarded
+
+
+@dataclass
+class GradedPromptConfig:
+    """Graded system prompt: the share of the rubric each sample of a group sees (docs/variants/graded_prompt.md)."""
+
+    enabled: bool = False  # the switch (alias: actor_rollout_ref.rollout.enable_graded_system_prompt); acts with algorithm.experience_maker=graded_prompt
+    rule: str = choice("linear", *RULES)  # per-sample ratio: linear (1, (n-2)/(n-1), ..., 0) | binary (the first full_reveal_count samples 1, the rest 0)
+    full_reveal_count: int = number(1, ge=0)  # binary rule: samples per group that see every criterion
+    step_decay: str = choice("none", *STEP_DECAYS)  # factor over training steps multiplied into every ratio: none | linear | power | sigmoid
+    step_power: float = number(1.0, gt=0)  # power decay exponent p: (1 - x)^p, x = training progress in [0, 1]
+    sigmoid_start_point: float = number(0.3, ge=0, le=1)  # sigmoid decay midpoint x0, in training progress [0, 1] (RuscaRL's run: 0.2)
+    sigmoid_steepness: float = number(10.0, gt=0)  # sigmoid decay steepness k: 1 / (1 + exp(k (x - x0))) (RuscaRL's run: 125)
+    keep_in_training: bool = False  # train on the generator's prompt (system message included) instead of the original
+    existing_system: str = choice("append", *EXISTING_SYSTEM)  # a row's own leading system message: append (own text, then criteria) | prepend
+    base_when_zero: bool = False  # samples shown no criterion get base_system_prompt (else no system message)
+    base_system_prompt: str = "You are a helpful assistant."  # the system message when no criterion is shown
+    header: str = "You are a helpful assistant. For this question, please consider the following evaluation criteria:"  # first paragraph; empty: none
+    include_heading: str = "IMPORTANT POINTS TO INCLUDE (you should aim to address these):"  # above the positive items
+    include_item: str = "Criterion {index}: {criterion} (worth {points} points)"  # one positive item; fields index, criterion, points
+    avoid_heading: str = "IMPORTANT POINTS TO AVOID (you should not do these):"  # above the negative items
+    avoid_item: str = "Criterion {index}: {criterion} (penalty: {points} points)"  # one negative item; points is the penalty |p|
+    footer: str = "Please provide a comprehensive and helpful response that addresses the user's concerns while following the above guidelines."  # paragraph after the items; empty: none
+    include_evaluation_warning: bool = True  # end with evaluation_warning (an instruction never to mention the criteria)
+    warmup_unshown_share: float = number(0.5, ge=0, le=1)  # embedded-model warm-up only: chance that its target meets a positive criterion not shown
+    evaluation_warning: str = (  # the instruction never to mention the criteria (RuscaRL's text)
+        "IMPORTANT: Do not mention or reference these evaluation criteria in your response. Do not indicate that "
+        "you have seen any scoring rubric or evaluation guidelines. Your response should appear natural and "
+        "spontaneous. Revealing that you have access to evaluation criteria would be considered cheating and is "
+        "strictly prohibited.")
+
+    def __post_init__(self) -> None:
+        for name in ("include_item", "avoid_item"):
+            try:
+                getattr(self, name).format(index=1, criterion="c", points="1")
+            except (KeyError, IndexError, ValueError) as err:
+                raise ValueError(f"graded_prompt.{name} may use only {{index}}, {{criterion}}, {{points}}: "
+                                 f"{err!r}") from err
+
+
+@dataclass
+class TwoRoundConfig:
+    """MTPO two-round rollouts (docs/variants/mtpo.md): sizes, stops, the loss rule and the segment rewards."""
+
+    num_answer_generations: int = number(4, ge=1)  # G: round-1 answers per prompt (the answer baseline's group)
+    num_confidence_generations: int = number(2, ge=1)  # H: round-2 continuations per answer; rollout.n must equal G * H
+    max_answer_length: int = number(512, ge=1)  # round-1 cap, in tokens
+    max_confidence_length: int = number(256, ge=1)  # round-2 cap, in tokens
+    answer_stop_str: str = "</answer>"  # ends round 1; kept in the sample
+    confidence_stop_str: str = "</confidence>"  # ends round 2; kept in the sample
+    apply_answer_loss_on_first_confidence_only: bool = True  # round-1 tokens count only in the first of the H samples of an answer
+    rewards: SegmentRewardsConfig = field(default_factory=SegmentRewardsConfig)

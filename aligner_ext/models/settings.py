@@ -1,0 +1,109 @@
+"""Settings of the policy backends and the embedded model.
+
+The dataclasses of their config sections, each field with its rule, kept free of torch and of the code
+that uses them: composing and checking a configuration (`aligner-ext config`, `load_config`) never
+imports a model library (tests/unit/config/test_plugin_names.py)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from aligner_ext.rules import choice, number, plugin
+
+AUTOCAST_CHOICES = ("auto", "bfloat16", "none")
+
+
+@dataclass
+class TinyModelConfig:
+    """Size of the built-in model (used only when `model.path` is not set)."""
+
+    hidden_size: int = number(128, ge=1)  # width of the residual stream
+    num_layers: int = number(4, ge=1)  # transformer blocks
+    num_heads: int = number(4, ge=1)  # attention heads
+    num_kv_heads: int = number(2, ge=1)  # key/value heads (grouped-query attention)
+    intermediate_size: int = number(512, ge=1)  # MLP width
+    max_position_embeddings: int = number(512, ge=2)  # longest prompt + response, in tokens
+    seed: int = number(0, ge=0)  # seeds the random initialisation
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"model.tiny.num_heads={self.num_heads}: must divide model.tiny.hidden_size="
+                             f"{self.hidden_size} into heads of an even width (rotary embeddings rotate pairs)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.tiny.num_kv_heads={self.num_kv_heads}: must divide model.tiny.num_heads="
+                             f"{self.num_heads} (each key/value head serves a group of query heads)")
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up of the embedded model (only when `model.path` is not set)."""
+
+    steps: int = number(200, ge=0)  # optimizer steps; stop early to leave the RL phase something to learn
+    batch_size: int = number(64, ge=1)  # sequences per step
+    lr: float = number(1e-3, gt=0)  # AdamW learning rate
+    seed: int = number(0, ge=0)  # order of the examples
+    autocast: str = choice("auto", *AUTOCAST_CHOICES)  # auto (bfloat16 autocast on a GPU, none on the CPU) | bfloat16 | none
+    cache_dir: str = "auto"  # where warmed models are kept, keyed by the warm-up's inputs, so a task's warm-up runs once per machine (models/warmup_cache.py): a directory | auto ($ALIGNER_EXT_CACHE, else $XDG_CACHE_HOME/aligner_ext, else ~/.cache/aligner_ext; + /warmup) | none
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule (one schedule step per RL step)."""
+
+    lr: float = number(1e-6, ge=0)  # peak learning rate (typical for billion-parameter policies; conf/demo.yaml sets the tiny model's)
+    weight_decay: float = number(0.0, ge=0)  # AdamW decoupled weight decay
+    beta1: float = number(0.9, ge=0, lt=1)  # AdamW first-moment decay
+    beta2: float = number(0.999, ge=0, lt=1)  # AdamW second-moment decay
+    eps: float = number(1e-8, gt=0)  # AdamW denominator epsilon
+    grad_clip: float = number(1.0, ge=0)  # max global gradient L2 norm; 0 disables clipping
+    schedule: str = choice("constant", "constant", "linear", "cosine")  # constant | linear | cosine (decay to min_lr_ratio * lr after warm-up)
+    warmup_steps: int = number(0, ge=0)  # RL steps of linear warm-up from 0 to lr
+    min_lr_ratio: float = number(0.0, ge=0, le=1)  # final lr / peak lr for linear and cosine decay
+    max_nonfinite_in_a_row: int = number(3, ge=1)  # an update with a non-finite loss or gradient norm is skipped (and counted); this many in a row stop the run
+    max_update_ratio: float = number(0.1, ge=0)  # an update changing the weights' L2 norm by more than this fraction of it diverged: the run stops (exit 2) without saving it (0 disables)
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA) trained in place of the policy's weights, which stay frozen (docs/lora.md)."""
+
+    rank: int = number(0, ge=0)  # adapter rank r; 0 = no adapters, every weight trains
+    alpha: float = number(16.0, gt=0)  # an adapter's output is scaled by alpha / rank
+    dropout: float = number(0.0, ge=0, lt=1)  # dropout on an adapter's input while training (not while generating or scoring)
+    target_modules: list[str] = field(default_factory=lambda: [".*_proj"])  # regular expressions: a linear layer gets an adapter when its name, or the name's last part (q_proj), matches one in full; the default takes every attention and MLP projection and leaves the output head
+    init: str = choice("kaiming", "kaiming", "gaussian")  # A's initialisation, B starts at zero so training starts from the base model: kaiming (uniform, peft's default) | gaussian (normal, std 1 / rank)
+
+    def __post_init__(self) -> None:
+        for pattern in self.target_modules:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"policy.lora.target_modules: {pattern!r} is not a regular expression ({err})") from err
+
+
+@dataclass
+class PolicyConfig:
+    """Which backend trains the policy, and how a batch is split for it."""
+
+    backend: str = plugin("hf", "aligner_ext.models.base:POLICIES")  # registered policy backend
+    dtype: str = choice("auto", "auto", "float32", "bfloat16", "float64")  # auto (bfloat16 on a GPU that supports it, else float32) | float32 | bfloat16 | float64
+    device: str = "auto"  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
+    micro_batch_size: int = number(64, ge=1)  # sequences per forward/backward (memory knob; does not change the gradient)
+    mini_batch_size: int = number(0, ge=0)  # sequences per optimizer update; 0 = the whole step batch (one update)
+    num_iterations: int = number(1, ge=1)  # passes over each step batch against the stored old log-probs
+    old_logprob_pass: str = choice("auto", "auto", "always")  # auto: skipped when the step is one on-policy update (the training forward's detached log-probs are the old ones) | always
+    logprob_chunk_size: int = number(4096, ge=1)  # response tokens per chunk of the fused log-prob head (bounds its [tokens, vocab] logits)
+    kernels: str = choice("auto", "auto", "none", "liger")  # training kernels: liger (HF backend: Liger-Kernel's Triton RMSNorm, SwiGLU, RoPE, models/kernels.py; megatron backend: Liger's RMSNorm and megatron-core's fused SwiGLU / GeGLU, models/megatron/model.py, less memory; CUDA; extra liger) | none (the plain modules) | auto (liger where it runs: a CUDA device and the package; measured faster on both backends)
+    tensor_model_parallel_size: int = number(1, ge=1)  # megatron backend: GPUs each layer is split across (TP)
+    pipeline_model_parallel_size: int = number(1, ge=1)  # megatron backend: pipeline stages the layers are split into (PP)
+    sequence_parallel: bool = False  # megatron backend: shard norm/dropout activations over TP ranks (TP > 1)
+    use_distributed_optimizer: bool = False  # megatron backend: shard optimizer state over data-parallel ranks
+    micro_batch_tokens: int = number(0, ge=0)  # pack whole sequences end to end into micro-batches of at most this many tokens (both backends; no compute on pads; a longer sequence goes alone); 0 = micro_batch_size rows per micro-batch, padded
+    recompute_activations: bool = False  # megatron backend: keep only each layer's input and recompute the layer in the backward (less memory, ~1/3 more compute)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"policy.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
