@@ -2,8 +2,8 @@
 engine `generator.engine=auto` picks, decoding against its bound, training MFU on both policy
 backends, the whole GRPO step and its peak memory.
 
-    python scripts/bench/families.py                                   # one GPU (scripts/bench/families_gpu.sh)
-    python scripts/bench/families.py --tiny --families qwen3,olmo2     # the CPU at a tiny size (tests/bench)
+    python scripts/bench/run.py families                                   # one GPU, every family
+    python scripts/bench/run.py families --tiny --families qwen3,olmo2     # the CPU at a tiny size (tests/bench)
 
 Per family of `models/family_configs.LAYOUTS`, in its own process (`--worker`), one after another:
   1. the family's config at SIZES (hidden 2048, 16 layers, 32 query / 8 key-value heads of 64, MLP
@@ -14,8 +14,8 @@ Per family of `models/family_configs.LAYOUTS`, in its own process (`--worker`), 
      so every response is R tokens): --warmup steps, then --steps measured, timed by phase with peak
      memory (grpo_step_lib.PhaseClock);
   3. the Megatron backend at TP=1 (packed micro-batches of MEGATRON_TOKENS) on a batch of the GRPO
-     step's shape (random ids and advantages): old log-probs and `train`, --steps timed after one
-     warm-up call.
+     step's shape (random ids and advantages): old log-probs and `train`, --megatron-steps timed
+     after --megatron-warmup calls (a train call takes ~0.5 s at 1B: a handful decides a 15% target).
 A refusal (aligner_ext/support.py's line) or a failure of one part is reported in the table and the
 others still run. Writes families.json and families.md under --out, rewritten after every family.
 
@@ -43,6 +43,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from common import steps_line  # noqa: E402
 from grpo_step import measure_hardware, run_worker  # noqa: E402
 from grpo_step_lib import PhaseClock, Preset, model_counts, write_json, write_workspace  # noqa: E402
 
@@ -154,8 +155,8 @@ def full_batch(preset: Preset, vocab: int):
 
 def megatron_policy(model, preset: Preset, lr: float, steps: int, tokens: int = MEGATRON_TOKENS):
     """The Megatron backend's policy at TP=1 over `model` (an HF model), packed micro-batches of `tokens`."""
-    from aligner_ext.models.base import OptimConfig, PolicyConfig
     from aligner_ext.models.megatron.policy import MegatronPolicy
+    from aligner_ext.models.settings import OptimConfig, PolicyConfig
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return MegatronPolicy(model, PolicyConfig(backend="megatron", dtype=dtype, micro_batch_size=preset.micro_batch,
@@ -188,8 +189,9 @@ def megatron_train(config, preset: Preset, workspace: Path, args) -> dict:
 
     dtype = torch.bfloat16 if preset.device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(workspace / "model", dtype=dtype)
-    policy = megatron_policy(model, preset, args.lr, args.steps)
-    return {"calls": megatron_calls(policy, full_batch(preset, config.vocab_size), preset.device, args.steps)}
+    policy = megatron_policy(model, preset, args.lr, args.megatron_warmup + args.megatron_steps)
+    return {"calls": megatron_calls(policy, full_batch(preset, config.vocab_size), preset.device, args.megatron_steps,
+                                    args.megatron_warmup)}
 
 
 def family_preset(name: str, tiny: bool, **overrides):
@@ -209,12 +211,12 @@ def family_preset(name: str, tiny: bool, **overrides):
 def worker(args) -> None:
     """One family (module docstring): its JSON is rewritten after each part, so a crash keeps the parts before."""
     import torch
+    from grpo_step_lib import build_word_tokenizer
     from transformers import AutoModelForCausalLM
 
     from aligner_ext.config import load_config
     from aligner_ext.support import megatron_refusal, rollout_refusal
     from aligner_ext.trainer.build import generation_engine_name
-    from grpo_step_lib import build_word_tokenizer
 
     name = args.worker
     config, preset = family_preset(name, args.tiny)
@@ -298,7 +300,8 @@ def summarise(result: dict, hardware: dict, why: str) -> dict:
             decode_tokens_per_s=statistics.median(step["generated_tokens"] for step in measured) / generation_s,
             decode_bound_share=bound / generation_s, hf_train_mfu=flops / train_s / rate,
             peak_gib={phase: max(step["peak_gib"].get(phase, 0.0) for step in measured)
-                      for phase in ("generation", "train")})
+                      for phase in ("generation", "train")},
+            grpo_steps=[{"step_s": step["step_s"], "events": step.get("events", {})} for step in measured])
     else:
         summary["grpo_error"] = grpo.get("refused") or grpo["failed"]
     megatron = result.get("megatron", {"failed": why})
@@ -306,6 +309,8 @@ def summarise(result: dict, hardware: dict, why: str) -> dict:
         train_s = statistics.median(call["phases_s"]["train"] for call in megatron["calls"])
         summary["megatron_train_mfu"] = flops / train_s / rate
         summary["megatron_peak_gib"] = max(call["peak_gib"].get("train", 0.0) for call in megatron["calls"])
+        summary["megatron_calls"] = [{"train_s": call["phases_s"]["train"], "events": call.get("events", {})}
+                                     for call in megatron["calls"]]
     else:
         summary["megatron_error"] = megatron.get("refused") or megatron["failed"]
     return summary
@@ -349,29 +354,39 @@ def render(report: dict) -> str:
         cells = [params, engine, decode, bound, hf_mfu, megatron, step, peaks, megatron_peak]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += [""] + [f"[{index}] {text}" for index, text in enumerate(notes, 1)]
+    series = (("grpo_steps", "GRPO step", "step_s"), ("megatron_calls", "Megatron train", "train_s"))
+    steps = [f"- {steps_line(f'{name} {label}', s[key], time)}" for name, s in report["families"].items()
+             for key, label, time in series if key in s]
+    if steps:
+        lines += ["", "Every measured GRPO step and Megatron train call, seconds (* above 1.3x the median, with what "
+                  "happened in it):", "", *steps]
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from aligner_ext.models.family_configs import LAYOUTS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=",".join(LAYOUTS), help="comma-separated, from " + ", ".join(LAYOUTS))
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured GRPO steps first (compilation, graphs)")
-    parser.add_argument("--steps", type=int, default=2, help="measured GRPO steps; timed Megatron train calls")
+    parser.add_argument("--steps", type=int, default=3, help="measured GRPO steps")
+    parser.add_argument("--megatron-warmup", type=int, default=2, help="untimed Megatron train calls first")
+    parser.add_argument("--megatron-steps", type=int, default=6, help="timed Megatron train calls")
     driver_arguments(parser, timeout=600)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     hardware = driver_setup(args, "families")
     if args.worker:
         return worker(args)
     started = time.perf_counter()
     report = {"date": datetime.date.today().isoformat(), "hardware": hardware,
               "workload": WORKLOADS["tiny" if args.tiny else "gpu"], "sizes": SIZES["tiny" if args.tiny else "gpu"],
-              "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "families": {}}
-    common = ["--out", str(args.out), "--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr)]
+              "command": " ".join(sys.argv[1:] if argv is None else argv), "families": {}}
+    common = ["--out", str(args.out), "--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr),
+              "--megatron-warmup", str(args.megatron_warmup), "--megatron-steps", str(args.megatron_steps)]
     for name in [family for family in args.families.split(",") if family]:
         command = [sys.executable, __file__, "--worker", name, *common, *(["--tiny"] if args.tiny else [])]
-        result, why = run_worker(name, command, args.out, args.timeout)
+        left = min(args.timeout, args.budget - (time.perf_counter() - started))
+        result, why = run_worker(name, command, args.out, left)
         if result is None and (args.out / f"{name}.json").exists():  # stopped after a part: report what it wrote
             result = json.loads((args.out / f"{name}.json").read_text())
         report["families"][name] = summarise(result, hardware, why) if result else {"failed": why}

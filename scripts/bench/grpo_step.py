@@ -1,7 +1,7 @@
 """The whole GRPO step, ours against TRL's GRPOTrainer, on identical work, against the hardware limits.
 
-    python scripts/bench/grpo_step.py --preset embedded            # one GPU (scripts/bench/grpo_step_gpu.sh)
-    python scripts/bench/grpo_step.py --preset tiny                # the 2-core CPU run
+    python scripts/bench/run.py grpo --preset embedded --systems ours_rollout,trl_fast   # one GPU
+    python scripts/bench/run.py grpo --preset tiny                                       # the 2-core CPU
 
 One call runs, each in its own process and one after another (the device otherwise idle):
   1. the reference worker: writes the workspace (random-weight model from a config, tokenizer, prompt
@@ -18,8 +18,8 @@ One call runs, each in its own process and one after another (the device otherwi
      of --variant-engine);
 then prints and writes `grpo_step.md` and `grpo_step.json` under --out.
 
-Before / after in one call: with `--prev DIR` (a `git archive` of an earlier commit), a system written
-`prev:NAME` runs this harness's worker with the library of DIR (its `aligner_ext` and `conf/` first on
+Before / after in one call: with `--prev COMMIT` (or a folder holding its tree), a system written
+`prev:NAME` runs this harness's worker with the library of that tree (its `aligner_ext` and `conf/` first on
 the path), on the same workspace and reference; the report then gives, per system with both sides,
 the ratio after / before of the step and of each phase. `--torch-profile PHASES`: our systems run one
 more step after the measured ones with those phases under torch.profiler (<out>/<system>.torch_profile.txt:
@@ -59,6 +59,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
+from common import prev_tree, steps_line  # noqa: E402
 from grpo_step_lib import PRESETS, Preset, write_json, write_workspace  # noqa: E402
 
 SYSTEMS = ("ours", "ours_rollout", "ours_rollout_prev", "ours_liger", "ours_packed", "ours_megatron",
@@ -171,7 +172,7 @@ def run_worker(name: str, command: list[str], out: Path, timeout: float, root: P
     result = out / f"{name}.json"
     if code != 0 and isinstance(code, str) and result.exists():  # its results were written before the limit
         print(f"   {name}: {code}, after writing its results (kept)", flush=True)
-        return json.loads(result.read_text()), ""
+        return json.loads(result.read_text()), f"{code}: stopped after writing what it had"
     if code != 0 or not result.exists():
         tail = (out / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
         print(f"   {name} failed ({code}):\n     " + "\n     ".join(tail), flush=True)
@@ -237,6 +238,8 @@ def summarise(result: dict, preset: Preset, floor: dict, hardware: dict) -> dict
         "generated_tokens": generated, "generated_tokens_per_s": generated / generation_s if generation_s else None,
         "startup_s": result["startup_s"], "first_step_s": first["step_s"], "first_step_done_at_s": first["ended_at_s"],
         "first_step_phases_s": first["phases_s"], "settings": result["settings"],
+        "steps": [{"step_s": step["step_s"], "phases_s": step["phases_s"], "events": step.get("events", {})}
+                  for step in measured],
     }
     if result["variant"] == "none":
         summary["decode_bound_share"] = floor["decode_bound_s"] / generation_s
@@ -288,6 +291,8 @@ def render(report: dict) -> str:
             lines.append(f"| {name} | {s['step_s'][0]:.2f} [{s['step_s'][1]:.2f}, {s['step_s'][2]:.2f}] | {ratio} "
                          f"| {p['generation']:.2f} | {p['logprobs']:.2f} | {p['train']:.2f} | {p['rewards']:.3f} "
                          f"| {s['generated_tokens']:,.0f} | {s['note']} |")
+    lines += ["", "Every measured step, seconds (* above 1.3x the median, with what happened in it):", ""]
+    lines += [f"- {steps_line(name, s['steps'])}" for name, s in {**systems, **report["variants"]}.items()]
     lines += ratio_lines(systems)
     for name, error in report["failures"].items():
         lines.append(f"\n{name} did not finish: {error}")
@@ -335,7 +340,7 @@ def variant_note(name: str, result: dict) -> str:
     return ""
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from " + ", ".join(SYSTEMS))
@@ -346,19 +351,21 @@ def main() -> None:
     parser.add_argument("--variant-steps", type=int, default=None, help="measured steps per variant (preset's)")
     parser.add_argument("--variant-engine", default="hf", choices=("hf", "rollout"), help="generator.engine of the variant runs")
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--eos", action="store_true", help="our systems' responses end at EOS, as in training: "
+                        "lengths and so shapes vary from step to step (the bound and MFU columns still count R tokens)")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="our systems run their first step under cProfile (<out>/<system>.first_step_profile.txt)")
     parser.add_argument("--torch-profile", default="", help="phases (comma-separated, e.g. train,logprobs) of one more "
                         "step of our systems (this tree's) to run under torch.profiler (<out>/<system>.torch_profile.txt)")
-    parser.add_argument("--prev", type=Path, default=None,
-                        help="an earlier checkout's tree: systems written prev:NAME run with its library")
+    parser.add_argument("--prev", type=prev_tree, default=None,
+                        help="an earlier commit or its tree: systems written prev:NAME run with its library")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per worker process")
     parser.add_argument("--budget", type=float, default=float("inf"),
                         help="seconds for the whole call: a worker gets at most what is left, and the report is "
                              "rewritten after every worker, so a device call's time limit loses no finished result")
     parser.add_argument("--out", type=Path, default=None, help="default: bench_out/grpo_step_<preset>")
     parser.add_argument("--reference-worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     args.variant_steps = args.variant_steps or preset.variant_steps
     args.out = (args.out or ROOT / "bench_out" / f"grpo_step_{args.preset}").resolve()
@@ -382,18 +389,19 @@ def main() -> None:
     reference = torch.load(args.out / "reference.probe.pt")
     report = {"preset": preset.__dict__, "hardware": hardware, "floor": floor, "systems": {}, "variants": {},
               "logprob_check": {}, "failures": {}, "variant_engine": args.variant_engine,
-              "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+              "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv[1:] if argv is None else argv)}
     for system in [s for s in args.systems.split(",") if s]:
         base, root = system.removeprefix(PREV_PREFIX), ROOT
         if base != system:
             if args.prev is None:
                 sys.exit(f"{system}: name the earlier tree with --prev")
-            root = args.prev.resolve()
+            root = args.prev
         if base.startswith("ours"):
             engine, settings = OURS[base]
             script, extra = "grpo_step_ours.py", ["--engine", engine, "--system", system,
                                                   *[arg for setting in settings for arg in ("--set", setting)]]
             extra += ["--profile-first-step"] if args.profile_first_step else []
+            extra += ["--eos"] if args.eos else []
             extra += ["--torch-profile", args.torch_profile] if args.torch_profile and base == system else []  # this tree's side
         else:
             script, extra = "grpo_step_trl.py", ["--mode", base.removeprefix("trl_")]

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from common import StepEvents
 
 # Data source of the benchmark rows; both systems score it with `bench_score`.
 DATA_SOURCE = "grpo_bench"
@@ -196,7 +197,7 @@ class PhaseClock:
     Phases nest (`push`/`pop`); every boundary synchronises the device, charges the time since the
     last boundary to the innermost open phase (or to `outside` when none is open) and does the same
     with the peak allocated memory, then resets the peak. So phase times are exclusive and add up to
-    the step exactly.
+    the step exactly. Each step also records the events that explain a slow one (common.StepEvents).
     """
 
     def __init__(self, device: str, outside: str = "other"):
@@ -210,6 +211,7 @@ class PhaseClock:
         # summarised (`kernel_summary`) into `profiles[phase]`
         self.profiling: set[str] = set()
         self.profiles: dict[str, list[dict]] = {}
+        self.events = StepEvents(self.cuda)
 
     def _now(self) -> float:
         if self.cuda:
@@ -255,7 +257,8 @@ class PhaseClock:
         """Close the step: its total, per-phase seconds and peaks; the clock restarts."""
         self._boundary()
         record = {"step_s": sum(self.seconds.values()), "phases_s": dict(self.seconds),
-                  "peak_gib": {phase: value / 2**30 for phase, value in self.peak_bytes.items()}}
+                  "peak_gib": {phase: value / 2**30 for phase, value in self.peak_bytes.items()},
+                  "events": self.events.take()}
         self.seconds, self.peak_bytes = {}, {}
         return record
 

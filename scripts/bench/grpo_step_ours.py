@@ -20,8 +20,7 @@ import pstats  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-
-from grpo_step_lib import DATA_SOURCE, Preset, PhaseClock, render_summary, write_json  # noqa: E402
+from grpo_step_lib import DATA_SOURCE, PhaseClock, Preset, render_summary, write_json  # noqa: E402
 
 VARIANT_OVERRIDES = {  # what each variant overlay needs beyond the shared workload
     "none": [],
@@ -32,7 +31,9 @@ VARIANT_OVERRIDES = {  # what each variant overlay needs beyond the shared workl
 }
 
 
-def overrides(preset: Preset, workspace: Path, variant: str, lr: float, engine: str) -> list[str]:
+def overrides(preset: Preset, workspace: Path, variant: str, lr: float, engine: str, eos: bool = False) -> list[str]:
+    """The run's config overrides; `eos`: responses end at EOS (lengths vary from step to step, as in
+    training) instead of all running to R tokens."""
     sequences = preset.prompts * preset.n
     # prompts may take every position the responses leave (the config refuses more than the model's)
     response = preset.response_length + (preset.response_length // 2 if variant == "mtpo" else 0)
@@ -41,7 +42,8 @@ def overrides(preset: Preset, workspace: Path, variant: str, lr: float, engine: 
         f"model.path={workspace / 'model'}", f"data.train_files=[{workspace / 'rows.jsonl'}]",
         f"data.train_batch_size={preset.prompts}", f"data.max_prompt_length={positions - response}",
         "data.shuffle=false",
-        f"rollout.n={preset.n}", f"rollout.max_response_length={preset.response_length}", "rollout.ignore_eos=true",
+        f"rollout.n={preset.n}", f"rollout.max_response_length={preset.response_length}",
+        f"rollout.ignore_eos={str(not eos).lower()}",
         f"+reward.sources.{DATA_SOURCE}=grpo_step_lib:score", "loss.kl_coef=0.0",
         f"policy.device={preset.device}", f"policy.micro_batch_size={preset.micro_batch}", f"policy.optim.lr={lr}",
         f"generator.engine={engine}", f"generator.hf.batch_size={sequences}",
@@ -118,6 +120,7 @@ def main() -> None:
     parser.add_argument("--engine", default="hf", help="generator.engine")
     parser.add_argument("--system", default=None, help="the name reported (default: ours / ours_<engine>)")
     parser.add_argument("--set", action="append", default=[], help="one more config override (repeatable)")
+    parser.add_argument("--eos", action="store_true", help="responses end at EOS (lengths vary from step to step)")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="run the first step under cProfile: its heaviest calls in <out>.first_step_profile.txt")
     parser.add_argument("--torch-profile", default="", help="phases (comma-separated: train, logprobs, generation, "
@@ -131,7 +134,7 @@ def main() -> None:
     from aligner_ext.trainer.metrics import StageTimer
 
     preset = Preset(**json.loads((args.workspace / "preset.json").read_text())["preset"])
-    settings = overrides(preset, args.workspace, args.variant, args.lr, args.engine) + args.set
+    settings = overrides(preset, args.workspace, args.variant, args.lr, args.engine, args.eos) + args.set
     cfg = load_config("base", settings)
     torch.manual_seed(cfg.trainer.seed)
     parts = build_components(cfg, args.workspace / "runs" / cfg.trainer.run_name)

@@ -29,8 +29,7 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-
-from grpo_step_lib import Preset, PhaseClock, trl_reward, write_json  # noqa: E402
+from grpo_step_lib import PhaseClock, Preset, trl_reward, write_json  # noqa: E402
 
 # TRL profiling-context names -> our phase names; an unlisted name (a reward function's) takes its parent's.
 TRL_PHASES = {"transformers.generate": "generation", "transformers.generate_batch": "generation",

@@ -1,16 +1,16 @@
 """The Megatron backend's training step of each family at ~1B on one GPU: MFU over more calls than
 scripts/bench/families.py takes, and a profile of where one train call's device time goes.
 
-    python scripts/bench/megatron_families.py --families llama3,gemma3_text,olmo2 --steps 6 --profile
-    python scripts/bench/megatron_families.py --families llama3,olmo2 --prev .prev --steps 6   # before / after
-    python scripts/bench/megatron_families.py --tiny --families olmo2 --steps 1 --profile        # the CPU (tests/bench)
+    python scripts/bench/run.py megatron --families llama3,gemma3_text,olmo2 --steps 6 --profile
+    python scripts/bench/run.py megatron --families llama3,olmo2 --prev 7ed92df --steps 6   # before / after
+    python scripts/bench/run.py megatron --tiny --families olmo2 --steps 1 --profile        # the CPU (tests/bench)
 
 Per family (families.py's config at SIZES, random weights, bf16 on the GPU; its workload: 8 prompts x
 n=8 of P 128 + R 256, packed micro-batches of --tokens (MEGATRON_TOKENS) at TP=1), in its own process: old
 log-probs and one update per call, --steps calls timed after --warmup calls (families.megatron_calls);
 MFU as families.py defines it (train FLOPs of the real tokens over the train call's time and the
-measured bf16 matrix rate). With --prev DIR (a `git archive` of an earlier commit), each family runs
-first with DIR's library (`prev:<family>`), then with this tree's, one after the other; the table
+measured bf16 matrix rate). With --prev (an earlier commit, or its tree), each family runs
+first with that tree's library (`prev:<family>`), then with this tree's, one after the other; the table
 gives the ratio of the train call after / before.
 
 --profile (this tree's side): one more train call under torch.profiler with every layer's parts
@@ -35,8 +35,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from families import (MEGATRON_TOKENS, driver_arguments, driver_setup, family_preset, full_batch,  # noqa: E402
-                      megatron_calls, megatron_policy, shape, train_flops)
+from common import prev_tree, steps_line  # noqa: E402
+from families import (  # noqa: E402
+    MEGATRON_TOKENS,
+    driver_arguments,
+    driver_setup,
+    family_preset,
+    full_batch,
+    megatron_calls,
+    megatron_policy,
+    shape,
+    train_flops,
+)
 from grpo_step import PREV_PREFIX, run_worker  # noqa: E402
 from grpo_step_lib import kernel_summary, render_summary, start_profile, write_json  # noqa: E402
 
@@ -164,7 +174,8 @@ def summarise(result: dict, hardware: dict) -> dict:
                           flops / min(train) / hardware["matmul_flops_per_s"]],
             "logprobs_s": statistics.median(call["phases_s"]["logprobs"] for call in result["calls"]),
             "peak_gib": max(call["peak_gib"].get("train", 0.0) for call in result["calls"]),
-            "profile": result.get("profile")}
+            "profile": result.get("profile"),
+            "calls": [{"train_s": call["phases_s"]["train"], "events": call.get("events", {})} for call in result["calls"]]}
 
 
 def render(report: dict) -> str:
@@ -185,6 +196,8 @@ def render(report: dict) -> str:
                      f"{s['train_s'][0]:.3f} [{s['train_s'][1]:.3f}, {s['train_s'][2]:.3f}] | "
                      f"{100 * s['train_mfu']:.1f}% [{100 * s['mfu_range'][0]:.1f}, {100 * s['mfu_range'][1]:.1f}] | "
                      f"{ratio} | {s['logprobs_s']:.3f} | {s['peak_gib']:.1f} |")
+    lines += ["", "Every timed train call, seconds (* above 1.3x the median, with what happened in it):", ""]
+    lines += [f"- {steps_line(key, s['calls'], 'train_s')}" for key, s in rows.items() if "calls" in s]
     for key, s in rows.items():
         if s.get("profile"):
             lines += ["", "```", render_summary(f"{key}: one train call, wall {s['profile']['wall_s']:.3f} s",
@@ -192,25 +205,26 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default="llama3,gemma3_text,olmo2")
     parser.add_argument("--steps", type=int, default=6, help="timed train calls after the warm-up calls")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (compilation; the first calls "
                         "after it still run slower on a GPU)")
     parser.add_argument("--profile", action="store_true", help="one more call under torch.profiler (this tree's side)")
-    parser.add_argument("--prev", type=Path, default=None, help="an earlier checkout's tree: each family runs first with its library")
+    parser.add_argument("--prev", type=prev_tree, default=None,
+                        help="an earlier commit or its tree: each family runs first with its library")
     parser.add_argument("--prev-families", default=None, help="only these families run with --prev's library too "
                         "(default: every family; one whose code did not change needs no earlier side)")
     parser.add_argument("--tokens", type=int, default=MEGATRON_TOKENS, help="policy.micro_batch_tokens")
     driver_arguments(parser, timeout=300)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     hardware = driver_setup(args, "megatron_families")
     if args.worker:
         return worker(args)
     started = time.perf_counter()
     report = {"date": datetime.date.today().isoformat(), "hardware": hardware, "steps": args.steps, "warmup": args.warmup, "tokens": args.tokens,
-              "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "families": {}}
+              "command": " ".join(sys.argv[1:] if argv is None else argv), "families": {}}
     common = ["--out", str(args.out), "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(args.lr),
               "--tokens", str(args.tokens)]
     common += ["--tiny"] if args.tiny else []
@@ -218,7 +232,7 @@ def main() -> None:
     families = [family for family in args.families.split(",") if family]
     earlier = families if args.prev_families is None else args.prev_families.split(",")
     for name in families:
-        sides = [(PREV_PREFIX + name, args.prev.resolve())] if args.prev and name in earlier else []
+        sides = [(PREV_PREFIX + name, args.prev)] if args.prev and name in earlier else []
         for key, root in sides + [(name, HERE.parent.parent)]:
             left = min(args.timeout, args.budget - (time.perf_counter() - started))
             stem = key.replace(":", "_")

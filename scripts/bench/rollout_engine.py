@@ -1,8 +1,8 @@
 """Generation alone: the rollout engine (generation/rollout.py) in its settings against the HF engine,
 same weights and prompts, against the decode bound, with a profile of where a decoding step's time goes.
 
-    python scripts/bench/rollout_engine.py --preset embedded     # one GPU (scripts/bench/rollout_engine_gpu.sh)
-    python scripts/bench/rollout_engine.py --preset tiny         # the CPU
+    python scripts/bench/run.py rollout --preset embedded     # one GPU
+    python scripts/bench/run.py rollout --preset tiny         # the CPU (tests/bench)
 
 Workload: the GRPO step's generation of a preset of scripts/bench/grpo_step_lib.py (`prompts`
 prompts of exactly P tokens, n samples each, every response exactly R tokens: ignore_eos,
@@ -58,9 +58,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-
 from grpo_step import floors, measure_hardware  # noqa: E402
 from grpo_step_lib import PRESETS, build_model_and_tokenizer, model_counts, prompt_ids, random_content  # noqa: E402
+
 from aligner_ext.models.hf import cast_model  # noqa: E402
 
 ENGINE_SETTINGS = {
@@ -207,7 +207,8 @@ def round2(name: str, engine, fresh, prompts: list[list[int]], response: int, de
 
 def profile(engine, prompts, params, device: str) -> dict:
     """Top kernels by device time over one call, and the device's busy share of its wall time."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     engine.release_memory()
@@ -228,7 +229,7 @@ def profile(engine, prompts, params, device: str) -> dict:
             "top": [{"name": e.key[:90], "calls": e.count, "seconds": getattr(e, attribute) / 1e6} for e in top]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--engines", default="hf,eager,graphs,compiled,compiled_stop")
@@ -239,7 +240,7 @@ def main() -> None:
     parser.add_argument("--no-checks", action="store_true", help="skip the token and log-prob checks")
     parser.add_argument("--profile-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from aligner_ext.generation.base import SamplingParams
 
     preset = PRESETS[args.preset]
@@ -256,7 +257,7 @@ def main() -> None:
     floor = floors(preset, hardware)
     prompts = workload(preset, tokenizer)
     sequences, response = len(prompts), preset.response_length
-    report = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv), "preset": preset.__dict__,
+    report = {"date": datetime.date.today().isoformat(), "command": " ".join(sys.argv[1:] if argv is None else argv), "preset": preset.__dict__,
               "hardware": hardware, "decode_bound_s": floor["decode_bound_s"], "engines": {}, "failures": {}}
     print(f"{args.preset}: {sequences} sequences x (P {preset.prompt_length} + R {response}), "
           f"decode bound {floor['decode_bound_s'] * 1e3:.1f} ms per call", flush=True)

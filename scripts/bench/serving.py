@@ -1,8 +1,8 @@
 """Generation through `aligner-ext serve` against the same engine in process, and the cost of each
 weight push mode (docs/serving.md), in one process:
 
-    python scripts/bench/serving.py --preset embedded      # one GPU (scripts/bench/serving_gpu.sh)
-    python scripts/bench/serving.py --preset tiny          # the CPU
+    python scripts/bench/run.py serving --preset embedded      # one GPU
+    python scripts/bench/run.py serving --preset tiny          # the CPU (tests/bench)
 
 Workload: rollout_engine.py's (a GRPO batch of a preset in scripts/bench/grpo_step_lib.py: `prompts`
 prompts of P tokens, n samples each, R tokens each with ignore_eos, temperature 1, log-probs), random
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -34,9 +35,9 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent / "tests"))
 
 import torch  # noqa: E402
-
 from grpo_step_lib import PRESETS, build_model_and_tokenizer  # noqa: E402
 from rollout_engine import sync, timed_call, workload  # noqa: E402
+
 from aligner_ext.models.hf import cast_model  # noqa: E402
 
 
@@ -51,18 +52,19 @@ def median_seconds(fn, repeats: int, device: str) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=0, help="prompts per request (0: the whole call)")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+
+    from served_engine import serve_in_thread, serving
 
     from aligner_ext.generation.base import SamplingParams
     from aligner_ext.generation.remote import RemoteEngine, RemoteEngineConfig
     from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
-    from served_engine import serve_in_thread, serving
 
     preset = PRESETS[args.preset]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,12 +77,14 @@ def main() -> None:
     engine_cfg = RolloutEngineConfig(max_batch_size=len(prompts))
     local = RolloutEngine(model, tokenizer, engine_cfg)
     served_model = copy.deepcopy(model)
-    server = serving(RolloutEngine(served_model, tokenizer, engine_cfg), served_model, tokenizer)
+    sync_dir = Path(tempfile.mkdtemp(prefix="serving_sync_"))  # the only folder the server loads weights from
+    server = serving(RolloutEngine(served_model, tokenizer, engine_cfg), served_model, tokenizer,
+                     weights_root=str(sync_dir))
     size_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     report = {"preset": args.preset, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "sequences": len(prompts), "prompt_length": preset.prompt_length,
               "response_length": preset.response_length, "weights_gb": size_gb, "chunk": args.chunk or len(prompts)}
-    with serve_in_thread(server) as url, tempfile.TemporaryDirectory() as sync_dir:
+    with serve_in_thread(server) as url:
         clients = {mode: RemoteEngine(model, tokenizer, RemoteEngineConfig(
             urls=[url], max_prompts_per_request=args.chunk or len(prompts), weight_sync=mode,
             weight_sync_dir=sync_dir, weight_sync_address="127.0.0.1", weight_sync_backend="gloo"))
@@ -101,6 +105,7 @@ def main() -> None:
         report["weight_push"] = pushes
         same = all(torch.equal(a, b) for a, b in zip(served_model.parameters(), model.parameters()))
         report["server_weights_equal_after_push"] = same
+    shutil.rmtree(sync_dir)
     out = args.out or Path("bench_out") / f"serving_{args.preset}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "serving.json").write_text(json.dumps(report, indent=2))

@@ -1,8 +1,8 @@
 """Sliding windows that bite: sequences several windows long, on the Megatron backend's training
 forward and in the rollout engine, against transformers' own windowed attention, and their speed.
 
-    python scripts/bench/sliding_window.py --families gemma3_text,mistral --window 512     # one GPU
-    python scripts/bench/sliding_window.py --tiny --families gemma3_text,mistral           # the CPU (tests/bench)
+    python scripts/bench/run.py sliding-window --families gemma3_text,mistral --window 512     # one GPU
+    python scripts/bench/run.py sliding-window --tiny --families gemma3_text,mistral           # the CPU (tests/bench)
 
 Per family (families.py's config at SIZES with `sliding_window=--window`: Mistral windows every layer,
 Gemma 3 five layers of six with its own RoPE base; random weights, bf16 on the GPU), in its own
@@ -50,8 +50,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from families import (SIZES, decode_bound_s, driver_arguments, driver_setup, megatron_calls,  # noqa: E402
-                      megatron_policy, shape, train_flops)
+from families import (  # noqa: E402
+    SIZES,
+    decode_bound_s,
+    driver_arguments,
+    driver_setup,
+    megatron_calls,
+    megatron_policy,
+    shape,
+    train_flops,
+)
 from grpo_step import run_worker  # noqa: E402
 from grpo_step_lib import FIRST_WORD_ID, Preset, write_json  # noqa: E402
 
@@ -306,21 +314,21 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default="gemma3_text,mistral")
     parser.add_argument("--window", type=int, default=None, help="sliding_window (GPU default 512, tiny 8)")
     parser.add_argument("--steps", type=int, default=3, help="timed train calls per attention")
     parser.add_argument("--repeats", type=int, default=2, help="timed generate calls after the first")
     driver_arguments(parser, timeout=300)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     hardware = driver_setup(args, "sliding_window")
     if args.worker:
         return worker(args)
     started = time.perf_counter()
     write_json(args.out / "hardware.json", hardware)
     report = {"date": datetime.date.today().isoformat(), "hardware": hardware, "families": {},
-              "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+              "command": " ".join(sys.argv[1:] if argv is None else argv)}
     common = ["--out", str(args.out), "--steps", str(args.steps), "--repeats", str(args.repeats), "--lr", str(args.lr)]
     common += (["--window", str(args.window)] if args.window else []) + (["--tiny"] if args.tiny else [])
     failed = False

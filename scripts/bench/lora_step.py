@@ -1,0 +1,155 @@
+"""The GRPO step with LoRA on one GPU, ours against TRL's GRPOTrainer with the same peft config (docs/lora.md).
+
+    python scripts/bench/run.py lora --out bench_out/lora_step          # one H100 (80 GB) or H200
+    python scripts/bench/run.py lora --tiny --out bench_out/lora_tiny   # the harness itself, on the CPU
+
+One call runs, each in its own process and one after another (the device otherwise idle):
+  1. the workspace worker: a Llama-3.1-8B-shape model with random bf16 weights (`family_config('llama3')`:
+     hidden 4096, 32 layers, 32 / 8 heads, MLP 14336, an untied 128,256-entry vocabulary), the word
+     tokenizer and prompt rows of grpo_step_lib, the matrix rate and copy bandwidth, and the float32
+     log-probs of the probe (grpo_step.py's reference worker, on this model);
+  2. ours: grpo_step_ours.py with the rollout engine and `policy.lora.rank=32 policy.lora.alpha=64` on
+     every attention and MLP projection (the default `target_modules`);
+  3. TRL: grpo_step_trl.py in its fastest mode without vLLM ("fast": bf16 weights, no gradient
+     checkpointing) with `peft_config=LoraConfig(r=32, lora_alpha=64, target_modules="all-linear")`,
+     which GRPOTrainer takes as its constructor argument (passed here; the worker is otherwise the
+     GRPO benchmark's);
+then writes `lora_step.md` and `lora_step.json` under --out: grpo_step.py's table (step time, phases,
+peak memory of generation and training, decode-bound share, train MFU), the slots the rollout engine
+sized from free memory, and the targets: a step at least 3x faster than TRL's, decoding at >= 40% of
+the decode bound (base weights + KV cache read per step), no out-of-memory on the 80 GB card.
+
+32 prompts x 8 samples, prompts of 256 tokens and responses of exactly 1024 (EOS ignored), the same
+learning rate, KL off, one optimizer update per step: the GRPO benchmark's identical work
+(scripts/bench/grpo_step.py). The KV cache of 256 x 1280 tokens at this shape is about 43 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from grpo_step import (  # noqa: E402
+    floors,
+    measure_hardware,
+    reference_logprobs,
+    relative_error,
+    render,
+    run_worker,
+    summarise,
+)
+from grpo_step_lib import Preset, build_word_tokenizer, write_json, write_workspace  # noqa: E402
+
+RANK, ALPHA = 32, 64
+LLAMA_8B = Preset("llama3_8b_lora", "words", 4096, 32, 32, 8, 14336, 128256, prompts=32, n=8, prompt_length=256,
+                  response_length=1024, micro_batch=8, device="cuda", variant_steps=0)
+TINY = replace(LLAMA_8B, name="tiny_lora", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+               intermediate_size=128, vocab_size=512, prompts=2, n=4, prompt_length=24, response_length=16,
+               micro_batch=8, device="cpu")
+
+
+def workspace_worker(args) -> None:
+    """The model, rows and probe of the workspace; the hardware's rates; the probe's reference log-probs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from aligner_ext.models.family_configs import family_config
+
+    preset = TINY if args.tiny else LLAMA_8B
+    config = family_config("llama3", hidden_size=preset.hidden_size, num_hidden_layers=preset.num_layers,
+                           num_attention_heads=preset.num_heads, num_key_value_heads=preset.num_kv_heads,
+                           intermediate_size=preset.intermediate_size, vocab_size=preset.vocab_size,
+                           max_position_embeddings=preset.prompt_length + preset.response_length + 512,
+                           tie_word_embeddings=False)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if preset.device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # random weights, never a float32 8B copy
+    rows = preset.prompts * (args.warmup + args.steps) * 2
+    counts = write_workspace(preset, rows, args.out / "work", model_and_tokenizer=(model, build_word_tokenizer(
+        preset.vocab_size)))
+    del model
+    torch.save(reference_logprobs(args.out / "work", preset.device), args.out / "reference.probe.pt")
+    write_json(args.out / "workspace.json", {**measure_hardware(preset.device), "model": counts})
+
+
+def trl_worker(args) -> None:
+    """grpo_step_trl.py's worker with GRPOTrainer given the peft config."""
+    import functools
+
+    import grpo_step_trl
+    import trl
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules="all-linear")
+    trl.GRPOTrainer = functools.partial(trl.GRPOTrainer, peft_config=peft_config)
+    sys.argv = [sys.argv[0], "--workspace", str(args.out / "work"), "--out", str(args.out / "trl_fast.json"),
+                "--mode", "fast", "--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr)]
+    grpo_step_trl.main()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_out/lora_step"))
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per system")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness")
+    parser.add_argument("--workspace-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.workspace_worker:
+        return workspace_worker(args)
+    if args.trl_worker:
+        return trl_worker(args)
+
+    import torch
+
+    preset = TINY if args.tiny else LLAMA_8B
+    common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr)]
+    itself = [sys.executable, __file__, "--out", str(args.out), *common, *(["--tiny"] if args.tiny else [])]
+    _, failure = run_worker("workspace", [*itself, "--workspace-worker"], args.out, args.timeout)
+    if failure:
+        sys.exit(f"the workspace worker failed: {failure}")
+    hardware = json.loads((args.out / "workspace.json").read_text())
+    reference = torch.load(args.out / "reference.probe.pt")
+    ours_command = [sys.executable, str(HERE / "grpo_step_ours.py"), "--workspace", str(args.out / "work"),
+                    "--out", str(args.out / "ours.json"), "--engine", "rollout", "--system", "ours", *common,
+                    "--set", f"policy.lora.rank={RANK}", "--set", f"policy.lora.alpha={ALPHA}"]
+    results, failures = {}, {}
+    for name, command in (("ours", ours_command), ("trl_fast", [*itself, "--trl-worker"])):
+        result, failure = run_worker(name, command, args.out, args.timeout)
+        if result is None:
+            failures[name] = failure
+        else:
+            results[name] = result
+    floor = floors(preset, hardware)
+    systems = {name: summarise(result, preset, floor, hardware) for name, result in results.items()}
+    checks = {name: relative_error(torch.load(args.out / f"{name}.probe.pt"), reference) for name in results}
+    report = {"date": datetime.date.today().isoformat(), "preset": asdict(preset), "hardware": hardware,
+              "floor": floor, "systems": systems, "variants": {}, "logprob_check": checks, "failures": failures,
+              "lora": {"rank": RANK, "alpha": ALPHA, "targets": "every attention and MLP projection"},
+              "engine_slots": results.get("ours", {}).get("steps", [{}])[0].get("engine_last_call", {})}
+    lines = [f"LoRA rank {RANK}, alpha {ALPHA}, on every attention and MLP projection (both systems).", "",
+             render(report), "", f"The rollout engine's first call: {report['engine_slots']}"]
+    if "ours" in systems and "trl_fast" in systems:
+        speedup = systems["trl_fast"]["step_s"][0] / systems["ours"]["step_s"][0]
+        share = systems["ours"]["decode_bound_share"]
+        lines += ["", f"Targets: step {speedup:.2f}x TRL's (target >= 3x); decoding at {100 * share:.1f}% of the "
+                  "decode bound (target >= 40%)."]
+    (args.out / "lora_step.md").write_text("\n".join(lines) + "\n")
+    write_json(args.out / "lora_step.json", report)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
