@@ -181,6 +181,9 @@ def render(results: dict[str, dict[str, list[dict]]], seeds: list[int], steps: i
              "column: the first evaluation at which the method's mean reaches the baseline's final value.", ""]
     for comparison in COMPARISONS:
         if comparison.task not in results:
+            names = ", ".join(method.name for method in comparison.methods)
+            lines += [f"## {comparison.task}", "", f"Not run yet ({names}): `python scripts/learning_curves.py --only "
+                      f"{comparison.task}` adds it.", ""]
             continue
         curves = results[comparison.task]
         lines += [f"## {comparison.task}", "", f"![{comparison.task}](learning/{comparison.task}.png)", "",
@@ -211,7 +214,8 @@ def main() -> int:
     figures.mkdir(parents=True, exist_ok=True)
     for comparison in comparisons:
         plot(comparison, results[comparison.task], figures / f"{comparison.task}.png")
-    command = "python scripts/learning_curves.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python scripts/learning_curves.py", *(["--quick"] if args.quick else []),
+                        *(["--only", *args.only] if args.only else [])])
     steps = json.loads((directories[0] / "summary.json").read_text())["steps"]
     args.doc.write_text(render(results, args.seeds, steps, command))
     print(f"wrote {args.doc} and {len(comparisons)} figures in {figures}")

@@ -47,7 +47,7 @@ def results(tmp_path_factory):
         setup["policy_cfg"] = dataclasses.replace(setup["policy_cfg"], optim=optim)
         torch.save(setup, root / name / "train_setup.pt")
     (root / "cases.txt").write_text(" ".join(CASES))
-    torchrun([str(WORKER), str(root)])
+    torchrun([str(WORKER), str(root)], timeout=900)  # every case, saved at two layouts and loaded at four
     return root
 
 
