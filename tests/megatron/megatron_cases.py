@@ -3,6 +3,7 @@ the torchrun launch, shared by the Megatron tests. Norm weights and biases are p
 their initialisation so a mis-mapped norm or bias changes the results."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -62,12 +63,21 @@ def batch_tensors(vocab_size: int) -> dict:
 
 def torchrun(args: list[str], processes: int = 2, timeout: int = 300, pythonpath: tuple[str, ...] = ()) -> None:
     """`python -m torch.distributed.run --nproc_per_node=<processes> <args>` on a free port, one OpenMP
-    thread per process; fails the test with the end of its output if it exits non-zero."""
+    thread per process; fails the test with the end of its output if it exits non-zero. Past `timeout`
+    the launcher and its workers are killed together (their own process group), so a timed-out launch
+    leaves no worker behind to slow the tests after it."""
     from aligner_ext.models.megatron.parallel import free_port  # imports megatron-core: tests skip without it
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
                f"--master_port={free_port()}", *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        stdout, stderr = launcher.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        stdout, stderr = launcher.communicate()
+        raise AssertionError(f"torchrun {args} ran past {timeout} s:\n{stdout[-3000:]}{stderr[-6000:]}") from None
+    assert launcher.returncode == 0, stdout[-3000:] + stderr[-6000:]
