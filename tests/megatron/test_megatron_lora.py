@@ -55,7 +55,7 @@ def cases(tmp_path_factory):
         build_model(config).save_pretrained(root / name)
         torch.save(batch_tensors(config.vocab_size), root / name / "batch.pt")
     (root / "cases.txt").write_text(" ".join(CASES))
-    torchrun([str(WORKER), str(root)], timeout=600)
+    torchrun([str(WORKER), str(root)], timeout=1200)  # a hang guard, with room for a loaded machine
     return root
 
 

@@ -69,7 +69,7 @@ def cases(tmp_path_factory):
     for processes, layouts in ((2, [layout for layout in RUNS if layout != "tp2_split"]), (4, ["tp2_split"])):
         (root / f"runs_{processes}.txt").write_text("\n".join(f"{name} {layout}" for layout in layouts
                                                               for name in RUNS[layout]))
-        torchrun([str(WORKER), str(root), f"runs_{processes}.txt"], processes=processes, timeout=600)
+        torchrun([str(WORKER), str(root), f"runs_{processes}.txt"], processes=processes, timeout=1200)  # a hang guard
     return root
 
 
