@@ -78,7 +78,7 @@ VERL_NO_EQUIVALENT: dict[str, str] = {
     ROLLOUT + "val_kwargs.do_sample": "leave it out: evaluation samples when trainer.eval.temperature (verl: "
                                       "val_kwargs.temperature) is above 0, and is greedy at 0, the default",
     ROLLOUT + "val_kwargs.top_k": "sampling is temperature and top-p (trainer.eval.temperature, trainer.eval.top_p)",
-    "actor_rollout_ref.model.enable_gradient_checkpointing": "policy.recompute_activations=true (Megatron backend)",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "policy.recompute_activations=true",
     "actor_rollout_ref.model.lora_rank": "training is full-parameter",
     "actor_rollout_ref.ref.": "the KL reference is the starting policy, built when loss.kl_coef > 0",
     "critic.": "GRPO and its variants train no critic",

@@ -46,6 +46,12 @@ class Comparison:
     task: str
     methods: tuple[Method, ...]
     metrics: tuple[str, ...] = ("val/accuracy",)  # held-out metrics in the table, the first one plotted
+    name: str = ""  # the section and figure name when a task has several comparisons (default: the task)
+    note: str = ""  # what the reader needs to know before the table: how the comparison is set up
+
+    @property
+    def title(self) -> str:
+        return self.name or self.task
 
 
 GRPO = Method("GRPO", ())
@@ -53,12 +59,18 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
     Comparison("mtpo_qa", (
         Method("GRPO", ("+variant=mtpo", "mtpo.rewards.calibration_weight=0")),
         Method("MTPO", ("+variant=mtpo",), "lower calibration error at equal accuracy"),
-    ), metrics=("val/accuracy", "val/brier", "val/ece")),
+    ), metrics=("val/accuracy", "val/brier", "val/ece"),
+       note="GRPO here is MTPO's two-round rollout with the calibration reward off "
+            "(`mtpo.rewards.calibration_weight=0`): the same answers and confidence continuations, rewarded for "
+            "correctness alone. Lower brier and ece are better."),
     Comparison("rubric_qa", (
         Method("GRPO", ("+variant=graded_prompt", "algorithm.experience_maker=group_sampling",
                         "graded_prompt.enabled=false")),
         Method("graded prompt", ("+variant=graded_prompt",), "higher rubric score"),
-    ), metrics=("val/reward_mean", "val/accuracy")),
+    ), metrics=("val/reward_mean", "val/accuracy"),
+       note="GRPO samples every answer under the original system prompt (`graded_prompt.enabled=false`); the graded "
+            "prompt shows sample i of n a growing share of the rubric while sampling and trains on the original "
+            "prompt. The held-out evaluation uses the original prompt."),
     Comparison("arithmetic", (
         GRPO,
         Method("DAPO", ("+variant=dapo",), "reaches GRPO's accuracy in fewer optimizer steps"),
@@ -69,7 +81,30 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
         Method("GSPO", ("algorithm.loss=gspo", "loss.agg_mode=seq-mean-token-mean"), "sequence-level ratio: steadier"),
         Method("CISPO", ("algorithm.loss=cispo",), "keeps the gradient of clipped tokens"),
         Method("CPO", ("+variant=cpo",), "gold-solution hints sharpen the advantage per token"),
-    )),
+    ), note="One optimizer update per step (the demo's default mini-batch is the whole batch), so every importance "
+            "ratio is exactly 1 at the update: CISPO's gradient is GRPO's (its runs repeat GRPO's to the sampled "
+            "token) and no clip binds. arithmetic_off_policy compares the losses where the ratios move."),
+    # several updates per step (4 mini-batches of 32 of the 128 samples): the importance ratios leave 1 and
+    # the losses differ; with one update per step CISPO's gradient is GRPO's exactly (every ratio is 1)
+    Comparison("arithmetic", (
+        Method("GRPO off-policy", ("policy.mini_batch_size=32",)),
+        Method("GSPO off-policy", ("policy.mini_batch_size=32", "algorithm.loss=gspo", "loss.agg_mode=seq-mean-token-mean"),
+               "sequence-level ratio: steadier"),
+        Method("CISPO off-policy", ("policy.mini_batch_size=32", "algorithm.loss=cispo"),
+               "keeps the gradient of clipped tokens"),
+    ), name="arithmetic_off_policy",
+       note="Four optimizer updates per step (`policy.mini_batch_size=32` of the 128 samples), the same for the "
+            "three: from the second update on the ratios leave 1, the clips bind and the losses differ."),
+    # LoRA at ten times full training's learning rate (the usual finding for LoRA in RL), alpha 32 at both ranks
+    Comparison("arithmetic", (
+        Method("GRPO", ()),
+        Method("LoRA r8", ("policy.lora.rank=8", "policy.lora.alpha=32", "policy.optim.lr=5e-4"),
+               "matches full training at a small rank"),
+        Method("LoRA r32", ("policy.lora.rank=32", "policy.lora.alpha=32", "policy.optim.lr=5e-4"),
+               "matches full training at a small rank"),
+    ), name="arithmetic_lora",
+       note="LoRA on every attention and MLP projection (`policy.lora.*`, alpha 32) at ten times full training's "
+            "learning rate (5e-4 against 5e-5); GRPO is full training, the runs of the arithmetic comparison."),
 )
 QUICK = ("trainer.total_steps=2", "trainer.eval.every=1", "model.warmup.steps=2", "data.builtin_val_size=8",
          "data.builtin_train_size=64", "data.train_batch_size=4")
@@ -90,14 +125,33 @@ def train(runs: Path, task: str, method: Method, seed: int, quick: bool) -> Path
                *(QUICK if quick else ())]
     started = time.time()
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / f"{directory.name}.log", "w") as log:
-        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lock = directory.parent / f"{directory.name}.training"  # two invocations never train one run at once
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        raise RuntimeError(f"{task} / {method.name} / seed {seed} is being trained by another invocation "
+                           f"(remove {lock} if none is running)") from None
+    try:
+        with open(directory.parent / f"{directory.name}.log", "w") as log:
+            result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        lock.unlink()
     if result.returncode != 0:
         raise RuntimeError(f"{task} / {method.name} / seed {seed} failed (exit {result.returncode}): "
                            f"{directory.parent / (directory.name + '.log')}")
     print(f"{task:>10} {method.name:>22} seed {seed}: {time.time() - started:5.0f} s", flush=True)
     return directory
+
+
+def finished_comparisons(runs: Path, seeds: list[int]) -> dict[str, dict[str, list[dict]]]:
+    """The held-out curves of every comparison whose runs have all finished: title -> method -> one per seed."""
+    results = {}
+    for comparison in COMPARISONS:
+        directories = {m.name: [run_dir(runs, comparison.task, m, seed) for seed in seeds] for m in comparison.methods}
+        if all((d / "summary.json").is_file() for ds in directories.values() for d in ds):
+            results[comparison.title] = {name: [held_out(d) for d in ds] for name, ds in directories.items()}
+    return results
 
 
 def held_out(directory: Path) -> dict[str, list[tuple[int, float]]]:
@@ -126,24 +180,41 @@ def first_step_reaching(curve, target: float) -> int | None:
     return next((step for step, mean, _, _ in curve if mean >= target), None)
 
 
+def finals(runs: list[dict], metric: str) -> tuple[float, float]:
+    """The metric's last held-out value: mean and sample standard deviation over seeds."""
+    values = [run[metric][-1][1] for run in runs if run.get(metric)]
+    mean = sum(values) / len(values) if values else math.nan
+    std = math.sqrt(sum((x - mean) ** 2 for x in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return mean, std
+
+
+def against_baseline(mean: float, std: float, base_mean: float, base_std: float) -> str:
+    """The difference of final means, and whether it exceeds the larger of the two seed spreads."""
+    difference = mean - base_mean
+    within = abs(difference) <= max(std, base_std)
+    return f"{difference:+.3f}" + (" (within the seeds' spread)" if within else " (beyond the seeds' spread)")
+
+
 def summarize(comparison: Comparison, curves: dict[str, list[dict]]) -> list[str]:
-    """Markdown rows: each method's final metrics (mean ± std over seeds) and its steps to GRPO's final accuracy."""
+    """Markdown rows: each method's final metrics (mean ± std over seeds), their difference from the
+    baseline's, and its steps to the baseline's final headline metric."""
     baseline = comparison.methods[0].name
     headline = comparison.metrics[0]
     base_curve = mean_curve(curves[baseline], headline)
     target = base_curve[-1][1] if base_curve else math.nan
     rows = []
     for method in comparison.methods:
-        cells = []
+        cells, differences = [], []
         for metric in comparison.metrics:
-            finals = [run[metric][-1][1] for run in curves[method.name] if run.get(metric)]
-            mean = sum(finals) / len(finals) if finals else math.nan
-            std = math.sqrt(sum((x - mean) ** 2 for x in finals) / (len(finals) - 1)) if len(finals) > 1 else 0.0
+            mean, std = finals(curves[method.name], metric)
             start = curves[method.name][0].get(metric, [(0, math.nan)])[0][1]
             cells.append(f"{start:.3f} → {mean:.3f} ± {std:.3f}")
+            if method.name != baseline:
+                differences.append(f"{metric.removeprefix('val/')} "
+                                   + against_baseline(mean, std, *finals(curves[baseline], metric)))
         reached = first_step_reaching(mean_curve(curves[method.name], headline), target)
-        rows.append(f"| {method.name} | {' | '.join(cells)} | {reached if reached is not None else 'not reached'} "
-                    f"| {method.claim or 'baseline'} |")
+        rows.append(f"| {method.name} | {' | '.join(cells)} | {'; '.join(differences) or '-'} "
+                    f"| {reached if reached is not None else 'not reached'} | {method.claim or 'baseline'} |")
     return rows
 
 
@@ -153,7 +224,7 @@ def plot(comparison: Comparison, curves: dict[str, list[dict]], path: Path) -> N
 
     metrics = comparison.metrics
     figure = Figure(figsize=(5.2 * len(metrics), 4.0), layout="constrained")
-    figure.suptitle(f"{comparison.task}: held-out metrics per step (mean over seeds, band: min-max)")
+    figure.suptitle(f"{comparison.title}: held-out metrics per step (mean over seeds, band: min-max)")
     axes = figure.subplots(1, len(metrics), squeeze=False)[0]
     for axis, metric in zip(axes, metrics):
         for index, method in enumerate(comparison.methods):
@@ -177,19 +248,25 @@ def render(results: dict[str, dict[str, list[dict]]], seeds: list[int], steps: i
              f"Regenerated by `{command}` on the 2-core CPU development machine ({time.strftime('%Y-%m-%d')}):",
              f"`aligner-ext demo` runs of {steps} steps from the same warmed model per task, seeds "
              f"{', '.join(map(str, seeds))} (trainer.seed sets the sampling), held-out evaluation every {EVAL_EVERY} steps.",
-             "Each cell: the held-out value before RL → after it (mean ± standard deviation over seeds). The steps",
-             "column: the first evaluation at which the method's mean reaches the baseline's final value.", ""]
+             "Each cell: the held-out value before RL → after it (mean ± standard deviation over seeds). \"Final",
+             "against\": the difference of final means from the first method's (the baseline), within or beyond the",
+             "larger of the two standard deviations: with 3 seeds, a difference within it is no evidence either way.",
+             "The steps column: the first evaluation at which the method's mean reaches the baseline's final value.",
+             "A run does not depend on the machine's CPU: runs made on the lent GPU machine's 16 cores (18 at once)",
+             "reproduced this machine's sampled tokens and held-out curves exactly, so the page mixes both.", ""]
     for comparison in COMPARISONS:
-        if comparison.task not in results:
+        title = comparison.title
+        if title not in results:
             names = ", ".join(method.name for method in comparison.methods)
-            lines += [f"## {comparison.task}", "", f"Not run yet ({names}): `python scripts/learning_curves.py --only "
-                      f"{comparison.task}` adds it.", ""]
+            lines += [f"## {title}", "", f"Not run yet ({names}): `python scripts/learning_curves.py --only "
+                      f"{title}` adds it.", ""]
             continue
-        curves = results[comparison.task]
-        lines += [f"## {comparison.task}", "", f"![{comparison.task}](learning/{comparison.task}.png)", "",
-                  f"| method | {' | '.join(comparison.metrics)} | steps to GRPO's final {comparison.metrics[0]} | "
-                  "the paper's claim |",
-                  "| --- | " + "--- | " * len(comparison.metrics) + "--- | --- |",
+        curves = results[title]
+        lines += [f"## {title}", "", f"![{title}](learning/{title}.png)", "",
+                  *([comparison.note, ""] if comparison.note else []),
+                  f"| method | {' | '.join(comparison.metrics)} | final against {comparison.methods[0].name} | "
+                  f"steps to {comparison.methods[0].name}'s final {comparison.metrics[0]} | the paper's claim |",
+                  "| --- | " + "--- | " * len(comparison.metrics) + "--- | --- | --- |",
                   *summarize(comparison, curves), ""]
     return "\n".join(lines) + "\n"
 
@@ -198,27 +275,31 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "learning", help="kept runs (reused)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--only", nargs="+", help="tasks to run (default: all)")
+    parser.add_argument("--only", nargs="+", help="comparisons (or tasks) to run (default: all)")
     parser.add_argument("--parallel", type=int, default=2, help="runs at once, one compute thread each")
     parser.add_argument("--quick", action="store_true", help="2 steps, small sets: checks the script end to end")
+    parser.add_argument("--render", action="store_true", help="train nothing: the page from the runs finished")
     parser.add_argument("--doc", type=Path, default=DOC, help="where the page goes (figures beside it in learning/)")
     args = parser.parse_args()
-    comparisons = [c for c in COMPARISONS if not args.only or c.task in args.only]
-    jobs = [(c.task, m, s) for c in comparisons for m in c.methods for s in args.seeds]
-    with ThreadPoolExecutor(args.parallel) as pool:
-        directories = list(pool.map(lambda job: train(args.runs_dir, *job, args.quick), jobs))
-    results: dict[str, dict[str, list[dict]]] = {}
-    for (task, method, _), directory in zip(jobs, directories):
-        results.setdefault(task, {}).setdefault(method.name, []).append(held_out(directory))
+    selected = [c for c in COMPARISONS if not args.only or c.title in args.only or c.task in args.only]
+    # a run shared by two comparisons (their baseline) is trained once
+    jobs = list({run_dir(args.runs_dir, c.task, m, s): (c.task, m, s)
+                 for c in selected for m in c.methods for s in args.seeds}.values())
+    if not args.render:
+        with ThreadPoolExecutor(args.parallel) as pool:
+            list(pool.map(lambda job: train(args.runs_dir, *job, args.quick), jobs))
+    results = finished_comparisons(args.runs_dir, args.seeds)  # those selected, and any finished before
     figures = args.doc.parent / "learning"
     figures.mkdir(parents=True, exist_ok=True)
-    for comparison in comparisons:
-        plot(comparison, results[comparison.task], figures / f"{comparison.task}.png")
+    for comparison in COMPARISONS:
+        if comparison.title in results:
+            plot(comparison, results[comparison.title], figures / f"{comparison.title}.png")
     command = " ".join(["python scripts/learning_curves.py", *(["--quick"] if args.quick else []),
                         *(["--only", *args.only] if args.only else [])])
-    steps = json.loads((directories[0] / "summary.json").read_text())["steps"]
+    summaries = sorted(args.runs_dir.glob("*/*/seed*/summary.json"))
+    steps = json.loads(summaries[0].read_text())["steps"] if summaries else 0
     args.doc.write_text(render(results, args.seeds, steps, command))
-    print(f"wrote {args.doc} and {len(comparisons)} figures in {figures}")
+    print(f"wrote {args.doc} and {len(results)} figures in {figures}")
     return 0
 
 

@@ -172,6 +172,13 @@ class HFPolicy(Policy):
         self.model = cast_model(model, self.device, resolve_dtype(cfg.dtype, self.device))
         apply_kernels(self.model, cfg.kernels)
         self.peft_model = lora.attach(self.model, cfg.lora) if cfg.lora.rank > 0 else None
+        if cfg.recompute_activations:
+            # transformers' gradient checkpointing: a decoder layer keeps its input alone while training and
+            # runs again in the backward (non-reentrant, so frozen LoRA bases need no input gradients)
+            if hasattr(self.model, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.trainable = [param for param in self.model.parameters() if param.requires_grad]
         optim = cfg.optim
         self.optimizer = torch.optim.AdamW(

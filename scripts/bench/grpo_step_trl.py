@@ -60,8 +60,9 @@ def trl_config(preset: Preset, mode: str, workspace: Path, steps: int, lr: float
     return GRPOConfig(**settings), settings
 
 
-def install_phase_clock(trainer, clock: PhaseClock, steps: list) -> None:
-    """Route TRL's profiling contexts, backward, clipping and the optimizer step through `clock`."""
+def install_phase_clock(trainer, clock: PhaseClock, steps: list, report=lambda: None) -> None:
+    """Route TRL's profiling contexts, backward, clipping and the optimizer step through `clock`;
+    `report()` after every step, so a worker stopped at its time limit keeps the steps it finished."""
     from transformers import TrainerCallback
     from trl.extras import profiling
 
@@ -100,6 +101,7 @@ def install_phase_clock(trainer, clock: PhaseClock, steps: list) -> None:
             steps.append(record)
             print(f"[trl] step {len(steps) - 1}: {record['step_s']:.2f} s "
                   + " ".join(f"{k}={v:.2f}" for k, v in sorted(record["phases_s"].items())), flush=True)
+            report()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if steps and logs:  # the log of step k comes right after its on_step_end
@@ -143,17 +145,22 @@ def main() -> None:
     torch.save(probe, args.out.with_suffix(".probe.pt"))
     startup_s = time.perf_counter() - STARTED
     steps: list = []
-    install_phase_clock(trainer, PhaseClock(preset.device), steps)
+
+    def report() -> None:
+        model_dtype = str(next(trainer.model.parameters()).dtype)
+        write_json(args.out, {
+            "system": f"trl_{args.mode}", "variant": "none", "startup_s": startup_s, "warmup_steps": args.warmup,
+            "steps": steps, "settings": {"trl": trl.__version__, "GRPOConfig": settings, "weights_dtype": model_dtype,
+                                         "bf16_autocast": bool(config.bf16),
+                                         "gradient_checkpointing": bool(config.gradient_checkpointing),
+                                         "forward_passes_per_step": "1 training forward/backward (no old-log-prob "
+                                                                    "pass: num_iterations=1, steps_per_generation = "
+                                                                    "accumulation)"},
+        })
+
+    install_phase_clock(trainer, PhaseClock(preset.device), steps, report)
     trainer.train()
-    model_dtype = str(next(trainer.model.parameters()).dtype)
-    write_json(args.out, {
-        "system": f"trl_{args.mode}", "variant": "none", "startup_s": startup_s, "warmup_steps": args.warmup,
-        "steps": steps, "settings": {"trl": trl.__version__, "GRPOConfig": settings, "weights_dtype": model_dtype,
-                                     "bf16_autocast": bool(config.bf16),
-                                     "gradient_checkpointing": bool(config.gradient_checkpointing),
-                                     "forward_passes_per_step": "1 training forward/backward (no old-log-prob pass: "
-                                                                "num_iterations=1, steps_per_generation = accumulation)"},
-    })
+    report()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -49,7 +50,7 @@ from grpo_step_lib import Preset, build_word_tokenizer, write_json, write_worksp
 
 RANK, ALPHA = 32, 64
 LLAMA_8B = Preset("llama3_8b_lora", "words", 4096, 32, 32, 8, 14336, 128256, prompts=32, n=8, prompt_length=256,
-                  response_length=1024, micro_batch=8, device="cuda", variant_steps=0)
+                  response_length=1024, micro_batch=2, device="cuda", variant_steps=0)
 TINY = replace(LLAMA_8B, name="tiny_lora", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                intermediate_size=128, vocab_size=512, prompts=2, n=4, prompt_length=24, response_length=16,
                micro_batch=8, device="cpu")
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness")
+    parser.add_argument("--systems", default="ours,trl_fast",
+                        help="comma-separated, from ours, trl_fast; a system left out whose result is in --out from "
+                             "an earlier call (on the same workspace) is reported from it, so two calls can split one run")
     parser.add_argument("--workspace-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -117,23 +121,35 @@ def main(argv: list[str] | None = None) -> None:
     preset = TINY if args.tiny else LLAMA_8B
     common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr)]
     itself = [sys.executable, __file__, "--out", str(args.out), *common, *(["--tiny"] if args.tiny else [])]
-    _, failure = run_worker("workspace", [*itself, "--workspace-worker"], args.out, args.timeout)
-    if failure:
-        sys.exit(f"the workspace worker failed: {failure}")
+    if not (args.out / "workspace.json").is_file():  # an earlier call's workspace is reused
+        _, failure = run_worker("workspace", [*itself, "--workspace-worker"], args.out, args.timeout)
+        if failure:
+            sys.exit(f"the workspace worker failed: {failure}")
     hardware = json.loads((args.out / "workspace.json").read_text())
     reference = torch.load(args.out / "reference.probe.pt")
     ours_command = [sys.executable, str(HERE / "grpo_step_ours.py"), "--workspace", str(args.out / "work"),
                     "--out", str(args.out / "ours.json"), "--engine", "rollout", "--system", "ours", *common,
                     "--set", f"policy.lora.rank={RANK}", "--set", f"policy.lora.alpha={ALPHA}"]
     results, failures = {}, {}
+    selected = args.systems.split(",")
     for name, command in (("ours", ours_command), ("trl_fast", [*itself, "--trl-worker"])):
+        if name not in selected:
+            if (args.out / f"{name}.json").is_file():
+                results[name] = json.loads((args.out / f"{name}.json").read_text())
+            continue
         result, failure = run_worker(name, command, args.out, args.timeout)
         if result is None:
             failures[name] = failure
         else:
             results[name] = result
     floor = floors(preset, hardware)
-    systems = {name: summarise(result, preset, floor, hardware) for name, result in results.items()}
+    systems = {}
+    for name, result in results.items():
+        try:
+            systems[name] = summarise(result, preset, floor, hardware)
+        except (ValueError, ZeroDivisionError, statistics.StatisticsError):  # stopped before a measured step
+            times = [round(step["step_s"], 1) for step in result["steps"]]
+            failures[name] = f"stopped at its time limit after {len(times)} steps ({times} s), none measured"
     checks = {name: relative_error(torch.load(args.out / f"{name}.probe.pt"), reference) for name in results}
     report = {"date": datetime.date.today().isoformat(), "preset": asdict(preset), "hardware": hardware,
               "floor": floor, "systems": systems, "variants": {}, "logprob_check": checks, "failures": failures,

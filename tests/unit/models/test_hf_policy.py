@@ -78,6 +78,33 @@ def test_gradient_does_not_depend_on_micro_batch_size(tiny_model, tiny_tokenizer
     torch.testing.assert_close(grads[2], grads[0], rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_recomputed_activations_give_the_same_gradient_and_rerun_each_layer(tiny_model, tiny_tokenizer, lora_rank):
+    """policy.recompute_activations on the HF backend: a decoder layer's MLP runs twice per micro-batch (its
+    forward, then again in the backward) and the gradient is the one without recomputation (float64)."""
+    from aligner_ext.models.settings import LoraConfig
+
+    batch = ragged_batch(len(tiny_tokenizer))
+    batch.advantages = torch.linspace(-1, 1, batch.response_ids.numel(), dtype=torch.float64).view_as(
+        batch.response_ids) * batch.response_mask
+    loss = ClippedPGLoss(ClippedPGLoss.Config())
+    grads, layer_calls = [], []
+    for recompute in (False, True):
+        torch.manual_seed(0)  # the same adapter initialisation in both
+        policy = make_policy(copy.deepcopy(tiny_model), micro_batch_size=5, recompute_activations=recompute,
+                             lora=LoraConfig(rank=lora_rank))
+        batch.old_logprobs, _ = policy.logprobs(batch, temperature=1.0)
+        calls = []
+        policy.model.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: calls.append(1))
+        policy.model.train()  # as train() sets it: recomputation applies to training forwards alone
+        policy._update(batch, loss, temperature=1.0)
+        layer_calls.append(len(calls))
+        grads.append(torch.cat([p.grad.flatten() for p in policy.trainable]))
+    assert layer_calls == [1, 2]
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-12)
+
+
 def test_iterations_and_mini_batches_give_that_many_updates(tiny_model, tiny_tokenizer):
     batch = ragged_batch(len(tiny_tokenizer))
     policy = make_policy(tiny_model, num_iterations=2, mini_batch_size=2)
