@@ -22,7 +22,7 @@ from aligner_ext.algorithms.settings import AdvantageConfig, CPOConfig, check_gr
 from aligner_ext.data.settings import DataConfig, check_val_set_names
 from aligner_ext.experience.settings import DynamicSamplingConfig, GradedPromptConfig, RolloutConfig, TwoRoundConfig
 from aligner_ext.from_verl import VERL_ALIASES, VERL_SECTIONS, VERL_VALUE_ALIASES, no_equivalent
-from aligner_ext.generation.settings import HFEngineConfig, RemoteEngineConfig, RolloutEngineConfig
+from aligner_ext.generation.settings import MIN_TEMPERATURE, HFEngineConfig, RemoteEngineConfig, RolloutEngineConfig
 from aligner_ext.generation.vllm_colocated import VLLMEngineConfig
 from aligner_ext.losses.settings import LossConfig
 from aligner_ext.models.settings import PolicyConfig, TinyModelConfig, WarmupConfig
@@ -81,6 +81,9 @@ class EvalConfig:
     sets: list[str] = field(default_factory=list)  # names of data.val_sets to evaluate; empty: every validation set
 
     def __post_init__(self) -> None:
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"trainer.eval.temperature={self.temperature:g}: must be 0 (greedy) or >= "
+                             f"{MIN_TEMPERATURE:g} (logits divided by less overflow)")
         if self.k > 1 and self.temperature == 0:
             raise ValueError(f"trainer.eval.k={self.k} at trainer.eval.temperature=0: greedy decoding gives the same "
                              "response k times; set a temperature above 0, or k=1")

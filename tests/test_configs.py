@@ -174,7 +174,7 @@ def test_cli_config_prints_the_composed_yaml(capsys):
      ("data.overlong_prompt=xx", "data.overlong_prompt='xx': must be one of"),
      ("rollout.n=0", "rollout.n=0: must be a finite number >= 1"),
      ("rollout.top_p=1.5", "rollout.top_p=1.5: must be a finite number > 0 and <= 1"),
-     ("rollout.temperature=-1", "rollout.temperature=-1: must be a finite number > 0"),
+     ("rollout.temperature=-1", "rollout.temperature=-1: must be a finite number >= 1e-05"),
      ("policy.optim.schedule=step", "policy.optim.schedule='step': must be one of constant, linear, cosine"),
      ("policy.optim.lr=-1e-6", "policy.optim.lr=-1e-06: must be a finite number >= 0"),
      ("policy.optim.max_nonfinite_in_a_row=0", "policy.optim.max_nonfinite_in_a_row=0: must be a finite number >= 1"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from aligner_ext.generation.settings import MIN_TEMPERATURE
 from aligner_ext.rewards.settings import SegmentRewardsConfig
 from aligner_ext.rules import choice, number
 
@@ -24,7 +25,7 @@ class RolloutConfig:
     """Sampling of training rollouts (held-out evaluation has the same length cap and stops; its sampling is trainer.eval)."""
 
     n: int = number(8, ge=1)  # responses per prompt: the GRPO group size
-    temperature: float = number(1.0, gt=0)  # sampling temperature; log-probs for training use the same temperature
+    temperature: float = number(1.0, ge=MIN_TEMPERATURE)  # sampling temperature; log-probs for training use the same temperature
     top_p: float = number(1.0, gt=0, le=1)  # nucleus mass; 1.0 disables it
     max_response_length: int = number(32, ge=1)  # response cap, in tokens
     stop: list[str] = field(default_factory=list)  # stop strings, kept in the response

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
+from aligner_ext.generation.settings import MIN_TEMPERATURE
 from aligner_ext.registry import Registry
 
 ENGINES = Registry("generation engine")
@@ -20,8 +21,8 @@ def check_sampling(prefix: str, length_key: str, length: int, temperature: float
     or SamplingParams)."""
     if length < 1:
         raise ValueError(f"{prefix}{length_key} must be >= 1, got {length}")
-    if temperature < 0:
-        raise ValueError(f"{prefix}temperature must be >= 0 (0: greedy), got {temperature}")
+    if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"{prefix}temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {temperature:g}")
     if not 0 < top_p <= 1:
         raise ValueError(f"{prefix}top_p must be in (0, 1], got {top_p}")
 

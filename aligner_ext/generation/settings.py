@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from aligner_ext.rules import choice, number
 from aligner_ext.secrets import read_secret
 
+# The lowest sampling temperature above 0: below it a temperature only turns sampling into argmax, while
+# logits divided by it overflow float32 (1e-38 and under: inf, then NaN log-probs); 0 asks for greedy.
+MIN_TEMPERATURE = 1e-5
+
 WEIGHT_SYNC_MODES = ("none", "disk", "distributed")
 SERVER_KINDS = ("sglang", "vllm")
 ROUTING = ("round_robin", "least_loaded")

@@ -82,7 +82,8 @@ def test_a_negative_value_is_refused_or_means_something(key):
 
 @pytest.mark.parametrize("override,message", [
     ("policy.optim.lr=nan", "policy.optim.lr=nan: must be a finite number >= 0"),
-    ("rollout.temperature=inf", "rollout.temperature=inf: must be a finite number > 0"),
+    ("rollout.temperature=inf", "rollout.temperature=inf: must be a finite number >= 1e-05"),
+    ("rollout.temperature=1e-40", "rollout.temperature=1e-40: must be a finite number >= 1e-05"),
     ("trainer.total_steps=-1", "trainer.total_steps=-1: must be a finite number >= 1"),
     ("policy.micro_batch_size=0", "policy.micro_batch_size=0: must be a finite number >= 1"),
     ("rollout.top_p=1.5", "rollout.top_p=1.5: must be a finite number > 0 and <= 1"),
@@ -126,6 +127,7 @@ def test_a_dotted_plugin_path_is_accepted_at_load():
     (["+variant=mtpo", "mtpo.max_answer_length=400"],
      "data.max_prompt_length + mtpo.max_answer_length + mtpo.max_confidence_length = 256 + 456 tokens"),
     (["+variant=mtpo", "rollout.n=6"], "rollout.n=6: two-round rollouts make"),
+    (["trainer.eval.temperature=1e-9"], "trainer.eval.temperature=1e-09: must be 0 (greedy) or >= 1e-05"),
 ])
 def test_rules_across_sections(overrides, message):
     with pytest.raises(ValueError) as refused:

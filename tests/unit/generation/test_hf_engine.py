@@ -139,6 +139,8 @@ def test_empty_prompt_list_gives_empty_list(model, tiny_tokenizer):
         ([[5], []], SamplingParams(), "prompt 1 is empty"),
         ([[5]], SamplingParams(max_new_tokens=0), "max_new_tokens"),
         ([[5]], SamplingParams(temperature=-1.0), "temperature"),
+        # logits / 1e-40 overflow to inf: NaN log-probs, where 0 asks for greedy decoding
+        ([[5]], SamplingParams(temperature=1e-40), r"temperature must be 0 \(greedy\) or >= 1e-05, got 1e-40"),
         ([[5]], SamplingParams(top_p=0.0), "top_p"),
         ([[5]], SamplingParams(stop=[""]), "stop string 0"),
     ],
