@@ -260,6 +260,21 @@ def render() -> str:
         "their weights; the rollout engine runs them from the policy's own tensors. What is stored, what "
         "generation servers get and the decisions: [docs/lora.md](lora.md).",
         "",
+        "## Mixtures of experts",
+        "",
+        "Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral, ...) train on the HF backend and generate "
+        "with the HF engine or a generation server; the Megatron backend and the rollout engine refuse them "
+        "(an unknown family, above). On the HF backend every training forward reports what the routers did, "
+        "over the real tokens (`models/moe.py`): per layer, the largest expert's share of the top-k choices "
+        "times the number of experts (`moe/load_max/layer_N`, 1.0 when balanced) and the router's entropy in "
+        "nats (`moe/router_entropy/layer_N`), with their means over the layers (`moe/load_max`, "
+        "`moe/router_entropy`). `policy.router_aux_loss_coef` adds transformers' load-balancing loss of the "
+        "family (`load_balancing_loss_func`, logged as `loss/router_aux`) times that coefficient to the "
+        "policy loss; 0, the default, leaves it out, as most RL runs of these models do. A dense model with a "
+        "coefficient above 0 is refused in one line. LoRA's default targets (`.*_proj`) take the attention "
+        "projections and a shared expert's, not the routed experts, whose weights transformers keeps as "
+        "stacked tensors rather than linear layers.",
+        "",
         "## A random-weight checkpoint of a family",
         "",
         "`aligner_ext.models.family_configs.family_config(name, **sizes)` gives the HF config of a family's "

@@ -48,6 +48,7 @@ class Comparison:
     metrics: tuple[str, ...] = ("val/accuracy",)  # held-out metrics in the table, the first one plotted
     name: str = ""  # the section and figure name when a task has several comparisons (default: the task)
     note: str = ""  # what the reader needs to know before the table: how the comparison is set up
+    diagnostics: tuple[str, ...] = ()  # training metrics whose run means explain the outcome (a second table)
 
     @property
     def title(self) -> str:
@@ -60,6 +61,7 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
         Method("GRPO", ("+variant=mtpo", "mtpo.rewards.calibration_weight=0")),
         Method("MTPO", ("+variant=mtpo",), "lower calibration error at equal accuracy"),
     ), metrics=("val/accuracy", "val/brier", "val/ece"),
+       diagnostics=("mtpo/train_accuracy", "mtpo/train_ece", "mtpo/train_mean_confidence"),
        note="GRPO here is MTPO's two-round rollout with the calibration reward off "
             "(`mtpo.rewards.calibration_weight=0`): the same answers and confidence continuations, rewarded for "
             "correctness alone. Lower brier and ece are better."),
@@ -81,9 +83,15 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
         Method("GSPO", ("algorithm.loss=gspo", "loss.agg_mode=seq-mean-token-mean"), "sequence-level ratio: steadier"),
         Method("CISPO", ("algorithm.loss=cispo",), "keeps the gradient of clipped tokens"),
         Method("CPO", ("+variant=cpo",), "gold-solution hints sharpen the advantage per token"),
-    ), note="One optimizer update per step (the demo's default mini-batch is the whole batch), so every importance "
+    ), diagnostics=("reward/zero_std_group_fraction", "dynamic_sampling/num_gen_batches", "overlong/shaped_fraction",
+                    "response/length_mean", "actor/entropy"),
+       note="One optimizer update per step (the demo's default mini-batch is the whole batch), so every importance "
             "ratio is exactly 1 at the update: CISPO's gradient is GRPO's (its runs repeat GRPO's to the sampled "
-            "token) and no clip binds. arithmetic_off_policy compares the losses where the ratios move."),
+            "token) and no clip binds. arithmetic_off_policy compares the losses where the ratios move. Dynamic sampling "
+            "can do only as much as GRPO's batches hold groups whose rewards all agree (reward/zero_std_group_fraction "
+            "below; DAPO regenerates until none is left, num_gen_batches generations a step), and DAPO's overlong "
+            "shaping penalises the responses that reach the last 20% of the 24-token limit (overlong/shaped_fraction), "
+            "where this task's answers end."),
     # several updates per step (4 mini-batches of 32 of the 128 samples): the importance ratios leave 1 and
     # the losses differ; with one update per step CISPO's gradient is GRPO's exactly (every ratio is 1)
     Comparison("arithmetic", (
@@ -92,7 +100,8 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
                "sequence-level ratio: steadier"),
         Method("CISPO off-policy", ("policy.mini_batch_size=32", "algorithm.loss=cispo"),
                "keeps the gradient of clipped tokens"),
-    ), name="arithmetic_off_policy",
+    ), name="arithmetic_off_policy", diagnostics=("actor/ratio_mean", "actor/clip_frac_high", "actor/clip_frac_low",
+                                                   "actor/approx_kl_old"),
        note="Four optimizer updates per step (`policy.mini_batch_size=32` of the 128 samples), the same for the "
             "three: from the second update on the ratios leave 1, the clips bind and the losses differ."),
     # LoRA at ten times full training's learning rate (the usual finding for LoRA in RL), alpha 32 at both ranks
@@ -102,7 +111,7 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
                "matches full training at a small rank"),
         Method("LoRA r32", ("policy.lora.rank=32", "policy.lora.alpha=32", "policy.optim.lr=5e-4"),
                "matches full training at a small rank"),
-    ), name="arithmetic_lora",
+    ), name="arithmetic_lora", diagnostics=("actor/grad_norm", "actor/entropy", "actor/approx_kl_old"),
        note="LoRA on every attention and MLP projection (`policy.lora.*`, alpha 32) at ten times full training's "
             "learning rate (5e-4 against 5e-5); GRPO is full training, the runs of the arithmetic comparison."),
 )
@@ -155,14 +164,28 @@ def finished_comparisons(runs: Path, seeds: list[int]) -> dict[str, dict[str, li
 
 
 def held_out(directory: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every held-out metric of a run, as (step, value) points."""
+    """Every metric of a run as (step, value) points: held-out ones (val/) at their evaluations,
+    training ones at every step."""
     curves: dict[str, list[tuple[int, float]]] = {}
     for line in (directory / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         for key, value in record.items():
-            if key.startswith("val/") and isinstance(value, (int, float)):
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 curves.setdefault(key, []).append((record["step"], float(value)))
     return curves
+
+
+def diagnostics_table(comparison: Comparison, curves: dict[str, list[dict]]) -> list[str]:
+    """Markdown rows: each diagnostic training metric's mean over a run's steps, averaged over seeds
+    ("-" where the method does not log it)."""
+    rows = [f"| method | {' | '.join(comparison.diagnostics)} |", "| --- |" + " --- |" * len(comparison.diagnostics)]
+    for method in comparison.methods:
+        cells = []
+        for metric in comparison.diagnostics:
+            means = [sum(v for _, v in run[metric]) / len(run[metric]) for run in curves[method.name] if run.get(metric)]
+            cells.append(f"{sum(means) / len(means):.3f}" if means else "-")
+        rows.append(f"| {method.name} | {' | '.join(cells)} |")
+    return rows
 
 
 def mean_curve(runs: list[dict], metric: str) -> list[tuple[int, float, float, float]]:
@@ -268,6 +291,9 @@ def render(results: dict[str, dict[str, list[dict]]], seeds: list[int], steps: i
                   f"steps to {comparison.methods[0].name}'s final {comparison.metrics[0]} | the paper's claim |",
                   "| --- | " + "--- | " * len(comparison.metrics) + "--- | --- | --- |",
                   *summarize(comparison, curves), ""]
+        if comparison.diagnostics:
+            lines += ["Run means of training metrics (over the steps, then over seeds):", "",
+                      *diagnostics_table(comparison, curves), ""]
     return "\n".join(lines) + "\n"
 
 

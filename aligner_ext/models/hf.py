@@ -28,7 +28,7 @@ from aligner_ext.adapters import merged_state
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
-from aligner_ext.models import lora
+from aligner_ext.models import lora, moe
 from aligner_ext.models.attention import hf_packed_attention
 from aligner_ext.models.base import (
     POLICIES, NonFiniteGuard, Policy, record_applied, update_metrics, weights_norm,
@@ -95,34 +95,43 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
 
 def response_logprobs(
     model: PreTrainedModel, batch: ExperienceBatch, chunk_size: int, with_entropy: bool, temperature: float,
-    packed: bool = False,
+    packed: bool = False, routers: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [b, R] (and no-grad entropy) of `batch.response_ids` under `model`, on the model's
     device: computed at the valid response tokens only (`fused_logprobs`), zero elsewhere. `packed`:
-    the rows go through the model end to end in one row (`packing.pack_end_to_end`)."""
+    the rows go through the model end to end in one row (`packing.pack_end_to_end`). `routers`: a
+    mixture of experts' router logits (one [tokens, experts] per layer) and the attention mask of
+    its real tokens ([b, s]) are appended to it (models/moe.py)."""
     device = model.device
     valid = batch.response_valid.to(device)
+    router_kwargs = {"output_router_logits": True} if routers is not None else {}
     if packed:
         row = pack_end_to_end(batch, PACK_PAD_ID)
         boundaries = row.cu_seqlens.to(device)
         with hf_packed_attention(model):
-            hidden = model.base_model(
+            out = model.base_model(
                 input_ids=row.ids.to(device), position_ids=row.positions.to(device), use_cache=False,
                 cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=row.max_seqlen,
-                max_length_k=row.max_seqlen,
-            ).last_hidden_state
+                max_length_k=row.max_seqlen, **router_kwargs,
+            )
+        hidden = out.last_hidden_state
         hidden, targets = hidden[0].index_select(0, row.response_index.to(device)), row.response_ids.to(device)
+        real = (torch.arange(row.ids.shape[-1], device=device) < boundaries[-1]).view(1, -1)
     else:
         prompt_width, response_width = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-        hidden = model.base_model(
+        real = batch.attention_mask.to(device)
+        out = model.base_model(
             input_ids=batch.input_ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
+            attention_mask=real,
             position_ids=batch.position_ids.to(device),
-            use_cache=False,
-        ).last_hidden_state
+            use_cache=False, **router_kwargs,
+        )
+        hidden = out.last_hidden_state
         # The hidden state at column P-1+t predicts response token t.
         hidden = hidden[:, prompt_width - 1 : prompt_width - 1 + response_width][valid]
         targets = batch.response_ids.to(device)[valid]
+    if routers is not None:
+        routers.append((out.router_logits, real))
     head = model.get_output_embeddings().weight
     lp, ent = fused_logprobs(hidden, head, targets, chunk_size, with_entropy, temperature)
 
@@ -172,6 +181,8 @@ class HFPolicy(Policy):
         self.model = cast_model(model, self.device, resolve_dtype(cfg.dtype, self.device))
         apply_kernels(self.model, cfg.kernels)
         self.peft_model = lora.attach(self.model, cfg.lora) if cfg.lora.rank > 0 else None
+        moe.check_aux_loss(self.model.config, cfg.router_aux_loss_coef)
+        self.moe = moe.is_moe(self.model.config)  # its training forwards report what the routers did
         if cfg.recompute_activations:
             # transformers' gradient checkpointing: a decoder layer keeps its input alone while training and
             # runs again in the backward (non-reentrant, so frozen LoRA bases need no input gradients)
@@ -238,16 +249,21 @@ class HFPolicy(Policy):
         if fill:
             filled_lp = torch.zeros(mini.response_ids.shape, dtype=torch.float32)
             filled_ent = torch.zeros_like(filled_lp)
+        real_tokens = float(mini.attention_mask.sum())
         for rows in micro_batch_rows(mini, self.cfg):
             micro = mini.select(rows).to(self.model.device)
+            routers = [] if self.moe else None
             logprobs, entropy = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, fill, temperature,
-                                                  packed=self.cfg.micro_batch_tokens > 0)
+                                                  packed=self.cfg.micro_batch_tokens > 0, routers=routers)
             if fill:
                 mask = micro.response_valid
                 micro.old_logprobs, micro.entropy = logprobs.detach() * mask, entropy.detach() * mask
                 filled_lp[rows] = micro.old_logprobs.float().cpu()
                 filled_ent[rows] = micro.entropy.float().cpu()
             value, micro_metrics = loss(logprobs, micro, counts)
+            if routers:
+                value = value + self._router_terms(routers[0], float(micro.attention_mask.sum()) / real_tokens,
+                                                   metrics)
             value.backward()
             total_loss += value.detach()
             for key, number in micro_metrics.items():
@@ -262,6 +278,20 @@ class HFPolicy(Policy):
         before = weights_norm(self.trainable)
         self.optimizer.step()
         return metrics, grad_norm, (before, weights_norm(self.trainable))
+
+    def _router_terms(self, router: tuple, share: float, metrics: dict[str, float]) -> torch.Tensor:
+        """A micro-batch's router statistics into `metrics`, weighted by its `share` of the mini-batch's
+        real tokens, and its part of the load-balancing loss (0 when the coefficient is 0)."""
+        logits, real = router
+        for key, value in moe.router_statistics(logits, real.flatten().bool(),
+                                                self.model.config.num_experts_per_tok).items():
+            metrics[key] += value * share
+        coefficient = self.cfg.router_aux_loss_coef
+        if coefficient == 0:
+            return torch.zeros((), device=self.model.device)
+        aux = moe.load_balancing_loss(self.model, logits, real)
+        metrics["loss/router_aux"] += float(aux) * share
+        return coefficient * aux * share
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

@@ -100,6 +100,7 @@ class PolicyConfig:
     sequence_parallel: bool = False  # megatron backend: shard norm/dropout activations over TP ranks (TP > 1)
     use_distributed_optimizer: bool = False  # megatron backend: shard optimizer state over data-parallel ranks
     micro_batch_tokens: int = number(0, ge=0)  # pack whole sequences end to end into micro-batches of at most this many tokens (both backends; no compute on pads; a longer sequence goes alone); 0 = micro_batch_size rows per micro-batch, padded
+    router_aux_loss_coef: float = number(0.0, ge=0)  # mixture-of-experts policies (HF backend): weight of the router's load-balancing loss (transformers' load_balancing_loss_func) added to the policy loss; 0 = off, as most RL runs leave it. Expert load and router entropy are in the metrics either way (moe/)
     recompute_activations: bool = False  # keep only each layer's input and recompute the layer in the backward (less memory, ~1/3 more compute): megatron-core's full recomputation on the Megatron backend, transformers' gradient checkpointing on the HF backend
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)

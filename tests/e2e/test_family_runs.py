@@ -73,3 +73,26 @@ def test_one_grpo_step_on_the_megatron_backend_at_tp2(tmp_path, family):
     assert [record["step"] for record in records] == [0, 1]
     assert records[1]["batch/num_samples"] > 0 and "actor/grad_norm" in records[1]
     assert records[1]["rollout/logprob_diff_max"] < 1e-4
+
+
+def test_a_mixture_of_experts_trains_on_the_hf_backend_and_logs_its_routers(tmp_path):
+    """A Qwen3-MoE checkpoint: one step with the HF engine (`auto`'s choice, on a GPU too: the rollout
+    engine refuses mixtures of experts, tests/unit/models/test_moe.py), the expert load and router
+    entropy per layer in the step's metrics, and the load-balancing loss when its coefficient is set."""
+    from transformers import Qwen3MoeConfig
+
+    tokenizer = build_char_tokenizer()
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    random_model(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    overrides = [*SMALL_MODEL, *STEP, "generator.engine=auto", f"model.path={tmp_path / 'model'}",
+                 f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "policy.router_aux_loss_coef=0.01"]
+    train(load_config("base", overrides))
+    step = step_records(tmp_path / "run")[1]
+    for key in ("moe/load_max/layer_0", "moe/load_max/layer_1", "moe/router_entropy/layer_1", "loss/router_aux"):
+        assert key in step, key
+    assert 1.0 <= step["moe/load_max"] <= 2.0  # 4 experts, top 2
+    assert 0 < step["moe/router_entropy"] <= 1.3863  # log 4

@@ -59,3 +59,13 @@ def test_a_run_another_invocation_trains_is_refused_not_trained_twice(script, tm
     with pytest.raises(RuntimeError, match="being trained by another invocation"):
         script.train(tmp_path, "arithmetic", method, 0, quick=True)
     assert not directory.exists()
+
+
+def test_diagnostics_are_run_means_averaged_over_seeds_and_dashes_where_absent(script):
+    comparison = script.Comparison("arithmetic", (script.Method("GRPO", ()), script.Method("DAPO", ())),
+                                   diagnostics=("dynamic_sampling/num_gen_batches",))
+    curves = {"GRPO": [{}, {}],
+              "DAPO": [{"dynamic_sampling/num_gen_batches": [(1, 1.0), (2, 3.0)]},  # run mean 2
+                       {"dynamic_sampling/num_gen_batches": [(1, 1.0), (2, 1.0), (3, 1.0)]}]}  # run mean 1
+    rows = script.diagnostics_table(comparison, curves)
+    assert rows[2:] == ["| GRPO | - |", "| DAPO | 1.500 |"]

@@ -1,0 +1,68 @@
+"""Mixture-of-experts policies on the HF backend: what their routers did in a training forward, and
+their load-balancing loss as an option (docs/models.md, "Mixtures of experts").
+
+transformers returns each MoE layer's router logits [tokens, experts] when the forward is asked for
+them (`output_router_logits=True`); the training forward asks whenever the policy is a mixture of
+experts (`is_moe`). From them, over the real tokens of a micro-batch (pads excluded):
+- the expert load of each layer: the share of the top-k choices each expert took; the metric is the
+  largest share times the number of experts (1.0 when every expert gets the same share; at most
+  experts / k, when k experts take everything);
+- the router's entropy per layer, of its softmax over all experts, in nats (log(experts) at most);
+- the load-balancing loss (`policy.router_aux_loss_coef` times transformers' own
+  `load_balancing_loss_func`, Switch Transformer's E * sum_e f_e P_e), added to the policy loss when
+  the coefficient is above 0. Off by default, as most RL runs of these models leave it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from aligner_ext.errors import ConfigError
+
+
+def is_moe(config) -> bool:
+    """A model whose MLPs route tokens to experts (Qwen2-MoE, Qwen3-MoE, Mixtral, ...)."""
+    return bool(getattr(config, "num_experts_per_tok", 0)) and experts(config) > 0
+
+
+def experts(config) -> int:
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+
+
+def check_aux_loss(config, coefficient: float) -> None:
+    """A load-balancing loss needs a router: refused in one line for a dense model."""
+    if coefficient > 0 and not is_moe(config):
+        raise ConfigError(f"policy.router_aux_loss_coef={coefficient:g}: the model ({config.model_type}) has no "
+                          "router; the load-balancing loss is for mixture-of-experts models")
+
+
+def router_statistics(router_logits: tuple[torch.Tensor, ...], real: torch.Tensor, top_k: int) -> dict[str, float]:
+    """Per layer and averaged over the layers: the largest expert load relative to an even one, and
+    the router's mean entropy, over the tokens where `real` [tokens] is True."""
+    stats: dict[str, float] = {}
+    loads, entropies = [], []
+    for layer, logits in enumerate(router_logits):
+        logits = logits.detach().float()[real.to(logits.device)]
+        log_probs = torch.log_softmax(logits, dim=-1)
+        entropy = float(-(log_probs.exp() * log_probs).sum(-1).mean())
+        choices = logits.topk(top_k, dim=-1).indices.flatten()
+        shares = torch.bincount(choices, minlength=logits.shape[-1]).float() / max(choices.numel(), 1)
+        load = float(shares.max() * logits.shape[-1])
+        stats[f"moe/load_max/layer_{layer}"], stats[f"moe/router_entropy/layer_{layer}"] = load, entropy
+        loads.append(load)
+        entropies.append(entropy)
+    stats["moe/load_max"] = sum(loads) / len(loads)
+    stats["moe/router_entropy"] = sum(entropies) / len(entropies)
+    return stats
+
+
+def load_balancing_loss(model, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """transformers' load-balancing loss of the model's family, over the real tokens (`attention_mask`
+    [b, s] of the padded micro-batch; None for a packed one, whose tokens are all real)."""
+    module = importlib.import_module(type(model).__module__)
+    config = model.config
+    return module.load_balancing_loss_func(router_logits, experts(config), config.num_experts_per_tok, attention_mask)
+
