@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import share
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
-from aligner_ext.generation.sharded import RankSplitEngine, rank_seed, split_across_ranks
+from aligner_ext.generation.sharded import rank_seed, split_across_ranks
 from aligner_ext.rewards.manager import RewardConfig, RewardManager
 
 REWARD_HELPERS = Path(__file__).resolve().parent.parent / "rewards"  # reward_helper_fns.py
