@@ -108,3 +108,6 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"policy.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
+        if self.backend == "megatron" and self.router_aux_loss_coef > 0:
+            raise ValueError(f"policy.router_aux_loss_coef={self.router_aux_loss_coef:g}: the Megatron backend runs no "
+                             "mixture-of-experts model yet (policy.backend=hf does, docs/models.md)")
