@@ -270,8 +270,8 @@ def render() -> str:
         "nats (`moe/router_entropy/layer_N`), with their means over the layers (`moe/load_max`, "
         "`moe/router_entropy`). `policy.router_aux_loss_coef` adds transformers' load-balancing loss of the "
         "family (`load_balancing_loss_func`, logged as `loss/router_aux`) times that coefficient to the "
-        "policy loss; 0, the default, leaves it out, as most RL runs of these models do. A dense model with a "
-        "coefficient above 0 is refused in one line. LoRA's default targets (`.*_proj`) take the attention "
+        "policy loss; 0, the default, leaves it out, as most RL runs of these models do. The Megatron backend and a dense model with a "
+        "coefficient above 0 refuse it in one line. LoRA's default targets (`.*_proj`) take the attention "
         "projections and a shared expert's, not the routed experts, whose weights transformers keeps as "
         "stacked tensors rather than linear layers.",
         "",
