@@ -249,7 +249,7 @@ class HFPolicy(Policy):
         if fill:
             filled_lp = torch.zeros(mini.response_ids.shape, dtype=torch.float32)
             filled_ent = torch.zeros_like(filled_lp)
-        real_tokens = float(mini.attention_mask.sum())
+        real_tokens = float(mini.attention_mask.sum()) if self.moe else 0.0  # the routers' statistics' weights
         for rows in micro_batch_rows(mini, self.cfg):
             micro = mini.select(rows).to(self.model.device)
             routers = [] if self.moe else None
@@ -279,7 +279,7 @@ class HFPolicy(Policy):
         self.optimizer.step()
         return metrics, grad_norm, (before, weights_norm(self.trainable))
 
-    def _router_terms(self, router: tuple, share: float, metrics: dict[str, float]) -> torch.Tensor:
+    def _router_terms(self, router: tuple, share: float, metrics: dict[str, float]) -> torch.Tensor | float:
         """A micro-batch's router statistics into `metrics`, weighted by its `share` of the mini-batch's
         real tokens, and its part of the load-balancing loss (0 when the coefficient is 0)."""
         logits, real = router
@@ -288,7 +288,7 @@ class HFPolicy(Policy):
             metrics[key] += value * share
         coefficient = self.cfg.router_aux_loss_coef
         if coefficient == 0:
-            return torch.zeros((), device=self.model.device)
+            return 0.0
         aux = moe.load_balancing_loss(self.model, logits, real)
         metrics["loss/router_aux"] += float(aux) * share
         return coefficient * aux * share

@@ -41,18 +41,17 @@ def check_aux_loss(config, coefficient: float) -> None:
 def router_statistics(router_logits: tuple[torch.Tensor, ...], real: torch.Tensor, top_k: int) -> dict[str, float]:
     """Per layer and averaged over the layers: the largest expert load relative to an even one, and
     the router's mean entropy, over the tokens where `real` [tokens] is True."""
-    stats: dict[str, float] = {}
     loads, entropies = [], []
-    for layer, logits in enumerate(router_logits):
+    for logits in router_logits:
         logits = logits.detach().float()[real.to(logits.device)]
         log_probs = torch.log_softmax(logits, dim=-1)
-        entropy = float(-(log_probs.exp() * log_probs).sum(-1).mean())
+        entropies.append(-(log_probs.exp() * log_probs).sum(-1).mean())
         choices = logits.topk(top_k, dim=-1).indices.flatten()
         shares = torch.bincount(choices, minlength=logits.shape[-1]).float() / max(choices.numel(), 1)
-        load = float(shares.max() * logits.shape[-1])
-        stats[f"moe/load_max/layer_{layer}"], stats[f"moe/router_entropy/layer_{layer}"] = load, entropy
-        loads.append(load)
-        entropies.append(entropy)
+        loads.append(shares.max() * logits.shape[-1])
+    loads, entropies = torch.stack(loads).tolist(), torch.stack(entropies).tolist()  # one device sync
+    stats = {f"moe/load_max/layer_{layer}": load for layer, load in enumerate(loads)}
+    stats.update({f"moe/router_entropy/layer_{layer}": entropy for layer, entropy in enumerate(entropies)})
     stats["moe/load_max"] = sum(loads) / len(loads)
     stats["moe/router_entropy"] = sum(entropies) / len(entropies)
     return stats
