@@ -2,9 +2,10 @@
 model that carries LoRA layers (peft's, attached by `models/lora.py`).
 
 A LoRA layer computes `x W^T + b + (x A^T) B^T * alpha / r` with the frozen base weight W [out, in]
-and the trained A [r, in], B [out, r]. `low_rank` is that second term, op for op as peft computes it
-(the input cast to the adapters' dtype, the sum cast back to the base output's), so the engine's
-log-probs equal peft's forward. Merging (`merged_state`) writes W + B A * alpha / r into new tensors,
+and the trained A [r, in], B [out, r]. `add_low_rank` is that second term, op for op as the policy's
+LoRA layers compute it (`models/lora.py`: A and B kept in float32 and cast to the activations' dtype
+for the products, so a bf16 model's adapter products run on tensor cores and no float32 copy of the
+activations is made), so the engine's log-probs equal the training forward's. Merging (`merged_state`) writes W + B A * alpha / r into new tensors,
 never into W: the frozen base keeps its exact values, and switching the adapters off gives it back.
 
 Kept out of `models/` so that the generation engines, which never import the policy backends, can
@@ -36,9 +37,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ada
 
 
 def add_low_rank(out: torch.Tensor, x: torch.Tensor, adapter: LowRank) -> torch.Tensor:
-    """`out` (the base product of `x`) plus the adapter's term, in `out`'s dtype, as peft's forward."""
-    low_rank = F.linear(F.linear(x.to(adapter.a.dtype), adapter.a), adapter.b) * adapter.scale
-    return (out + low_rank).to(out.dtype)
+    """`out` (the base product of `x`) plus the adapter's term, computed in `x`'s dtype as the policy's
+    LoRA layers compute it (module docstring)."""
+    return out + F.linear(F.linear(x, adapter.a.to(x.dtype)), adapter.b.to(x.dtype)) * adapter.scale
 
 
 def is_adapted(module: torch.nn.Module) -> bool:

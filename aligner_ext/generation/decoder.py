@@ -53,7 +53,7 @@ compiled for minutes: docs/benchmarks.md.)
 
 Low-rank adapters (LoRA, `aligner_ext/adapters.py`) run from the policy's own A and B tensors inside
 the same functions: each adapted product is `x W^T + (x A^T) B^T * alpha / r` (`Projection.adapters`,
-`LayerWeights.o_adapter`, `down_adapter`), op for op as peft's forward, so nothing is merged into the
+`LayerWeights.o_adapter`, `down_adapter`), op for op as the policy's LoRA layers, so nothing is merged into the
 frozen base and no second copy of it exists; on a fused projection the base product stays one and
 each output adds its own adapter's term.
 

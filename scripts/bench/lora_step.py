@@ -2,6 +2,11 @@
 
     python scripts/bench/run.py lora --out bench_out/lora_step          # one H100 (80 GB) or H200
     python scripts/bench/run.py lora --tiny --out bench_out/lora_tiny   # the harness itself, on the CPU
+    python scripts/bench/run.py lora --systems ours,prev:ours --prev COMMIT --layers 8   # before / after
+
+A before / after runs `prev:ours` with the library of --prev's tree on the same workspace, and the
+report ends with the ratios after / before (grpo_step.py's); `--layers 8` makes an 8-layer model of the
+same layer shape, for a cheaper workspace and profile (its figures are not the 8B model's).
 
 One call runs, each in its own process and one after another (the device otherwise idle):
   1. the workspace worker: a Llama-3.1-8B-shape model with random bf16 weights (`family_config('llama3')`:
@@ -37,7 +42,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from common import prev_tree  # noqa: E402
 from grpo_step import (  # noqa: E402
+    PREV_PREFIX,
+    ROOT,
     floors,
     measure_hardware,
     reference_logprobs,
@@ -56,6 +64,12 @@ TINY = replace(LLAMA_8B, name="tiny_lora", hidden_size=64, num_layers=2, num_hea
                micro_batch=8, device="cpu")
 
 
+def selected_preset(args) -> Preset:
+    """The preset, with `--layers` (a shallower model of the same layer shape, for a cheap profile) applied."""
+    preset = TINY if args.tiny else LLAMA_8B
+    return replace(preset, name=f"{preset.name}_{args.layers}_layers", num_layers=args.layers) if args.layers else preset
+
+
 def workspace_worker(args) -> None:
     """The model, rows and probe of the workspace; the hardware's rates; the probe's reference log-probs."""
     import torch
@@ -63,7 +77,7 @@ def workspace_worker(args) -> None:
 
     from aligner_ext.models.family_configs import family_config
 
-    preset = TINY if args.tiny else LLAMA_8B
+    preset = selected_preset(args)
     config = family_config("llama3", hidden_size=preset.hidden_size, num_hidden_layers=preset.num_layers,
                            num_attention_heads=preset.num_heads, num_key_value_heads=preset.num_kv_heads,
                            intermediate_size=preset.intermediate_size, vocab_size=preset.vocab_size,
@@ -104,8 +118,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness")
     parser.add_argument("--systems", default="ours,trl_fast",
-                        help="comma-separated, from ours, trl_fast; a system left out whose result is in --out from "
+                        help="comma-separated, from ours, prev:ours, trl_fast; a system left out whose result is in --out from "
                              "an earlier call (on the same workspace) is reported from it, so two calls can split one run")
+    parser.add_argument("--prev", type=prev_tree, default=None,
+                        help="an earlier commit or its tree: the system prev:ours runs with its library (before / after)")
+    parser.add_argument("--layers", type=int, default=0, help="this many layers instead of the preset's (the same "
+                        "layer shape, a cheaper workspace for --torch-profile); its figures are not the 8B model's")
+    parser.add_argument("--torch-profile", default="", help="phases of one more step of ours under torch.profiler "
+                        "(<out>/ours.torch_profile.txt), as in grpo_step.py")
     parser.add_argument("--workspace-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -118,26 +138,36 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    preset = TINY if args.tiny else LLAMA_8B
+    preset = selected_preset(args)
     common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr)]
-    itself = [sys.executable, __file__, "--out", str(args.out), *common, *(["--tiny"] if args.tiny else [])]
+    itself = [sys.executable, __file__, "--out", str(args.out), *common, *(["--tiny"] if args.tiny else []),
+              "--layers", str(args.layers)]
     if not (args.out / "workspace.json").is_file():  # an earlier call's workspace is reused
         _, failure = run_worker("workspace", [*itself, "--workspace-worker"], args.out, args.timeout)
         if failure:
             sys.exit(f"the workspace worker failed: {failure}")
     hardware = json.loads((args.out / "workspace.json").read_text())
     reference = torch.load(args.out / "reference.probe.pt")
-    ours_command = [sys.executable, str(HERE / "grpo_step_ours.py"), "--workspace", str(args.out / "work"),
-                    "--out", str(args.out / "ours.json"), "--engine", "rollout", "--system", "ours", *common,
-                    "--set", f"policy.lora.rank={RANK}", "--set", f"policy.lora.alpha={ALPHA}"]
+    def ours_command(system: str) -> list[str]:
+        stem = system.replace(":", "_")  # file names without the colon
+        profile = ["--torch-profile", args.torch_profile] if args.torch_profile and system == "ours" else []
+        return [sys.executable, str(HERE / "grpo_step_ours.py"), "--workspace", str(args.out / "work"),
+                "--out", str(args.out / f"{stem}.json"), "--engine", "rollout", "--system", system, *common,
+                "--set", f"policy.lora.rank={RANK}", "--set", f"policy.lora.alpha={ALPHA}", *profile]
+
     results, failures = {}, {}
     selected = args.systems.split(",")
-    for name, command in (("ours", ours_command), ("trl_fast", [*itself, "--trl-worker"])):
+    if PREV_PREFIX + "ours" in selected and args.prev is None:
+        sys.exit("prev:ours: name the earlier tree with --prev")
+    workers = (("ours", ours_command("ours"), ROOT), (PREV_PREFIX + "ours", ours_command(PREV_PREFIX + "ours"), args.prev),
+               ("trl_fast", [*itself, "--trl-worker"], ROOT))
+    for name, command, root in workers:
+        stem = name.replace(":", "_")
         if name not in selected:
-            if (args.out / f"{name}.json").is_file():
-                results[name] = json.loads((args.out / f"{name}.json").read_text())
+            if (args.out / f"{stem}.json").is_file():
+                results[name] = json.loads((args.out / f"{stem}.json").read_text())
             continue
-        result, failure = run_worker(name, command, args.out, args.timeout)
+        result, failure = run_worker(stem, command, args.out, args.timeout, root)
         if result is None:
             failures[name] = failure
         else:
@@ -150,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         except (ValueError, ZeroDivisionError, statistics.StatisticsError):  # stopped before a measured step
             times = [round(step["step_s"], 1) for step in result["steps"]]
             failures[name] = f"stopped at its time limit after {len(times)} steps ({times} s), none measured"
-    checks = {name: relative_error(torch.load(args.out / f"{name}.probe.pt"), reference) for name in results}
+    checks = {name: relative_error(torch.load(args.out / f"{name.replace(':', '_')}.probe.pt"), reference)
+              for name in results}
     report = {"date": datetime.date.today().isoformat(), "preset": asdict(preset), "hardware": hardware,
               "floor": floor, "systems": systems, "variants": {}, "logprob_check": checks, "failures": failures,
               "lora": {"rank": RANK, "alpha": ALPHA, "targets": "every attention and MLP projection"},

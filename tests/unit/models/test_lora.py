@@ -152,3 +152,31 @@ def test_target_patterns_match_whole_names_or_their_last_parts(base_dir):
     adapted = sorted({name.split(".lora_")[0] for name in adapter_state(policy.model)})
     assert adapted == ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj",
                        "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj", "model.layers.1.self_attn.q_proj"]
+
+
+def test_a_bf16_models_adapters_stay_float32_and_multiply_in_bf16(tiny_model):
+    """The adapters of a bf16 model are float32 for the optimizer, their products take the bf16
+    activations as they are (no float32 copy), the rollout engine's `add_low_rank` repeats the layer's
+    forward bit for bit, and the gradient reaches the float32 adapters."""
+    from aligner_ext.adapters import add_low_rank, adapter_of
+    from aligner_ext.models.lora import attach
+
+    model = tiny_model.to(torch.bfloat16)
+    attach(model, LoraConfig(rank=4, alpha=8.0))
+    layer = model.model.layers[0].mlp.down_proj
+    torch.nn.init.normal_(layer.lora_B["default"].weight)  # peft starts B at zero: give the term a value
+    inputs = []
+    layer.lora_A["default"].register_forward_hook(lambda module, args, out: inputs.append((args[0].dtype, out.dtype)))
+    x = torch.randn(5, layer.in_features, dtype=torch.bfloat16)
+
+    out = layer(x)
+
+    assert layer.lora_A["default"].weight.dtype == layer.lora_B["default"].weight.dtype == torch.float32
+    assert inputs == [(torch.bfloat16, torch.bfloat16)] and out.dtype == torch.bfloat16
+    a, b = layer.lora_A["default"].weight.bfloat16(), layer.lora_B["default"].weight.bfloat16()
+    by_hand = x @ layer.base_layer.weight.T + (x @ a.T) @ b.T * 2.0  # alpha / r = 8 / 4
+    assert torch.equal(out, by_hand)
+    assert torch.equal(add_low_rank(layer.base_layer(x), x, adapter_of(layer)), out)
+    out.float().sum().backward()
+    grad = layer.lora_A["default"].weight.grad
+    assert grad.dtype == torch.float32 and grad.abs().sum() > 0

@@ -56,6 +56,7 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_rows(tiny_model,
         alone_lp, alone_ent = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
     padded, packed = run(False), run(True)
     torch.testing.assert_close(padded[0], alone_lp.detach(), rtol=0, atol=1e-12)  # padding changes nothing
+    torch.testing.assert_close(padded[1], alone_ent, rtol=0, atol=1e-12)
     torch.testing.assert_close(packed[0], padded[0], rtol=0, atol=1e-12)
     torch.testing.assert_close(packed[1], padded[1], rtol=0, atol=1e-12)
     assert (packed[0][~batch.response_valid] == 0).all()
