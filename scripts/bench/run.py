@@ -77,7 +77,7 @@ def run(subcommand: str, argv: list[str]) -> int:
 def headline(result: dict) -> list[tuple[str, str]]:
     """(measurement, result) rows of one result.json for the opening table."""
     report = result["report"]
-    if result["subcommand"] in ("grpo", "first-step"):
+    if result["subcommand"] in ("grpo", "first-step", "lora"):
         preset = report["preset"]
         shape = (f"{preset['name']}: {preset['prompts']} x {preset['n']} sequences, P {preset['prompt_length']} + "
                  f"R {preset['response_length']}")
