@@ -1,6 +1,6 @@
-"""What a dense decoder is made of, read from its HF config: the one place that knows the families.
+"""What a decoder is made of, read from its HF config: the one place that knows the families.
 
-Every dense family this library runs outside transformers (the Megatron backend, the rollout
+Every family this library runs outside transformers (the Megatron backend, the rollout
 engine) is a combination of the same pieces, and `Architecture` names the combination:
 
 | piece | values (families) |
@@ -14,6 +14,7 @@ engine) is a combination of the same pieces, and `Architecture` names the combin
 | per layer | RoPE table (one per layer type: Gemma 3's and OLMo 3's local and global bases) or none (SmolLM3's NoPE layers); sliding window or none |
 | RoPE | transformers' own initialisation (`rope_tables`): every `rope_type` it defines, partial rotary |
 | checkpoint | q/k/v and gate/up as separate matrices, or fused (Phi-3) |
+| MLP kind | dense, or a mixture of experts (`Experts`: Qwen3-MoE, Qwen2-MoE with its gated shared expert): softmax top-k routing, the top k weights renormalised or not (`norm_topk_prob`), SwiGLU experts |
 
 `support(hf_config)` says, per backend and engine, whether it runs the model and, if not, why, as
 one line naming the family, the field and its value, and what runs it instead: the CLI prints it
@@ -54,6 +55,7 @@ class Family:
     embedding_scaled: bool = False  # embeddings times sqrt(hidden) (Gemma)
     windows: str = "layer_types"  # layer_types: the layers typed sliding_attention | all: every layer when sliding_window is set
     no_rope_layers: bool = False  # `no_rope_layers[i] == 0` marks a layer without RoPE (SmolLM3)
+    experts: bool = False  # the MLPs are mixtures of experts (`Experts`)
 
 
 FAMILIES = {
@@ -68,6 +70,8 @@ FAMILIES = {
     "smollm3": Family("SmolLM3", no_rope_layers=True),
     "gemma3_text": Family("Gemma 3 (text)", norm="gemma", placement="sandwich", qk_norm="head",
                           embedding_scaled=True),
+    "qwen3_moe": Family("Qwen3-MoE", qk_norm="head", experts=True),
+    "qwen2_moe": Family("Qwen2-MoE", qkv_bias="always", experts=True),
 }
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -90,8 +94,23 @@ class LayerPlan:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture of experts in every layer's MLP: a router [count, hidden] scores each token, softmax
+    over all experts in float32, the top `top_k` taken (and renormalised to sum to 1 where
+    `normalize_top_k`); each chosen expert is a SwiGLU MLP of width `ffn_size`, and their outputs are
+    summed with those weights. Qwen2-MoE adds a shared SwiGLU expert of width `shared_ffn_size` to
+    every token, times sigmoid of its own gate [1, hidden]."""
+
+    count: int
+    top_k: int
+    ffn_size: int
+    normalize_top_k: bool
+    shared_ffn_size: int | None
+
+
+@dataclass(frozen=True)
 class Architecture:
-    """A dense decoder's pieces (module docstring), from `architecture(hf_config)`."""
+    """A decoder's pieces (module docstring), from `architecture(hf_config)`."""
 
     family: str  # model_type
     norm: str  # llama | float32_scale | gemma
@@ -105,6 +124,7 @@ class Architecture:
     head_dim: int
     rotary_dim: int  # leading dimensions of each head that RoPE rotates (partial rotary)
     layers: tuple[LayerPlan, ...]
+    experts: Experts | None = None  # None: dense MLPs
 
     @property
     def has_windows(self) -> bool:
@@ -146,7 +166,7 @@ def architecture(hf_config) -> Architecture:
     family = FAMILIES.get(hf_config.model_type)
     if family is None:
         known = ", ".join(FAMILIES)
-        raise UnsupportedModel(f"model_type {hf_config.model_type!r} is not a dense family this library runs outside "
+        raise UnsupportedModel(f"model_type {hf_config.model_type!r} is not a family this library runs outside "
                                f"transformers ({known}); policy.backend=hf with generator.engine=hf runs it")
     activation = getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act
     if activation not in ACTIVATIONS:
@@ -168,7 +188,21 @@ def architecture(hf_config) -> Architecture:
         embedding_scale=math.sqrt(hf_config.hidden_size) if family.embedding_scaled else None,
         softmax_scale=(scalar if scalar else dim) ** -0.5, head_dim=dim, rotary_dim=rotary_dim,
         layers=_layer_plans(hf_config, family, tables),
+        experts=_experts(hf_config, hf_only) if family.experts else None,
     )
+
+
+def _experts(hf_config, hf_only: str) -> Experts:
+    """The mixture of experts of a Qwen3-MoE / Qwen2-MoE config; a refusal where some layers are dense
+    (`decoder_sparse_step` other than 1, `mlp_only_layers`), which no piece covers yet."""
+    if getattr(hf_config, "decoder_sparse_step", 1) != 1:
+        raise _refuse(hf_config, "decoder_sparse_step", hf_config.decoder_sparse_step, hf_only)
+    if getattr(hf_config, "mlp_only_layers", None):
+        raise _refuse(hf_config, "mlp_only_layers", list(hf_config.mlp_only_layers), hf_only)
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None) or None
+    return Experts(count=hf_config.num_experts, top_k=hf_config.num_experts_per_tok,
+                   ffn_size=hf_config.moe_intermediate_size, normalize_top_k=bool(hf_config.norm_topk_prob),
+                   shared_ffn_size=shared)
 
 
 def _layer_plans(hf_config, family: Family, tables: dict) -> tuple[LayerPlan, ...]:

@@ -55,13 +55,13 @@ def _any_divisor_of(value: int, key: str) -> str:
 def layout_refusal(hf_config, tp: int, pp: int, world: int) -> str | None:
     """Why the Megatron backend cannot split this model TP x PP ways over `world` processes, or None:
     TP splits whole key/value heads, MLP columns and padded vocabulary rows; PP whole layers."""
+    from aligner_ext.models.megatron.convert import tp_split_sizes
     from aligner_ext.models.megatron.model import VOCAB_DIVISIBLE_BY
 
     label = family_label(hf_config)
     padded_vocab = math.ceil(hf_config.vocab_size / VOCAB_DIVISIBLE_BY) * VOCAB_DIVISIBLE_BY
     vocabulary = f"the vocabulary padded to a multiple of {VOCAB_DIVISIBLE_BY} (vocab_size={hf_config.vocab_size})"
-    splits = {"num_key_value_heads": hf_config.num_key_value_heads,
-              "intermediate_size": hf_config.intermediate_size, vocabulary: padded_vocab}
+    splits = {**tp_split_sizes(hf_config, architecture(hf_config)), vocabulary: padded_vocab}
     whole = math.gcd(*splits.values())
     for field, value in splits.items():
         if value % tp:

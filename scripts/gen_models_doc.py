@@ -18,7 +18,7 @@ from pathlib import Path
 from transformers import GPT2Config
 
 from aligner_ext.architecture import FAMILIES, LayerPlan, architecture, rope_types
-from aligner_ext.models.family_configs import GLOBAL_EVERY, LAYOUTS, family_config
+from aligner_ext.models.family_configs import GLOBAL_EVERY, LAYOUTS, MOE_LAYOUTS, family_config
 from aligner_ext.models.kernels import LIGER_PATCHES
 from aligner_ext.support import long_context_warning, megatron_refusal, rollout_refusal
 
@@ -36,7 +36,7 @@ MEGATRON_LAYOUTS = {"TP=1, DP": (1, 1, False), "TP=2 + SP": (2, 1, True), "PP=2"
 
 def layout_names() -> dict[str, str]:
     """model_type -> the family_configs name of its released layout."""
-    return {family_config(name, **SIZES).model_type: name for name in LAYOUTS}
+    return {family_config(name, **SIZES).model_type: name for name in {**LAYOUTS, **MOE_LAYOUTS}}
 
 
 class Notes:
@@ -62,6 +62,16 @@ def windows(name: str, config, plans: tuple[LayerPlan, ...], family) -> str:
     return "none unless `use_sliding_window`" if getattr(config, "use_sliding_window", None) is False else "none"
 
 
+def mlp_cell(arch) -> str:
+    gated = "SwiGLU" if arch.activation == "silu" else "GeGLU (tanh)"
+    experts = arch.experts
+    if experts is None:
+        return gated
+    shared = ", a gated shared expert" if experts.shared_ffn_size else ""
+    weights = "renormalised" if experts.normalize_top_k else "not renormalised"
+    return f"{gated} experts (released: {experts.count}, top {experts.top_k}, weights {weights}{shared})"
+
+
 def families_table() -> list[str]:
     names = layout_names()
     lines = ["| family (`model_type`) | norm | placement | q/k norm | MLP | q/k/v bias | embedding | RoPE (released) "
@@ -72,7 +82,7 @@ def families_table() -> list[str]:
         bias = {"always": "always", "never": "never", "attention_bias": "`attention_bias`"}[family.qkv_bias]
         lines.append(
             f"| {family.name} (`{model_type}`) | {family.norm} | {family.placement} | {family.qk_norm or '-'} "
-            f"| {'SwiGLU' if arch.activation == 'silu' else 'GeGLU (tanh)'} | {bias} "
+            f"| {mlp_cell(arch)} | {bias} "
             f"| {'times sqrt(hidden)' if family.embedding_scaled else 'plain'} "
             f"| {', '.join(f'`{kind}`' for kind in sorted(rope_types(config)))} "
             f"| {'where `no_rope_layers[i] == 0`' if family.no_rope_layers else '-'} "
@@ -263,8 +273,15 @@ def render() -> str:
         "## Mixtures of experts",
         "",
         "Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral, ...) train on the HF backend and generate "
-        "with the HF engine or a generation server; the Megatron backend and the rollout engine refuse them "
-        "(an unknown family, above). On the HF backend every training forward reports what the routers did, "
+        "with the HF engine or a generation server. Qwen3-MoE and Qwen2-MoE also train on the Megatron backend, "
+        "on megatron-core's MoE layer (its router, token dispatch and one MLP per expert; `models/megatron/model.py`"
+        "::`moe_options`): at TP=1, PP=2, and TP=2 with sequence parallelism, which megatron-core's MoE layer "
+        "requires under tensor parallelism (refused in one line without it). The conversion maps transformers' "
+        "stacked expert tensors onto the experts' MLPs bit for bit, and reads and writes checkpoint files with "
+        "their experts one by one, as released checkpoints hold them. Not there yet on the Megatron backend: "
+        "expert parallelism, the load-balancing loss and the router metrics below. The rollout engine refuses "
+        "mixtures of experts (`auto` then generates with the HF engine). On the HF backend every training "
+        "forward reports what the routers did, "
         "over the real tokens (`models/moe.py`): per layer, the largest expert's share of the top-k choices "
         "times the number of experts (`moe/load_max/layer_N`, 1.0 when balanced) and the router's entropy in "
         "nats (`moe/router_entropy/layer_N`), with their means over the layers (`moe/load_max`, "
@@ -279,7 +296,7 @@ def render() -> str:
         "",
         "`aligner_ext.models.family_configs.family_config(name, **sizes)` gives the HF config of a family's "
         "released layout (its vocabulary, RoPE, windows, norms) at the sizes given; names: "
-        f"{', '.join(f'`{name}`' for name in LAYOUTS)}. For a try without a download:",
+        f"{', '.join(f'`{name}`' for name in {**LAYOUTS, **MOE_LAYOUTS})}. For a try without a download:",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM",

@@ -431,9 +431,11 @@ def decode_inputs_written(hidden: torch.Tensor, mlp: torch.Tensor, mlp_norm: tor
 def unsupported(config) -> str | None:
     """Why the decoder cannot run a model of this HF config (`architecture`'s one line), or None."""
     try:
-        architecture(config)
+        pieces = architecture(config)
     except UnsupportedModel as error:
         return str(error)
+    if pieces.experts is not None:
+        return "the rollout engine does not run mixtures of experts yet"
     return None
 
 

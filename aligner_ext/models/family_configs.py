@@ -34,13 +34,23 @@ LAYOUTS = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                          "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)})),
 }
+# Mixtures of experts (`architecture.Experts`), kept apart from the dense LAYOUTS, which the rollout
+# engine's tests and the family benchmark run (the rollout engine runs no mixture of experts yet).
+MOE_LAYOUTS = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(  # Qwen3-30B-A3B
+        vocab_size=151936, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(  # Qwen1.5-MoE-A2.7B: a gated shared expert, top 4 not renormalised
+        vocab_size=151936, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, norm_topk_prob=False)),
+}
 # Sliding-window layer patterns (every `period`-th layer global), where the family has layer types.
 GLOBAL_EVERY = {"ministral": 4, "olmo3": 4, "gemma3_text": 6}
 
 
 def family_config(name: str, **sizes):
-    """The HF config of family `name` (a key of LAYOUTS) with `sizes` overriding its dimensions."""
-    class_name, settings = LAYOUTS[name]
+    """The HF config of family `name` (a key of LAYOUTS or MOE_LAYOUTS) with `sizes` overriding its dimensions."""
+    class_name, settings = {**LAYOUTS, **MOE_LAYOUTS}[name]
     settings = {**settings, **sizes}
     layers = settings.get("num_hidden_layers")
     if name in GLOBAL_EVERY and layers:

@@ -109,5 +109,6 @@ class PolicyConfig:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"policy.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
         if self.backend == "megatron" and self.router_aux_loss_coef > 0:
-            raise ValueError(f"policy.router_aux_loss_coef={self.router_aux_loss_coef:g}: the Megatron backend runs no "
-                             "mixture-of-experts model yet (policy.backend=hf does, docs/models.md)")
+            raise ValueError(f"policy.router_aux_loss_coef={self.router_aux_loss_coef:g}: the Megatron backend's "
+                             "mixture-of-experts layers add no load-balancing loss yet (policy.backend=hf does, "
+                             "docs/models.md)")

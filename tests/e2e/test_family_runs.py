@@ -3,7 +3,7 @@
 on the HF backend with the rollout engine (every family), and on the Megatron backend at TP=2 under
 torchrun with the rollout engine on its shards (Gemma 3 and OLMo 2, the families with the most pieces
 Llama lacks: sandwich / post norms, GeGLU, scaled embeddings, per-type RoPE bases and windows, q/k
-norms over the whole projection split over the ranks).
+norms over the whole projection split over the ranks); and a mixture of experts on each backend.
 
 In float32 at temperature 1 the engine's log-probs are the trainer's own, so the step's recorded
 `rollout/logprob_diff_max` (engine against trainer) is float32 rounding on every family: a decoder
@@ -62,8 +62,14 @@ def test_one_grpo_step_on_the_hf_backend_with_the_rollout_engine(tmp_path, famil
 def test_one_grpo_step_on_the_megatron_backend_at_tp2(tmp_path, family):
     pytest.importorskip("megatron.core")
     model = family_checkpoint(tmp_path / "model", family)
+    check_megatron_step_at_tp2(tmp_path, [*STEP, f"model.path={model}"])
+
+
+def check_megatron_step_at_tp2(tmp_path, overrides: list[str]) -> None:
+    """One step of `aligner-ext train` on the Megatron backend at TP=2 under torchrun: it finishes, trains,
+    and the engine's log-probs are the trainer's."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "-m", "aligner_ext", "train", *SMALL_MODEL, *STEP, f"model.path={model}", "policy.backend=megatron",
+               "-m", "aligner_ext", "train", *SMALL_MODEL, *overrides, "policy.backend=megatron",
                "policy.tensor_model_parallel_size=2", f"trainer.output_dir={tmp_path}", "trainer.run_name=run"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
                                                                             os.environ.get("PYTHONPATH", "")]))
@@ -96,3 +102,23 @@ def test_a_mixture_of_experts_trains_on_the_hf_backend_and_logs_its_routers(tmp_
         assert key in step, key
     assert 1.0 <= step["moe/load_max"] <= 2.0  # 4 experts, top 2
     assert 0 < step["moe/router_entropy"] <= 1.3863  # log 4
+
+
+def test_a_mixture_of_experts_trains_on_the_megatron_backend_at_tp2_with_sequence_parallelism(tmp_path):
+    """A Qwen2-MoE checkpoint (shared expert, unnormalised top 2) on megatron-core's MoE layers at TP=2
+    with sequence parallelism under torchrun, generating with the HF engine from the refitted HF copy
+    (`auto`: the rollout engine runs no mixture of experts): the engine's log-probs are the trainer's."""
+    pytest.importorskip("megatron.core")
+    from transformers import Qwen2MoeConfig
+
+    tokenizer = build_char_tokenizer()
+    config = Qwen2MoeConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                            max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
+    random_model(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    step = [item for item in STEP if not item.startswith("generator.engine")]
+    check_megatron_step_at_tp2(tmp_path, [*step, "generator.engine=auto", f"model.path={tmp_path / 'model'}",
+                                          "policy.sequence_parallel=true"])

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
 from aligner_ext.models.family_configs import family_config, random_model
 
@@ -26,13 +26,21 @@ FAMILY_CASES = {"llama3": ("llama3", 120), "mistral": ("mistral", 136), "ministr
                 "olmo2": ("olmo2", 110), "olmo3": ("olmo3", 130), "smollm3": ("smollm3", 140),
                 "gemma3_text": ("gemma3_text", 160)}
 
+# Mixtures of experts: 4 experts, top 2, expert width 8 (and Qwen2-MoE's shared expert 12): every split
+# TP=2 makes is whole. Qwen3-MoE renormalises its top-2 weights, Qwen2-MoE does not.
+MOE_SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                 intermediate_size=64, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+                 max_position_embeddings=64, pad_token_id=0)
+MOE_CASES = ("qwen3_moe", "qwen2_moe")
+
 
 def hf_configs() -> dict:
     """Llama with tied embeddings; Qwen2 (q/k/v biases); Qwen3 (q/k norms, head_dim 16 != 32/4); then
     every family of `family_configs` (`FAMILY_CASES`): Llama 3's RoPE scaling, Mistral's and Phi-3's
     windows on every layer, Ministral's, OLMo 3's and Gemma 3's per layer type, Phi-3's partial
     rotary, LongRoPE and fused checkpoint, OLMo's post-norms and projection q/k norms, SmolLM3's NoPE
-    layers, Gemma 3's sandwich norms, GeGLU, embedding scale and two RoPE bases. No vocabulary size is a
+    layers, Gemma 3's sandwich norms, GeGLU, embedding scale and two RoPE bases; the two mixtures of
+    experts (`MOE_CASES`: routing with and without renormalisation, a gated shared expert). No vocabulary size is a
     multiple of 128, so every case exercises vocab padding."""
     configs = {
         "llama": LlamaConfig(vocab_size=104, tie_word_embeddings=True, **COMMON),
@@ -44,6 +52,8 @@ def hf_configs() -> dict:
         # (nn.Embedding's padding_idx), so OLMo's default pad id 1, drawn as a real token, would
         # differ from Megatron's embedding, which has no pad row
         configs[case] = family_config(family, vocab_size=vocab_size, pad_token_id=0, **FAMILY_SIZES)
+    configs["qwen3_moe"] = Qwen3MoeConfig(vocab_size=90, norm_topk_prob=True, **MOE_SIZES)
+    configs["qwen2_moe"] = Qwen2MoeConfig(vocab_size=98, shared_expert_intermediate_size=12, **MOE_SIZES)
     return configs
 
 

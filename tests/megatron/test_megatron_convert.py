@@ -116,7 +116,8 @@ def test_hf_megatron_hf_round_trip_is_exact(tmp_path, name, tp, pp):
     config = hf_configs()[name]
     build_model(config).save_pretrained(tmp_path)
     hf = load_file(tmp_path / "model.safetensors")
-    back = convert.megatron_to_hf(convert.hf_to_megatron(hf, config, tp, pp), config, tp, pp)
+    stacked = convert.stacked_experts(hf)  # a mixture of experts' file holds its experts one by one
+    back = convert.per_expert(convert.megatron_to_hf(convert.hf_to_megatron(stacked, config, tp, pp), config, tp, pp))
     assert set(back) == set(hf)
     for key, tensor in hf.items():
         assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
@@ -145,3 +146,38 @@ def test_bad_inputs_are_named():
         transformer_config(softcapped, 1, 1, torch.float32)
     with pytest.raises(UnsupportedModel, match="final_logit_softcapping"):
         convert.hf_to_megatron_shard(build_model(hf_configs()["gemma3_text"]).state_dict(), softcapped, 1, 1, 0, 0)
+
+
+def test_experts_are_split_like_dense_mlps_and_the_router_and_shared_gate_replicated():
+    config = hf_configs()["qwen2_moe"]  # 4 experts of width 8, a shared expert of width 12
+    hf = build_model(config).state_dict()
+    shards = convert.hf_to_megatron(hf, config, 2, 1)
+    rank1 = shards[(0, 1)]
+    gate_up, down = hf["model.layers.1.mlp.experts.gate_up_proj"][3], hf["model.layers.1.mlp.experts.down_proj"][3]
+    gate, up = gate_up[:8], gate_up[8:]  # transformers' stacked rows: gate, then up
+    expert = "decoder.layers.1.mlp.experts.local_experts.3."
+    assert torch.equal(rank1[expert + "linear_fc1.weight"], torch.cat([gate[4:], up[4:]]))
+    assert torch.equal(rank1[expert + "linear_fc2.weight"], down[:, 4:])
+    assert torch.equal(rank1["decoder.layers.1.mlp.router.weight"], hf["model.layers.1.mlp.gate.weight"])
+    assert torch.equal(rank1["decoder.layers.1.mlp.shared_experts.gate_weight"],
+                       hf["model.layers.1.mlp.shared_expert_gate.weight"])
+    shared_gate, shared_up = (hf[f"model.layers.1.mlp.shared_expert.{p}_proj.weight"] for p in ("gate", "up"))
+    assert torch.equal(rank1["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"],
+                       torch.cat([shared_gate[6:], shared_up[6:]]))
+    arch = architecture(config)
+    assert convert.is_replicated("decoder.layers.1.mlp.router.weight", arch)
+    assert not convert.is_replicated(expert + "linear_fc1.weight", arch)
+
+
+def test_a_checkpoint_files_experts_stack_into_the_loaded_models_tensors(tmp_path):
+    config = hf_configs()["qwen3_moe"]
+    model = build_model(config)
+    model.save_pretrained(tmp_path)
+    on_disk = load_file(tmp_path / "model.safetensors")
+    assert "model.layers.0.mlp.experts.2.up_proj.weight" in on_disk  # transformers saves the experts one by one
+    stacked = convert.stacked_experts(on_disk)
+    loaded = model.state_dict()
+    assert set(stacked) == set(loaded)
+    for key, tensor in loaded.items():
+        assert torch.equal(stacked[key], tensor), key
+    assert set(convert.per_expert(stacked)) == set(on_disk)

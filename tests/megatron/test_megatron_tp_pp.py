@@ -3,7 +3,8 @@ backend on the same weights.
 
 One torchrun launch (tests/megatron/worker.py, 2 processes) runs every case and layout:
 - log-probs, entropy and the gradient of the summed valid log-probs at TP=2, PP=2 and TP=1 (DP=2)
-  for every case (every dense family, megatron_cases.py), and at TP=2 + SP and packed for a subset
+  for every case (every dense family, megatron_cases.py; the mixtures of experts at TP=2 with
+  sequence parallelism, padded and packed, instead of plain TP=2), and at TP=2 + SP and packed for a subset
   (`SP_PACKED_CASES`), against a float64 HF reference computed here. Tolerance: the Megatron side
   runs in float32, so 1e-5 absolute on log-probs and entropy (values of order 1-5; float32 reduction-order differences
   measured ~5e-7), and 1e-5 relative to the largest gradient entry of each tensor.
@@ -36,7 +37,8 @@ from aligner_ext.batch import ExperienceBatch, SampleInfo  # noqa: E402
 from aligner_ext.losses.clipped_pg import ClippedPGLoss  # noqa: E402
 from aligner_ext.models.hf import HFPolicy  # noqa: E402
 from aligner_ext.models.settings import OptimConfig, PolicyConfig  # noqa: E402
-from megatron_cases import batch_tensors, build_model, hf_configs, torchrun  # noqa: E402
+from aligner_ext.models.megatron.convert import stacked_experts  # noqa: E402
+from megatron_cases import MOE_CASES, batch_tensors, build_model, hf_configs, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +50,12 @@ SP_PACKED_LAYOUTS = ["tp2_pp1_sp", "tp2_pp1_packed", "tp1_pp2_packed", "tp2_pp1_
 # on sequence shards, projection q/k norms, windows per layer type), Gemma 3 (sandwich norms, windows and
 # RoPE bases per layer type), Phi-3 (partial rotary and a window on every layer, per packed sequence)
 SP_PACKED_CASES = ["llama", "qwen2", "qwen3", "olmo3", "gemma3_text", "phi3"]
-LOGPROB_CASES = [(name, layout) for name in sorted(hf_configs()) for layout in EVERY_CASE_LAYOUTS + SP_PACKED_LAYOUTS
+# a mixture of experts under TP trains with sequence parallelism only (megatron-core's MoE layer refuses it without)
+MOE_LAYOUTS = ["tp1_pp1", "tp1_pp2", "tp2_pp1_sp", "tp2_pp1_sp_packed"]
+LOGPROB_CASES = [(name, layout) for name in sorted(hf_configs()) if name not in MOE_CASES
+                 for layout in EVERY_CASE_LAYOUTS + SP_PACKED_LAYOUTS
                  if layout in EVERY_CASE_LAYOUTS or name in SP_PACKED_CASES]
+LOGPROB_CASES += [(name, layout) for name in MOE_CASES for layout in MOE_LAYOUTS]
 TRAIN_CASES = ["llama", "qwen3", "olmo3", "gemma3_text"]
 # tp1_pp1 is DP=2 on two processes; _packed trains with micro_batch_tokens and activation recomputation
 TRAIN_LAYOUTS = ["tp2_pp1", "tp1_pp2", "tp1_pp1", "tp2_pp1_sp", "tp2_pp1_sp_packed", "tp1_pp2_packed",
@@ -85,7 +91,8 @@ def hf_reference(case: Path):
     """Float64 HF log-probs [B, R], entropy [B, R], and gradients of sum(valid log-probs)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float64)
+    # transformers' grouped expert product takes no float64: its per-expert loop does
+    model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float64, experts_implementation="eager")
     batch = torch.load(case / "batch.pt")
     ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["response_valid"]], dim=1).long()
@@ -120,7 +127,7 @@ def test_refit_writes_every_hf_parameter_bit_for_bit(cases, name, layout):
     """The GPTModel was loaded from these HF weights; refitting it into a zeroed HF model gives them back."""
     from safetensors.torch import load_file
 
-    expected = load_file(cases / name / "model.safetensors")  # save_pretrained: no lm_head when tied
+    expected = stacked_experts(load_file(cases / name / "model.safetensors"))  # save_pretrained: no lm_head when tied
     refit = torch.load(cases / name / f"{layout}.pt")["refit"]
     for key, weight in expected.items():
         assert torch.equal(refit[key], weight), key

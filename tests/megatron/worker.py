@@ -61,7 +61,7 @@ def gathered_shards(shard: dict) -> dict:
 
 def run_case(case: Path, tp: int, pp: int, sp: bool, packed: bool, device) -> None:
     hf_config = AutoConfig.from_pretrained(case)
-    hf_state = load_file(case / "model.safetensors")
+    hf_state = convert.stacked_experts(load_file(case / "model.safetensors"))
     tensors = torch.load(case / "batch.pt")
     mask = tensors["response_valid"]
     batch = ExperienceBatch(samples=[None] * len(mask), response_mask=mask, group_ids=torch.arange(len(mask)), **tensors)

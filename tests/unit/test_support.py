@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config, LlamaConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from aligner_ext.architecture import UnsupportedModel
 from aligner_ext.config import load_config
@@ -178,3 +178,41 @@ def test_serve_with_the_rollout_engine_refuses_before_the_weights_load(tmp_path,
     cfg = load_config("base", [*ROLLOUT, f"model.path={model}", f"trainer.output_dir={tmp_path}"], for_training=False)
     with pytest.raises(UnsupportedModel, match=r"mlp_bias=True is not supported .*" + HF_ONLY.replace(".", r"\.")):
         build_server(cfg)
+
+
+MOE = dict(TINY, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("hf_config, field", [
+    (Qwen3MoeConfig(**MOE, decoder_sparse_step=2), "decoder_sparse_step=2"),
+    (Qwen3MoeConfig(**MOE, mlp_only_layers=[0]), "mlp_only_layers=[0]"),
+], ids=["sparse_step", "mlp_only_layers"])
+def test_a_mixture_of_experts_with_dense_layers_is_one_line(tmp_path, hf_config, field):
+    message = refusal(tmp_path, hf_config, MEGATRON)
+    assert message.startswith(f"Qwen3-MoE (qwen3_moe): {field} is not supported") and HF_ONLY in message
+
+
+def test_a_mixture_of_experts_under_tensor_parallelism_needs_sequence_parallelism(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    message = refusal(tmp_path, Qwen3MoeConfig(**MOE), MEGATRON + ["policy.tensor_model_parallel_size=2"])
+    assert message.startswith("Qwen3-MoE (qwen3_moe): the Megatron backend does not build it (a mixture of experts "
+                              "at tensor_model_parallel_size=2 trains with sequence parallelism only")
+    assert "policy.sequence_parallel=true" in message
+    check_run(load_config("base", MEGATRON + ["policy.tensor_model_parallel_size=2", "policy.sequence_parallel=true"]),
+              tmp_path)
+
+
+def test_the_rollout_engine_refuses_a_mixture_of_experts_the_megatron_backend_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    message = refusal(tmp_path, Qwen2MoeConfig(**MOE, shared_expert_intermediate_size=32), ROLLOUT)
+    assert message == ("Qwen2-MoE (qwen2_moe): the rollout engine does not run mixtures of experts yet; "
+                       "generator.engine=hf runs it")
+    pytest.importorskip("megatron.core")
+    check_run(load_config("base", MEGATRON), tmp_path)  # the Megatron backend with the HF engine runs it
+
+
+def test_the_megatron_backend_splits_expert_widths_over_tensor_parallelism(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    message = refusal(tmp_path, Qwen3MoeConfig(**{**MOE, "moe_intermediate_size": 33}),
+                      MEGATRON + ["policy.tensor_model_parallel_size=2", "policy.sequence_parallel=true"])
+    assert "policy.tensor_model_parallel_size=2 does not divide moe_intermediate_size=33" in message

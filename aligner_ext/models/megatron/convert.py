@@ -20,6 +20,14 @@ Layouts (megatron-core local spec, `model.block_spec`):
   replicated on every TP rank. OLMo's q/k norms over the whole projection ([heads * head_dim],
   [groups * head_dim]) are split like the heads: rank r holds the q norm of its q heads, the k norm
   of its K/V groups, contiguous blocks in HF's order as the heads are.
+- Mixtures of experts (Qwen3-MoE, Qwen2-MoE; megatron-core's MoE layer with one MLP per expert):
+  the router `mlp.gate.weight` is `mlp.router.weight`, replicated; expert e's slice of transformers'
+  stacked `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `mlp.experts.down_proj`
+  [E, H, I] are `mlp.experts.local_experts.{e}.linear_fc1.weight` and `.linear_fc2.weight`, split
+  over TP as a dense MLP's fc1 and fc2. Qwen2-MoE's shared expert maps like a dense MLP onto
+  `mlp.shared_experts.linear_fc1` / `linear_fc2`, its gate `mlp.shared_expert_gate.weight` onto
+  `mlp.shared_experts.gate_weight` (replicated). Where one Megatron tensor is one expert's slice of
+  an HF tensor, `hf_tensors` names it `<HF name>#<expert>` (`EXPERT_SLICE`).
 - Pipeline: stage p holds layers p*L/PP .. (p+1)*L/PP - 1, renumbered from 0; the first stage holds
   the embedding, the last the final norm and output layer. With tied embeddings and PP > 1 the last
   stage holds its own copy of the embedding as `output_layer.weight` (megatron-core keeps the two
@@ -53,14 +61,25 @@ MEGATRON_NORMS = {
     "post_attention": "self_attention.output_norm.weight",
     "post_mlp": "mlp.output_norm.weight",
 }
-REPLICATED_SUFFIXES = (*MEGATRON_NORMS.values(), "final_layernorm.weight")
+REPLICATED_SUFFIXES = (*MEGATRON_NORMS.values(), "final_layernorm.weight", "mlp.router.weight",
+                       "mlp.shared_experts.gate_weight")
+EXPERT_SLICE = "#"  # "<HF name>#<expert>": one expert's slice of a stacked HF tensor (module docstring)
+CHECKPOINT_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 
 
 def layer_tensors(arch: Architecture) -> tuple[tuple[str, str, str], ...]:
     """(HF suffix, megatron suffix, how it is split over TP) of each per-layer tensor that maps one to one."""
     tensors = [(f"{arch.norm_names[role]}.weight", MEGATRON_NORMS[role], "replicated") for role in arch.norm_roles]
-    tensors += [("self_attn.o_proj.weight", "self_attention.linear_proj.weight", "row"),
-                ("mlp.down_proj.weight", "mlp.linear_fc2.weight", "row")]
+    tensors += [("self_attn.o_proj.weight", "self_attention.linear_proj.weight", "row")]
+    if arch.experts is None:
+        tensors.append(("mlp.down_proj.weight", "mlp.linear_fc2.weight", "row"))
+    else:
+        tensors.append(("mlp.gate.weight", "mlp.router.weight", "replicated"))
+        if arch.experts.shared_ffn_size:
+            tensors += [("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.linear_fc2.weight", "row"),
+                        ("mlp.shared_expert_gate.weight", "mlp.shared_experts.gate_weight", "replicated")]
     if arch.qk_norm:
         how = "replicated" if arch.qk_norm == "head" else "column"  # projection norms: split like the heads
         tensors += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", how),
@@ -85,6 +104,11 @@ def expected_hf_keys(hf_config, arch: Architecture) -> set[str]:
             keys.add(f"{prefix}mlp.gate_up_proj.weight")
         else:
             keys.update(f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv" for kind in _bias_kinds(arch))
+        if arch.experts is not None:
+            keys.update(f"{prefix}mlp.experts.{p}" for p in ("gate_up_proj", "down_proj"))
+            if arch.experts.shared_ffn_size:
+                keys.update(f"{prefix}mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up"))
+        elif not arch.fused_checkpoint:
             keys.update(f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up"))
     return keys
 
@@ -149,12 +173,25 @@ def _stage_layers(hf_config, pp: int, stage: int) -> range:
 def _check_layout(hf_config, tp: int, pp: int) -> Architecture:
     """The model's architecture (`UnsupportedModel` where none covers it), after checking the split."""
     arch = architecture(hf_config)
-    if hf_config.num_key_value_heads % tp or hf_config.num_hidden_layers % pp or hf_config.intermediate_size % tp:
+    widths = tp_split_sizes(hf_config, arch)
+    if any(value % tp for value in widths.values()) or hf_config.num_hidden_layers % pp:
         raise ValueError(
-            f"TP={tp} must divide num_key_value_heads={hf_config.num_key_value_heads} and intermediate_size="
-            f"{hf_config.intermediate_size}; PP={pp} must divide num_hidden_layers={hf_config.num_hidden_layers}"
+            f"TP={tp} must divide {', '.join(f'{key}={value}' for key, value in widths.items())}; "
+            f"PP={pp} must divide num_hidden_layers={hf_config.num_hidden_layers}"
         )
     return arch
+
+
+def tp_split_sizes(hf_config, arch: Architecture) -> dict[str, int]:
+    """The config's sizes that tensor parallelism splits into whole parts (the vocabulary aside)."""
+    sizes = {"num_key_value_heads": hf_config.num_key_value_heads}
+    if arch.experts is None:
+        sizes["intermediate_size"] = hf_config.intermediate_size
+    else:
+        sizes["moe_intermediate_size"] = arch.experts.ffn_size
+        if arch.experts.shared_ffn_size:
+            sizes["shared_expert_intermediate_size"] = arch.experts.shared_ffn_size
+    return sizes
 
 
 def _hf_qkv(hf: dict[str, torch.Tensor], attn: str, kind: str, hf_config, arch: Architecture
@@ -171,6 +208,22 @@ def _hf_gate_up(hf: dict[str, torch.Tensor], mlp: str, arch: Architecture) -> tu
     if not arch.fused_checkpoint:
         return hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]
     return hf[mlp + "gate_up_proj.weight"].chunk(2)
+
+
+def _fc1_shard(gate: torch.Tensor, up: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """A gated MLP's fc1 on TP rank `tp_rank`: [its gate rows; its up rows]."""
+    return torch.cat([_split(gate, "column", tp, tp_rank), _split(up, "column", tp, tp_rank)])
+
+
+def _gate_up_of_fc1(full: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `_fc1_shard` over the TP-gathered fc1 [tp * (gate rows + up rows), in]."""
+    halves = full.unflatten(0, (tp, 2, -1))
+    return halves[:, 0].flatten(0, 1), halves[:, 1].flatten(0, 1)
+
+
+def _row_gathered(full: torch.Tensor, tp: int) -> torch.Tensor:
+    """A row-parallel matrix's TP shards, gathered as column blocks [tp * out, in / tp], as [out, in]."""
+    return full.unflatten(0, (tp, -1)).transpose(0, 1).flatten(1)
 
 
 def hf_to_megatron_shard(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: int, tp_rank: int, stage: int
@@ -191,8 +244,17 @@ def hf_to_megatron_shard(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: in
         for kind in _bias_kinds(arch):
             fused = fuse_qkv(*_hf_qkv(hf, src + "self_attn.", kind, hf_config, arch), hf_config)
             out[f"{dst}self_attention.linear_qkv.{kind}"] = _split(fused, "column", tp, tp_rank)
-        gate, up = (_split(t, "column", tp, tp_rank) for t in _hf_gate_up(hf, src + "mlp.", arch))
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
+        if arch.experts is None:
+            out[dst + "mlp.linear_fc1.weight"] = _fc1_shard(*_hf_gate_up(hf, src + "mlp.", arch), tp, tp_rank)
+            continue
+        gate_up, down = hf[src + "mlp.experts.gate_up_proj"], hf[src + "mlp.experts.down_proj"]
+        for expert in range(arch.experts.count):
+            fc = f"{dst}mlp.experts.local_experts.{expert}."
+            out[fc + "linear_fc1.weight"] = _fc1_shard(*gate_up[expert].chunk(2), tp, tp_rank)
+            out[fc + "linear_fc2.weight"] = _split(down[expert], "row", tp, tp_rank)
+        if arch.experts.shared_ffn_size:
+            shared = (hf[f"{src}mlp.shared_expert.{p}_proj.weight"] for p in ("gate", "up"))
+            out[dst + "mlp.shared_experts.linear_fc1.weight"] = _fc1_shard(*shared, tp, tp_rank)
     if stage == pp - 1:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
         if not tied or pp > 1:
@@ -233,10 +295,19 @@ def hf_tensors(name: str, full: torch.Tensor, tp: int, hf_config, arch: Architec
         raise ValueError(f"no HF tensor for the Megatron parameter {name}")
     prefix, suffix = f"model.layers.{first_layer + int(match.group(1))}.", match.group(2)
     for hf_name, mc_name, how in layer_tensors(arch):
-        if suffix == mc_name and how == "row":  # TP shards are column blocks: [tp * out, in/tp] -> [out, in]
-            return [(prefix + hf_name, full.unflatten(0, (tp, -1)).transpose(0, 1).flatten(1))]
+        if suffix == mc_name and how == "row":
+            return [(prefix + hf_name, _row_gathered(full, tp))]
         if suffix == mc_name:
             return [(prefix + hf_name, full)]
+    expert = EXPERT_NAME.fullmatch(suffix)
+    if expert:
+        index, linear = expert.groups()
+        if linear == "linear_fc2":
+            return [(f"{prefix}mlp.experts.down_proj{EXPERT_SLICE}{index}", _row_gathered(full, tp))]
+        return [(f"{prefix}mlp.experts.gate_up_proj{EXPERT_SLICE}{index}", torch.cat(_gate_up_of_fc1(full, tp)))]
+    if suffix == "mlp.shared_experts.linear_fc1.weight":
+        gate, up = _gate_up_of_fc1(full, tp)
+        return [(f"{prefix}mlp.shared_expert.gate_proj.weight", gate), (f"{prefix}mlp.shared_expert.up_proj.weight", up)]
     if suffix.startswith("self_attention.linear_qkv."):
         kind = suffix.rsplit(".", 1)[1]
         q, k, v = unfuse_qkv(full, hf_config)
@@ -244,8 +315,7 @@ def hf_tensors(name: str, full: torch.Tensor, tp: int, hf_config, arch: Architec
             return [(f"{prefix}self_attn.qkv_proj.{kind}", torch.cat([q, k, v]))]
         return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v))]
     if suffix == "mlp.linear_fc1.weight":  # per TP rank: [gate rows of the rank; up rows of the rank]
-        halves = full.unflatten(0, (tp, 2, -1))
-        gate, up = halves[:, 0].flatten(0, 1), halves[:, 1].flatten(0, 1)
+        gate, up = _gate_up_of_fc1(full, tp)
         if arch.fused_checkpoint:
             return [(f"{prefix}mlp.gate_up_proj.weight", torch.cat([gate, up]))]
         return [(f"{prefix}mlp.gate_proj.weight", gate), (f"{prefix}mlp.up_proj.weight", up)]
@@ -264,8 +334,69 @@ def megatron_to_hf(shards: Shards, hf_config, tp: int, pp: int) -> dict[str, tor
             parts = [shards[(stage, r)][name] for r in range(tp)]
             full = _replicated_copy(parts) if is_replicated(name, arch) else torch.cat(parts)
             hf.update((key, value.clone()) for key, value in hf_tensors(name, full, tp, hf_config, arch, first))
+    hf = stack_expert_slices(hf)
     check_hf_keys(hf, hf_config, arch)
     return hf
+
+
+def stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint file's state with its per-expert matrices (`...mlp.experts.<e>.gate_proj.weight`,
+    `up_proj`, `down_proj`: how released checkpoints hold them and transformers saves them) as the
+    stacked tensors of the loaded model, which the functions here take (`gate_up_proj` [E, 2I, H]:
+    gate rows then up; `down_proj` [E, H, I]). Concatenation only; `per_expert` inverts it."""
+    out, experts = {}, {}
+    for name, value in state.items():
+        match = CHECKPOINT_EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = value
+        else:
+            prefix, expert, kind = match.groups()
+            experts.setdefault(prefix, {}).setdefault(int(expert), {})[kind] = value
+    for prefix, by_expert in experts.items():
+        order = range(len(by_expert))
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["gate"], by_expert[e]["up"]]) for e in order])
+        out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down"] for e in order])
+    return out
+
+
+def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `stacked_experts`: the state as a checkpoint file holds it."""
+    out = {}
+    for name, value in state.items():
+        stacked = STACKED_EXPERTS.fullmatch(name)
+        if stacked is None:
+            out[name] = value
+            continue
+        prefix, kind = stacked.groups()
+        for expert, matrix in enumerate(value):
+            if kind == "down_proj":
+                out[f"{prefix}.{expert}.down_proj.weight"] = matrix
+            else:
+                gate, up = matrix.chunk(2)
+                out[f"{prefix}.{expert}.gate_proj.weight"], out[f"{prefix}.{expert}.up_proj.weight"] = gate, up
+    return out
+
+
+def split_expert_slice(name: str) -> tuple[str, int | None]:
+    """("<HF name>", expert) of an expert slice's name (`EXPERT_SLICE`); (name, None) for any other."""
+    base, _, expert = name.partition(EXPERT_SLICE)
+    return base, int(expert) if expert else None
+
+
+def stack_expert_slices(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`hf` with each stacked expert tensor assembled from its slices, in expert order."""
+    out, slices = {}, {}
+    for name, value in hf.items():
+        base, expert = split_expert_slice(name)
+        if expert is None:
+            out[name] = value
+        else:
+            slices.setdefault(base, {})[expert] = value
+    for base, by_expert in slices.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"{base}: experts {sorted(by_expert)} are not 0 .. {len(by_expert) - 1}")
+        out[base] = torch.stack([by_expert[expert] for expert in range(len(by_expert))])
+    return out
 
 
 def load_shard(model: torch.nn.Module, shard: dict[str, torch.Tensor]) -> None:

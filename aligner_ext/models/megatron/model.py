@@ -48,7 +48,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -56,18 +58,25 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from torch.distributed.nn.functional import all_reduce
 
-from aligner_ext.architecture import (Architecture, activation, apply_rotary as rotate, architecture, rms_norm,
-                                      rope_tables, rotary_cos_sin, scale_embedding)
+from aligner_ext.architecture import (Architecture, Experts, activation, apply_rotary as rotate, architecture,
+                                      rms_norm, rope_tables, rotary_cos_sin, scale_embedding)
 from aligner_ext.models.attention import packed_causal_attention, sliding_window_mask
 from aligner_ext.models.kernels import compiled_on_cuda
 
 VOCAB_DIVISIBLE_BY = 128
+
+if not hasattr(moe_utils, "te_general_gemm"):
+    # megatron-core 0.16's router linear tests `te_general_gemm is not None`, a name its module defines
+    # only where Transformer Engine imports: without it every MoE forward raised NameError. None takes
+    # its torch.mm path.
+    moe_utils.te_general_gemm = None
 
 
 @dataclass
@@ -332,6 +341,9 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
             f"num_key_value_heads={hf_config.num_key_value_heads} must be divisible by "
             f"tensor_model_parallel_size={tensor_parallel}"
         )
+    if arch.experts is not None and tensor_parallel > 1 and not sequence_parallel:
+        raise ValueError(f"a mixture of experts at tensor_model_parallel_size={tensor_parallel} trains with sequence "
+                         "parallelism only (megatron-core's MoE layer refuses it without): policy.sequence_parallel=true")
     if hf_config.num_hidden_layers % pipeline_parallel:
         raise ValueError(
             f"num_hidden_layers={hf_config.num_hidden_layers} must be divisible by "
@@ -382,6 +394,30 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
         recompute_num_layers=1 if recompute else None,
         architecture=arch,
         kernels=kernels,
+        **(moe_options(arch.experts) if arch.experts else {}),
+    )
+
+
+def moe_options(experts: Experts) -> dict:
+    """megatron-core's MoE options for the family's mixture of experts (`architecture.Experts`).
+    Routing: softmax over all experts then the top k (`moe_router_pre_softmax`) where the weights are
+    not renormalised; where they are, the top k of the logits then a softmax over those k, which is the
+    same (softmax is monotone, and its renormalised top k is the softmax of the top-k logits). The
+    router's logits are computed in the model's dtype, as transformers computes them
+    (`moe_router_dtype` unset). No load-balancing loss and no token dropping: each token goes to its
+    k experts (`moe_expert_capacity_factor` unset)."""
+    return dict(
+        num_moe_experts=experts.count,
+        moe_router_topk=experts.top_k,
+        moe_ffn_hidden_size=experts.ffn_size,
+        moe_router_pre_softmax=not experts.normalize_top_k,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",  # the alltoall one needs CUDA streams (no CPU tests)
+        moe_shared_expert_intermediate_size=experts.shared_ffn_size,
+        moe_shared_expert_gate=experts.shared_ffn_size is not None,
+        moe_shared_expert_overlap=False,
+        moe_grouped_gemm=False,
     )
 
 
@@ -401,7 +437,9 @@ def block_spec(config: ArchitectureConfig) -> TransformerBlockSubmodules:
         attention.q_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"projection": "query"})
         attention.k_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"projection": "key"})
     layer.self_attention.module = PostNormSelfAttention if "post_attention" in arch.norm_names else FamilySelfAttention
-    if "post_mlp" in arch.norm_names:
+    if arch.experts is not None:  # megatron-core's MoE layer: router, token dispatch, one MLP per expert
+        layer.mlp = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=arch.experts.count)
+    elif "post_mlp" in arch.norm_names:
         layer.mlp = PostNormMLP
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)
 

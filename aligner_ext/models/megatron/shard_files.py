@@ -48,7 +48,7 @@ def read_hf(directory: Path) -> tuple[dict[str, torch.Tensor], object]:
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(load_file(str(directory / name)))
-    return state, config
+    return convert.stacked_experts(state), config
 
 
 def _copy_other_files(source: Path, target: Path) -> None:
@@ -91,7 +91,7 @@ def read_megatron(directory: Path) -> tuple[convert.Shards, object, int, int]:
 def megatron_to_hf_dir(megatron_dir: Path, out_dir: Path) -> None:
     """Write the HF checkpoint (one model.safetensors, config, other files) of a Megatron directory."""
     shards, config, tp, pp = read_megatron(megatron_dir)
-    state = convert.megatron_to_hf(shards, config, tp, pp)
+    state = convert.per_expert(convert.megatron_to_hf(shards, config, tp, pp))
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out_dir)

@@ -54,7 +54,7 @@ def refit_hf_model(core: torch.nn.Module, hf_model: torch.nn.Module, hf_config) 
         full = param if convert.is_replicated(name, arch) else _tp_gathered(param, tp)
         written += _copy_into_hf(name, full, tp, hf, hf_config, arch, stage * per_stage)
     owned = sorted(name for name in hf if _stage_of(name, per_stage, pp) == stage)
-    if sorted(written) != owned:
+    if sorted(set(written)) != owned:  # set: a stacked expert tensor is written expert by expert
         raise RuntimeError(f"HF refit on stage {stage}: wrote {sorted(set(written) - set(owned))[:8]} "
                            f"beyond its own, missed {sorted(set(owned) - set(written))[:8]}")
     if pp > 1:
@@ -92,6 +92,9 @@ def _copy_into_hf(name: str, full: torch.Tensor, tp: int, hf: dict, hf_config, a
                   first_layer: int) -> list[str]:
     """Copy one TP-gathered Megatron tensor into the HF parameters it maps to; return their names."""
     pairs = convert.hf_tensors(name, full, tp, hf_config, arch, first_layer)
+    names = []
     for hf_name, value in pairs:
-        _put(hf[hf_name], value)
-    return [hf_name for hf_name, _ in pairs]
+        base, expert = convert.split_expert_slice(hf_name)
+        _put(hf[base] if expert is None else hf[base][expert], value)
+        names.append(base)
+    return names
