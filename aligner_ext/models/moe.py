@@ -49,7 +49,12 @@ def router_statistics(router_logits: tuple[torch.Tensor, ...], real: torch.Tenso
         choices = logits.topk(top_k, dim=-1).indices.flatten()
         shares = torch.bincount(choices, minlength=logits.shape[-1]).float() / max(choices.numel(), 1)
         loads.append(shares.max() * logits.shape[-1])
-    loads, entropies = torch.stack(loads).tolist(), torch.stack(entropies).tolist()  # one device sync
+    return layer_metrics(torch.stack(loads).tolist(), torch.stack(entropies).tolist())  # one device sync
+
+
+def layer_metrics(loads: list[float], entropies: list[float]) -> dict[str, float]:
+    """The metrics of per-layer expert loads and router entropies, and their means over the layers (both
+    backends report these)."""
     stats = {f"moe/load_max/layer_{layer}": load for layer, load in enumerate(loads)}
     stats.update({f"moe/router_entropy/layer_{layer}": entropy for layer, entropy in enumerate(entropies)})
     stats["moe/load_max"] = sum(loads) / len(loads)

@@ -43,6 +43,7 @@ from megatron.core.utils import unwrap_model
 from aligner_ext.batch import ExperienceBatch, concat_batches
 from aligner_ext.models.megatron.logprobs import enter_tensor_parallel_region, vocab_parallel_logprobs
 from aligner_ext.models.megatron.model import output_weight, pack_rows, stage_forward
+from aligner_ext.models.megatron.moe import RouterRecorder
 from aligner_ext.models.packing import pack_end_to_end, valid_responses
 
 
@@ -55,6 +56,7 @@ class Packed:
     response_index: torch.Tensor  # [N] int64 index into the flattened [b * S] hidden states predicting each valid response token
     response_ids: torch.Tensor  # [N] int64 those tokens (row-major over the batch's response_valid)
     batch: ExperienceBatch  # the micro-batch itself (advantages, masks) for the loss
+    real: torch.Tensor  # [b, S] bool: the tokens of its sequences (not pads, not filler rows): the routers' statistics
     boundaries: PackedSeqParams | None = None  # the sequences' cumulative lengths when packed
 
 
@@ -67,7 +69,10 @@ def pack(micro: ExperienceBatch, pad_token_id: int, device: torch.device, multip
     ids, positions, columns = pack_rows(micro.prompt_mask, input_ids, pad_token_id)
     width = ids.shape[1]
     index, response_ids = valid_responses(micro, torch.arange(len(micro)) * width + columns[:, 0])
-    return Packed(ids.to(device), positions.to(device), index.to(device), response_ids.to(device), micro.to(device))
+    lengths = (micro.prompt_mask.sum(dim=1) + micro.response_valid.sum(dim=1)) * micro.response_valid.any(dim=1)
+    real = torch.arange(width) < lengths[:, None]  # rolled rows: each sequence from column 0
+    return Packed(ids.to(device), positions.to(device), index.to(device), response_ids.to(device), micro.to(device),
+                  real.to(device))
 
 
 def pack_sequences(micro: ExperienceBatch, pad_token_id: int, device: torch.device, multiple_of: int = 1,
@@ -78,8 +83,10 @@ def pack_sequences(micro: ExperienceBatch, pad_token_id: int, device: torch.devi
     cu_seqlens = row.cu_seqlens.to(device)
     boundaries = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                  max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen)
+    # the row's tail, padding it to `width` and to the multiple, is a sequence of its own in cu_seqlens
+    real = (torch.arange(row.ids.shape[-1]) < row.cu_seqlens[len(micro)]).view(1, -1) & micro.response_valid.any()
     return Packed(row.ids.to(device), row.positions.to(device), row.response_index.to(device),
-                  row.response_ids.to(device), micro.to(device), boundaries)
+                  row.response_ids.to(device), micro.to(device), real.to(device), boundaries)
 
 
 def filler_rows(batch: ExperienceBatch, rows: int) -> ExperienceBatch:
@@ -113,10 +120,12 @@ def last_stage_logprobs(model, hidden: torch.Tensor, packed: Packed, vocab_size:
     return scatter(lp), scatter(ent) if with_entropy else None
 
 
-def _run(model, micro_batches: list[Packed], reduce_fn: Callable, forward_only: bool) -> list:
+def _run(model, micro_batches: list[Packed], reduce_fn: Callable, forward_only: bool,
+         routers: RouterRecorder | None = None) -> list:
     """One schedule call; `reduce_fn(packed, hidden)` runs on the last stage per micro-batch.
 
-    `model` is the GPTModel or its DDP wrapper (the schedule needs the wrapper for gradient sync).
+    `model` is the GPTModel or its DDP wrapper (the schedule needs the wrapper for gradient sync);
+    `routers` records what a mixture of experts' routers do in each micro-batch's forward.
     """
     config = unwrap_model(model).config
     seq = micro_batches[0].ids.shape[1]
@@ -125,7 +134,11 @@ def _run(model, micro_batches: list[Packed], reduce_fn: Callable, forward_only: 
 
     def forward_step(data_iterator, stage_model):
         packed = next(data_iterator)
+        if routers is not None:
+            routers.begin(packed.real)
         hidden = stage_forward(unwrap_model(stage_model), packed.ids, packed.positions, packed.boundaries)
+        if routers is not None:
+            routers.end()
 
         def reduce(output, non_loss_data: bool = False):
             return reduce_fn(packed, output)
@@ -173,12 +186,13 @@ def _on_every_stage(parts: list[torch.Tensor], micro_batches: list[Packed]) -> t
 
 def forward_backward(model, micro_batches: list[Packed], vocab_size: int, chunk_size: int, temperature: float,
                      step_fn: Callable[[torch.Tensor, ExperienceBatch], tuple[torch.Tensor, dict]],
-                     fill_old_logprobs: bool = False) -> tuple[list[dict], torch.Tensor | None]:
+                     fill_old_logprobs: bool = False, routers: RouterRecorder | None = None
+                     ) -> tuple[list[dict], torch.Tensor | None]:
     """Forward and backward of `step_fn(logprobs [b, R], micro)` -> (scalar, metrics) per micro-batch.
 
     Returns the metrics dicts (on the last pipeline stage; empty on the others) and, with
     `fill_old_logprobs`, the old log-probs and entropy the micro-batches were given, [2, sum of b, R]
-    float32 on every rank (else None).
+    float32 on every rank (else None). `routers`: a mixture of experts' recorder (moe.py).
     """
     filled = []
 
@@ -193,5 +207,5 @@ def forward_backward(model, micro_batches: list[Packed], vocab_size: int, chunk_
         value, metrics = step_fn(lp, micro)
         return value, torch.ones((), dtype=torch.int, device=value.device), metrics
 
-    outputs = _run(model, micro_batches, reduce_fn, forward_only=False)
+    outputs = _run(model, micro_batches, reduce_fn, forward_only=False, routers=routers)
     return outputs, _on_every_stage(filled, micro_batches) if fill_old_logprobs else None

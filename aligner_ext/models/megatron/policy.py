@@ -63,6 +63,7 @@ from aligner_ext.models.megatron.forward import (
 )
 from aligner_ext.models.megatron.decoder import MegatronGenerationModel
 from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
+from aligner_ext.models.megatron.moe import RouterRecorder
 from aligner_ext.models.megatron.optimizer import apply_settings, build_optimizer, clipped_step, set_lr, wrap_ddp
 from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
 from aligner_ext.models.megatron.weights import refit_hf_model
@@ -103,6 +104,10 @@ class MegatronPolicy(Policy):
         self.base_path = str(model.name_or_path)  # what LoRA checkpoints point at
         self.generation: MegatronGenerationModel | None = None  # the rollout engine's model, once asked for
         self.core = self._core_from_hf()
+        experts = self.core.config.architecture.experts
+        # a mixture of experts' training forwards report what its routers did (moe.py)
+        self.routers = RouterRecorder(self.core, self.hf_config.num_hidden_layers, experts.count,
+                                      experts.top_k) if experts else None
         self.adapters = lora.attach(self.core, cfg.lora) if cfg.lora.rank > 0 else []
         self.ddp = wrap_ddp(self.core, cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, cfg.use_distributed_optimizer)
@@ -275,12 +280,16 @@ class MegatronPolicy(Policy):
         self.optimizer.zero_grad()
         fill = mini.old_logprobs is None
         outputs, filled = forward_backward(self.ddp, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
-                                           temperature, lambda logprobs, micro: loss(logprobs, micro, counts), fill)
+                                           temperature, lambda logprobs, micro: loss(logprobs, micro, counts), fill,
+                                           self.routers)
         if fill:
             mini.old_logprobs, mini.entropy = self._gather_rows(filled, order, per_rank, mini)
         before = self._weights_norm()
         grad_norm = clipped_step(self.optimizer, self.cfg.optim.grad_clip, self.guard.admit)
-        return self._reduce_metrics(outputs), grad_norm, (before, self._weights_norm())
+        metrics = self._reduce_metrics(outputs)
+        if self.routers is not None:
+            metrics.update(self.routers.take())
+        return metrics, grad_norm, (before, self._weights_norm())
 
     def _weights_norm(self) -> float:
         """The weights' L2 norm over the model-parallel ranks' shards (a parameter that TP replicates
