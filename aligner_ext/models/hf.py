@@ -249,7 +249,9 @@ class HFPolicy(Policy):
         if fill:
             filled_lp = torch.zeros(mini.response_ids.shape, dtype=torch.float32)
             filled_ent = torch.zeros_like(filled_lp)
-        real_tokens = float(mini.attention_mask.sum()) if self.moe else 0.0  # the routers' statistics' weights
+        real_tokens = float(mini.attention_mask.sum()) if self.moe else 0.0  # the load-balancing loss's weights
+        tally = (moe.RouterTally(self.model.config.num_hidden_layers, moe.experts(self.model.config),
+                                 self.model.config.num_experts_per_tok, self.model.device) if self.moe else None)
         for rows in micro_batch_rows(mini, self.cfg):
             micro = mini.select(rows).to(self.model.device)
             routers = [] if self.moe else None
@@ -262,7 +264,7 @@ class HFPolicy(Policy):
                 filled_ent[rows] = micro.entropy.float().cpu()
             value, micro_metrics = loss(logprobs, micro, counts)
             if routers:
-                value = value + self._router_terms(routers[0], float(micro.attention_mask.sum()) / real_tokens,
+                value = value + self._router_terms(routers[0], tally, float(micro.attention_mask.sum()) / real_tokens,
                                                    metrics)
             value.backward()
             total_loss += value.detach()
@@ -270,6 +272,8 @@ class HFPolicy(Policy):
                 metrics[key] += float(number)
         if fill:
             mini.old_logprobs, mini.entropy = filled_lp, filled_ent
+        if tally is not None:
+            metrics.update(tally.metrics())
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, clip))
         if not self.guard.admit(grad_norm, float(total_loss)):
@@ -279,13 +283,13 @@ class HFPolicy(Policy):
         self.optimizer.step()
         return metrics, grad_norm, (before, weights_norm(self.trainable))
 
-    def _router_terms(self, router: tuple, share: float, metrics: dict[str, float]) -> torch.Tensor | float:
-        """A micro-batch's router statistics into `metrics`, weighted by its `share` of the mini-batch's
-        real tokens, and its part of the load-balancing loss (0 when the coefficient is 0)."""
+    def _router_terms(self, router: tuple, tally: "moe.RouterTally", share: float,
+                      metrics: dict[str, float]) -> torch.Tensor | float:
+        """A micro-batch's router logits into the update's `tally`, and its part of the load-balancing
+        loss, weighted by its `share` of the mini-batch's real tokens (0 when the coefficient is 0)."""
         logits, real = router
-        for key, value in moe.router_statistics(logits, real.flatten().bool(),
-                                                self.model.config.num_experts_per_tok).items():
-            metrics[key] += value * share
+        for layer, layer_logits in enumerate(logits):
+            tally.add(layer, layer_logits, real.flatten().bool())
         coefficient = self.cfg.router_aux_loss_coef
         if coefficient == 0:
             return 0.0

@@ -3,7 +3,7 @@ their load-balancing loss as an option (docs/models.md, "Mixtures of experts").
 
 transformers returns each MoE layer's router logits [tokens, experts] when the forward is asked for
 them (`output_router_logits=True`); the training forward asks whenever the policy is a mixture of
-experts (`is_moe`). From them, over the real tokens of a micro-batch (pads excluded):
+experts (`is_moe`). From them, over the real tokens of the mini-batch (pads excluded; `RouterTally`):
 - the expert load of each layer: the share of the top-k choices each expert took; the metric is the
   largest share times the number of experts (1.0 when every expert gets the same share; at most
   experts / k, when k experts take everything);
@@ -38,28 +38,48 @@ def check_aux_loss(config, coefficient: float) -> None:
                           "router; the load-balancing loss is for mixture-of-experts models")
 
 
-def router_statistics(router_logits: tuple[torch.Tensor, ...], real: torch.Tensor, top_k: int) -> dict[str, float]:
-    """Per layer and averaged over the layers: the largest expert load relative to an even one, and
-    the router's mean entropy, over the tokens where `real` [tokens] is True."""
-    loads, entropies = [], []
-    for logits in router_logits:
+class RouterTally:
+    """What the routers did over the real tokens added so far, per layer: the top-k choices each
+    expert took, the summed entropy of the router's softmax and the token count, on the logits'
+    device (no host sync until `metrics`). Both backends report from it (models/megatron/moe.py sums
+    its totals over the ranks first), so their metrics pool the same tokens the same way."""
+
+    def __init__(self, layers: int, experts: int, top_k: int, device: torch.device):
+        self.top_k = top_k
+        self.counts = torch.zeros(layers, experts, dtype=torch.float64, device=device)
+        self.entropy = torch.zeros(layers, dtype=torch.float64, device=device)
+        self.tokens = torch.zeros(layers, dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def add(self, layer: int, logits: torch.Tensor, real: torch.Tensor) -> None:
+        """Layer `layer`'s router logits [tokens, experts] at the tokens where `real` [tokens] is True."""
         logits = logits.detach().float()[real.to(logits.device)]
         log_probs = torch.log_softmax(logits, dim=-1)
-        entropies.append(-(log_probs.exp() * log_probs).sum(-1).mean())
-        choices = logits.topk(top_k, dim=-1).indices.flatten()
-        shares = torch.bincount(choices, minlength=logits.shape[-1]).float() / max(choices.numel(), 1)
-        loads.append(shares.max() * logits.shape[-1])
-    return layer_metrics(torch.stack(loads).tolist(), torch.stack(entropies).tolist())  # one device sync
+        self.entropy[layer] += -(log_probs.exp() * log_probs).sum()
+        choices = logits.topk(self.top_k, dim=-1).indices.flatten()
+        self.counts[layer] += torch.bincount(choices, minlength=logits.shape[-1]).double()
+        self.tokens[layer] += logits.shape[0]
 
+    def totals(self) -> torch.Tensor:
+        """Everything tallied as one flat tensor (to sum over ranks in place: it is a copy)."""
+        return torch.cat([self.counts.flatten(), self.entropy, self.tokens])
 
-def layer_metrics(loads: list[float], entropies: list[float]) -> dict[str, float]:
-    """The metrics of per-layer expert loads and router entropies, and their means over the layers (both
-    backends report these)."""
-    stats = {f"moe/load_max/layer_{layer}": load for layer, load in enumerate(loads)}
-    stats.update({f"moe/router_entropy/layer_{layer}": entropy for layer, entropy in enumerate(entropies)})
-    stats["moe/load_max"] = sum(loads) / len(loads)
-    stats["moe/router_entropy"] = sum(entropies) / len(entropies)
-    return stats
+    def metrics(self, totals: torch.Tensor | None = None) -> dict[str, float]:
+        """Per layer and averaged over the layers: the largest expert load relative to an even one and
+        the router's mean entropy, from `totals` (default: this tally's own); then reset."""
+        totals = self.totals() if totals is None else totals
+        layers, experts = self.counts.shape
+        counts = totals[:layers * experts].view(layers, experts)
+        entropy, tokens = totals[layers * experts:].split(layers)
+        loads = (counts.max(dim=1).values / counts.sum(dim=1).clamp(min=1) * experts).tolist()
+        entropies = (entropy / tokens.clamp(min=1)).tolist()
+        for tensor in (self.counts, self.entropy, self.tokens):
+            tensor.zero_()
+        stats = {f"moe/load_max/layer_{layer}": load for layer, load in enumerate(loads)}
+        stats.update({f"moe/router_entropy/layer_{layer}": value for layer, value in enumerate(entropies)})
+        stats["moe/load_max"] = sum(loads) / len(loads)
+        stats["moe/router_entropy"] = sum(entropies) / len(entropies)
+        return stats
 
 
 def load_balancing_loss(model, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None

@@ -5,10 +5,10 @@ means), pooled over the real tokens of the whole mini-batch.
 
 `RouterRecorder` wraps each megatron-core router's `gating` (the router logits [s, b, experts] of its
 layer) and, while a micro-batch's forward runs (`begin` / `end`, called by forward.py around the
-stage's forward), adds up per layer the top-k choices per expert, the summed entropy and the token
-count over that micro-batch's real tokens (`Packed.real`; pads and filler rows excluded). A layer
+stage's forward), adds them into the HF backend's `RouterTally` over that micro-batch's real tokens
+(`Packed.real`; pads and filler rows excluded). A layer
 recomputed in the backward (`policy.recompute_activations`) runs its router again outside any
-micro-batch's forward, and is not counted twice. `take` sums the counts over every rank (DP ranks
+micro-batch's forward, and is not counted twice. `take` sums the tally over every rank (DP ranks
 hold other rows, TP ranks other sequence shards under sequence parallelism, PP stages other layers),
 so every rank returns the same metrics.
 """
@@ -20,18 +20,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 
-from aligner_ext.models.moe import layer_metrics
+from aligner_ext.models.moe import RouterTally
 
 
 class RouterRecorder:
     """The expert loads and router entropies of the micro-batches' forwards (module docstring)."""
 
     def __init__(self, core: torch.nn.Module, num_layers: int, experts: int, top_k: int):
-        self.top_k = top_k
-        device = next(core.parameters()).device
-        self.counts = torch.zeros(num_layers, experts, dtype=torch.float64, device=device)  # top-k choices per expert
-        self.entropy = torch.zeros(num_layers, dtype=torch.float64, device=device)  # summed over tokens
-        self.tokens = torch.zeros(num_layers, dtype=torch.float64, device=device)
+        self.tally = RouterTally(num_layers, experts, top_k, next(core.parameters()).device)
         self.real: torch.Tensor | None = None  # this micro-batch's real tokens in the routers' order, during its forward
         for router in (module for module in core.modules() if isinstance(module, TopKRouter)):
             router.gating = self._recorded(router.gating, router.layer_number - 1)
@@ -40,19 +36,10 @@ class RouterRecorder:
         def recorded(hidden: torch.Tensor) -> torch.Tensor:
             logits = gating(hidden)
             if self.real is not None:
-                self._add(layer, logits.detach())
+                self.tally.add(layer, logits.reshape(-1, logits.shape[-1]), self.real)
             return logits
 
         return recorded
-
-    @torch.no_grad()
-    def _add(self, layer: int, logits: torch.Tensor) -> None:
-        logits = logits.reshape(-1, logits.shape[-1]).float()[self.real]
-        log_probs = torch.log_softmax(logits, dim=-1)
-        self.entropy[layer] += -(log_probs.exp() * log_probs).sum()
-        choices = logits.topk(self.top_k, dim=-1).indices.flatten()
-        self.counts[layer] += torch.bincount(choices, minlength=logits.shape[-1]).double()
-        self.tokens[layer] += logits.shape[0]
 
     def begin(self, real: torch.Tensor) -> None:
         """A micro-batch's forward starts; `real` [b, s] marks its real tokens (the whole sequence, as
@@ -69,13 +56,6 @@ class RouterRecorder:
 
     def take(self) -> dict[str, float]:
         """The metrics of everything recorded since the last call, the same on every rank; then reset."""
-        totals = torch.cat([self.counts.flatten(), self.entropy, self.tokens])
+        totals = self.tally.totals()
         dist.all_reduce(totals)
-        layers, experts = self.counts.shape
-        counts = totals[:layers * experts].view(layers, experts)
-        entropy, tokens = totals[layers * experts:].split(layers)
-        loads = (counts.max(dim=1).values / counts.sum(dim=1).clamp(min=1) * experts).tolist()
-        entropies = (entropy / tokens.clamp(min=1)).tolist()
-        for tensor in (self.counts, self.entropy, self.tokens):
-            tensor.zero_()
-        return layer_metrics(loads, entropies)
+        return self.tally.metrics(totals)

@@ -66,8 +66,10 @@ def expected_statistics(model, batch) -> tuple[list[float], list[float], torch.T
     return loads, entropies, EXPERTS * (f * probs.mean(0)).sum()
 
 
-def train_once(model, batch, coefficient: float, packed: bool = False) -> tuple[dict, list[torch.Tensor]]:
+def train_once(model, batch, coefficient: float, packed: bool = False,
+               micro_batch_size: int = 8) -> tuple[dict, list[torch.Tensor]]:
     cfg = PolicyConfig(device="cpu", dtype="float32", router_aux_loss_coef=coefficient,
+                       micro_batch_size=micro_batch_size,
                        micro_batch_tokens=64 if packed else 0,  # packed: every row end to end in one
                        optim=OptimConfig(grad_clip=0))  # the gradients as computed, unclipped
     policy = HFPolicy(copy.deepcopy(model), cfg, total_steps=10)
@@ -77,13 +79,15 @@ def train_once(model, batch, coefficient: float, packed: bool = False) -> tuple[
     return metrics, [layer.mlp.gate.weight.grad.clone() for layer in policy.model.model.layers]
 
 
-@pytest.mark.parametrize("kind, packed", [("qwen3_moe", False), ("qwen2_moe", False), ("qwen3_moe", True)])
-def test_expert_load_and_router_entropy_are_in_the_metrics_over_real_tokens(kind, packed):
+# rows=1: a micro-batch per row, pooled into the mini-batch's statistics (not a mean of micro-batch maxima)
+@pytest.mark.parametrize("kind, packed, rows", [("qwen3_moe", False, 8), ("qwen2_moe", False, 8),
+                                                ("qwen3_moe", True, 8), ("qwen3_moe", False, 1)])
+def test_expert_load_and_router_entropy_are_in_the_metrics_over_real_tokens(kind, packed, rows):
     model = moe_model(kind)
     batch = ragged_batch(SIZES["vocab_size"])
     batch.advantages = batch.response_mask.double()
     loads, entropies, _ = expected_statistics(model, batch)
-    metrics, _ = train_once(model, batch, 0.0, packed)
+    metrics, _ = train_once(model, batch, 0.0, packed, micro_batch_size=rows)
     for layer in range(2):
         assert metrics[f"moe/load_max/layer_{layer}"] == pytest.approx(loads[layer], rel=1e-5)
         assert metrics[f"moe/router_entropy/layer_{layer}"] == pytest.approx(entropies[layer], rel=1e-5)
