@@ -5,8 +5,9 @@ A LoRA layer computes `x W^T + b + (x A^T) B^T * alpha / r` with the frozen base
 and the trained A [r, in], B [out, r]. `add_low_rank` is that second term, op for op as the policy's
 LoRA layers compute it (`models/lora.py`: A and B kept in float32 and cast to the activations' dtype
 for the products, so a bf16 model's adapter products run on tensor cores and no float32 copy of the
-activations is made), so the engine's log-probs equal the training forward's. Merging (`merged_state`) writes W + B A * alpha / r into new tensors,
-never into W: the frozen base keeps its exact values, and switching the adapters off gives it back.
+activations is made), so the engine's log-probs equal the training forward's. Merging
+(`merged_state`) writes W + B A * alpha / r into new tensors, never into W: the frozen base keeps
+its exact values, and switching the adapters off gives it back.
 
 Kept out of `models/` so that the generation engines, which never import the policy backends, can
 read the adapters too.

@@ -216,3 +216,10 @@ def test_the_megatron_backend_splits_expert_widths_over_tensor_parallelism(tmp_p
     message = refusal(tmp_path, Qwen3MoeConfig(**{**MOE, "moe_intermediate_size": 33}),
                       MEGATRON + ["policy.tensor_model_parallel_size=2", "policy.sequence_parallel=true"])
     assert "policy.tensor_model_parallel_size=2 does not divide moe_intermediate_size=33" in message
+
+
+def test_lora_on_a_mixture_of_experts_on_the_megatron_backend_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    message = refusal(tmp_path, Qwen3MoeConfig(**MOE), MEGATRON + ["policy.lora.rank=8"])
+    assert message == ("Qwen3-MoE (qwen3_moe): policy.lora.rank=8: the Megatron backend's adapters do not cover "
+                       "mixture-of-experts layers yet; policy.backend=hf runs it")

@@ -1,6 +1,7 @@
-"""A megatron-core GPTModel built from an HF config of any dense family `aligner_ext/architecture.py`
+"""A megatron-core GPTModel built from an HF config of any family `aligner_ext/architecture.py`
 describes (Llama 2/3 with any RoPE scaling, Mistral, Ministral, Qwen2/2.5, Qwen3, Phi-3/Phi-4-mini,
-OLMo 2/3, SmolLM3, Gemma 3 text), and its forward pass to the final hidden states.
+OLMo 2/3, SmolLM3, Gemma 3 text; the mixtures of experts Qwen3-MoE and Qwen2-MoE on megatron-core's
+MoE layer, `moe_options`), and its forward pass to the final hidden states.
 
 Architecture mapping: `architecture(hf_config)` names the family's pieces and refuses, in one line,
 what no piece covers (MLP or output biases, logit soft-capping, another activation or model type),
