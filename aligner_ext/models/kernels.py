@@ -2,8 +2,8 @@
 torch.compile.
 
 `liger`: Liger-Kernel's Triton RMSNorm, SwiGLU MLP and rotary embedding patched into the model
-instance (extra `liger`; a CUDA device; every family of `LIGER_PATCHES`, GeGLU for Gemma 3, transformers'
-own RoPE kept where the rotary is partial). Its fused linear
+instance (extra `liger`; a CUDA device; every family of `LIGER_PATCHES`, GeGLU for Gemma 3, OLMo's
+q/k norms over the whole projection too; where the rotary is partial, transformers' own RoPE compiled). Its fused linear
 cross-entropy is left off: the policy computes log-probs from hidden states itself
 (models/logprobs.py, chunked), so the model's own head forward never runs in training. Measured
 (docs/benchmarks.md) faster at 358M and 1.5B with less memory, so `auto` (the default) takes it
@@ -66,6 +66,31 @@ def patch_with_liger(model) -> None:
     full_rotary = pieces.rotary_dim == pieces.head_dim
     getattr(liger, f"apply_liger_kernel_to_{model_type}")(model=model, rope=full_rotary, rms_norm=True, **gated_mlp,
                                                           cross_entropy=False, fused_linear_cross_entropy=False)
+    if not full_rotary:
+        compile_partial_rotary(model_type)
+    if pieces.qk_norm == "projection":
+        patch_projection_qk_norms(model)
+
+
+def compile_partial_rotary(model_type: str) -> None:
+    """transformers' own `apply_rotary_pos_emb` of the family, compiled (as Liger patches the module's
+    function with its kernel for whole heads). Eager, a partial rotary's slices, rotate_half and two
+    concatenations per layer were 13% of Phi-4-mini's training device time at 1B (docs/benchmarks.md)."""
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    original = getattr(modeling.apply_rotary_pos_emb, "_torchdynamo_orig_callable", modeling.apply_rotary_pos_emb)
+    modeling.apply_rotary_pos_emb = torch.compile(original, dynamic=True)
+
+
+def patch_projection_qk_norms(model) -> None:
+    """Liger's RMSNorm on OLMo's q/k norms over the whole projection, which its OLMo patches leave as
+    transformers' eager float32 module (14% of OLMo 2's training device time at 1B in elementwise
+    kernels, docs/benchmarks.md). Casting mode `gemma` with offset 0 is OLMo's formula: the weight
+    multiplies in float32 before the cast (`architecture.rms_norm`, `float32_scale`)."""
+    from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module  # keeps the module's Parameter
+
+    for layer in model.get_decoder().layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            _patch_rms_norm_module(norm, offset=0.0, casting_mode="gemma", in_place=False)
 
 
 def start_compile_workers() -> None:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE))
 
 from common import steps_line  # noqa: E402
 from grpo_step import measure_hardware, run_worker  # noqa: E402
-from grpo_step_lib import PhaseClock, Preset, model_counts, write_json, write_workspace  # noqa: E402
+from grpo_step_lib import PhaseClock, Preset, model_counts, profiled_step, write_json, write_workspace  # noqa: E402
 
 SIZES = {
     "gpu": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -129,6 +129,13 @@ def grpo_step(preset: Preset, workspace: Path, args) -> dict:
             record["generated_tokens"] = sum(call["tokens"] for call in ledger.take())
             steps.append(record)
             print(f"[{preset.name}] GRPO step {step}: {record['step_s']:.2f} s", flush=True)
+        if args.torch_profile:
+            def step() -> None:
+                batch, _ = parts.maker.make_experience(parts.train_loader, args.warmup + args.steps)
+                if len(batch):
+                    update_policy(parts, batch, StageTimer(), cfg.rollout.temperature)
+
+            profiled_step(clock, args.torch_profile, step, args.out / f"{preset.name}.torch_profile.txt")
     finally:
         parts.rewards.close()
     return {"steps": steps[args.warmup:]}
@@ -228,7 +235,8 @@ def worker(args) -> None:
     torch.manual_seed(0)
     with torch.device(device):  # random initialisation on the GPU: minutes on the host at 1B
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    rows = preset.prompts * (args.warmup + args.steps)  # distinct prompts every step (the loader would cycle)
+    profiled = 1 if args.torch_profile else 0
+    rows = preset.prompts * (args.warmup + args.steps + profiled)  # distinct prompts every step (the loader would cycle)
     write_workspace(preset, rows, workspace, model_and_tokenizer=(model, build_word_tokenizer(config.vocab_size)))
     del model
 
@@ -250,7 +258,7 @@ def worker(args) -> None:
 
     result["grpo"] = attempt(lambda: grpo_step(preset, workspace, args))
     write_json(args.out / f"{name}.json", result)
-    result["megatron"] = attempt(megatron)
+    result["megatron"] = attempt(megatron) if args.megatron_steps else {"failed": "not run (--megatron-steps 0)"}
     write_json(args.out / f"{name}.json", result)
 
 
@@ -371,7 +379,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured GRPO steps first (compilation, graphs)")
     parser.add_argument("--steps", type=int, default=3, help="measured GRPO steps")
     parser.add_argument("--megatron-warmup", type=int, default=2, help="untimed Megatron train calls first")
-    parser.add_argument("--megatron-steps", type=int, default=6, help="timed Megatron train calls")
+    parser.add_argument("--megatron-steps", type=int, default=6, help="timed Megatron train calls (0: none, the "
+                        "Megatron part skipped)")
+    parser.add_argument("--torch-profile", default="", help="phases (comma-separated, e.g. train) of one more GRPO step "
+                        "per family under torch.profiler: where their device time went, in <out>/<family>.torch_profile.txt")
     driver_arguments(parser, timeout=600)
     args = parser.parse_args(argv)
     hardware = driver_setup(args, "families")
@@ -382,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
               "workload": WORKLOADS["tiny" if args.tiny else "gpu"], "sizes": SIZES["tiny" if args.tiny else "gpu"],
               "command": " ".join(sys.argv[1:] if argv is None else argv), "families": {}}
     common = ["--out", str(args.out), "--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr),
-              "--megatron-warmup", str(args.megatron_warmup), "--megatron-steps", str(args.megatron_steps)]
+              "--megatron-warmup", str(args.megatron_warmup), "--megatron-steps", str(args.megatron_steps),
+              "--torch-profile", args.torch_profile]
     for name in [family for family in args.families.split(",") if family]:
         command = [sys.executable, __file__, "--worker", name, *common, *(["--tiny"] if args.tiny else [])]
         left = min(args.timeout, args.budget - (time.perf_counter() - started))

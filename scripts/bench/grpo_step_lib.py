@@ -328,6 +328,18 @@ def kernel_summary(session, top: int = 25, ranges: str | None = None) -> dict:
     return summary
 
 
+def profiled_step(clock: PhaseClock, phases: str, step, path: Path) -> dict:
+    """One more step (`step()`, not a measured one) with each phase of `phases` (comma-separated) under
+    torch.profiler: where their device time went, in `path`; the step's record."""
+    clock.profiling = set(phases.split(","))
+    step()
+    record = clock.take_step()
+    path.write_text("\n\n".join(
+        render_summary(f"{phase} (call {index}, {record['phases_s'].get(phase, 0.0):.3f} s of wall time in the step)",
+                       summary) for phase, calls in clock.profiles.items() for index, summary in enumerate(calls)) + "\n")
+    return record
+
+
 def render_summary(title: str, summary: dict) -> str:
     """A `kernel_summary` as text: kinds, then the top kernels, with their shares of the busy time."""
     busy = summary["busy_s"] or 1.0

@@ -20,7 +20,7 @@ import pstats  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from grpo_step_lib import DATA_SOURCE, PhaseClock, Preset, render_summary, write_json  # noqa: E402
+from grpo_step_lib import DATA_SOURCE, PhaseClock, Preset, profiled_step, write_json  # noqa: E402
 
 VARIANT_OVERRIDES = {  # what each variant overlay needs beyond the shared workload
     "none": [],
@@ -186,14 +186,12 @@ def main() -> None:
                                      "forward_passes_per_step": forward_passes},
     })
     if args.torch_profile:  # one more step, not a measured one (written above): each phase under torch.profiler
-        clock.profiling = set(args.torch_profile.split(","))
-        batch, _ = parts.maker.make_experience(parts.train_loader, args.warmup + args.steps)
-        if len(batch):
-            update_policy(parts, batch, StageTimer(), cfg.rollout.temperature)
-        record = clock.take_step()
-        args.out.with_suffix(".torch_profile.txt").write_text("\n\n".join(
-            render_summary(f"{phase} (call {index}, {record['phases_s'].get(phase, 0.0):.3f} s of wall time in the step)",
-                           summary) for phase, calls in clock.profiles.items() for index, summary in enumerate(calls)) + "\n")
+        def step() -> None:
+            batch, _ = parts.maker.make_experience(parts.train_loader, args.warmup + args.steps)
+            if len(batch):
+                update_policy(parts, batch, StageTimer(), cfg.rollout.temperature)
+
+        record = profiled_step(clock, args.torch_profile, step, args.out.with_suffix(".torch_profile.txt"))
         print(f"[ours {args.engine} {args.variant}] profiled step: {record['step_s']:.2f} s", flush=True)
     parts.rewards.close()
 

@@ -15,7 +15,9 @@ One call runs, each in its own process and one after another (the device otherwi
      log-probs of the probe (grpo_step.py's reference worker, on this model);
   2. ours: grpo_step_ours.py with the rollout engine and `policy.lora.rank=32 policy.lora.alpha=64` on
      every attention and MLP projection (the default `target_modules`);
-  3. TRL: grpo_step_trl.py in its fastest mode without vLLM ("fast": bf16 weights, no gradient
+  3. ours_megatron (when named in --systems): the same on the Megatron backend with its distributed
+     optimizer, packed under one HF micro-batch's tokens;
+  4. TRL: grpo_step_trl.py in its fastest mode without vLLM ("fast": bf16 weights, no gradient
      checkpointing) with `peft_config=LoraConfig(r=32, lora_alpha=64, target_modules="all-linear")`,
      which GRPOTrainer takes as its constructor argument (passed here; the worker is otherwise the
      GRPO benchmark's);
@@ -57,6 +59,9 @@ from grpo_step import (  # noqa: E402
 from grpo_step_lib import Preset, build_word_tokenizer, write_json, write_workspace  # noqa: E402
 
 RANK, ALPHA = 32, 64
+# ours_megatron: the same step on the Megatron backend with its distributed optimizer, sequences packed
+# under a budget of one HF micro-batch's tokens (settings added to ours')
+MEGATRON = ["policy.backend=megatron", "policy.use_distributed_optimizer=true"]
 LLAMA_8B = Preset("llama3_8b_lora", "words", 4096, 32, 32, 8, 14336, 128256, prompts=32, n=8, prompt_length=256,
                   response_length=1024, micro_batch=2, device="cuda", variant_steps=0)
 TINY = replace(LLAMA_8B, name="tiny_lora", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness")
     parser.add_argument("--systems", default="ours,trl_fast",
-                        help="comma-separated, from ours, prev:ours, trl_fast; a system left out whose result is in --out from "
+                        help="comma-separated, from ours, ours_megatron, prev:ours, trl_fast; a system left out whose result is in --out from "
                              "an earlier call (on the same workspace) is reported from it, so two calls can split one run")
     parser.add_argument("--prev", type=prev_tree, default=None,
                         help="an earlier commit or its tree: the system prev:ours runs with its library (before / after)")
@@ -151,15 +156,19 @@ def main(argv: list[str] | None = None) -> None:
     def ours_command(system: str) -> list[str]:
         stem = system.replace(":", "_")  # file names without the colon
         profile = ["--torch-profile", args.torch_profile] if args.torch_profile and system == "ours" else []
+        backend = [*MEGATRON, f"policy.micro_batch_tokens={preset.micro_batch * (preset.prompt_length + preset.response_length)}"] \
+            if system == "ours_megatron" else []
+        settings = [f"policy.lora.rank={RANK}", f"policy.lora.alpha={ALPHA}", *backend]
         return [sys.executable, str(HERE / "grpo_step_ours.py"), "--workspace", str(args.out / "work"),
                 "--out", str(args.out / f"{stem}.json"), "--engine", "rollout", "--system", system, *common,
-                "--set", f"policy.lora.rank={RANK}", "--set", f"policy.lora.alpha={ALPHA}", *profile]
+                *[arg for setting in settings for arg in ("--set", setting)], *profile]
 
     results, failures = {}, {}
     selected = args.systems.split(",")
     if PREV_PREFIX + "ours" in selected and args.prev is None:
         sys.exit("prev:ours: name the earlier tree with --prev")
-    workers = (("ours", ours_command("ours"), ROOT), (PREV_PREFIX + "ours", ours_command(PREV_PREFIX + "ours"), args.prev),
+    workers = (("ours", ours_command("ours"), ROOT), ("ours_megatron", ours_command("ours_megatron"), ROOT),
+               (PREV_PREFIX + "ours", ours_command(PREV_PREFIX + "ours"), args.prev),
                ("trl_fast", [*itself, "--trl-worker"], ROOT))
     for name, command, root in workers:
         stem = name.replace(":", "_")

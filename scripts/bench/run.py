@@ -128,10 +128,20 @@ def headline(result: dict) -> list[tuple[str, str]]:
     return []
 
 
+def result_files() -> list[Path]:
+    """docs/bench_results/*.json in the order they were measured: by their leading number (10 after 9;
+    a name without one first), then by name."""
+    def order(path: Path) -> tuple[int, str]:
+        number = path.name.split("_", 1)[0]
+        return int(number) if number.isdigit() else 0, path.name
+
+    return sorted(RESULTS.glob("*.json"), key=order)
+
+
 def table() -> str:
     """The opening table: a row per measurement of every result.json in docs/bench_results/."""
     lines = ["| measurement | result | date | machine | commit | command |", "| --- " * 6 + "|"]
-    for path in sorted(RESULTS.glob("*.json")):
+    for path in result_files():
         result = json.loads(path.read_text())
         env = result["env"]
         machine = env["gpu"] or env["machine"]
@@ -146,7 +156,7 @@ def families_table() -> str:
     """Each family's latest measurement at ~1B in docs/bench_results/ (a later file replaces an earlier
     one), every rate also as a multiple of Llama's from the same call; under TARGET in bold."""
     latest: dict[str, dict] = {}
-    for path in sorted(RESULTS.glob("*.json")):
+    for path in result_files():
         result = json.loads(path.read_text())
         if result["subcommand"] not in ("families", "megatron"):
             continue

@@ -119,3 +119,22 @@ def test_the_lora_step_on_the_cpu(tmp_path):
     assert report["lora"]["rank"] > 0 and "ours" in report["systems"]
     assert report["systems"]["ours"]["step_s"][0] > 0
     assert report["logprob_check"]["ours"]["relative_l2"] < 1e-5  # B starts at 0: the base model's log-probs
+
+
+def test_the_families_table_takes_each_family_from_the_latest_file_by_its_number(tmp_path, monkeypatch):
+    """File 10 was measured after file 9 (a sort by name would put it first and keep file 9's figures)."""
+    env = {"date": "2026-11-26 01:00 UTC", "machine": "x86_64", "gpu": "NVIDIA H200", "commit": "abc1234",
+           "command": "python scripts/bench/run.py families"}
+
+    def write(name: str, olmo_mfu: float) -> None:
+        family = {"auto_engine": "rollout", "params": 1.2e9, "decode_tokens_per_s": 3e4, "step_s": 1.0,
+                  "decode_bound_share": 0.5, "megatron_train_mfu": 0.4, "peak_gib": {"train": 18.0},
+                  "megatron_peak_gib": 33.0}
+        report = {"families": {"llama3": {**family, "hf_train_mfu": 0.6}, "olmo2": {**family, "hf_train_mfu": olmo_mfu}}}
+        (tmp_path / name).write_text(json.dumps({"subcommand": "families", "env": env, "report": report}))
+
+    write("9_families_before.json", 0.3)
+    write("10_families_after.json", 0.6)
+    monkeypatch.setattr(run, "RESULTS", tmp_path)
+    olmo2 = next(line for line in run.families_table().splitlines() if line.startswith("| olmo2 "))
+    assert "| 60.0% (1.00x) |" in olmo2 and "10_families_after.json" in olmo2 and "9_families" not in olmo2
