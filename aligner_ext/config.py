@@ -51,7 +51,7 @@ class ModelConfig:
 class GeneratorConfig:
     """The engine that samples rollouts."""
 
-    engine: str = plugin("auto", "aligner_ext.generation.base:ENGINES", "auto")  # registered generation engine: hf (transformers' forward, token by token; the reference) | rollout (continuous batching over a KV cache, generation/rollout.py) | remote (OpenAI-compatible generation servers, generation/remote.py) | vllm (colocated in-process vLLM, extra vllm, generation/vllm_colocated.py) | auto (rollout on a GPU with a decoder of a dense family aligner_ext/architecture.py describes, docs/models.md, either backend, where it is measured faster; hf otherwise)
+    engine: str = plugin("auto", "aligner_ext.generation.base:ENGINES", "auto")  # registered generation engine: hf (transformers' forward, token by token; the reference) | rollout (continuous batching over a KV cache, generation/rollout.py) | remote (OpenAI-compatible generation servers, generation/remote.py) | vllm (colocated in-process vLLM, extra vllm, generation/vllm_colocated.py) | auto (rollout on a GPU with a decoder of a family aligner_ext/architecture.py describes, docs/models.md, either backend (mixtures of experts: the HF backend), where it is measured faster; hf otherwise)
     split_across_ranks: bool = True  # under torchrun each process generates a contiguous share of every engine call and the outputs are all-gathered (aligner_ext/generation/sharded.py); false: every process generates everything
     hf: HFEngineConfig = field(default_factory=HFEngineConfig)  # settings of the HF engine
     rollout: RolloutEngineConfig = field(default_factory=RolloutEngineConfig)  # settings of the rollout engine

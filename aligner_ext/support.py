@@ -35,13 +35,14 @@ def family_label(hf_config) -> str:
     return f"{family.name} ({hf_config.model_type})" if family else repr(hf_config.model_type)
 
 
-def rollout_refusal(hf_config) -> str | None:
-    """Why the rollout engine does not run this model (one line naming what does), or None."""
+def rollout_refusal(hf_config, backend: str = "hf") -> str | None:
+    """Why the rollout engine does not run this model on the policy `backend`'s weights (one line naming
+    what does), or None."""
     try:
         architecture(hf_config)
     except UnsupportedModel as err:
         return str(err)
-    reason = unsupported(hf_config)
+    reason = unsupported(hf_config, backend)
     return None if reason is None else f"{family_label(hf_config)}: {reason}; generator.engine=hf runs it"
 
 
@@ -125,10 +126,11 @@ def long_context_warning(hf_config, longest: int) -> str | None:
     return None
 
 
-def check_engine(engine: str, hf_config) -> None:
+def check_engine(engine: str, hf_config, backend: str = "hf") -> None:
     """Refuse (`UnsupportedModel`, one line) a model an explicit `generator.engine=rollout` does not run
-    (`aligner-ext train` and `aligner-ext serve` both ask, before any weight loads)."""
-    reason = rollout_refusal(hf_config) if engine == "rollout" else None
+    on the policy `backend`'s weights (`aligner-ext train` and `aligner-ext serve`, whose model is an HF
+    one, both ask, before any weight loads)."""
+    reason = rollout_refusal(hf_config, backend) if engine == "rollout" else None
     if reason:
         raise UnsupportedModel(reason)
 
@@ -153,7 +155,7 @@ def check_run(cfg, model_dir: Path | str) -> None:
                       f"adapters do not cover mixture-of-experts layers yet; {HF_RUNS_IT}")
         if reason:
             raise UnsupportedModel(reason)
-    check_engine(cfg.generator.engine, hf_config)
+    check_engine(cfg.generator.engine, hf_config, policy.backend)
     warning = long_context_warning(hf_config, cfg.data.max_prompt_length + cfg.rollout.max_response_length)
     if warning and is_main_process():  # every rank reads the same config: one line, not one per rank
         logger.warning(warning)

@@ -5,10 +5,11 @@ subclasses say where the weights come from: `HFDecoder` (here) an HF module's,
 `models/megatron/decoder.MegatronDecoder` a Megatron GPTModel's tensor-parallel shards (with the
 sums over the ranks between the layer functions).
 
-It runs every dense family `aligner_ext/architecture.py` describes (Llama, Mistral, Ministral, Qwen2,
-Qwen3, Phi-3, OLMo 2 / 3, SmolLM3, Gemma 3 text), composed of that module's pieces: the family's
-RMSNorm formula and norm placement (`LayerWeights`' norms by role), per-head or whole-projection
-q/k norms, SwiGLU or GeGLU, Gemma's embedding scale and attention scale, and per layer a RoPE
+It runs every family `aligner_ext/architecture.py` describes (Llama, Mistral, Ministral, Qwen2,
+Qwen3, Phi-3, OLMo 2 / 3, SmolLM3, Gemma 3 text; the mixtures of experts Qwen3-MoE and Qwen2-MoE on
+the HF backend only), composed of that module's pieces: the family's RMSNorm formula and norm
+placement (`LayerWeights`' norms by role), per-head or whole-projection q/k norms, SwiGLU or GeGLU
+or a mixture of SwiGLU experts, Gemma's embedding scale and attention scale, and per layer a RoPE
 table (every scaling type, partial rotary) or none, and a sliding window or none. `HFDecoder`
 computes such a causal LM with these functions over the policy's parameter tensors (referenced,
 never copied: after an optimizer step it computes with the new values); the math is the
@@ -50,6 +51,15 @@ and the norms (`decode_projections`, the sums of squares summed, `decode_written
 first function or before the head, since under tensor parallelism it needs the summed output.
 (Compiling the attention into the same graph, or every layer into one, was measured slower or
 compiled for minutes: docs/benchmarks.md.)
+
+A mixture of experts' MLP (`experts_mlp`) routes as transformers' router does, op for op (the
+trainer's forward takes the same experts), and computes the chosen experts' gated MLPs from the
+stacked expert tensors transformers keeps [E, 2I, h] and [E, h, I]: in bfloat16 by two
+`torch._grouped_mm` products over all experts, the (token, expert) pairs sorted by expert, as
+transformers' `grouped_mm` experts do (so the decode step stays one CUDA graph: no host sync, no shape
+that depends on the routing); in other dtypes, which `_grouped_mm` takes neither under torch.compile
+nor on a GPU without a host sync (float32), nor at all (float64), by a gather of each pair's expert
+weights (`grouped_mm_runs`).
 
 Low-rank adapters (LoRA, `aligner_ext/adapters.py`) run from the policy's own A and B tensors inside
 the same functions: each adapted product is `x W^T + (x A^T) B^T * alpha / r` (`Projection.adapters`,
@@ -137,11 +147,30 @@ def split_adapter(adapter: LowRank | None, sizes: tuple[int, ...]) -> tuple[LowR
     return tuple(LowRank(adapter.a, b, adapter.scale) for b in adapter.b.split(sizes))
 
 
+class ExpertWeights(NamedTuple):
+    """A mixture of experts' tensors (`architecture.Experts`), stacked as transformers keeps them: the
+    router [E, h], every expert's gate rows then up rows [E, 2I, h] and its down projection [E, h, I];
+    how many experts each token takes and whether their weights are renormalised to sum to 1. Qwen2-MoE's
+    shared expert: its gate/up `Projection`, down [h, I] (with LoRA, its adapter) and its gate [1, h],
+    whose sigmoid scales its output; None elsewhere."""
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    top_k: int
+    normalize_top_k: bool
+    shared_gate_up: Projection | None = None
+    shared_down: torch.Tensor | None = None
+    shared_down_adapter: LowRank | None = None
+    shared_gate: torch.Tensor | None = None
+
+
 class LayerWeights(NamedTuple):
     """One decoder layer's parameter tensors (the module's own, or fused buffers its parameters
     view; None where the model has none). Norms by role (`Architecture.norm_names`): a pre-norm layer
     has `input_norm` and `pre_mlp_norm`; OLMo's post-norm layers the norms of the attention's and the
-    MLP's outputs, applied before each residual add; Gemma 3's all four."""
+    MLP's outputs, applied before each residual add; Gemma 3's all four. A mixture of experts' layer
+    has `experts` and no dense MLP (`gate_up` and `down` None)."""
 
     input_norm: torch.Tensor | None
     qkv: Projection
@@ -151,12 +180,13 @@ class LayerWeights(NamedTuple):
     o_bias: torch.Tensor | None
     post_attention_norm: torch.Tensor | None
     pre_mlp_norm: torch.Tensor | None
-    gate_up: Projection
-    down: torch.Tensor
+    gate_up: Projection | None
+    down: torch.Tensor | None
     down_bias: torch.Tensor | None
     post_mlp_norm: torch.Tensor | None
     o_adapter: LowRank | None = None  # LoRA of the attention's output projection
     down_adapter: LowRank | None = None  # of the MLP's down projection
+    experts: ExpertWeights | None = None
 
 
 def fused_buffer(params: list[torch.Tensor]) -> torch.Tensor | None:
@@ -278,8 +308,75 @@ def residual_mlp(hidden: torch.Tensor, projected: torch.Tensor, w: LayerWeights,
     state (`decode_projections`, `Decoder.prefill`, the head): under tensor parallelism it needs the
     sum over the ranks first."""
     hidden = hidden + norm(projected, w.post_attention_norm, shape)
+    if w.experts is not None:
+        return hidden, experts_mlp(norm(hidden, w.pre_mlp_norm, shape), w.experts, shape)
     gate, up = project(norm(hidden, w.pre_mlp_norm, shape), w.gate_up)
     return hidden, linear(activation(shape.activation)(gate) * up, w.down, w.down_bias, w.down_adapter)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int,
+          normalize_top_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts each token of `x` [n, h] takes [n, k] and their weights [n, k], op for op as
+    transformers' routers (Qwen3MoeTopKRouter, Qwen2MoeTopKRouter): logits in the model's dtype,
+    softmax in float32, the top k (renormalised where the model says so), cast back. The trainer's
+    forward takes the same experts, so the engine samples from the model it trains."""
+    logits = F.linear(x, router)
+    top, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+    if normalize_top_k:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype), chosen
+
+
+def grouped_mm_runs(x: torch.Tensor, experts: ExpertWeights) -> bool:
+    """Whether `torch._grouped_mm` computes the experts' products: bfloat16 (its only dtype under
+    torch.compile, and on a GPU its only dtype without a host sync, which a CUDA graph cannot hold;
+    it rejects float64 everywhere) with rows a multiple of 16 bytes (its stride rule)."""
+    return x.dtype == torch.bfloat16 and x.shape[-1] % 8 == 0 and experts.down.shape[-1] % 8 == 0
+
+
+def grouped_expert_outputs(x: torch.Tensor, chosen: torch.Tensor, experts: ExpertWeights,
+                           act: Callable) -> torch.Tensor:
+    """Each token's chosen experts' outputs [n, k, h] by two grouped products over all experts, as
+    transformers' `grouped_mm_experts_forward`: the (token, expert) pairs sorted by expert, the counts
+    by histc (bincount would sync with the host, which a CUDA graph cannot hold), their int32 cumulative
+    sums the groups' ends; nothing shaped by the routing, so the step stays capturable."""
+    tokens, top_k = chosen.shape
+    count = experts.gate_up.shape[0]
+    expert_of_pair, pair = torch.sort(chosen.flatten())
+    # histc counts floats only on the CPU, and under deterministic algorithms integers only on a GPU
+    counts = torch.histc(expert_of_pair.float() if x.device.type == "cpu" else expert_of_pair.int(),
+                         bins=count, min=0, max=count - 1)
+    ends = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(x[pair // top_k], experts.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    outputs = torch._grouped_mm(act(gate) * up, experts.down.transpose(1, 2), offs=ends)
+    return torch.empty_like(outputs).index_copy_(0, pair, outputs).view(tokens, top_k, -1)
+
+
+def gathered_expert_outputs(x: torch.Tensor, chosen: torch.Tensor, experts: ExpertWeights,
+                            act: Callable) -> torch.Tensor:
+    """`grouped_expert_outputs` where `torch._grouped_mm` does not run (`grouped_mm_runs`: float32,
+    float64): each pair's expert weights gathered and multiplied in a batch, [n, k, 2I, h] of weights
+    at once, so for the CPU tests and small float32 models, not for a large model's prefill."""
+    gate, up = (experts.gate_up[chosen] @ x[:, None, :, None]).squeeze(-1).chunk(2, dim=-1)
+    return (experts.down[chosen] @ (act(gate) * up)[..., None]).squeeze(-1)
+
+
+def experts_mlp(x: torch.Tensor, experts: ExpertWeights, shape: Shape) -> torch.Tensor:
+    """A mixture of experts' output for `x` [b, s, h], as transformers' sparse MoE blocks compute it:
+    `route`, each chosen expert's gated MLP, their outputs summed with the routing weights, plus
+    Qwen2-MoE's shared expert times sigmoid of its gate. The products are batched over the experts,
+    never a loop over experts or tokens (`grouped_mm_runs` says which kernel)."""
+    flat = x.reshape(-1, x.shape[-1])
+    act = activation(shape.activation)
+    weights, chosen = route(flat, experts.router, experts.top_k, experts.normalize_top_k)
+    outputs = (grouped_expert_outputs if grouped_mm_runs(flat, experts) else gathered_expert_outputs)(
+        flat, chosen, experts, act)
+    out = (outputs * weights[..., None]).sum(dim=1)
+    if experts.shared_gate is not None:
+        gate, up = project(flat, experts.shared_gate_up)
+        shared = linear(act(gate) * up, experts.shared_down, None, experts.shared_down_adapter)
+        out = out + torch.sigmoid(F.linear(flat, experts.shared_gate)) * shared
+    return out.view(x.shape)
 
 
 def layer_output_parts(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights,
@@ -428,14 +525,16 @@ def decode_inputs_written(hidden: torch.Tensor, mlp: torch.Tensor, mlp_norm: tor
     return hidden, decode_written(q, k, v, squares, w, cos, sin, keys, values, positions, shape)
 
 
-def unsupported(config) -> str | None:
-    """Why the decoder cannot run a model of this HF config (`architecture`'s one line), or None."""
+def unsupported(config, backend: str = "hf") -> str | None:
+    """Why the decoder cannot run a model of this HF config on the policy `backend`'s weights
+    (`architecture`'s one line), or None. The Megatron backend's decoder has no mixture of experts yet."""
     try:
         pieces = architecture(config)
     except UnsupportedModel as error:
         return str(error)
-    if pieces.experts is not None:
-        return "the rollout engine does not run mixtures of experts yet"
+    if pieces.experts is not None and backend == "megatron":
+        return ("the rollout engine runs mixtures of experts on the HF backend only, not on the Megatron "
+                "backend's shards yet")
     return None
 
 
@@ -609,7 +708,7 @@ class HFDecoder(Decoder):
 
     def _check_adapters(self) -> None:
         """Refuse adapters on layers other than the attention and MLP projections (the embedding, the
-        head), which the decode step would silently run without."""
+        head, a shared expert's gate), which the decode step would silently run without."""
         projections = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
                        "gate_up_proj"}
         for name, module in self.model.named_modules():
@@ -629,12 +728,28 @@ class HFDecoder(Decoder):
                                  self._adapters(split_adapter(adapter_of(mlp.gate_up_proj), (half, half))))
         else:
             qkv = self._projection([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up = self._projection([mlp.gate_proj, mlp.up_proj])
+            gate_up = None if self.architecture.experts else self._projection([mlp.gate_proj, mlp.up_proj])
         qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if self.architecture.qk_norm else (None, None)
-        return LayerWeights(
-            norms.get("input"), qkv, *qk_norms, attn.o_proj.weight, attn.o_proj.bias, norms.get("post_attention"),
-            norms.get("pre_mlp"), gate_up, mlp.down_proj.weight, mlp.down_proj.bias, norms.get("post_mlp"),
-            adapter_of(attn.o_proj), adapter_of(mlp.down_proj))
+        attention = (norms.get("input"), qkv, *qk_norms, attn.o_proj.weight, attn.o_proj.bias,
+                     norms.get("post_attention"), norms.get("pre_mlp"))
+        if self.architecture.experts is not None:
+            return LayerWeights(*attention, None, None, None, norms.get("post_mlp"), adapter_of(attn.o_proj),
+                                experts=self._experts(mlp))
+        return LayerWeights(*attention, gate_up, mlp.down_proj.weight, mlp.down_proj.bias, norms.get("post_mlp"),
+                            adapter_of(attn.o_proj), adapter_of(mlp.down_proj))
+
+    def _experts(self, mlp) -> ExpertWeights:
+        """A sparse MoE block's tensors (Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock): the router
+        `gate`, the stacked `experts`, Qwen2-MoE's `shared_expert` (an MLP whose projections may carry
+        adapters) and `shared_expert_gate`."""
+        pieces = self.architecture.experts
+        routed = (mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj, pieces.top_k,
+                  pieces.normalize_top_k)
+        if pieces.shared_ffn_size is None:
+            return ExpertWeights(*routed)
+        shared = mlp.shared_expert
+        return ExpertWeights(*routed, self._projection([shared.gate_proj, shared.up_proj]), shared.down_proj.weight,
+                             adapter_of(shared.down_proj), mlp.shared_expert_gate.weight)
 
     @staticmethod
     def _adapters(adapters: tuple[LowRank | None, ...]) -> tuple[LowRank | None, ...]:

@@ -28,8 +28,8 @@ prefill sharing. Finishing: EOS (unless `ignore_eos`), a stop token id or stop s
 `max_new_tokens` ("length"); EOS and stops are kept, as in the HF engine (hf.py), whose semantics
 this engine follows token for token (tests/unit/generation/test_rollout_engine.py).
 
-Runs every dense family aligner_ext/architecture.py describes (decoder.py: sliding windows, per-layer
-RoPE tables, the families' norms) in the policy's dtype: bf16 on a GPU, float32 on the CPU (no CUDA
+Runs every family aligner_ext/architecture.py describes (decoder.py: sliding windows, per-layer
+RoPE tables, the families' norms; mixtures of experts on the HF backend) in the policy's dtype: bf16 on a GPU, float32 on the CPU (no CUDA
 graphs or compilation there). A slot holds one sequence for its life (no paged blocks): a prompt
 that extends a kept sequence copies its K/V rather than sharing them; a windowed layer's cache keeps
 every position too (only the window is read).

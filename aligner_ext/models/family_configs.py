@@ -34,8 +34,8 @@ LAYOUTS = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                          "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)})),
 }
-# Mixtures of experts (`architecture.Experts`), kept apart from the dense LAYOUTS, which the rollout
-# engine's tests and the family benchmark run (the rollout engine runs no mixture of experts yet).
+# Mixtures of experts (`architecture.Experts`), kept apart from the dense LAYOUTS, which the family
+# benchmark and the dense families' tests run (the rollout engine's: tests/unit/generation/test_rollout_moe.py).
 MOE_LAYOUTS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(  # Qwen3-30B-A3B
         vocab_size=151936, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,

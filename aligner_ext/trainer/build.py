@@ -77,7 +77,7 @@ def generation_engine_name(cfg: RunConfig, model_config, device: torch.device) -
         return cfg.generator.engine
     if device.type != "cuda":
         return "hf"
-    reason = rollout_refusal(model_config)
+    reason = rollout_refusal(model_config, cfg.policy.backend)
     if reason:
         logger.info("generator.engine=auto: the HF engine generates, as the rollout engine does not run this "
                     "model (%s)", reason)

@@ -82,9 +82,9 @@ def check_megatron_step_at_tp2(tmp_path, overrides: list[str]) -> None:
 
 
 def test_a_mixture_of_experts_trains_on_the_hf_backend_and_logs_its_routers(tmp_path):
-    """A Qwen3-MoE checkpoint: one step with the HF engine (`auto`'s choice, on a GPU too: the rollout
-    engine refuses mixtures of experts, tests/unit/models/test_moe.py), the expert load and router
-    entropy per layer in the step's metrics, and the load-balancing loss when its coefficient is set."""
+    """A Qwen3-MoE checkpoint: one step with the rollout engine on transformers' own expert tensors (its
+    log-probs are the trainer's to float32 rounding), the expert load and router entropy per layer in
+    the step's metrics, and the load-balancing loss when its coefficient is set."""
     from transformers import Qwen3MoeConfig
 
     tokenizer = build_char_tokenizer()
@@ -94,10 +94,11 @@ def test_a_mixture_of_experts_trains_on_the_hf_backend_and_logs_its_routers(tmp_
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     random_model(config).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    overrides = [*SMALL_MODEL, *STEP, "generator.engine=auto", f"model.path={tmp_path / 'model'}",
-                 f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "policy.router_aux_loss_coef=0.01"]
+    overrides = [*SMALL_MODEL, *STEP, f"model.path={tmp_path / 'model'}", f"trainer.output_dir={tmp_path}",
+                 "trainer.run_name=run", "policy.router_aux_loss_coef=0.01"]
     train(load_config("base", overrides))
     step = step_records(tmp_path / "run")[1]
+    assert step["rollout/logprob_diff_max"] < 1e-4
     for key in ("moe/load_max/layer_0", "moe/load_max/layer_1", "moe/router_entropy/layer_1", "loss/router_aux"):
         assert key in step, key
     assert 1.0 <= step["moe/load_max"] <= 2.0  # 4 experts, top 2
@@ -107,7 +108,8 @@ def test_a_mixture_of_experts_trains_on_the_hf_backend_and_logs_its_routers(tmp_
 def test_a_mixture_of_experts_trains_on_the_megatron_backend_at_tp2_with_sequence_parallelism(tmp_path):
     """A Qwen2-MoE checkpoint (shared expert, unnormalised top 2) on megatron-core's MoE layers at TP=2
     with sequence parallelism under torchrun, generating with the HF engine from the refitted HF copy
-    (`auto`: the rollout engine runs no mixture of experts): the engine's log-probs are the trainer's."""
+    (`auto`: the rollout engine runs no mixture of experts on the Megatron backend): the engine's log-probs
+    are the trainer's."""
     pytest.importorskip("megatron.core")
     from transformers import Qwen2MoeConfig
 

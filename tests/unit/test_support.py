@@ -5,6 +5,7 @@ RoPE switch."""
 
 import logging
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_the_backends_and_the_engines_own_refusals_are_one_line_naming_what_runs
     message = refusal(tmp_path, family_config("qwen3", **TINY), MEGATRON)
     assert message == ("Qwen3 (qwen3): the Megatron backend does not build it (qwen3: some feature is not built); "
                        "policy.backend=hf runs it")
-    monkeypatch.setattr("aligner_ext.support.unsupported", lambda config: "the rollout engine lacks something")
+    monkeypatch.setattr("aligner_ext.support.unsupported", lambda config, backend: "the rollout engine lacks something")
     message = refusal(tmp_path, family_config("qwen3", **TINY), ROLLOUT)
     assert message == "Qwen3 (qwen3): the rollout engine lacks something; generator.engine=hf runs it"
 
@@ -202,13 +203,24 @@ def test_a_mixture_of_experts_under_tensor_parallelism_needs_sequence_parallelis
               tmp_path)
 
 
-def test_the_rollout_engine_refuses_a_mixture_of_experts_the_megatron_backend_runs(tmp_path, monkeypatch):
+def test_the_rollout_engine_runs_a_mixture_of_experts_on_the_hf_backend_only(tmp_path, monkeypatch):
+    """On the HF backend's modules it runs; on the Megatron backend's shards it refuses in one line, at
+    the run's check and in the Megatron decoder itself, and `auto` generates with the HF engine there."""
     monkeypatch.setenv("WORLD_SIZE", "1")
-    message = refusal(tmp_path, Qwen2MoeConfig(**MOE, shared_expert_intermediate_size=32), ROLLOUT)
-    assert message == ("Qwen2-MoE (qwen2_moe): the rollout engine does not run mixtures of experts yet; "
-                       "generator.engine=hf runs it")
-    pytest.importorskip("megatron.core")
+    config = Qwen2MoeConfig(**MOE, shared_expert_intermediate_size=32)
+    config.save_pretrained(tmp_path)
+    check_run(load_config("base", ROLLOUT), tmp_path)
+    assert generation_engine_name(load_config("base", []), config, torch.device("cuda")) == "rollout"
+    line = ("Qwen2-MoE (qwen2_moe): the rollout engine runs mixtures of experts on the HF backend only, not on the "
+            "Megatron backend's shards yet; generator.engine=hf runs it")
+    assert refusal(tmp_path, config, MEGATRON + ROLLOUT) == line
+    assert generation_engine_name(load_config("base", MEGATRON), config, torch.device("cuda")) == "hf"
     check_run(load_config("base", MEGATRON), tmp_path)  # the Megatron backend with the HF engine runs it
+    from aligner_ext.models.megatron.decoder import MegatronDecoder
+
+    with pytest.raises(UnsupportedModel, match="^qwen2_moe: the rollout engine runs mixtures of experts on the HF "
+                                               "backend only"):
+        MegatronDecoder(SimpleNamespace(config=config))
 
 
 def test_the_megatron_backend_splits_expert_widths_over_tensor_parallelism(tmp_path, monkeypatch):

@@ -50,9 +50,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
-from aligner_ext.architecture import architecture, rms_norm
+from aligner_ext.architecture import UnsupportedModel, architecture, rms_norm
 from aligner_ext.adapters import LowRank
-from aligner_ext.generation.decoder import Decoder, LayerWeights, Projection, Shape, split_adapter
+from aligner_ext.generation.decoder import Decoder, LayerWeights, Projection, Shape, split_adapter, unsupported
 from aligner_ext.models.megatron.lora import SUFFIX, ParallelLoRA
 from aligner_ext.models.megatron.model import output_weight
 
@@ -197,6 +197,9 @@ class MegatronDecoder(Decoder):
     """Prefill and decode over this rank's shards of a GPTModel (module docstring)."""
 
     def __init__(self, model: MegatronGenerationModel, compile: bool = False, attention: str = "auto"):
+        reason = unsupported(model.config, backend="megatron")
+        if reason:  # a mixture of experts: its layers have no linear_fc1 / linear_fc2 to read
+            raise UnsupportedModel(f"{model.config.model_type}: {reason}; generator.engine=hf runs it")
         self.model = model
         config = model.core.config
         self.architecture = architecture(model.config)

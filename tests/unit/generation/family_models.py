@@ -25,3 +25,18 @@ def family_model(name: str, tokenizer):
     config = family_config(family, **SIZES, **overrides, sliding_window=WINDOW, vocab_size=len(tokenizer),
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     return random_model(config)
+
+
+def random_cache_pair(decoder, slots: int = 6, length: int = 40) -> list:
+    """Two KV caches of `decoder` holding the same random values: an eager and a compiled decoder
+    each step on their own copy and must leave them alike."""
+    import torch
+
+    caches = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        cache = decoder.new_cache(slots, length)
+        for tensor in (*cache.keys, *cache.values):
+            tensor.normal_()
+        caches.append(cache)
+    return caches

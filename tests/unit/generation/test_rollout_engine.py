@@ -309,19 +309,13 @@ def test_the_compiled_decode_step_writes_the_cache_and_computes_as_the_eager_one
     logits and the same cache, written in place at each row's position and nowhere else. OLMo 3: the
     post-MLP norm applied in the next layer's function, q/k norms over the whole projection; SmolLM3:
     a layer without RoPE (no tables)."""
-    from family_models import family_model
+    from family_models import family_model, random_cache_pair
 
     from aligner_ext.generation.decoder import HFDecoder
 
     model = small_llama(tiny_tokenizer) if family == "llama" else family_model(family, tiny_tokenizer)
     eager, compiled = HFDecoder(model), HFDecoder(model, compile=True)
-    caches = []
-    for _ in range(2):
-        torch.manual_seed(1)
-        cache = eager.new_cache(6, 40)
-        for tensor in (*cache.keys, *cache.values):
-            tensor.normal_()
-        caches.append(cache)
+    caches = random_cache_pair(eager)
     before = [tensor.clone() for tensor in caches[1].keys]
     with torch.inference_mode():
         for ids, positions, attended in (([5, 6, 7, 8], [3, 7, 10, 2], 16), ([9, 10, 11, 12, 13], [4, 8, 11, 3, 30], 32)):

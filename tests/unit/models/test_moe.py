@@ -115,9 +115,13 @@ def test_a_load_balancing_loss_on_a_dense_model_is_refused(tiny_model):
         HFPolicy(tiny_model, PolicyConfig(device="cpu", router_aux_loss_coef=0.01), total_steps=1)
 
 
-def test_auto_generates_a_mixture_of_experts_with_the_hf_engine_on_a_gpu():
+@pytest.mark.parametrize("backend, engine", [("hf", "rollout"), ("megatron", "hf")])
+def test_auto_generates_a_mixture_of_experts_with_the_rollout_engine_on_the_hf_backend(backend, engine):
+    """On a GPU, `auto` takes the rollout engine where it runs the model: on the HF backend's modules,
+    not on the Megatron backend's shards (tests/unit/test_support.py)."""
     from aligner_ext.config import load_config
     from aligner_ext.trainer.build import generation_engine_name
 
     config = moe_model().config
-    assert generation_engine_name(load_config("base", []), config, torch.device("cuda")) == "hf"
+    cfg = load_config("base", [f"policy.backend={backend}"])
+    assert generation_engine_name(cfg, config, torch.device("cuda")) == engine
