@@ -32,7 +32,9 @@ the same learning rate, constant schedule, KL off, one optimizer update per step
 reward (grpo_step_lib.bench_score) costs next to nothing.
 
 Formulas (stated in the report too), with W = bytes of the matrix weights (body + head, bf16 on the
-GPU, float32 on the CPU), k = K+V bytes per token, B sequences, P prompt and R response tokens:
+GPU, float32 on the CPU; a mixture of experts' body counts each layer's expected distinct experts
+chosen by B tokens, E * (1 - (1 - k/E)^B), in W and its top-k in `body`), k = K+V bytes per token,
+B sequences, P prompt and R response tokens, `hidden` the query heads' width:
   decode bound       sum over t = 1..R of (W + B * (P + t) * k) / copy bandwidth
   share of it        decode bound / measured generation time (= generated tokens/s over the bound's)
   train FLOPs        per sequence 6 * body * (P + R) + 6 * head * R + 12 * L * hidden * (P + R)^2
@@ -190,11 +192,16 @@ def floors(preset: Preset, hardware: dict) -> dict:
     model = hardware["model"]
     word = 2 if preset.device == "cuda" else 4
     sequences, prompt, response = preset.prompts * preset.n, preset.prompt_length, preset.response_length
-    weight_bytes = (model["body_matmul_params"] + model["head_params"]) * word
+    weights = model["body_matmul_params"] + model["head_params"]
+    if "experts" in model:  # a decode step reads every expert one of its tokens chooses, not only top-k
+        experts, top_k = model["experts"], model["top_k"]
+        chosen = experts * (1 - (1 - top_k / experts) ** sequences)  # distinct experts per layer, routing uniform
+        weights += model["layers"] * model["expert_params"] * (chosen - top_k)
+    weight_bytes = weights * word
     kv_bytes = model["kv_values_per_token"] * word
     contexts = response * prompt + response * (response + 1) // 2  # sum of P + t over the R decoding steps
     decode_s = (response * weight_bytes + sequences * kv_bytes * contexts) / hardware["copy_bytes_per_s"]
-    layers_hidden = model["layers"] * model["hidden"]
+    layers_hidden = model["layers"] * model.get("q_width", model["hidden"])  # query heads x head_dim
     length = prompt + response
     train_flops = sequences * (6 * model["body_matmul_params"] * length + 6 * model["head_params"] * response
                                + 12 * layers_hidden * length**2)

@@ -154,18 +154,26 @@ def write_workspace(preset: Preset, rows_needed: int, directory: Path, seed: int
 
 
 def model_counts(config) -> dict:
-    """Parameter and byte counts the floors are computed from."""
+    """Parameter and byte counts the floors are computed from. A mixture of experts' body counts the
+    parameters a token uses (its top-k experts, the router and any shared expert), and `experts`,
+    `top_k`, `expert_params` (one expert's) let the decode bound count the experts a step reads."""
     hidden, layers = config.hidden_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     kv_width = config.num_key_value_heads * head_dim
     q_width = config.num_attention_heads * head_dim
-    per_layer = hidden * (q_width + 2 * kv_width) + q_width * hidden + 3 * hidden * config.intermediate_size
-    return {
-        "layers": layers, "hidden": hidden, "vocab": config.vocab_size, "head_dim": head_dim,
-        "body_matmul_params": layers * per_layer,  # q, k, v, o and the SwiGLU MLP of every layer
-        "head_params": config.vocab_size * hidden,  # the (tied) output projection
-        "kv_values_per_token": 2 * layers * kv_width,  # K and V of every layer
-    }
+    attention = hidden * (q_width + 2 * kv_width) + q_width * hidden
+    counts = {"layers": layers, "hidden": hidden, "vocab": config.vocab_size, "head_dim": head_dim, "q_width": q_width,
+              "head_params": config.vocab_size * hidden,  # the (tied) output projection
+              "kv_values_per_token": 2 * layers * kv_width}  # K and V of every layer
+    experts = getattr(config, "num_experts", None)
+    if not experts:
+        counts["body_matmul_params"] = layers * (attention + 3 * hidden * config.intermediate_size)
+        return counts
+    expert = 3 * hidden * config.moe_intermediate_size
+    shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    active = attention + config.num_experts_per_tok * expert + experts * hidden + (3 * shared + 1) * hidden * bool(shared)
+    return {**counts, "body_matmul_params": layers * active, "experts": experts, "top_k": config.num_experts_per_tok,
+            "expert_params": expert}
 
 
 # ---- the benchmark reward (both systems) ----

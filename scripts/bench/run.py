@@ -45,7 +45,8 @@ SUBCOMMANDS = {
     "sliding-window": ("sliding_window", "sliding_window.json", "windows that bite: agreement with transformers, speed"),
     "logprob-head": ("logprob_head", "logprob_head.json", "the fused log-prob head against the chunked one"),
     "serving": ("serving", "serving.json", "generation through `aligner-ext serve`, and weight pushes"),
-    "lora": ("lora_step", "lora_step.json", "the GRPO step with LoRA at the Llama-3.1-8B shape, ours against TRL"),
+    "lora": ("shape_step", "shape_step.json", "the GRPO step with LoRA at the Llama-3.1-8B shape, ours against TRL"),
+    "moe": ("shape_step", "shape_step.json", "the GRPO step of a mixture of experts scaled to one GPU, ours against TRL"),
 }
 
 
@@ -59,6 +60,8 @@ def run(subcommand: str, argv: list[str]) -> int:
         caches = Path(tempfile.mkdtemp(prefix="bench_caches_"))
         os.environ.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
         argv = ["--variants", "", "--warmup", "1", "--steps", "1", "--profile-first-step", *argv]
+    if module_name == "shape_step":  # one script, a workload per subcommand
+        argv = ["--workload", subcommand, *argv]
     env = environment([subcommand, *argv])
     report = out / report_name
     report.unlink(missing_ok=True)  # an earlier run's report is not this run's result
@@ -77,7 +80,7 @@ def run(subcommand: str, argv: list[str]) -> int:
 def headline(result: dict) -> list[tuple[str, str]]:
     """(measurement, result) rows of one result.json for the opening table."""
     report = result["report"]
-    if result["subcommand"] in ("grpo", "first-step", "lora"):
+    if result["subcommand"] in ("grpo", "first-step", "lora", "moe"):
         preset = report["preset"]
         shape = (f"{preset['name']}: {preset['prompts']} x {preset['n']} sequences, P {preset['prompt_length']} + "
                  f"R {preset['response_length']}")

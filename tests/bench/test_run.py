@@ -121,6 +121,17 @@ def test_the_lora_step_on_the_cpu(tmp_path):
     assert report["logprob_check"]["ours"]["relative_l2"] < 1e-5  # B starts at 0: the base model's log-probs
 
 
+@pytest.mark.slow
+def test_the_moe_step_on_the_cpu(tmp_path):
+    report = run_subcommand(tmp_path, "moe", "--tiny", "--warmup", "0", "--steps", "1")
+    model = report["hardware"]["model"]
+    assert report["workload"] == "moe" and "lora" not in report and model["experts"] == 8 and model["top_k"] == 2
+    # the body counts a token's 2 experts of 3 * 64 * 32 weights each and the 8 x 64 router, beside attention
+    attention = 64 * (4 * 16 + 2 * 2 * 16) + 4 * 16 * 64
+    assert model["body_matmul_params"] == 2 * (attention + 2 * 3 * 64 * 32 + 8 * 64)
+    assert report["systems"]["ours"]["step_s"][0] > 0 and report["logprob_check"]["ours"]["relative_l2"] < 1e-5
+
+
 def test_the_families_table_takes_each_family_from_the_latest_file_by_its_number(tmp_path, monkeypatch):
     """File 10 was measured after file 9 (a sort by name would put it first and keep file 9's figures)."""
     env = {"date": "2026-11-26 01:00 UTC", "machine": "x86_64", "gpu": "NVIDIA H200", "commit": "abc1234",

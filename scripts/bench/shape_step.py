@@ -1,34 +1,39 @@
-"""The GRPO step with LoRA on one GPU, ours against TRL's GRPOTrainer with the same peft config (docs/lora.md).
+"""The GRPO step at one model shape on one GPU, ours against TRL's GRPOTrainer, for a workload each
+(`--workload`, named by run.py's subcommand):
 
-    python scripts/bench/run.py lora --out bench_out/lora_step          # one H100 (80 GB) or H200
+  lora  a Llama-3.1-8B-shape model trained through LoRA adapters, the same peft config in both systems
+        (docs/lora.md);
+  moe   a Qwen3-MoE model scaled to one GPU (docs/moe.md).
+
+    python scripts/bench/run.py lora --out bench_out/lora_step           # one H100 (80 GB) or H200
+    python scripts/bench/run.py moe --out bench_out/moe_step
     python scripts/bench/run.py lora --tiny --out bench_out/lora_tiny   # the harness itself, on the CPU
     python scripts/bench/run.py lora --systems ours,prev:ours --prev COMMIT --layers 8   # before / after
 
 A before / after runs `prev:ours` with the library of --prev's tree on the same workspace, and the
 report ends with the ratios after / before (grpo_step.py's); `--layers 8` makes an 8-layer model of the
-same layer shape, for a cheaper workspace and profile (its figures are not the 8B model's).
+same layer shape, for a cheaper workspace and profile (its figures are not the full model's).
 
 One call runs, each in its own process and one after another (the device otherwise idle):
-  1. the workspace worker: a Llama-3.1-8B-shape model with random bf16 weights (`family_config('llama3')`:
-     hidden 4096, 32 layers, 32 / 8 heads, MLP 14336, an untied 128,256-entry vocabulary), the word
-     tokenizer and prompt rows of grpo_step_lib, the matrix rate and copy bandwidth, and the float32
-     log-probs of the probe (grpo_step.py's reference worker, on this model);
-  2. ours: grpo_step_ours.py with the rollout engine and `policy.lora.rank=32 policy.lora.alpha=64` on
-     every attention and MLP projection (the default `target_modules`);
+  1. the workspace worker: the workload's model with random bf16 weights (from transformers' config
+     class through `family_config`), the word tokenizer and prompt rows of grpo_step_lib, the matrix
+     rate and copy bandwidth, and the float32 log-probs of the probe (grpo_step.py's reference worker,
+     on this model);
+  2. ours: grpo_step_ours.py with the rollout engine and the workload's settings (lora:
+     `policy.lora.rank=32 policy.lora.alpha=64` on every attention and MLP projection);
   3. ours_megatron (when named in --systems): the same on the Megatron backend with its distributed
      optimizer, packed under one HF micro-batch's tokens;
   4. TRL: grpo_step_trl.py in its fastest mode without vLLM ("fast": bf16 weights, no gradient
-     checkpointing) with `peft_config=LoraConfig(r=32, lora_alpha=64, target_modules="all-linear")`,
-     which GRPOTrainer takes as its constructor argument (passed here; the worker is otherwise the
-     GRPO benchmark's);
-then writes `lora_step.md` and `lora_step.json` under --out: grpo_step.py's table (step time, phases,
+     checkpointing; lora: with `peft_config=LoraConfig(r=32, lora_alpha=64, target_modules="all-linear")`,
+     which GRPOTrainer takes as its constructor argument);
+then writes `shape_step.md` and `shape_step.json` under --out: grpo_step.py's table (step time, phases,
 peak memory of generation and training, decode-bound share, train MFU), the slots the rollout engine
-sized from free memory, and the targets: a step at least 3x faster than TRL's, decoding at >= 40% of
-the decode bound (base weights + KV cache read per step), no out-of-memory on the 80 GB card.
+sized from free memory, and the workload's targets. For a mixture of experts the floors count the
+expert weights a decode step reads (the experts its batch's tokens choose: all of them at 256 tokens of
+top-8 of 32) and the training FLOPs of the active parameters (grpo_step_lib.model_counts).
 
-32 prompts x 8 samples, prompts of 256 tokens and responses of exactly 1024 (EOS ignored), the same
-learning rate, KL off, one optimizer update per step: the GRPO benchmark's identical work
-(scripts/bench/grpo_step.py). The KV cache of 256 x 1280 tokens at this shape is about 43 GB.
+Every response is exactly R tokens (EOS ignored), the same learning rate, KL off, one optimizer update
+per step: the GRPO benchmark's identical work (scripts/bench/grpo_step.py).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import datetime
 import json
 import statistics
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -62,17 +67,50 @@ RANK, ALPHA = 32, 64
 # ours_megatron: the same step on the Megatron backend with its distributed optimizer, sequences packed
 # under a budget of one HF micro-batch's tokens (settings added to ours')
 MEGATRON = ["policy.backend=megatron", "policy.use_distributed_optimizer=true"]
-LLAMA_8B = Preset("llama3_8b_lora", "words", 4096, 32, 32, 8, 14336, 128256, prompts=32, n=8, prompt_length=256,
-                  response_length=1024, micro_batch=2, device="cuda", variant_steps=0)
-TINY = replace(LLAMA_8B, name="tiny_lora", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-               intermediate_size=128, vocab_size=512, prompts=2, n=4, prompt_length=24, response_length=16,
-               micro_batch=8, device="cpu")
+TINY_SIZES = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512,
+                  prompts=2, n=4, prompt_length=24, response_length=16, micro_batch=8, device="cpu")
 
 
-def selected_preset(args) -> Preset:
-    """The preset, with `--layers` (a shallower model of the same layer shape, for a cheap profile) applied."""
-    preset = TINY if args.tiny else LLAMA_8B
-    return replace(preset, name=f"{preset.name}_{args.layers}_layers", num_layers=args.layers) if args.layers else preset
+@dataclass(frozen=True)
+class Workload:
+    preset: Preset
+    family: str  # family_configs name
+    config: dict  # more fields of the HF config (beyond the preset's sizes)
+    tiny_config: dict  # the same at the tiny size
+    ours: tuple[str, ...]  # settings of our systems
+    targets: str  # what the report's last line checks
+
+
+WORKLOADS = {
+    # Llama-3.1-8B's shape: hidden 4096, 32 layers, 32 / 8 heads, MLP 14336, an untied 128,256-entry
+    # vocabulary; 32 prompts x 8, P 256 + R 1024 (the KV cache of 256 x 1280 tokens is about 43 GB)
+    "lora": Workload(
+        Preset("llama3_8b_lora", "words", 4096, 32, 32, 8, 14336, 128256, prompts=32, n=8, prompt_length=256,
+               response_length=1024, micro_batch=2, device="cuda", variant_steps=0),
+        "llama3", dict(tie_word_embeddings=False), {},
+        (f"policy.lora.rank={RANK}", f"policy.lora.alpha={ALPHA}"),
+        "step >= 3x TRL's; decoding >= 40% of the decode bound (base weights + KV cache read per step)"),
+    # Qwen3-30B-A3B's layer (top-8 routing renormalised, 4 key-value heads of 128, its 151,936-entry
+    # vocabulary) at 48 layers of 32 experts of width 512 around hidden 1024: 2.9B parameters, 0.8B active
+    "moe": Workload(
+        Preset("qwen3_moe_3b", "words", 1024, 48, 16, 4, 512, 151936, prompts=32, n=8, prompt_length=256,
+               response_length=512, micro_batch=4, device="cuda", variant_steps=0),
+        "qwen3_moe", dict(num_experts=32, num_experts_per_tok=8, moe_intermediate_size=512, head_dim=128,
+                          tie_word_embeddings=False),
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16), (),
+        "step >= 3x TRL's; decoding >= 30% of the decode bound (the experts read counted); training >= 30% MFU on "
+        "active parameters"),
+}
+
+
+def selected(args) -> tuple[Workload, Preset]:
+    """The workload and its preset: tiny with --tiny, shallower with `--layers` (the same layer shape,
+    for a cheap profile)."""
+    workload = WORKLOADS[args.workload]
+    preset = replace(workload.preset, name=f"tiny_{args.workload}", **TINY_SIZES) if args.tiny else workload.preset
+    if args.layers:
+        preset = replace(preset, name=f"{preset.name}_{args.layers}_layers", num_layers=args.layers)
+    return workload, preset
 
 
 def workspace_worker(args) -> None:
@@ -82,15 +120,16 @@ def workspace_worker(args) -> None:
 
     from aligner_ext.models.family_configs import family_config
 
-    preset = selected_preset(args)
-    config = family_config("llama3", hidden_size=preset.hidden_size, num_hidden_layers=preset.num_layers,
+    workload, preset = selected(args)
+    config = family_config(workload.family, hidden_size=preset.hidden_size, num_hidden_layers=preset.num_layers,
                            num_attention_heads=preset.num_heads, num_key_value_heads=preset.num_kv_heads,
                            intermediate_size=preset.intermediate_size, vocab_size=preset.vocab_size,
                            max_position_embeddings=preset.prompt_length + preset.response_length + 512,
-                           tie_word_embeddings=False)
+                           **(workload.tiny_config if args.tiny else workload.config))
     torch.manual_seed(0)
     dtype = torch.bfloat16 if preset.device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # random weights, never a float32 8B copy
+    with torch.device(preset.device):  # random initialisation on the GPU: minutes on the host at 8B
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # never a float32 copy
     rows = preset.prompts * (args.warmup + args.steps) * 2
     counts = write_workspace(preset, rows, args.out / "work", model_and_tokenizer=(model, build_word_tokenizer(
         preset.vocab_size)))
@@ -100,15 +139,16 @@ def workspace_worker(args) -> None:
 
 
 def trl_worker(args) -> None:
-    """grpo_step_trl.py's worker with GRPOTrainer given the peft config."""
+    """grpo_step_trl.py's worker; for LoRA with GRPOTrainer given the peft config."""
     import functools
 
     import grpo_step_trl
     import trl
     from peft import LoraConfig
 
-    peft_config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules="all-linear")
-    trl.GRPOTrainer = functools.partial(trl.GRPOTrainer, peft_config=peft_config)
+    if args.workload == "lora":
+        peft_config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules="all-linear")
+        trl.GRPOTrainer = functools.partial(trl.GRPOTrainer, peft_config=peft_config)
     sys.argv = [sys.argv[0], "--workspace", str(args.out / "work"), "--out", str(args.out / "trl_fast.json"),
                 "--mode", "fast", "--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr)]
     grpo_step_trl.main()
@@ -116,7 +156,8 @@ def trl_worker(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_out/lora_step"))
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="lora")
+    parser.add_argument("--out", type=Path, default=None, help="default: bench_out/<workload>_step")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per system")
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -128,13 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prev", type=prev_tree, default=None,
                         help="an earlier commit or its tree: the system prev:ours runs with its library (before / after)")
     parser.add_argument("--layers", type=int, default=0, help="this many layers instead of the preset's (the same "
-                        "layer shape, a cheaper workspace for --torch-profile); its figures are not the 8B model's")
+                        "layer shape, a cheaper workspace for --torch-profile); its figures are not the full model's")
     parser.add_argument("--torch-profile", default="", help="phases of one more step of ours under torch.profiler "
                         "(<out>/ours.torch_profile.txt), as in grpo_step.py")
     parser.add_argument("--workspace-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.out = args.out.resolve()
+    args.out = (args.out or Path("bench_out") / f"{args.workload}_step").resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.workspace_worker:
         return workspace_worker(args)
@@ -143,10 +184,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    preset = selected_preset(args)
+    workload, preset = selected(args)
     common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr)]
-    itself = [sys.executable, __file__, "--out", str(args.out), *common, *(["--tiny"] if args.tiny else []),
-              "--layers", str(args.layers)]
+    itself = [sys.executable, __file__, "--workload", args.workload, "--out", str(args.out), *common,
+              *(["--tiny"] if args.tiny else []), "--layers", str(args.layers)]
     if not (args.out / "workspace.json").is_file():  # an earlier call's workspace is reused
         _, failure = run_worker("workspace", [*itself, "--workspace-worker"], args.out, args.timeout)
         if failure:
@@ -158,21 +199,21 @@ def main(argv: list[str] | None = None) -> None:
         profile = ["--torch-profile", args.torch_profile] if args.torch_profile and system == "ours" else []
         backend = [*MEGATRON, f"policy.micro_batch_tokens={preset.micro_batch * (preset.prompt_length + preset.response_length)}"] \
             if system == "ours_megatron" else []
-        settings = [f"policy.lora.rank={RANK}", f"policy.lora.alpha={ALPHA}", *backend]
+        settings = [*workload.ours, *backend]
         return [sys.executable, str(HERE / "grpo_step_ours.py"), "--workspace", str(args.out / "work"),
                 "--out", str(args.out / f"{stem}.json"), "--engine", "rollout", "--system", system, *common,
                 *[arg for setting in settings for arg in ("--set", setting)], *profile]
 
     results, failures = {}, {}
-    selected = args.systems.split(",")
-    if PREV_PREFIX + "ours" in selected and args.prev is None:
+    chosen = args.systems.split(",")
+    if PREV_PREFIX + "ours" in chosen and args.prev is None:
         sys.exit("prev:ours: name the earlier tree with --prev")
     workers = (("ours", ours_command("ours"), ROOT), ("ours_megatron", ours_command("ours_megatron"), ROOT),
                (PREV_PREFIX + "ours", ours_command(PREV_PREFIX + "ours"), args.prev),
                ("trl_fast", [*itself, "--trl-worker"], ROOT))
     for name, command, root in workers:
         stem = name.replace(":", "_")
-        if name not in selected:
+        if name not in chosen:
             if (args.out / f"{stem}.json").is_file():
                 results[name] = json.loads((args.out / f"{stem}.json").read_text())
             continue
@@ -193,17 +234,19 @@ def main(argv: list[str] | None = None) -> None:
               for name in results}
     report = {"date": datetime.date.today().isoformat(), "preset": asdict(preset), "hardware": hardware,
               "floor": floor, "systems": systems, "variants": {}, "logprob_check": checks, "failures": failures,
-              "lora": {"rank": RANK, "alpha": ALPHA, "targets": "every attention and MLP projection"},
-              "engine_slots": results.get("ours", {}).get("steps", [{}])[0].get("engine_last_call", {})}
-    lines = [f"LoRA rank {RANK}, alpha {ALPHA}, on every attention and MLP projection (both systems).", "",
+              "workload": args.workload, "engine_slots": results.get("ours", {}).get("steps", [{}])[0].get("engine_last_call", {})}
+    if args.workload == "lora":
+        report["lora"] = {"rank": RANK, "alpha": ALPHA, "targets": "every attention and MLP projection"}
+    lines = [f"Workload {args.workload}: {' '.join(workload.ours) or 'full training'}.", "",
              render(report), "", f"The rollout engine's first call: {report['engine_slots']}"]
-    if "ours" in systems and "trl_fast" in systems:
-        speedup = systems["trl_fast"]["step_s"][0] / systems["ours"]["step_s"][0]
-        share = systems["ours"]["decode_bound_share"]
-        lines += ["", f"Targets: step {speedup:.2f}x TRL's (target >= 3x); decoding at {100 * share:.1f}% of the "
-                  "decode bound (target >= 40%)."]
-    (args.out / "lora_step.md").write_text("\n".join(lines) + "\n")
-    write_json(args.out / "lora_step.json", report)
+    for name in ("ours", "ours_megatron"):
+        if name in systems and "trl_fast" in systems:
+            ours = systems[name]
+            lines += ["", f"{name}: step {systems['trl_fast']['step_s'][0] / ours['step_s'][0]:.2f}x TRL's, decoding at "
+                      f"{100 * ours['decode_bound_share']:.1f}% of the decode bound, training at "
+                      f"{100 * ours['train_mfu']:.1f}% MFU (targets: {workload.targets})."]
+    (args.out / "shape_step.md").write_text("\n".join(lines) + "\n")
+    write_json(args.out / "shape_step.json", report)
     print("\n".join(lines))
 
 
