@@ -106,6 +106,7 @@ def install_phase_clock(trainer, clock: PhaseClock, steps: list, report=lambda: 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if steps and logs:  # the log of step k comes right after its on_step_end
                 steps[-1]["metrics"].update({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
+                report()  # with its metrics (lengths, tokens), in case the worker stops at its limit next
 
     trainer.add_callback(StepCallback())
 

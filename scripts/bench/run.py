@@ -60,9 +60,9 @@ def run(subcommand: str, argv: list[str]) -> int:
         caches = Path(tempfile.mkdtemp(prefix="bench_caches_"))
         os.environ.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
         argv = ["--variants", "", "--warmup", "1", "--steps", "1", "--profile-first-step", *argv]
+    env = environment([subcommand, *argv])
     if module_name == "shape_step":  # one script, a workload per subcommand
         argv = ["--workload", subcommand, *argv]
-    env = environment([subcommand, *argv])
     report = out / report_name
     report.unlink(missing_ok=True)  # an earlier run's report is not this run's result
     code = 0
