@@ -22,6 +22,8 @@ from aligner_ext.distributed import is_main_process, launched_world_size
 from aligner_ext.errors import ConfigError
 from aligner_ext.generation.decoder import unsupported
 from aligner_ext.architecture import FAMILIES, UnsupportedModel, architecture
+from aligner_ext.models.moe import is_moe
+from aligner_ext.variants import active_variants
 
 logger = logging.getLogger(__name__)
 
@@ -159,3 +161,23 @@ def check_run(cfg, model_dir: Path | str) -> None:
     warning = long_context_warning(hf_config, cfg.data.max_prompt_length + cfg.rollout.max_response_length)
     if warning and is_main_process():  # every rank reads the same config: one line, not one per rank
         logger.warning(warning)
+
+
+def check_routing_replay(cfg, hf_config, engine: str) -> None:
+    """Refuse (ConfigError, one line) `policy.routing_replay` where there is nothing to replay: a dense
+    model, an `engine` (generator.engine, auto resolved) that records no routing, or the graded system
+    prompt, whose policy trains on another prompt than the engine generated from. (The Megatron backend
+    is refused with the config, `PolicyConfig`.)"""
+    if not cfg.policy.routing_replay:
+        return
+    if not is_moe(hf_config):
+        raise ConfigError(f"policy.routing_replay=true: the model {family_label(hf_config)} has no router; routing "
+                          "replay is for mixture-of-experts models")
+    if engine != "rollout":
+        named = f"auto (the {engine} engine here)" if cfg.generator.engine == "auto" else engine
+        raise ConfigError(f"policy.routing_replay=true replays the experts the rollout engine records; "
+                          f"generator.engine={named} records none: set generator.engine=rollout")
+    if "graded_prompt" in active_variants(cfg) and not cfg.graded_prompt.keep_in_training:
+        raise ConfigError("policy.routing_replay=true with the graded system prompt: the engine generates from "
+                          "per-sample system prompts the policy does not train on, so its experts are those of "
+                          "other tokens; set graded_prompt.keep_in_training=true or policy.routing_replay=false")

@@ -301,6 +301,49 @@ def render() -> str:
         "projections and a shared expert's, not the routed experts, whose weights transformers keeps as "
         "stacked tensors rather than linear layers.",
         "",
+        "### The engine's expert choices in training",
+        "",
+        "The rollout engine routes as the trainer does, op for op, but not on the same numbers: other kernels, "
+        "batch shapes and bfloat16 roundings move a router's inputs, and where a token's k-th and (k+1)-th "
+        "experts are close the two take different sets, so that the importance ratio of a token compares two "
+        "different models. When the policy is a mixture of experts on the HF backend, the experience makers ask "
+        "the engine for its choices (`SamplingParams.return_routing`; nothing is recorded otherwise). The rollout "
+        "engine records each layer's top k for every token it feeds through the model (the prompt in the "
+        "prefill, each generated token but the last in the decode step): `experts_mlp` writes them into a static "
+        "buffer per layer during the decode step (no host sync: the step stays one CUDA graph) and one indexed "
+        "write per step moves them into a record beside the KV cache, per slot and position ([slots, length, "
+        "layers, k], uint8 up to 256 experts, `generation/decoder.py::RoutingRecord`), copied with the K/V where "
+        "a prompt's prefill is shared or a kept prefix reused; a finished request's rows are copied out on the "
+        "device before another request takes its slot. They reach the batch as `prompt_routing` and "
+        "`response_routing` (int16, laid out as the ids, -1 where nothing was recorded: pads and each response's "
+        "last token) and follow its rows through dynamic sampling's filtering and refills. The first forward over "
+        "a step's tokens (the old-log-prob pass, or the training forward where it gives the old log-probs) "
+        "compares the trainer's routers with them (`models/moe.py::RoutingMismatch`, pooled on the device): "
+        "`moe/routing_mismatch` is the share of (token, layer) pairs whose top-k sets differ, order aside, over "
+        "the recorded tokens, with its value per layer (`moe/routing_mismatch/layer_N`) and the share of tokens "
+        "that differ in any layer (`moe/routing_mismatch_tokens`).",
+        "",
+        "`policy.routing_replay=true` makes every forward over the step's batch (the old log-probs, the training "
+        "forward and its recomputation under `policy.recompute_activations`, and the KL reference, so that the "
+        "KL compares both models on the same experts and is 0 before the first update) route each recorded "
+        "token to the engine's experts, weighted by the trainer's own router probabilities at them (softmax in "
+        "float32 over all experts, gathered, renormalised where the family renormalises its top k, cast back): "
+        "the router still gets its gradient through those weights, as through transformers' top-k weights. The "
+        "expert load, router entropy and load-balancing loss stay those of the trainer's own logits. Per "
+        "variant: dynamic sampling (DAPO) and MTPO carry the routing (an MTPO sample takes round 1's over the "
+        "prompt and answer, the experts its answer was sampled under, and round 2's from the answer's last "
+        "token on); CPO trains on the generated tokens and carries it, while its hinted pass scores sequences "
+        "the engine never ran, with the trainer's own routers; the graded system prompt generates from prompts "
+        "the policy does not train on, so its graded rows carry none (left out of the mismatch) and replay is "
+        "refused unless `graded_prompt.keep_in_training=true`. Replay is refused in one line for a dense model, "
+        "for an engine that records no routing (`generator.engine` other than rollout, or `auto` where it takes "
+        "the HF engine) and on the Megatron backend (not yet).",
+        "",
+        "Still to measure on a GPU (no numbers yet): the recording's cost in the decode step (a rollout's "
+        "tokens/s with and without it), the mismatch of a released model in bfloat16 (with padded and packed "
+        "micro-batches), and what replay changes in a step's ratio statistics (`rollout/logprob_diff_*`, "
+        "`actor/clip_frac_*`) and time.",
+        "",
         "## A random-weight checkpoint of a family",
         "",
         "`aligner_ext.models.family_configs.family_config(name, **sizes)` gives the HF config of a family's "

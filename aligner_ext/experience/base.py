@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from aligner_ext.batch import ExperienceBatch, SampleInfo
+from aligner_ext.batch import ExperienceBatch, SampleInfo, routing_fields
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.tasks import sft_target
@@ -126,7 +126,7 @@ class GroupSampling(ExperienceMaker):
     writes = ("rewards", "correct", "token_rewards", "generation_logprobs")
 
     def __init__(self, cfg: RolloutConfig, engine: GenerationEngine, rewards: RewardManager, tokenizer,
-                 seed: int = 0):
+                 seed: int = 0, return_routing: bool = False):
         if cfg.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {cfg.n}")
         if not cfg.return_logprobs:
@@ -136,10 +136,12 @@ class GroupSampling(ExperienceMaker):
         self.rewards = rewards
         self.tokenizer = tokenizer
         self.seed = seed
+        self.return_routing = return_routing  # the policy reads the engine's experts (`Policy.reads_routing`)
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "GroupSampling":
-        return cls(ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed)
+        return cls(ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed,
+                   return_routing=ctx.policy.reads_routing)
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         draws = loader.next_batch()
@@ -154,7 +156,7 @@ class GroupSampling(ExperienceMaker):
         return SamplingParams(
             max_new_tokens=self.cfg.max_response_length, temperature=self.cfg.temperature,
             top_p=self.cfg.top_p, stop=list(self.cfg.stop), return_logprobs=self.cfg.return_logprobs,
-            seed=self.seed * 1_000_003 + step, ignore_eos=self.cfg.ignore_eos,
+            seed=self.seed * 1_000_003 + step, ignore_eos=self.cfg.ignore_eos, return_routing=self.return_routing,
         )
 
     def requests(self, draws: list[PromptDraw]) -> list[SampleRequest]:
@@ -166,10 +168,19 @@ class GroupSampling(ExperienceMaker):
         return self.engine.generate([request.generation_prompt for request in requests], params)
 
     def assemble(self, requests: list[SampleRequest], outputs: list[GenerationOutput]) -> ExperienceBatch:
-        """Tensors of the batch: the draw's own prompt (not the generator's) and the generated ids."""
+        """Tensors of the batch: the draw's own prompt (not the generator's) and the generated ids; the
+        engine's routing where it returned one, for the rows whose generator prompt is the trained one."""
         pad = self.tokenizer.pad_token_id
         prompt_ids, prompt_mask = left_pad([request.draw.prompt_ids for request in requests], pad)
         response_ids, response_valid = right_pad([output.token_ids for output in outputs], pad)
+        prompt_routing = response_routing = None
+        recorded = [output.routing for output in outputs if output.routing is not None]
+        if recorded:
+            routings = [output.routing if request.generation_prompt == request.draw.prompt_ids else None
+                        for request, output in zip(requests, outputs)]
+            prompt_routing, response_routing = routing_fields(
+                routings, [len(request.draw.prompt_ids) for request in requests], prompt_ids.shape[1],
+                response_ids.shape[1], recorded[0].shape[1:])
         samples = [
             SampleInfo(
                 row=request.draw.row,
@@ -185,7 +196,8 @@ class GroupSampling(ExperienceMaker):
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
             response_valid=response_valid, response_mask=response_valid.clone(),
             group_ids=torch.tensor([request.group_id for request in requests], dtype=torch.long),
-            samples=samples, generation_logprobs=generation_logprobs,
+            samples=samples, generation_logprobs=generation_logprobs, prompt_routing=prompt_routing,
+            response_routing=response_routing,
         )
 
     def score(self, batch: ExperienceBatch) -> None:

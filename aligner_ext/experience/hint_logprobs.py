@@ -68,12 +68,13 @@ def hinted_batch(batch: ExperienceBatch, prompt_ids: list[list[int]], pad_id: in
     """`batch` with its prompts replaced by `prompt_ids` (left-padded to their own width).
 
     Responses (ids, valid and loss masks) are the same tensors, so log-probs of the hinted batch are
-    those of the very same response tokens; positions follow from the new prompt mask.
+    those of the very same response tokens; positions follow from the new prompt mask. The engine
+    never ran the hinted sequences, so their routing is dropped: the trainer's routers choose.
     """
     if len(prompt_ids) != len(batch):
         raise ValueError(f"{len(prompt_ids)} hinted prompts for a batch of {len(batch)} rows")
     ids, mask = left_pad(prompt_ids, pad_id)
-    return dataclasses.replace(batch, prompt_ids=ids, prompt_mask=mask)
+    return dataclasses.replace(batch, prompt_ids=ids, prompt_mask=mask, prompt_routing=None, response_routing=None)
 
 
 def hint_rows(prompts: HintedPrompts) -> torch.Tensor:

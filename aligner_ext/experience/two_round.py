@@ -91,8 +91,8 @@ class TwoRoundSampling(GroupSampling):
     writes = (*GroupSampling.writes, "answer_group_ids", "segment_ids", "answer_rewards", "confidence_rewards")
 
     def __init__(self, mtpo: Config, rollout: RolloutConfig, engine: GenerationEngine, rewards: RewardManager,
-                 tokenizer, seed: int = 0):
-        super().__init__(rollout, engine, rewards, tokenizer, seed)
+                 tokenizer, seed: int = 0, return_routing: bool = False):
+        super().__init__(rollout, engine, rewards, tokenizer, seed, return_routing)
         for name in ("num_answer_generations", "num_confidence_generations", "max_answer_length",
                      "max_confidence_length"):
             if getattr(mtpo, name) < 1:
@@ -112,7 +112,8 @@ class TwoRoundSampling(GroupSampling):
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "TwoRoundSampling":
-        return cls(ctx.cfg.mtpo, ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed)
+        return cls(ctx.cfg.mtpo, ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed,
+                   return_routing=ctx.policy.reads_routing)
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         draws = loader.next_batch()
@@ -136,7 +137,8 @@ class TwoRoundSampling(GroupSampling):
             else:
                 rounds.append(SamplingParams(max_new_tokens=length, temperature=base.temperature, top_p=base.top_p,
                                              stop=[stop], return_logprobs=base.return_logprobs,
-                                             seed=2 * base.seed + index, ignore_eos=base.ignore_eos))
+                                             seed=2 * base.seed + index, ignore_eos=base.ignore_eos,
+                                             return_routing=base.return_routing))
         return rounds[0], rounds[1]
 
     def two_rounds(self, draws: list[PromptDraw], g: int, h: int, answer_params: SamplingParams,
@@ -242,13 +244,19 @@ class TwoRoundSampling(GroupSampling):
 
 
 def _joined(sample: TwoRoundSample) -> GenerationOutput:
-    """Round-1 + round-2 ids as one output; the finish reason of the last round that ran."""
-    last = sample.confidence or sample.answer
-    ids = sample.answer.token_ids + (sample.confidence.token_ids if sample.confidence else [])
+    """Round-1 + round-2 ids as one output; the finish reason of the last round that ran. Its routing:
+    round 1's over the prompt and the answer (the experts its tokens were sampled under), round 2's from
+    the answer's last token on (which round 1 never fed back; round 2 fed it as part of its prompt)."""
+    answer, confidence = sample.answer, sample.confidence
+    last = confidence or answer
+    ids = answer.token_ids + (confidence.token_ids if confidence else [])
     logprobs = None
-    if sample.answer.logprobs is not None:
-        logprobs = sample.answer.logprobs + (sample.confidence.logprobs if sample.confidence else [])
-    return GenerationOutput(token_ids=ids, finish_reason=last.finish_reason, logprobs=logprobs)
+    if answer.logprobs is not None:
+        logprobs = answer.logprobs + (confidence.logprobs if confidence else [])
+    routing = answer.routing
+    if routing is not None and confidence is not None:
+        routing = torch.cat([routing[:-1], confidence.routing[len(routing) - 1 :]])
+    return GenerationOutput(token_ids=ids, finish_reason=last.finish_reason, logprobs=logprobs, routing=routing)
 
 
 def segment_token_rewards(answer_rewards: torch.Tensor, confidence_rewards: torch.Tensor, answer_lengths: torch.Tensor,

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aligner_ext.generation.settings import MIN_TEMPERATURE
 from aligner_ext.registry import Registry
 
+if TYPE_CHECKING:
+    import torch
+
 ENGINES = Registry("generation engine")
+NOT_RECORDED = -1  # an expert index where no routing was recorded (`GenerationOutput.routing`, ExperienceBatch's)
 
 
 def check_sampling(prefix: str, length_key: str, length: int, temperature: float, top_p: float) -> None:
@@ -40,6 +45,7 @@ class SamplingParams:
     return_logprobs: bool = False  # return the sampling log-prob of every generated token
     seed: int | None = None  # seeds this call's sampling; None draws from the global torch RNG
     ignore_eos: bool = False  # an EOS id does not end a sequence (benchmarks: every response runs to max_new_tokens unless a stop string ends it)
+    return_routing: bool = False  # a mixture of experts: return the experts its routers chose for every token (engines that record them; the trainer asks, models/moe.py)
 
 
 @dataclass
@@ -51,6 +57,11 @@ class GenerationOutput:
     # per generated token: its log-prob under the distribution it was drawn from (after temperature
     # and top-p); greedy decoding reports the temperature-1 log-softmax
     logprobs: list[float] | None = None
+    # A mixture of experts asked with `return_routing`, on an engine that records it (the rollout
+    # engine): [prompt + generated tokens, layers, k] int16, the experts each layer's router chose
+    # for each token; NOT_RECORDED on the last generated token, which is sampled and never fed back.
+    # None otherwise.
+    routing: torch.Tensor | None = None
 
 
 class GenerationEngine(abc.ABC):

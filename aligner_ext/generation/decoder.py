@@ -59,7 +59,10 @@ stacked expert tensors transformers keeps [E, 2I, h] and [E, h, I]: in bfloat16 
 transformers' `grouped_mm` experts do (so the decode step stays one CUDA graph: no host sync, no shape
 that depends on the routing); in other dtypes, which `_grouped_mm` takes neither under torch.compile
 nor on a GPU without a host sync (float32), nor at all (float64), by a gather of each pair's expert
-weights (`grouped_mm_runs`).
+weights (`grouped_mm_runs`). A cache made with `record_routing` holds a `RoutingRecord`: the prefill
+and the decode step keep the experts each token took per layer at its slot and position, for the
+trainer (models/moe.py); `experts_mlp` writes a decode step's into a static buffer per layer, so the
+step stays one CUDA graph.
 
 Low-rank adapters (LoRA, `aligner_ext/adapters.py`) run from the policy's own A and B tensors inside
 the same functions: each adapted product is `x W^T + (x A^T) B^T * alpha / r` (`Projection.adapters`,
@@ -93,15 +96,47 @@ from aligner_ext.generation.decode_attention import attend_decode_triton
 from aligner_ext.generation.settings import ATTENTION_CHOICES
 
 
+class RoutingRecord:
+    """The experts a mixture of experts' routers chose for each token a call feeds through it:
+    `history` [slots, length, layers, k] at the tokens' slots and positions, as the K/V cache holds
+    their keys (uint8 where the expert indices fit in it, else int16); and one `step` buffer [slots, k]
+    per layer, which `experts_mlp` fills in place during a decode step (static addresses a CUDA graph
+    holds, no host sync) and `write_step` moves into the history in one indexed write per step."""
+
+    def __init__(self, num_layers: int, slots: int, length: int, top_k: int, experts: int, device: torch.device):
+        dtype = routing_dtype(experts)
+        self.history = torch.zeros((slots, length, num_layers, top_k), dtype=dtype, device=device)
+        self.step = [torch.zeros((slots, top_k), dtype=dtype, device=device) for _ in range(num_layers)]
+        for buffer in self.step:  # a call's slot count varies: no recompilation of the decode step for it
+            torch._dynamo.maybe_mark_dynamic(buffer, 0)
+
+    @staticmethod
+    def bytes_per_slot_token(num_layers: int, top_k: int, experts: int) -> int:
+        return num_layers * top_k * routing_dtype(experts).itemsize
+
+    def write_step(self, positions: torch.Tensor) -> None:
+        """Slots [0, rows) took the step buffers' experts for their tokens at `positions` [rows]."""
+        rows = len(positions)
+        chosen = torch.stack([buffer[:rows] for buffer in self.step], dim=1)  # [rows, layers, k]
+        self.history[torch.arange(rows, device=positions.device), positions] = chosen
+
+
+def routing_dtype(experts: int) -> torch.dtype:
+    """The smallest integer type that holds every expert index."""
+    return torch.uint8 if experts <= 256 else torch.int16
+
+
 class SlotKVCache:
-    """Per-layer K/V tensors [slots, kv_heads, length, head_dim], allocated once per generate call."""
+    """Per-layer K/V tensors [slots, kv_heads, length, head_dim], allocated once per generate call; with
+    `routing`, the experts a mixture of experts chose for each token at the same slots and positions."""
 
     def __init__(self, num_layers: int, slots: int, length: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, routing: RoutingRecord | None = None):
         shape = (slots, kv_heads, length, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = length
+        self.routing = routing
 
     @staticmethod
     def bytes_per_slot_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -115,6 +150,8 @@ class SlotKVCache:
         sources, targets = torch.tensor(sources, device=device), torch.tensor(targets, device=device)
         for mine, theirs in zip((*self.keys, *self.values), (*other.keys, *other.values)):
             mine[targets, :, :length] = theirs[sources, :, :length]
+        if self.routing is not None and other.routing is not None:  # the tokens' experts go with their K/V
+            self.routing.history[targets, :length] = other.routing.history[sources, :length]
 
 
 class Projection(NamedTuple):
@@ -152,7 +189,8 @@ class ExpertWeights(NamedTuple):
     router [E, h], every expert's gate rows then up rows [E, 2I, h] and its down projection [E, h, I];
     how many experts each token takes and whether their weights are renormalised to sum to 1. Qwen2-MoE's
     shared expert: its gate/up `Projection`, down [h, I] (with LoRA, its adapter) and its gate [1, h],
-    whose sigmoid scales its output; None elsewhere."""
+    whose sigmoid scales its output; None elsewhere. `record` [at least tokens, k]: where a call that
+    records routing (`RoutingRecord`) has `experts_mlp` write each token's chosen experts; None elsewhere."""
 
     router: torch.Tensor
     gate_up: torch.Tensor
@@ -163,6 +201,7 @@ class ExpertWeights(NamedTuple):
     shared_down: torch.Tensor | None = None
     shared_down_adapter: LowRank | None = None
     shared_gate: torch.Tensor | None = None
+    record: torch.Tensor | None = None
 
 
 class LayerWeights(NamedTuple):
@@ -369,6 +408,8 @@ def experts_mlp(x: torch.Tensor, experts: ExpertWeights, shape: Shape) -> torch.
     flat = x.reshape(-1, x.shape[-1])
     act = activation(shape.activation)
     weights, chosen = route(flat, experts.router, experts.top_k, experts.normalize_top_k)
+    if experts.record is not None:
+        experts.record[: len(chosen)].copy_(chosen)
     outputs = (grouped_expert_outputs if grouped_mm_runs(flat, experts) else gathered_expert_outputs)(
         flat, chosen, experts, act)
     out = (outputs * weights[..., None]).sum(dim=1)
@@ -377,6 +418,11 @@ def experts_mlp(x: torch.Tensor, experts: ExpertWeights, shape: Shape) -> torch.
         shared = linear(act(gate) * up, experts.shared_down, None, experts.shared_down_adapter)
         out = out + torch.sigmoid(F.linear(flat, experts.shared_gate)) * shared
     return out.view(x.shape)
+
+
+def recording(w: LayerWeights, record: torch.Tensor) -> LayerWeights:
+    """A mixture of experts' layer whose `experts_mlp` writes each token's chosen experts into `record`."""
+    return w._replace(experts=w.experts._replace(record=record))
 
 
 def layer_output_parts(hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights,
@@ -607,14 +653,28 @@ class Decoder:
         return hidden, {key: rotary_cos_sin(positions, inv_freq, scaling, hidden.dtype)
                         for key, (inv_freq, scaling) in self.tables.items()}
 
-    def new_cache(self, slots: int, length: int) -> SlotKVCache:
+    def new_cache(self, slots: int, length: int, record_routing: bool = False) -> SlotKVCache:
         """The whole length for every layer, windowed ones included (a ring buffer of `window`
-        positions per windowed layer would be a later memory saving)."""
+        positions per windowed layer would be a later memory saving); `record_routing` (a mixture of
+        experts): with the `RoutingRecord` prefill and decode fill."""
+        routing = None
+        if record_routing:
+            experts = self.architecture.experts
+            routing = RoutingRecord(self.num_layers, slots, length, experts.top_k, experts.count, self.device)
         return SlotKVCache(self.num_layers, slots, length, self.shape.kv_heads, self.shape.head_dim, self.dtype,
-                           self.device)
+                           self.device, routing)
 
-    def cache_bytes_per_slot_token(self) -> int:
-        return SlotKVCache.bytes_per_slot_token(self.num_layers, self.shape.kv_heads, self.shape.head_dim, self.dtype)
+    def cache_bytes_per_slot_token(self, record_routing: bool = False) -> int:
+        kv = SlotKVCache.bytes_per_slot_token(self.num_layers, self.shape.kv_heads, self.shape.head_dim, self.dtype)
+        if not record_routing:
+            return kv
+        experts = self.architecture.experts
+        return kv + RoutingRecord.bytes_per_slot_token(self.num_layers, experts.top_k, experts.count)
+
+    @property
+    def records_routing(self) -> bool:
+        """Whether a call may ask for the experts each token took: a mixture of experts."""
+        return self.architecture.experts is not None
 
     def _attention_inputs(self, hidden: torch.Tensor, w: LayerWeights, cos, sin):
         """q [b, H, s, d], k and v [b, KVH, s, d] of `hidden` [b, s, h]: `projections`, then
@@ -650,14 +710,20 @@ class Decoder:
         # prefix and its own tail up to itself.
         masks = {window: visible(positions, end, window)[:, None] for window in self.windows}  # [b, 1, s, end]
         hidden, rotary = self._inputs(ids, positions)
+        routing = cache.routing
         for index, (w, plan) in enumerate(zip(self.layers, self.plans)):
             q, k, v = self._attention_inputs(hidden, w, *rotary.get(plan.rope, (None, None)))
             keys, values = cache.keys[index], cache.values[index]
             keys[written_slots, :, written_positions] = k.transpose(1, 2)[real_rows, real_columns]
             values[written_slots, :, written_positions] = v.transpose(1, 2)[real_rows, real_columns]
             attended = attend_prefill(q, keys[slots, :, :end], values[slots, :, :end], masks[plan.window], self.scale)
+            if routing is not None:
+                chosen = torch.empty((*ids.shape, w.experts.top_k), dtype=routing.history.dtype, device=device)
+                w = recording(w, chosen.view(-1, w.experts.top_k))
             hidden, mlp = self._output_parts(hidden, attended, w, layer_output_parts, residual_mlp)
             hidden = hidden + norm(mlp, w.post_mlp_norm, self.shape)
+            if routing is not None:
+                routing.history[written_slots, written_positions, index] = chosen[real_rows, real_columns]
         last = hidden[torch.arange(len(ids), device=device), lengths - 1]  # [b, h]
         return self._head(last).float()
 
@@ -672,7 +738,10 @@ class Decoder:
         # The norm the second term passes through: the previous layer's post-MLP norm; the first
         # layer's zeros stay zeros under any, so it gets its own (one compiled graph for all layers).
         mlp_norm = self.layers[0].post_mlp_norm
-        for index, (w, plan) in enumerate(zip(self.layers, self.plans)):
+        layers = self.layers
+        if cache.routing is not None:
+            layers = [recording(w, buffer) for w, buffer in zip(self.layers, cache.routing.step)]
+        for index, (w, plan) in enumerate(zip(layers, self.plans)):
             keys, values = cache.keys[index], cache.values[index]
             cos, sin = rotary.get(plan.rope, (None, None))
             if self.split_inputs:
@@ -685,6 +754,8 @@ class Decoder:
                                                  masks[plan.window], self.scale, plan.window)
             hidden, mlp = self._output_parts(hidden, attended_out, w, self.decode_parts, self.decode_mlp)
             mlp_norm = w.post_mlp_norm
+        if cache.routing is not None:
+            cache.routing.write_step(positions)
         return self._head((hidden + norm(mlp, mlp_norm, self.shape))[:, 0])
 
 

@@ -28,6 +28,13 @@ prefill sharing. Finishing: EOS (unless `ignore_eos`), a stop token id or stop s
 `max_new_tokens` ("length"); EOS and stops are kept, as in the HF engine (hf.py), whose semantics
 this engine follows token for token (tests/unit/generation/test_rollout_engine.py).
 
+A mixture of experts asked with `return_routing` (the trainer reads it, models/moe.py) records the experts
+each token took in every layer (`decoder.RoutingRecord`, beside the KV cache): the prefill writes its
+tokens', each decode step its own inside the step (so inside the CUDA graph); a shared prompt's or kept
+prefix's rows are copied with their K/V (a kept cache that recorded none is not reused by a call that
+records); a finished request's rows are copied out on the device before its slot is taken again, and
+come back as `GenerationOutput.routing`.
+
 Runs every family aligner_ext/architecture.py describes (decoder.py: sliding windows, per-layer
 RoPE tables, the families' norms; mixtures of experts on the HF backend) in the policy's dtype: bf16 on a GPU, float32 on the CPU (no CUDA
 graphs or compilation there). A slot holds one sequence for its life (no paged blocks): a prompt
@@ -47,7 +54,7 @@ import numpy as np
 import torch
 
 from aligner_ext.generation import sample_kernel
-from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.base import ENGINES, NOT_RECORDED, GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.decoder import HFDecoder, SlotKVCache
 from aligner_ext.generation.hf import check_request, eos_ids_of
 from aligner_ext.generation.sampler import request_seed, sample
@@ -223,20 +230,24 @@ class RolloutEngine(GenerationEngine):
         kept, self.kept = self.kept, None
         if kept is not None and kept.weights != weights:
             kept = None  # the weights changed since it was computed
+        record_routing = params.return_routing and self.decoder.records_routing
+        if kept is not None and record_routing and kept.cache.routing is None:
+            kept = None  # its prefixes' experts were not recorded
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
-                return _Call(self, prompts, params, call_seed, matcher, kept, weights).run(should_stop)
+                return _Call(self, prompts, params, call_seed, matcher, kept, weights, record_routing).run(should_stop)
         finally:
             self.model.train(was_training)
 
-    def slot_count(self, requests: int, length: int) -> int:
-        """How many sequences a call's cache holds."""
+    def slot_count(self, requests: int, length: int, record_routing: bool = False) -> int:
+        """How many sequences a call's cache holds (with the experts' record when it records routing)."""
         slots = min(self.cfg.max_batch_size, requests)
         if self.decoder.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.decoder.device)
-            fits = int(free * self.cfg.kv_cache_memory_share) // (self.decoder.cache_bytes_per_slot_token() * length)
+            per_slot_token = self.decoder.cache_bytes_per_slot_token(record_routing)
+            fits = int(free * self.cfg.kv_cache_memory_share) // (per_slot_token * length)
             if fits < 1:
                 raise RuntimeError(f"no KV-cache slot of {length} tokens fits in {self.cfg.kv_cache_memory_share:.0%} "
                                    f"of the {free / 2**30:.1f} GiB free; raise generator.rollout.kv_cache_memory_share "
@@ -258,8 +269,9 @@ class _Call:
     """One `generate` call: its requests, slots, host bookkeeping and device state."""
 
     def __init__(self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, call_seed: int,
-                 matcher: StopStringMatcher, kept: KeptCache | None, weights: tuple):
+                 matcher: StopStringMatcher, kept: KeptCache | None, weights: tuple, record_routing: bool = False):
         self.engine, self.params, self.matcher = engine, params, matcher
+        self.record_routing = record_routing
         self.decoder = engine.decoder
         self.prompts = [list(prompt) for prompt in prompts]
         self.weights = weights
@@ -270,7 +282,7 @@ class _Call:
         self.seeds = [request_seed(call_seed, index) for index in range(len(prompts))]
         count = len(prompts)
         self.length = max(map(len, self.prompts)) + params.max_new_tokens
-        self.slot_total = engine.slot_count(count, self.length)
+        self.slot_total = engine.slot_count(count, self.length, record_routing)
         # Per request: generated tokens and log-probs so far, how many, and the finish reason.
         self.tokens = np.zeros((count, params.max_new_tokens), dtype=np.int64)
         self.logprobs = np.zeros((count, params.max_new_tokens), dtype=np.float32)
@@ -285,15 +297,19 @@ class _Call:
         self.prefilled_tokens = self.reused_tokens = 0
         self.free = list(range(self.slot_total))
         self.waiting = deque(range(count))
+        # Per request, with record_routing: the experts of the tokens it fed through the model, copied on
+        # the device out of its slot's record when it finishes (before another request takes the slot).
+        self.routing: list[torch.Tensor | None] = [None] * count
 
     def run(self, should_stop: Callable[[], bool] | None = None) -> list[GenerationOutput]:
         device = self.decoder.device
-        cache = self.decoder.new_cache(self.slot_total, self.length)
+        cache = self.decoder.new_cache(self.slot_total, self.length, self.record_routing)
         self.slots = _DeviceSlots(cache, self.slot_total, device)
         on_gpu = device.type == "cuda"
         graphs = None
         if on_gpu and self.engine.cfg.cuda_graphs:
-            context = (self.slot_total, self.length, self.params.temperature, self.params.top_p, self.params.top_k)
+            context = (self.slot_total, self.length, self.params.temperature, self.params.top_p, self.params.top_k,
+                       self.record_routing)
             graphs = _DecodeGraphs(self._step, self.slots, self.slot_total, self.engine.warmed_steps, context)
         buffers = [(torch.zeros(self.slot_total, dtype=torch.long, pin_memory=on_gpu),
                     torch.zeros(self.slot_total, dtype=torch.float32, pin_memory=on_gpu)) for _ in range(LOOKAHEAD + 1)]
@@ -339,9 +355,26 @@ class _Call:
         if self.engine.cfg.prefix_cache and not stopped:
             self.engine.kept = KeptCache(cache, {int(slot): self.prompts[index] + self.tokens[index, : self.generated[index] - 1].tolist()
                                                  for slot, index in enumerate(self.holder) if index >= 0}, self.weights)
+        routing = self._routing_outputs() if self.record_routing and not stopped else [None] * len(self.prompts)
         return [GenerationOutput(token_ids=self.tokens[index, :n].tolist(), finish_reason=self.finish[index] or "length",
-                                 logprobs=self.logprobs[index, :n].tolist() if self.params.return_logprobs else None)
+                                 logprobs=self.logprobs[index, :n].tolist() if self.params.return_logprobs else None,
+                                 routing=routing[index])
                 for index, n in enumerate(self.generated)]
+
+    def _take_routing(self, index: int, slot: int) -> None:
+        """Copy, on the device, the experts of request `index`'s fed tokens (its prompt and every generated
+        token but the last) out of `slot`: every step that computed them has been launched, and the next
+        request to take the slot is prefilled after this copy."""
+        fed = len(self.prompts[index]) + int(self.generated[index]) - 1
+        self.routing[index] = self.slots.cache.routing.history[slot, :fed].clone()
+
+    def _routing_outputs(self) -> list[torch.Tensor]:
+        """Each request's experts per token, int16 on the CPU (one copy for all), NOT_RECORDED on its last
+        generated token (`GenerationOutput.routing`)."""
+        lengths = [len(record) for record in self.routing]
+        records = torch.cat(self.routing).to(device="cpu", dtype=torch.int16).split(lengths)
+        last = torch.full((1, *records[0].shape[1:]), NOT_RECORDED, dtype=torch.int16)
+        return [torch.cat([record, last]) for record in records]
 
     def _step(self, rows: int, attended: int) -> None:
         """Decode, sample and advance slots [0, rows) on the device (what the CUDA graphs capture)."""
@@ -442,5 +475,7 @@ class _Call:
             self.finish[index] = "eos" if eos[i] else "stop" if stop[i] else "length"
             self.finished[index] = True
             slot = int(np.flatnonzero(self.occupant == index)[0])
+            if self.record_routing:
+                self._take_routing(index, slot)
             self.occupant[slot] = -1
             heapq.heappush(self.free, slot)

@@ -99,3 +99,17 @@ def random_model(config, seed: int = 0):
             if "norm" in name or "bias" in name:
                 parameter.add_(torch.randn_like(parameter) * 0.1)
     return model.eval()
+
+
+def decisive_experts(model, expert_scale: float, seed: int = 1) -> None:
+    """Redraw a mixture of experts' routers (standard deviation 1) and experts (`expert_scale`) in
+    place, so that the experts decide the outputs and no token's choice of experts is a near tie:
+    tests that compare routings exactly need margins above rounding."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for weight, scale in ((layer.mlp.gate.weight, 1.0), (layer.mlp.experts.gate_up_proj, expert_scale),
+                                  (layer.mlp.experts.down_proj, expert_scale)):
+                weight.copy_(torch.randn(weight.shape, generator=gen) * scale)

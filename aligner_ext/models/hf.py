@@ -141,6 +141,16 @@ def response_logprobs(
     return scatter(lp), scatter(ent) if with_entropy else None
 
 
+def token_routing(batch: ExperienceBatch, packed: bool) -> torch.Tensor | None:
+    """The engine's experts [tokens, layers, k] of `batch` (a micro-batch) in the order the forward's
+    routers see its tokens: row by row over the padded columns, or, `packed`, its real tokens end to
+    end (`packing.pack_end_to_end`); None when the batch carries no routing."""
+    routing = batch.routing
+    if routing is None:
+        return None
+    return routing[batch.attention_mask.bool()] if packed else routing.flatten(0, 1)
+
+
 def micro_batch_rows(batch: ExperienceBatch, cfg: PolicyConfig) -> list[list[int]]:
     """The rows of each micro-batch: packed under `micro_batch_tokens` (longest first) when set,
     else `micro_batch_size` rows in order."""
@@ -150,15 +160,19 @@ def micro_batch_rows(batch: ExperienceBatch, cfg: PolicyConfig) -> list[list[int
 
 
 @torch.no_grad()
-def score(model: PreTrainedModel, batch: ExperienceBatch, cfg: PolicyConfig, with_entropy: bool, temperature: float
-          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def score(model: PreTrainedModel, batch: ExperienceBatch, cfg: PolicyConfig, with_entropy: bool, temperature: float,
+          mismatch: moe.RoutingMismatch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """No-grad log-probs (and entropy) [B, R] float32 on the CPU, in the batch's row order, computed
-    in the micro-batches `micro_batch_rows` gives."""
+    in the micro-batches `micro_batch_rows` gives; a mixture of experts' routers compared with the
+    engine's into `mismatch`, and replaced by them with `policy.routing_replay` (models/moe.py)."""
     lp = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
     ent = torch.zeros_like(lp) if with_entropy else None
+    packed = cfg.micro_batch_tokens > 0
     for rows in micro_batch_rows(batch, cfg):
-        part_lp, part_ent = response_logprobs(model, batch.select(rows), cfg.logprob_chunk_size, with_entropy,
-                                              temperature, packed=cfg.micro_batch_tokens > 0)
+        micro = batch.select(rows)
+        with moe.engine_routing(model, token_routing(micro, packed), cfg.routing_replay, mismatch):
+            part_lp, part_ent = response_logprobs(model, micro, cfg.logprob_chunk_size, with_entropy, temperature,
+                                                  packed=packed)
         lp[rows] = part_lp.float().cpu()
         if with_entropy:
             ent[rows] = part_ent.float().cpu()
@@ -183,6 +197,8 @@ class HFPolicy(Policy):
         self.peft_model = lora.attach(self.model, cfg.lora) if cfg.lora.rank > 0 else None
         moe.check_aux_loss(self.model.config, cfg.router_aux_loss_coef)
         self.moe = moe.is_moe(self.model.config)  # its training forwards report what the routers did
+        self.reads_routing = self.moe  # and its first forward over a step compares them with the engine's
+        self.mismatch = moe.RoutingMismatch(self.model.config.num_hidden_layers, self.device) if self.moe else None
         if cfg.recompute_activations:
             # transformers' gradient checkpointing: a decoder layer keeps its input alone while training and
             # runs again in the backward (non-reentrant, so frozen LoRA bases need no input gradients)
@@ -202,7 +218,7 @@ class HFPolicy(Policy):
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         was_training = self.model.training
         self.model.eval()
-        lp, ent = score(self.model, batch, self.cfg, True, temperature)
+        lp, ent = score(self.model, batch, self.cfg, True, temperature, self.mismatch)
         self.model.train(was_training)
         mask = batch.response_valid
         return lp * mask, ent * mask
@@ -234,6 +250,8 @@ class HFPolicy(Policy):
         self.scheduler.step()
         metrics = update_metrics(totals, grad_norms, skipped, ratios, diverged)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        if self.mismatch is not None:  # from the old-log-prob pass, or this call's forward when it gave them
+            metrics.update(self.mismatch.metrics())
         return metrics
 
     def _update(self, mini: ExperienceBatch, loss: Loss,
@@ -252,21 +270,25 @@ class HFPolicy(Policy):
         real_tokens = float(mini.attention_mask.sum()) if self.moe else 0.0  # the load-balancing loss's weights
         tally = (moe.RouterTally(self.model.config.num_hidden_layers, moe.experts(self.model.config),
                                  self.model.config.num_experts_per_tok, self.model.device) if self.moe else None)
+        packed = self.cfg.micro_batch_tokens > 0
         for rows in micro_batch_rows(mini, self.cfg):
             micro = mini.select(rows).to(self.model.device)
             routers = [] if self.moe else None
-            logprobs, entropy = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, fill, temperature,
-                                                  packed=self.cfg.micro_batch_tokens > 0, routers=routers)
-            if fill:
-                mask = micro.response_valid
-                micro.old_logprobs, micro.entropy = logprobs.detach() * mask, entropy.detach() * mask
-                filled_lp[rows] = micro.old_logprobs.float().cpu()
-                filled_ent[rows] = micro.entropy.float().cpu()
-            value, micro_metrics = loss(logprobs, micro, counts)
-            if routers:
-                value = value + self._router_terms(routers[0], tally, float(micro.attention_mask.sum()) / real_tokens,
-                                                   metrics)
-            value.backward()
+            # around the backward too: activation checkpointing runs the routers again in it
+            with moe.engine_routing(self.model, token_routing(micro, packed), self.cfg.routing_replay,
+                                    self.mismatch if fill else None):
+                logprobs, entropy = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, fill,
+                                                      temperature, packed=packed, routers=routers)
+                if fill:
+                    mask = micro.response_valid
+                    micro.old_logprobs, micro.entropy = logprobs.detach() * mask, entropy.detach() * mask
+                    filled_lp[rows] = micro.old_logprobs.float().cpu()
+                    filled_ent[rows] = micro.entropy.float().cpu()
+                value, micro_metrics = loss(logprobs, micro, counts)
+                if routers:
+                    value = value + self._router_terms(routers[0], tally,
+                                                       float(micro.attention_mask.sum()) / real_tokens, metrics)
+                value.backward()
             total_loss += value.detach()
             for key, number in micro_metrics.items():
                 metrics[key] += float(number)
@@ -336,7 +358,9 @@ class HFPolicy(Policy):
 
 
 class FrozenReference:
-    """A frozen copy of the starting policy, for the KL penalty's reference log-probs.
+    """A frozen copy of the starting policy, for the KL penalty's reference log-probs (with
+    `policy.routing_replay`, under the engine's experts too, so the KL compares the two models on the
+    same routing and is 0 before the first update, as without replay).
 
     Under torchrun every rank holds the same step batch and the same copy, so each rank scores its
     share of the rows (`distributed.map_split`) and the log-probs are all-gathered: the reference

@@ -42,7 +42,7 @@ from aligner_ext.models.warmup import supervised_warmup
 from aligner_ext.registry import load_dotted
 from aligner_ext.rewards.manager import RewardManager
 from aligner_ext.rules import Registered, rule_of
-from aligner_ext.support import check_run, rollout_refusal
+from aligner_ext.support import check_routing_replay, check_run, rollout_refusal
 from aligner_ext.trainer.contracts import check_stages, step_stages
 from aligner_ext.trainer.run_dir import EMBEDDED_MODEL
 
@@ -154,6 +154,10 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     check_evaluation(cfg)
     model_dir = model_directory(cfg, run_dir)
     check_run(cfg, model_dir)  # the model's family and layout, from config.json alone (aligner_ext/support.py)
+    if cfg.policy.routing_replay:
+        model_config = AutoConfig.from_pretrained(model_dir)
+        check_routing_replay(cfg, model_config, generation_engine_name(cfg, model_config,
+                                                                       resolve_device(cfg.policy.device)))
     if resolve_device(cfg.policy.device).type == "cuda":
         start_compile_workers()  # ready for the first compilation (models/kernels.py)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

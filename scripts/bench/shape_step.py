@@ -21,8 +21,10 @@ One call runs, each in its own process and one after another (the device otherwi
      on this model);
   2. ours: grpo_step_ours.py with the rollout engine and the workload's settings (lora:
      `policy.lora.rank=32 policy.lora.alpha=64` on every attention and MLP projection);
-  3. ours_megatron (when named in --systems): the same on the Megatron backend with its distributed
-     optimizer, packed under one HF micro-batch's tokens;
+  3. when named in --systems, ours with more settings (OURS_EXTRA): ours_megatron on the Megatron
+     backend with its distributed optimizer, packed under one HF micro-batch's tokens; ours_replay
+     (a mixture of experts) with routing replay. A mixture of experts' runs report the share of
+     (token, layer) pairs whose experts differ between the engine and the trainer (`moe/routing_mismatch`);
   4. TRL: grpo_step_trl.py in its fastest mode without vLLM ("fast": bf16 weights, no gradient
      checkpointing; lora: with `peft_config=LoraConfig(r=32, lora_alpha=64, target_modules="all-linear")`,
      which GRPOTrainer takes as its constructor argument);
@@ -64,9 +66,11 @@ from grpo_step import (  # noqa: E402
 from grpo_step_lib import Preset, build_word_tokenizer, write_json, write_workspace  # noqa: E402
 
 RANK, ALPHA = 32, 64
-# ours_megatron: the same step on the Megatron backend with its distributed optimizer, sequences packed
-# under a budget of one HF micro-batch's tokens (settings added to ours')
-MEGATRON = ["policy.backend=megatron", "policy.use_distributed_optimizer=true"]
+# Systems of ours with settings added to ours': the Megatron backend with its distributed optimizer,
+# sequences packed under a budget of one HF micro-batch's tokens (added below); the trainer routing
+# each token to the experts the engine chose
+OURS_EXTRA = {"ours_megatron": ["policy.backend=megatron", "policy.use_distributed_optimizer=true"],
+              "ours_replay": ["policy.routing_replay=true"]}
 TINY_SIZES = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512,
                   prompts=2, n=4, prompt_length=24, response_length=16, micro_batch=8, device="cpu")
 
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the harness")
     parser.add_argument("--systems", default="ours,trl_fast",
-                        help="comma-separated, from ours, ours_megatron, prev:ours, trl_fast; a system left out whose result is in --out from "
+                        help="comma-separated, from ours, ours_megatron, ours_replay, prev:ours, trl_fast; a system left out whose result is in --out from "
                              "an earlier call (on the same workspace) is reported from it, so two calls can split one run")
     parser.add_argument("--prev", type=prev_tree, default=None,
                         help="an earlier commit or its tree: the system prev:ours runs with its library (before / after)")
@@ -197,9 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     def ours_command(system: str) -> list[str]:
         stem = system.replace(":", "_")  # file names without the colon
         profile = ["--torch-profile", args.torch_profile] if args.torch_profile and system == "ours" else []
-        backend = [*MEGATRON, f"policy.micro_batch_tokens={preset.micro_batch * (preset.prompt_length + preset.response_length)}"] \
-            if system == "ours_megatron" else []
-        settings = [*workload.ours, *backend]
+        settings = [*workload.ours, *OURS_EXTRA.get(system, [])]
+        if system == "ours_megatron":
+            settings.append(f"policy.micro_batch_tokens={preset.micro_batch * (preset.prompt_length + preset.response_length)}")
         return [sys.executable, str(HERE / "grpo_step_ours.py"), "--workspace", str(args.out / "work"),
                 "--out", str(args.out / f"{stem}.json"), "--engine", "rollout", "--system", system, *common,
                 *[arg for setting in settings for arg in ("--set", setting)], *profile]
@@ -208,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     chosen = args.systems.split(",")
     if PREV_PREFIX + "ours" in chosen and args.prev is None:
         sys.exit("prev:ours: name the earlier tree with --prev")
-    workers = (("ours", ours_command("ours"), ROOT), ("ours_megatron", ours_command("ours_megatron"), ROOT),
+    workers = (("ours", ours_command("ours"), ROOT), *((name, ours_command(name), ROOT) for name in OURS_EXTRA),
                (PREV_PREFIX + "ours", ours_command(PREV_PREFIX + "ours"), args.prev),
                ("trl_fast", [*itself, "--trl-worker"], ROOT))
     for name, command, root in workers:
@@ -227,6 +231,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, result in results.items():
         try:
             systems[name] = summarise(result, preset, floor, hardware)
+            mismatch = [step["metrics"]["moe/routing_mismatch"] for step in result["steps"][result["warmup_steps"]:]
+                        if "moe/routing_mismatch" in step.get("metrics", {})]
+            if mismatch:  # every measured step's, as the run logged it
+                systems[name]["routing_mismatch"] = mismatch
         except (ValueError, ZeroDivisionError, statistics.StatisticsError):  # stopped before a measured step
             times = [round(step["step_s"], 1) for step in result["steps"]]
             failures[name] = f"stopped at its time limit after {len(times)} steps ({times} s), none measured"
@@ -243,12 +251,14 @@ def main(argv: list[str] | None = None) -> None:
         report["lora"] = {"rank": RANK, "alpha": ALPHA, "targets": "every attention and MLP projection"}
     lines = [f"Workload {args.workload}: {' '.join(workload.ours) or 'full training'}.", "",
              render(report), "", f"The rollout engine's first call: {report['engine_slots']}"]
-    for name in ("ours", "ours_megatron"):
+    for name in ("ours", *OURS_EXTRA):
         if name in systems and "trl_fast" in systems:
             ours = systems[name]
             lines += ["", f"{name}: step {systems['trl_fast']['step_s'][0] / ours['step_s'][0]:.2f}x TRL's, decoding at "
                       f"{100 * ours['decode_bound_share']:.1f}% of the decode bound, training at "
                       f"{100 * ours['train_mfu']:.1f}% MFU (targets: {workload.targets})."]
+    lines += [f"{name}: engine and trainer chose different experts for {', '.join(f'{100 * share:.3f}%' for share in s['routing_mismatch'])} "
+              "of (token, layer) pairs in the measured steps" for name, s in systems.items() if "routing_mismatch" in s]
     (args.out / "shape_step.md").write_text("\n".join(lines) + "\n")
     write_json(args.out / "shape_step.json", report)
     print("\n".join(lines))

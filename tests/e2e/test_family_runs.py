@@ -81,10 +81,8 @@ def check_megatron_step_at_tp2(tmp_path, overrides: list[str]) -> None:
     assert records[1]["rollout/logprob_diff_max"] < 1e-4
 
 
-def test_a_mixture_of_experts_trains_on_the_hf_backend_and_logs_its_routers(tmp_path):
-    """A Qwen3-MoE checkpoint: one step with the rollout engine on transformers' own expert tensors (its
-    log-probs are the trainer's to float32 rounding), the expert load and router entropy per layer in
-    the step's metrics, and the load-balancing loss when its coefficient is set."""
+def qwen3_moe_checkpoint(directory):
+    """A random-weight Qwen3-MoE checkpoint (4 experts, top 2) over the character tokenizer."""
     from transformers import Qwen3MoeConfig
 
     tokenizer = build_char_tokenizer()
@@ -92,17 +90,41 @@ def test_a_mixture_of_experts_trains_on_the_hf_backend_and_logs_its_routers(tmp_
                             num_key_value_heads=2, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    random_model(config).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    overrides = [*SMALL_MODEL, *STEP, f"model.path={tmp_path / 'model'}", f"trainer.output_dir={tmp_path}",
-                 "trainer.run_name=run", "policy.router_aux_loss_coef=0.01"]
+    random_model(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_a_mixture_of_experts_trains_on_the_hf_backend_and_logs_its_routers(tmp_path):
+    """A Qwen3-MoE checkpoint: one step with the rollout engine on transformers' own expert tensors (its
+    log-probs are the trainer's to float32 rounding), the expert load and router entropy per layer in
+    the step's metrics, the load-balancing loss when its coefficient is set, and how often the trainer's
+    routers chose other experts than the engine's."""
+    overrides = [*SMALL_MODEL, *STEP, f"model.path={qwen3_moe_checkpoint(tmp_path / 'model')}",
+                 f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "policy.router_aux_loss_coef=0.01"]
     train(load_config("base", overrides))
     step = step_records(tmp_path / "run")[1]
     assert step["rollout/logprob_diff_max"] < 1e-4
-    for key in ("moe/load_max/layer_0", "moe/load_max/layer_1", "moe/router_entropy/layer_1", "loss/router_aux"):
+    for key in ("moe/load_max/layer_0", "moe/load_max/layer_1", "moe/router_entropy/layer_1", "loss/router_aux",
+                "moe/routing_mismatch/layer_1", "moe/routing_mismatch_tokens"):
         assert key in step, key
     assert 1.0 <= step["moe/load_max"] <= 2.0  # 4 experts, top 2
     assert 0 < step["moe/router_entropy"] <= 1.3863  # log 4
+    assert 0 <= step["moe/routing_mismatch"] < 0.05  # float32 on both sides: a near tie may flip, rarely
+
+
+def test_routing_replay_trains_a_mixture_of_experts_on_the_engines_experts(tmp_path):
+    """One step with `policy.routing_replay`: the trainer's forwards (the old-log-prob pass included, two
+    updates) take the engine's experts, so its log-probs are the engine's to float32 rounding, and the
+    mismatch of its own routers is reported beside it."""
+    overrides = [*SMALL_MODEL, *STEP, f"model.path={qwen3_moe_checkpoint(tmp_path / 'model')}",
+                 f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "policy.routing_replay=true",
+                 "policy.num_iterations=2"]
+    train(load_config("base", overrides))
+    step = step_records(tmp_path / "run")[1]
+    assert step["actor/num_updates"] == 2
+    assert step["rollout/logprob_diff_max"] < 1e-4
+    assert 0 <= step["moe/routing_mismatch"] < 0.05
 
 
 def test_a_mixture_of_experts_trains_on_the_megatron_backend_at_tp2_with_sequence_parallelism(tmp_path):

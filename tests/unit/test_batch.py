@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from aligner_ext.batch import ExperienceBatch, SampleInfo, concat_batches
+from aligner_ext.batch import ExperienceBatch, SampleInfo, concat_batches, routing_fields
 from aligner_ext.data.types import PromptRow
+from aligner_ext.generation.base import NOT_RECORDED
 
 PAD = 0
 
@@ -55,3 +56,34 @@ def test_concat_refuses_partially_set_fields():
     b = make_batch([[4]], [[5]], [1])
     with pytest.raises(ValueError, match="rewards"):
         concat_batches([a, b], pad_token_id=PAD)
+
+
+def with_routing(batch, first: int):
+    """`batch` with routing [layers 2, k 1] numbering its real tokens first, first + 1, ... row by row
+    (NOT_RECORDED on pads), laid out as the ids."""
+    mask = batch.attention_mask.bool()
+    routing = torch.full((*mask.shape, 2, 1), NOT_RECORDED, dtype=torch.int16)
+    routing[mask] = torch.arange(first, first + int(mask.sum()), dtype=torch.int16)[:, None, None].expand(-1, 2, 1)
+    width = batch.prompt_ids.shape[1]
+    batch.prompt_routing, batch.response_routing = routing[:, :width], routing[:, width:]
+    return batch
+
+
+def test_concat_and_select_keep_each_tokens_routing_beside_it():
+    """Dynamic sampling's refill: batches of other widths stacked, then rows picked; every real token keeps
+    its routing, the new pads are NOT_RECORDED."""
+    a = with_routing(make_batch([[1, 2]], [[3]], [0]), first=10)
+    b = with_routing(make_batch([[4]], [[5, 6, 7]], [1]), first=20)
+    both = concat_batches([a, b], pad_token_id=PAD)
+    assert both.routing[..., 0, 0].tolist() == [[10, 11, 12, NOT_RECORDED, NOT_RECORDED],
+                                                [NOT_RECORDED, 20, 21, 22, 23]]
+    assert both.select([1]).routing[0, :, 1, 0].tolist() == [NOT_RECORDED, 20, 21, 22, 23]
+
+
+def test_routing_fields_lay_each_rows_tokens_out_as_the_ids():
+    first = torch.tensor([[[1]], [[2]], [[3]]], dtype=torch.int16)  # prompt of 2, response of 1
+    second = torch.tensor([[[4]], [[5]], [[6]]], dtype=torch.int16)  # prompt of 1, response of 2
+    prompts, responses = routing_fields([first, second, None], [2, 1, 2], prompt_width=2, response_width=2,
+                                        shape=(1, 1))
+    assert prompts[..., 0, 0].tolist() == [[1, 2], [NOT_RECORDED, 4], [NOT_RECORDED, NOT_RECORDED]]
+    assert responses[..., 0, 0].tolist() == [[3, NOT_RECORDED], [5, 6], [NOT_RECORDED, NOT_RECORDED]]

@@ -15,10 +15,19 @@ import pytest
 import torch
 
 from aligner_ext.generation.base import SamplingParams
-from aligner_ext.generation.decoder import HFDecoder, experts_mlp, grouped_mm_runs, route
+from aligner_ext.generation.decoder import (
+    HFDecoder,
+    experts_mlp,
+    grouped_mm_runs,
+    route,
+)
 from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
 from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
-from aligner_ext.models.family_configs import family_config, random_model
+from aligner_ext.models.family_configs import (
+    decisive_experts,
+    family_config,
+    random_model,
+)
 from aligner_ext.models.lora import attach
 from aligner_ext.models.settings import LoraConfig
 
@@ -42,12 +51,7 @@ def moe_model(name: str, tokenizer, dtype: torch.dtype = torch.float64):
     config = family_config(family, **SIZES, **overrides, vocab_size=len(tokenizer),
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = random_model(config)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for weight, scale in ((layer.mlp.gate.weight, 1.0), (layer.mlp.experts.gate_up_proj, 0.2),
-                                  (layer.mlp.experts.down_proj, 0.2)):
-                weight.copy_(torch.randn(weight.shape, generator=gen) * scale)
+    decisive_experts(model, 0.2)
     model = model.to(dtype)
     if dtype == torch.float64:
         model.set_experts_implementation("eager")
