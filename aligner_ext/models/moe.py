@@ -69,13 +69,17 @@ class RouterTally:
 
     @torch.no_grad()
     def add(self, layer: int, logits: torch.Tensor, real: torch.Tensor) -> None:
-        """Layer `layer`'s router logits [tokens, experts] at the tokens where `real` [tokens] is True."""
-        logits = logits.detach().float()[real.to(logits.device)]
+        """Layer `layer`'s router logits [tokens, experts] at the tokens where `real` [tokens] is True.
+        Pads are weighted 0 rather than indexed out, and choices counted by index_add_, not bincount:
+        both of those wait for the device (a host sync per layer and micro-batch stalls the training
+        forward's kernel launches)."""
+        logits = logits.detach().float()
+        weight = real.to(logits.device, torch.float64)
         log_probs = torch.log_softmax(logits, dim=-1)
-        self.entropy[layer] += -(log_probs.exp() * log_probs).sum()
+        self.entropy[layer] += (-(log_probs.exp() * log_probs).sum(dim=-1).double() * weight).sum()
         choices = logits.topk(self.top_k, dim=-1).indices.flatten()
-        self.counts[layer] += torch.bincount(choices, minlength=logits.shape[-1]).double()
-        self.tokens[layer] += logits.shape[0]
+        self.counts[layer].index_add_(0, choices, weight.repeat_interleave(self.top_k))
+        self.tokens[layer] += weight.sum()
 
     def totals(self) -> torch.Tensor:
         """Everything tallied as one flat tensor (to sum over ranks in place: it is a copy)."""
