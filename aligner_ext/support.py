@@ -152,6 +152,10 @@ def check_run(cfg, model_dir: Path | str) -> None:
                               f"({err})") from err
         reason = megatron_refusal(hf_config, policy.tensor_model_parallel_size, policy.pipeline_model_parallel_size,
                                   policy.sequence_parallel, launched_world_size())
+        if reason is None:
+            from aligner_ext.models.megatron.parallel import expert_parallel_refusal
+
+            reason = expert_parallel_refusal(hf_config, policy, launched_world_size())
         if reason is None and policy.lora.rank > 0 and architecture(hf_config).experts is not None:
             reason = (f"{family_label(hf_config)}: policy.lora.rank={policy.lora.rank}: the Megatron backend's "
                       f"adapters do not cover mixture-of-experts layers yet; {HF_RUNS_IT}")

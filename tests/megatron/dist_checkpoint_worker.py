@@ -1,9 +1,10 @@
 """Runs under `torchrun --nproc_per_node=2` (gloo, CPU), launched by test_dist_checkpoint.py.
 
 For each case (an HF checkpoint + `train_setup.pt` under the work directory) and each saving layout
-(TP=2, PP=2): a `MegatronPolicy` trains 2 steps, writes its distributed checkpoint
-(`save_sharded`), then trains a third step ("straight"). For each of the other layouts with two
-processes (TP=2, PP=2, DP=2), a fresh policy built from the *starting* weights loads that
+(TP=2, PP=2; a mixture of experts: EP=2, its experts split over the two DP ranks, and DP=2 at EP=1):
+a `MegatronPolicy` trains 2 steps, writes its distributed checkpoint (`save_sharded`), then trains a
+third step ("straight"). For each of the other layouts with two processes (TP=2, PP=2, DP=2; a
+mixture of experts: `MOE_LOADS`), a fresh policy built from the *starting* weights loads that
 checkpoint (`load_sharded` + `load_state_dict`) and trains the same third step ("resumed").
 Everything is gathered over all ranks into HF names with `convert.megatron_to_hf`, independently
 of the checkpoint code: weights, Adam's exp_avg / exp_avg_sq and step. Rank 0 writes
@@ -24,15 +25,18 @@ from aligner_ext.models.megatron import convert
 from aligner_ext.models.megatron.parallel import init_distributed
 from aligner_ext.models.megatron.policy import MegatronPolicy
 
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (TP, PP) on two processes
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 1), "ep2": (1, 1, 2)}  # (TP, PP, EP) on two processes
 SAVED_AT = ("tp2", "pp2")
+# a mixture of experts: saved with its experts split over the DP ranks, loaded with them whole, and back
+MOE_LOADS = {"ep2": ("pp2", "dp2"), "dp2": ("ep2",)}
 ADAM = ("exp_avg", "exp_avg_sq")
 
 
 def build_policy(case: Path, layout: str) -> MegatronPolicy:
     setup = torch.load(case / "train_setup.pt", weights_only=False)
-    tp, pp = LAYOUTS[layout]
-    cfg = dataclasses.replace(setup["policy_cfg"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tp, pp, ep = LAYOUTS[layout]
+    cfg = dataclasses.replace(setup["policy_cfg"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep)
     return MegatronPolicy(AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32), cfg, total_steps=8)
 
 
@@ -56,12 +60,15 @@ def gathered(policy: MegatronPolicy) -> dict:
         local[key] = {name: state[p][key].clone() for name, p in params.items()}
     steps = {float(state[p]["step"]) for p in params.values()}
     key = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep > 1:  # each EP rank holds its own experts
+        key += (parallel_state.get_expert_model_parallel_rank(),)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (key, local, steps))
     shards = {k: v for k, v, _ in everyone}  # DP replicas overwrite each other
     tp, pp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()
-    result = {field: convert.megatron_to_hf({k: shard[field] for k, shard in shards.items()}, policy.hf_config, tp, pp)
-              for field in ("weight", *ADAM)}
+    result = {field: convert.megatron_to_hf({k: shard[field] for k, shard in shards.items()}, policy.hf_config, tp, pp,
+                                            ep) for field in ("weight", *ADAM)}
     result["steps"] = set().union(*(s for _, _, s in everyone))
     if policy.hf_config.tie_word_embeddings and pp > 1:  # the last stage's copy of the embedding
         vocab = policy.hf_config.vocab_size
@@ -70,9 +77,10 @@ def gathered(policy: MegatronPolicy) -> dict:
     return result
 
 
-def run_case(case: Path) -> dict:
+def run_case(case: Path, loads: dict[str, tuple[str, ...]]) -> dict:
+    """For each saving layout of `loads`, its run and the runs resumed at each layout it names."""
     results = {}
-    for saved_at in SAVED_AT:
+    for saved_at, loaded_ats in loads.items():
         directory = case / f"ckpt_{saved_at}"
         if dist.get_rank() == 0:
             directory.mkdir()
@@ -85,9 +93,7 @@ def run_case(case: Path) -> dict:
         results[saved_at] = {"saved": gathered(policy), "state": state}
         train_step(policy, case)
         results[saved_at]["straight"] = gathered(policy)
-        for loaded_at in LAYOUTS:
-            if loaded_at == saved_at:
-                continue
+        for loaded_at in loaded_ats:
             policy = build_policy(case, loaded_at)
             policy.load_sharded(directory)
             policy.load_state_dict(state)
@@ -97,12 +103,21 @@ def run_case(case: Path) -> dict:
     return results
 
 
+def policy_config(case: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(case)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     init_distributed()
     root = Path(sys.argv[1])
     for name in (root / "cases.txt").read_text().split():
-        results = run_case(root / name)
+        experts = getattr(policy_config(root / name), "num_experts", None)
+        loads = MOE_LOADS if experts else {saved: tuple(at for at in ("tp2", "pp2", "dp2") if at != saved)
+                                           for saved in SAVED_AT}
+        results = run_case(root / name, loads)
         if dist.get_rank() == 0:
             torch.save(results, root / name / "results.pt")
     policy = build_policy(root / name, "tp2")

@@ -6,7 +6,10 @@ Cases: Llama with tied embeddings (at PP=2 the last stage holds a copy of the em
 (untied output layer, q/k norms), and every family of `megatron_cases.FAMILY_CASES`, among them the
 ones whose parameters no other case has: OLMo 2 / 3 (post-norms in the attention and MLP modules, q/k
 norms over the projection, TP-sharded) and Gemma 3 (all four norms of a layer); no vocabulary a
-multiple of 128. Saved at
+multiple of 128; and Qwen2-MoE (routed experts, a gated shared expert), saved with its experts split
+over the two DP ranks (EP=2, megatron-core's expert offsets) and loaded whole (EP=1) at PP=2 and DP=2,
+and saved at DP=2 (EP=1) and loaded at EP=2.
+The dense cases are saved at
 TP=2 and at PP=2 after 2 RL steps (4 Adam updates, linear LR decay), loaded at each other layout of
 two processes (TP=2, PP=2, DP=2):
 - the loaded weights and Adam exp_avg / exp_avg_sq, gathered into HF names, equal the saved ones
@@ -26,14 +29,17 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_cases import FAMILY_CASES, build_model, hf_configs, torchrun  # noqa: E402
+from megatron_cases import FAMILY_CASES, MOE_CASES, build_model, hf_configs, torchrun  # noqa: E402
 from test_megatron_tp_pp import train_setup  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("dist_checkpoint_worker.py")
-CASES = ["llama", "qwen3", *FAMILY_CASES]
+CASES = ["llama", "qwen3", "qwen2_moe", *FAMILY_CASES]  # the last one's directory is the worker's missing-checkpoint case
 LOADS = [("tp2", "pp2"), ("tp2", "dp2"), ("pp2", "tp2"), ("pp2", "dp2")]  # (saved at, loaded at)
+MOE_LOADS = [("ep2", "pp2"), ("ep2", "dp2"), ("dp2", "ep2")]  # EP=2 (the experts split over DP) <-> EP=1
+RUNS = [(name, saved_at, loaded_at) for name in CASES
+        for saved_at, loaded_at in (MOE_LOADS if name in MOE_CASES else LOADS)]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +67,7 @@ def assert_equal(actual: dict, expected: dict, what: str) -> None:
         assert torch.equal(actual[key], expected[key]), (what, key)
 
 
-@pytest.mark.parametrize("saved_at, loaded_at", LOADS)
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name, saved_at, loaded_at", RUNS)
 def test_weights_and_adam_state_load_exactly_at_another_layout(results, name, saved_at, loaded_at):
     run = load_results(results, name)[saved_at]
     saved, loaded = run["saved"], run[loaded_at]["loaded"]
@@ -75,8 +80,7 @@ def test_weights_and_adam_state_load_exactly_at_another_layout(results, name, sa
             assert torch.equal(copy, run_result[field]["model.embed_tokens.weight"]), field
 
 
-@pytest.mark.parametrize("saved_at, loaded_at", LOADS)
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name, saved_at, loaded_at", RUNS)
 def test_a_step_after_loading_at_another_layout_equals_the_step_of_the_saving_run(results, name, saved_at, loaded_at):
     run = load_results(results, name)[saved_at]
     straight, resumed = run["straight"]["weight"], run[loaded_at]["resumed"]["weight"]

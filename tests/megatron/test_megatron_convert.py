@@ -181,3 +181,77 @@ def test_a_checkpoint_files_experts_stack_into_the_loaded_models_tensors(tmp_pat
     for key, tensor in loaded.items():
         assert torch.equal(stacked[key], tensor), key
     assert set(convert.per_expert(stacked)) == set(on_disk)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (2, 1, 2), (1, 2, 4)])
+def test_expert_parallel_round_trip_is_exact(tmp_path, name, tp, pp, ep):
+    """At EP > 1 each (stage, tensor rank, EP rank) shard holds its EP rank's experts; the round trip
+    through safetensors gives every tensor back bit for bit."""
+    config = hf_configs()[name]
+    build_model(config).save_pretrained(tmp_path)
+    hf = load_file(tmp_path / "model.safetensors")
+    shards = convert.hf_to_megatron(convert.stacked_experts(hf), config, tp, pp, ep)
+    assert set(shards) == {(s, r, q) for s in range(pp) for r in range(tp) for q in range(ep)}
+    back = convert.per_expert(convert.megatron_to_hf(shards, config, tp, pp, ep))
+    assert set(back) == set(hf)
+    for key, tensor in hf.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+
+
+def test_each_expert_parallel_rank_holds_its_experts_as_local_ones():
+    """EP=2 of 4 experts: EP rank 1's local experts 0 and 1 are global experts 2 and 3, split over TP
+    as at EP=1; the router and the shared expert are the same on both EP ranks."""
+    config = hf_configs()["qwen2_moe"]
+    hf = build_model(config).state_dict()
+    gate_up, down = hf["model.layers.1.mlp.experts.gate_up_proj"], hf["model.layers.1.mlp.experts.down_proj"]
+    for tp_rank in range(2):
+        first, second = (convert.hf_to_megatron_shard(hf, config, 2, 1, tp_rank, 0, 2, q) for q in range(2))
+        assert not any(".local_experts.2." in key or ".local_experts.3." in key for key in second)
+        tp_only = convert.hf_to_megatron_shard(hf, config, 2, 1, tp_rank, 0)
+        for local in range(2):
+            mine = f"decoder.layers.1.mlp.experts.local_experts.{local}."
+            at_ep1 = f"decoder.layers.1.mlp.experts.local_experts.{2 + local}."
+            assert torch.equal(second[mine + "linear_fc1.weight"], tp_only[at_ep1 + "linear_fc1.weight"])
+            assert torch.equal(second[mine + "linear_fc2.weight"], tp_only[at_ep1 + "linear_fc2.weight"])
+            assert torch.equal(first[mine + "linear_fc2.weight"], down[local].chunk(2, dim=1)[tp_rank])
+        shared = [key for key in first if "local_experts" not in key]
+        assert shared == [key for key in second if "local_experts" not in key]
+        assert all(torch.equal(first[key], second[key]) for key in shared)
+    assert gate_up.shape[0] == 4
+    with pytest.raises(ValueError, match="EP=3 must divide the number of experts, 4"):
+        convert.hf_to_megatron_shard(hf, config, 1, 1, 0, 0, 3, 0)
+    with pytest.raises(ValueError, match="EP=2 must divide the number of experts, none"):
+        convert.hf_to_megatron_shard(build_model(hf_configs()["qwen3"]).state_dict(), hf_configs()["qwen3"], 1, 1, 0, 0, 2, 1)
+    with pytest.raises(ValueError, match="dense model, run it at policy.expert_model_parallel_size=1"):
+        transformer_config(hf_configs()["qwen3"], 1, 1, torch.float32, expert_parallel=2)
+    with pytest.raises(ValueError, match="expert_model_parallel_size=3 must divide num_experts=4"):
+        transformer_config(config, 1, 1, torch.float32, expert_parallel=3)
+
+
+@pytest.mark.parametrize("case, settings, world, message", [
+    ("qwen3", {}, 2, "policy.expert_model_parallel_size=2 splits a mixture of experts' experts; qwen3 is a dense "
+                     "model: policy.expert_model_parallel_size=1 runs it"),
+    ("qwen2_moe", {"expert_model_parallel_size": 3}, 3,
+     "policy.expert_model_parallel_size=3 does not divide the 4 experts of qwen2_moe"),
+    ("qwen2_moe", {}, 1, "policy.expert_model_parallel_size=2 does not divide the data-parallel size of 1 processes "
+                         "/ (tensor_model_parallel_size=1 x pipeline_model_parallel_size=1)"),
+    ("qwen2_moe", {"tensor_model_parallel_size": 2, "sequence_parallel": True}, 2,
+     "policy.expert_model_parallel_size=2 does not divide the data-parallel size of 2 processes "
+     "/ (tensor_model_parallel_size=2 x pipeline_model_parallel_size=1)"),
+    ("qwen3_moe", {"micro_batch_tokens": 64}, 2, "policy.expert_model_parallel_size=2 runs micro-batches of rows in "
+                                                 "lockstep over its ranks: policy.micro_batch_tokens=0"),
+    ("qwen3_moe", {}, 2, None),
+    ("qwen3_moe", {"tensor_model_parallel_size": 2, "sequence_parallel": True}, 4, None),
+])
+def test_expert_parallel_refusals_are_one_line(case, settings, world, message):
+    """`MegatronPolicy` raises these (ConfigError) before it builds anything."""
+    from aligner_ext.models.megatron.parallel import expert_parallel_refusal
+    from aligner_ext.models.settings import PolicyConfig
+
+    cfg = PolicyConfig(backend="megatron", **{"expert_model_parallel_size": 2, **settings})
+    reason = expert_parallel_refusal(hf_configs()[case], cfg, world)
+    if message is None:
+        assert reason is None
+    else:
+        assert reason.startswith(message) and "\n" not in reason

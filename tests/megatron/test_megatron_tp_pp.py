@@ -21,6 +21,9 @@ One torchrun launch (tests/megatron/worker.py, 2 processes) runs every case and 
 - one on-policy update on a batch without old log-probs (the loop's shortcut) at TP=2 + SP packed,
   PP=2 packed and DP=2: the train call fills the old log-probs and entropy from its own forward
   (equal to the HF backend's separate pass) and updates as the HF backend does after that pass.
+- expert parallelism (EP=2: the mixtures of experts' 4 experts split over the 2 DP ranks, 2 each):
+  log-probs, gradients, refit, counted norm and the train call as above at EP=2 (`tp1_pp1_ep2`, in the
+  same launch), and at TP=2 + SP x EP=2 in a second launch of 4 processes (`FOUR_RANK_LAYOUT`).
 - the guard of the replicated loop: a batch that differs on one rank raises with the reason (on both
   ranks, so nothing hangs). (Checkpoints resume at another layout: test_dist_checkpoint.py.)
 """
@@ -52,7 +55,9 @@ SP_PACKED_LAYOUTS = ["tp2_pp1_sp", "tp2_pp1_packed", "tp1_pp2_packed", "tp2_pp1_
 # RoPE bases per layer type), Phi-3 (partial rotary and a window on every layer, per packed sequence)
 SP_PACKED_CASES = ["llama", "qwen2", "qwen3", "olmo3", "gemma3_text", "phi3"]
 # a mixture of experts under TP trains with sequence parallelism only (megatron-core's MoE layer refuses it without)
-MOE_LAYOUTS = ["tp1_pp1", "tp1_pp2", "tp2_pp1_sp", "tp2_pp1_sp_packed"]
+# _ep2: the experts split over the two DP ranks (expert parallelism)
+MOE_LAYOUTS = ["tp1_pp1", "tp1_pp2", "tp2_pp1_sp", "tp2_pp1_sp_packed", "tp1_pp1_ep2"]
+FOUR_RANK_LAYOUT = "tp2_pp1_ep2_sp"  # TP=2 x EP=2 over DP=2, sequence parallel: worker.four_ranks
 LOGPROB_CASES = [(name, layout) for name in sorted(hf_configs()) if name not in MOE_CASES
                  for layout in EVERY_CASE_LAYOUTS + SP_PACKED_LAYOUTS
                  if layout in EVERY_CASE_LAYOUTS or name in SP_PACKED_CASES]
@@ -63,6 +68,7 @@ TRAIN_LAYOUTS = ["tp2_pp1", "tp1_pp2", "tp1_pp1", "tp2_pp1_sp", "tp2_pp1_sp_pack
                  "tp1_pp1_packed"]
 TRAIN_RUNS = [(name, layout) for name in TRAIN_CASES for layout in TRAIN_LAYOUTS
               if not (name in MOE_CASES and layout == "tp2_pp1")]
+TRAIN_RUNS += [(name, "tp1_pp1_ep2") for name in TRAIN_CASES if name in MOE_CASES]
 POLICY_CFG = PolicyConfig(backend="megatron", dtype="float32", device="cpu", micro_batch_size=1, mini_batch_size=2,
                           logprob_chunk_size=3, optim=OptimConfig(lr=1e-2, eps=1e-4, grad_clip=1.0))
 OLD_OFFSET = torch.tensor([[0.3, -0.3, 0.0, 0.1], [-0.4, 0.0, 0.0, 0.0], [0.05, 0.2, -0.25, 0.0]])
@@ -88,6 +94,13 @@ def cases(tmp_path_factory):
     (root / "train_cases.txt").write_text(" ".join(TRAIN_CASES))
     torchrun([str(WORKER), str(root)], timeout=1500)  # a hang guard: its cases took 9-10 min on 2 cores
     return root
+
+
+@pytest.fixture(scope="module")
+def four_rank_cases(cases):
+    """The same cases, with the mixtures of experts run at TP=2 + SP x EP=2 by 4 processes."""
+    torchrun([str(WORKER), str(cases)], processes=4, timeout=600)
+    return cases
 
 
 def hf_reference(case: Path):
@@ -185,6 +198,17 @@ def test_one_train_call_matches_the_hf_backend(cases, name, layout):
     assert (name in MOE_CASES) == bool(routers)
     for key in routers:  # the expert loads and router entropies, over the same real tokens
         assert result["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5), key
+
+
+@pytest.mark.parametrize("name", MOE_CASES)
+def test_tensor_and_expert_parallel_on_four_ranks_match_hf(four_rank_cases, name):
+    """TP=2 + SP x EP=2 (DP=2): log-probs, entropy, gradients, refit and the counted norm as at the
+    other layouts; for Qwen2-MoE one train call equal to the HF backend's."""
+    test_logprobs_entropy_and_gradient_match_hf(four_rank_cases, name, FOUR_RANK_LAYOUT)
+    test_refit_writes_every_hf_parameter_bit_for_bit(four_rank_cases, name, FOUR_RANK_LAYOUT)
+    test_the_gradient_norm_counts_every_weight_once(four_rank_cases, name, FOUR_RANK_LAYOUT)
+    if name in TRAIN_CASES:
+        test_one_train_call_matches_the_hf_backend(four_rank_cases, name, FOUR_RANK_LAYOUT)
 
 
 @pytest.mark.parametrize("layout", ["tp2_pp1_sp_packed", "tp1_pp2_packed", "tp1_pp1"])

@@ -1,14 +1,16 @@
 """Runs under `torchrun --nproc_per_node=2` (gloo, CPU), launched by test_tp_pp.py.
 
 For every (case, layout) line of `logprob_cases.txt` (a case: an HF checkpoint + `batch.pt` under
-the work directory; a layout: tp{T}_pp{P}[_sp][_packed]): build this rank's GPTModel from the HF
+the work directory; a layout: tp{T}_pp{P}[_ep{E}][_sp][_packed], _ep2: a mixture of experts' experts
+split over the 2 data-parallel ranks): build this rank's GPTModel from the HF
 weights (convert.py), compute the response log-probs and entropy (forward.py), a zeroed HF model
 refitted from it (weights.py), the norm megatron-core's gradient clipping takes, over the weights,
 and (through megatron-core's DDP) the gradient of the sum of valid response log-probs, converted
 back to HF names;
 with micro-batches of padded rows, and (`_packed`) with the sequences packed end to end under a
 token budget that puts rows 0 and 2 together and row 1 alone (out of order).
-Rank 0 writes `<case>/tp{T}_pp{P}[_sp][_packed].pt`; the test compares with HF.
+Rank 0 writes `<case>/tp{T}_pp{P}[_ep{E}][_sp][_packed].pt`; the test compares with HF. Launched with 4
+processes it runs the mixtures of experts at TP=2 + SP x EP=2 alone (`four_ranks`).
 """
 
 import dataclasses
@@ -51,24 +53,28 @@ def micro_batches(batch: ExperienceBatch, device, multiple_of: int, packed: bool
     return [forward.pack(forward.pad_rows(part, MICRO_BATCH), 0, device, multiple_of) for part in parts], [0, 1, 2]
 
 
-def gathered_shards(shard: dict) -> dict:
-    """Every rank's shard keyed by (stage, tensor rank), on every rank."""
+def gathered_shards(shard: dict, ep: int = 1) -> dict:
+    """Every rank's shard keyed by (stage, tensor rank[, EP rank at ep > 1]), on every rank."""
     key = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
+    if ep > 1:
+        key += (parallel_state.get_expert_model_parallel_rank(),)
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, (key, shard))
     return dict(everything)
 
 
-def run_case(case: Path, tp: int, pp: int, sp: bool, packed: bool, device) -> None:
+def run_case(case: Path, tp: int, pp: int, sp: bool, packed: bool, device, ep: int = 1) -> None:
     hf_config = AutoConfig.from_pretrained(case)
     hf_state = convert.stacked_experts(load_file(case / "model.safetensors"))
     tensors = torch.load(case / "batch.pt")
     mask = tensors["response_valid"]
     batch = ExperienceBatch(samples=[None] * len(mask), response_mask=mask, group_ids=torch.arange(len(mask)), **tensors)
-    init_model_parallel(tp, pp)
-    model = build_gpt_model(hf_config, transformer_config(hf_config, tp, pp, torch.float32, sp), device)
+    init_model_parallel(tp, pp, expert_parallel=ep)
+    model = build_gpt_model(hf_config, transformer_config(hf_config, tp, pp, torch.float32, sp, expert_parallel=ep),
+                            device)
     stage, rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
-    convert.load_shard(model, convert.hf_to_megatron_shard(hf_state, hf_config, tp, pp, rank, stage))
+    convert.load_shard(model, convert.hf_to_megatron_shard(hf_state, hf_config, tp, pp, rank, stage, ep,
+                                                           parallel_state.get_expert_model_parallel_rank()))
     micro, rows = micro_batches(batch, device, tp if sp else 1, packed)
     lp, ent = forward.forward_logprobs(model, micro, hf_config.vocab_size, CHUNK, 1.0)
     order = torch.tensor(rows).argsort()  # back to the batch's row order
@@ -79,19 +85,27 @@ def run_case(case: Path, tp: int, pp: int, sp: bool, packed: bool, device) -> No
     forward.forward_backward(ddp, micro, hf_config.vocab_size, CHUNK, 1.0,
                              lambda lp, micro: ((lp * micro.response_valid).sum(), {}))
     replicas = parallel_state.get_data_parallel_world_size()  # each DP rank ran the whole batch, DDP sums them
-    grads = gathered_shards({name: p.main_grad.detach() / replicas for name, p in model.named_parameters()})
-    result["grads"] = convert.megatron_to_hf(grads, hf_config, tp, pp)
+    grads = gathered_shards({name: p.main_grad.detach() / replicas for name, p in model.named_parameters()}, ep)
+    result["grads"] = convert.megatron_to_hf(grads, hf_config, tp, pp, ep)
     if dist.get_rank() == 0:
-        torch.save(result, case / layout_name(tp, pp, sp, packed=packed))
+        torch.save(result, case / layout_name(tp, pp, sp, packed=packed, ep=ep))
 
 
 def counted_weight_norm(model) -> float:
     """The L2 norm megatron-core's gradient clipping would compute, over the weights instead of the
     gradients: the parameters it counts (not a tied copy, not a TP replica beyond rank 0 unless
     marked TP-sharded), reduced over the model-parallel group."""
-    counted = [p.detach() for p in model.parameters()
-               if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
-    return float(get_grad_norm_fp32(counted, grad_stats_parallel_group=parallel_state.get_model_parallel_group()))
+    counted = [p for p in model.parameters() if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    # megatron-core's optimizer takes the experts' norm (`allreduce=False`) over their own model-parallel
+    # group (expert TP x EP x PP) and the rest over the model-parallel group, then their root sum of squares
+    dense = [p.detach() for p in counted if getattr(p, "allreduce", True)]
+    experts = [p.detach() for p in counted if not getattr(p, "allreduce", True)]
+    norm = float(get_grad_norm_fp32(dense, grad_stats_parallel_group=parallel_state.get_model_parallel_group()))
+    if experts:
+        expert_norm = float(get_grad_norm_fp32(
+            experts, grad_stats_parallel_group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()))
+        norm = (norm ** 2 + expert_norm ** 2) ** 0.5
+    return norm
 
 
 def refit_into_zeros(model, hf_config) -> dict:
@@ -104,17 +118,17 @@ def refit_into_zeros(model, hf_config) -> dict:
     return target.state_dict()
 
 
-def layout_name(tp: int, pp: int, sp: bool, prefix: str = "", packed: bool = False) -> str:
-    return f"{prefix}tp{tp}_pp{pp}{'_sp' if sp else ''}{'_packed' if packed else ''}.pt"
+def layout_name(tp: int, pp: int, sp: bool, prefix: str = "", packed: bool = False, ep: int = 1) -> str:
+    return f"{prefix}tp{tp}_pp{pp}{f'_ep{ep}' if ep > 1 else ''}{'_sp' if sp else ''}{'_packed' if packed else ''}.pt"
 
 
-def train_case(case: Path, tp: int, pp: int, sp: bool, packed: bool = False) -> None:
+def train_case(case: Path, tp: int, pp: int, sp: bool, packed: bool = False, ep: int = 1) -> None:
     """One train call; `packed`: micro-batches under a token budget, with activation recomputation."""
     model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32)
     setup = torch.load(case / "train_setup.pt", weights_only=False)
     cfg = dataclasses.replace(setup["policy_cfg"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               sequence_parallel=sp, micro_batch_tokens=TOKEN_BUDGET if packed else 0,
-                              recompute_activations=packed)
+                              recompute_activations=packed, expert_model_parallel_size=ep)
     policy = MegatronPolicy(model, cfg, total_steps=4)
     batch = setup["batch"]
     lp, ent = policy.logprobs(batch, 1.0)
@@ -125,7 +139,7 @@ def train_case(case: Path, tp: int, pp: int, sp: bool, packed: bool = False) -> 
     if dist.get_rank() == 0:
         state = {k: v.clone() for k, v in policy.model.state_dict().items()}
         torch.save({"logprobs": lp, "entropy": ent, "metrics": metrics, "new_logprobs": new_lp, "state": state},
-                   case / layout_name(tp, pp, sp, "train_", packed))
+                   case / layout_name(tp, pp, sp, "train_", packed, ep))
 
 
 def on_policy_case(case: Path, tp: int, pp: int, sp: bool, packed: bool) -> None:
@@ -164,14 +178,27 @@ def guard_case(case: Path) -> None:
         torch.save(errors, case / "guards.pt")
 
 
+def four_ranks(root: Path, device) -> None:
+    """Under `torchrun --nproc_per_node=4`: the mixtures of experts at TP=2 with sequence parallelism and
+    their experts split over the two DP ranks (EP=2), log-probs and one train call."""
+    for name in ("qwen3_moe", "qwen2_moe"):
+        run_case(root / name, 2, 1, True, False, device, ep=2)
+    train_case(root / "qwen2_moe", 2, 1, True, ep=2)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     device = init_distributed()
     root = Path(sys.argv[1])
+    if dist.get_world_size() == 4:
+        four_ranks(root, device)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     for line in (root / "logprob_cases.txt").read_text().splitlines():
         name, layout = line.split()
-        tp, pp, sp, packed = re.fullmatch(r"tp(\d)_pp(\d)(_sp)?(_packed)?", layout).groups()
-        run_case(root / name, int(tp), int(pp), bool(sp), bool(packed), device)
+        tp, pp, ep, sp, packed = re.fullmatch(r"tp(\d)_pp(\d)(?:_ep(\d))?(_sp)?(_packed)?", layout).groups()
+        run_case(root / name, int(tp), int(pp), bool(sp), bool(packed), device, int(ep or 1))
     for name in (root / "train_cases.txt").read_text().split():
         experts = getattr(AutoConfig.from_pretrained(root / name), "num_experts", None)
         for tp, pp, sp in ((2, 1, False), (1, 2, False), (1, 1, False), (2, 1, True)):  # (1, 1): DP=2
@@ -179,6 +206,8 @@ def main() -> None:
                 train_case(root / name, tp, pp, sp)
         for tp, pp, sp in ((2, 1, True), (1, 2, False), (1, 1, False)):
             train_case(root / name, tp, pp, sp, packed=True)
+        if experts:  # the experts split over the two data-parallel ranks (EP=2)
+            train_case(root / name, 1, 1, False, ep=2)
     for tp, pp, sp, packed in ((2, 1, True, True), (1, 2, False, True), (1, 1, False, False)):
         on_policy_case(root / "llama", tp, pp, sp, packed)
     guard_case(root / "llama")

@@ -235,3 +235,25 @@ def test_lora_on_a_mixture_of_experts_on_the_megatron_backend_is_one_line(tmp_pa
     message = refusal(tmp_path, Qwen3MoeConfig(**MOE), MEGATRON + ["policy.lora.rank=8"])
     assert message == ("Qwen3-MoE (qwen3_moe): policy.lora.rank=8: the Megatron backend's adapters do not cover "
                        "mixture-of-experts layers yet; policy.backend=hf runs it")
+
+
+@pytest.mark.parametrize("world, settings, expected", [
+    (4, ["policy.expert_model_parallel_size=3"], "does not divide the 4 experts of qwen3_moe"),
+    (2, ["policy.expert_model_parallel_size=4"], "does not divide the data-parallel size of 2 processes"),
+    (4, ["policy.expert_model_parallel_size=2", "policy.micro_batch_tokens=4096"],
+     "runs micro-batches of rows in lockstep over its ranks"),
+])
+def test_expert_parallelism_the_layout_cannot_take_is_refused_before_the_run(tmp_path, monkeypatch, world, settings,
+                                                                             expected):
+    """Before torchrun's workers build anything (`check_run`), in one line."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    message = refusal(tmp_path, Qwen3MoeConfig(**MOE), MEGATRON + settings)
+    assert message.startswith(f"policy.expert_model_parallel_size={settings[0].rsplit('=', 1)[1]} ") and expected in message
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    check_run(load_config("base", MEGATRON + ["policy.expert_model_parallel_size=2"]), tmp_path)  # a layout that runs
+
+
+def test_expert_parallelism_of_a_dense_model_is_refused_before_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    message = refusal(tmp_path, LlamaConfig(**TINY), MEGATRON + ["policy.expert_model_parallel_size=2"])
+    assert "llama is a dense model: policy.expert_model_parallel_size=1 runs it" in message

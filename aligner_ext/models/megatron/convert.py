@@ -27,7 +27,10 @@ Layouts (megatron-core local spec, `model.block_spec`):
   over TP as a dense MLP's fc1 and fc2. Qwen2-MoE's shared expert maps like a dense MLP onto
   `mlp.shared_experts.linear_fc1` / `linear_fc2`, its gate `mlp.shared_expert_gate.weight` onto
   `mlp.shared_experts.gate_weight` (replicated). Where one Megatron tensor is one expert's slice of
-  an HF tensor, `hf_tensors` names it `<HF name>#<expert>` (`EXPERT_SLICE`).
+  an HF tensor, `hf_tensors` names it `<HF name>#<expert>` (`EXPERT_SLICE`). Under expert
+  parallelism (EP) expert-parallel rank q holds experts q*E/EP .. (q+1)*E/EP - 1 as its local experts
+  0 .. E/EP - 1 (megatron-core's `num_local_experts`, local index + q*E/EP = global index); every
+  other tensor is the same on every EP rank, and shards are then keyed (stage, tensor rank, EP rank).
 - Pipeline: stage p holds layers p*L/PP .. (p+1)*L/PP - 1, renumbered from 0; the first stage holds
   the embedding, the last the final norm and output layer. With tied embeddings and PP > 1 the last
   stage holds its own copy of the embedding as `output_layer.weight` (megatron-core keeps the two
@@ -51,7 +54,7 @@ import torch
 from aligner_ext.architecture import Architecture, architecture, head_dim
 from aligner_ext.models.megatron.model import padded_vocab_size
 
-Shards = dict[tuple[int, int], dict[str, torch.Tensor]]  # (pipeline stage, tensor rank) -> state dict
+Shards = dict[tuple[int, ...], dict[str, torch.Tensor]]  # (pipeline stage, tensor rank[, EP rank]) -> state dict
 LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")  # a stage's layer parameter: local layer, suffix
 
 # Megatron's layer norm weights by role (the roles of `Architecture.norm_names`).
@@ -170,9 +173,12 @@ def _stage_layers(hf_config, pp: int, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-def _check_layout(hf_config, tp: int, pp: int) -> Architecture:
+def _check_layout(hf_config, tp: int, pp: int, ep: int = 1) -> Architecture:
     """The model's architecture (`UnsupportedModel` where none covers it), after checking the split."""
     arch = architecture(hf_config)
+    if ep > 1 and (arch.experts is None or arch.experts.count % ep):
+        count = arch.experts.count if arch.experts else "none (a dense model)"
+        raise ValueError(f"EP={ep} must divide the number of experts, {count}")
     widths = tp_split_sizes(hf_config, arch)
     if any(value % tp for value in widths.values()) or hf_config.num_hidden_layers % pp:
         raise ValueError(
@@ -226,10 +232,10 @@ def _row_gathered(full: torch.Tensor, tp: int) -> torch.Tensor:
     return full.unflatten(0, (tp, -1)).transpose(0, 1).flatten(1)
 
 
-def hf_to_megatron_shard(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: int, tp_rank: int, stage: int
-                         ) -> dict[str, torch.Tensor]:
-    """The megatron state dict of one (stage, tensor rank) from a full HF state dict."""
-    arch = _check_layout(hf_config, tp, pp)
+def hf_to_megatron_shard(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: int, tp_rank: int, stage: int,
+                         ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """The megatron state dict of one (stage, tensor rank[, expert-parallel rank]) from a full HF state dict."""
+    arch = _check_layout(hf_config, tp, pp, ep)
     check_hf_keys(hf, hf_config, arch)
     tied = bool(hf_config.tie_word_embeddings)
     if tied and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
@@ -248,8 +254,10 @@ def hf_to_megatron_shard(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: in
             out[dst + "mlp.linear_fc1.weight"] = _fc1_shard(*_hf_gate_up(hf, src + "mlp.", arch), tp, tp_rank)
             continue
         gate_up, down = hf[src + "mlp.experts.gate_up_proj"], hf[src + "mlp.experts.down_proj"]
-        for expert in range(arch.experts.count):
-            fc = f"{dst}mlp.experts.local_experts.{expert}."
+        local_count = arch.experts.count // ep
+        for local_expert in range(local_count):
+            expert = ep_rank * local_count + local_expert  # the global index (module docstring)
+            fc = f"{dst}mlp.experts.local_experts.{local_expert}."
             out[fc + "linear_fc1.weight"] = _fc1_shard(*gate_up[expert].chunk(2), tp, tp_rank)
             out[fc + "linear_fc2.weight"] = _split(down[expert], "row", tp, tp_rank)
         if arch.experts.shared_ffn_size:
@@ -263,9 +271,17 @@ def hf_to_megatron_shard(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: in
     return out
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: int) -> Shards:
-    """Every (stage, tensor rank) shard of a full HF state dict."""
-    return {(s, r): hf_to_megatron_shard(hf, hf_config, tp, pp, r, s) for s in range(pp) for r in range(tp)}
+def hf_to_megatron(hf: dict[str, torch.Tensor], hf_config, tp: int, pp: int, ep: int = 1) -> Shards:
+    """Every (stage, tensor rank) shard of a full HF state dict; at EP > 1 every (stage, tensor rank, EP rank)."""
+    if ep == 1:
+        return {(s, r): hf_to_megatron_shard(hf, hf_config, tp, pp, r, s) for s in range(pp) for r in range(tp)}
+    return {(s, r, q): hf_to_megatron_shard(hf, hf_config, tp, pp, r, s, ep, q)
+            for s in range(pp) for r in range(tp) for q in range(ep)}
+
+
+def is_expert(name: str) -> bool:
+    """Whether a Megatron parameter is one of a rank's local experts (split over EP)."""
+    return EXPERT_NAME.search(name) is not None
 
 
 def is_replicated(name: str, arch: Architecture) -> bool:
@@ -276,10 +292,11 @@ def is_replicated(name: str, arch: Architecture) -> bool:
     return name.endswith(REPLICATED_SUFFIXES)
 
 
-def hf_tensors(name: str, full: torch.Tensor, tp: int, hf_config, arch: Architecture, first_layer: int
-               ) -> list[tuple[str, torch.Tensor]]:
+def hf_tensors(name: str, full: torch.Tensor, tp: int, hf_config, arch: Architecture, first_layer: int,
+               expert_offset: int = 0) -> list[tuple[str, torch.Tensor]]:
     """The HF (name, tensor) pairs of one Megatron parameter of a stage whose first layer is
-    `first_layer`; `full` is its TP shards concatenated along dim 0 (a replicated one: one copy).
+    `first_layer`; `full` is its TP shards concatenated along dim 0 (a replicated one: one copy). A
+    local expert's global index is its local one plus `expert_offset` (its EP rank's first expert).
     Tensors may be views of `full`. A tied model's `output_layer.weight` (the last stage's copy of
     the embedding) maps to nothing. The one place that knows the layouts in this direction:
     `megatron_to_hf` and the in-memory refit (weights.py) both go through it."""
@@ -301,7 +318,8 @@ def hf_tensors(name: str, full: torch.Tensor, tp: int, hf_config, arch: Architec
             return [(prefix + hf_name, full)]
     expert = EXPERT_NAME.fullmatch(suffix)
     if expert:
-        index, linear = expert.groups()
+        local_index, linear = expert.groups()
+        index = int(local_index) + expert_offset
         if linear == "linear_fc2":
             return [(f"{prefix}mlp.experts.down_proj{EXPERT_SLICE}{index}", _row_gathered(full, tp))]
         return [(f"{prefix}mlp.experts.gate_up_proj{EXPERT_SLICE}{index}", torch.cat(_gate_up_of_fc1(full, tp)))]
@@ -322,18 +340,29 @@ def hf_tensors(name: str, full: torch.Tensor, tp: int, hf_config, arch: Architec
     raise ValueError(f"no HF tensor for the Megatron parameter {name}")
 
 
-def megatron_to_hf(shards: Shards, hf_config, tp: int, pp: int) -> dict[str, torch.Tensor]:
-    """The full HF state dict from every (stage, tensor rank) shard."""
-    arch = _check_layout(hf_config, tp, pp)
-    if set(shards) != {(s, r) for s in range(pp) for r in range(tp)}:
-        raise ValueError(f"expected shards for every (stage, rank) of PP={pp} x TP={tp}, got {sorted(shards)}")
+def megatron_to_hf(shards: Shards, hf_config, tp: int, pp: int, ep: int = 1) -> dict[str, torch.Tensor]:
+    """The full HF state dict from every (stage, tensor rank) shard; at EP > 1 from every (stage,
+    tensor rank, EP rank) shard: each EP rank's local experts, the other tensors from EP rank 0."""
+    arch = _check_layout(hf_config, tp, pp, ep)
+    expected = ({(s, r) for s in range(pp) for r in range(tp)} if ep == 1 else
+                {(s, r, q) for s in range(pp) for r in range(tp) for q in range(ep)})
+    if set(shards) != expected:
+        raise ValueError(f"expected shards for every (stage, rank{', EP rank' if ep > 1 else ''}) of PP={pp} x TP={tp}"
+                         f"{f' x EP={ep}' if ep > 1 else ''}, got {sorted(shards)}")
+
+    def shard(stage: int, rank: int, ep_rank: int) -> dict[str, torch.Tensor]:
+        return shards[(stage, rank)] if ep == 1 else shards[(stage, rank, ep_rank)]
+
+    local_count = arch.experts.count // ep if arch.experts else 0
     hf: dict[str, torch.Tensor] = {}
     for stage in range(pp):
         first = _stage_layers(hf_config, pp, stage).start
-        for name in shards[(stage, 0)]:
-            parts = [shards[(stage, r)][name] for r in range(tp)]
-            full = _replicated_copy(parts) if is_replicated(name, arch) else torch.cat(parts)
-            hf.update((key, value.clone()) for key, value in hf_tensors(name, full, tp, hf_config, arch, first))
+        for name in shard(stage, 0, 0):
+            for ep_rank in range(ep if is_expert(name) else 1):
+                parts = [shard(stage, r, ep_rank)[name] for r in range(tp)]
+                full = _replicated_copy(parts) if is_replicated(name, arch) else torch.cat(parts)
+                hf.update((key, value.clone()) for key, value in
+                          hf_tensors(name, full, tp, hf_config, arch, first, ep_rank * local_count))
     hf = stack_expert_slices(hf)
     check_hf_keys(hf, hf_config, arch)
     return hf

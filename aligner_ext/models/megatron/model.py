@@ -321,8 +321,8 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
 
 
 def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, dtype: torch.dtype,
-                       sequence_parallel: bool = False, kernels: str = "none", recompute: bool = False
-                       ) -> ArchitectureConfig:
+                       sequence_parallel: bool = False, kernels: str = "none", recompute: bool = False,
+                       expert_parallel: int = 1) -> ArchitectureConfig:
     """The megatron-core TransformerConfig of an HF config of any family `architecture()` covers
     (`UnsupportedModel`, one line, for the others).
 
@@ -332,6 +332,8 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
     the other norms (OLMo's) are compiled on GPUs either way. `recompute` keeps only each layer's
     input in the forward and recomputes the layer in the backward (megatron-core's full, uniform
     activation recomputation, one layer per checkpoint): less memory, about a third more compute.
+    `expert_parallel` (EP) splits a mixture of experts' experts over EP data-parallel ranks, each
+    holding count / EP of them (megatron-core's `num_local_experts`); a dense model is refused at EP > 1.
     """
     if kernels not in ("none", "liger"):
         raise ValueError(f"kernels must be none or liger (auto is resolved by the policy), got {kernels!r}")
@@ -345,6 +347,11 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
     if arch.experts is not None and tensor_parallel > 1 and not sequence_parallel:
         raise ValueError(f"a mixture of experts at tensor_model_parallel_size={tensor_parallel} trains with sequence "
                          "parallelism only (megatron-core's MoE layer refuses it without): policy.sequence_parallel=true")
+    if expert_parallel > 1 and arch.experts is None:
+        raise ValueError(f"expert_model_parallel_size={expert_parallel} splits a mixture of experts' experts: "
+                         f"{hf_config.model_type} is a dense model, run it at policy.expert_model_parallel_size=1")
+    if arch.experts is not None and arch.experts.count % expert_parallel:
+        raise ValueError(f"expert_model_parallel_size={expert_parallel} must divide num_experts={arch.experts.count}")
     if hf_config.num_hidden_layers % pipeline_parallel:
         raise ValueError(
             f"num_hidden_layers={hf_config.num_hidden_layers} must be divisible by "
@@ -380,6 +387,7 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        expert_model_parallel_size=expert_parallel,
         sequence_parallel=sequence_parallel and tensor_parallel > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -5,7 +5,9 @@ One process per GPU (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MA
 GPUs, gloo on CPU (with `cpu_shims`); the process group itself comes from `aligner_ext.distributed.init_from_env`,
 which the training loop calls first. Without torchrun variables a single-process world is created
 on a free local port, so conversion tools and single-process tests use the same code path.
-Data-parallel size = world size / (TP x PP), as megatron-core derives it.
+Data-parallel size = world size / (TP x PP), as megatron-core derives it. Expert parallelism (EP, a
+mixture of experts' experts split over EP ranks) is laid over the data-parallel ranks, as megatron-core
+lays it: the experts' data-parallel size is DP / EP.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def init_distributed() -> torch.device:
     return device
 
 
-def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int = 0) -> None:
-    """(Re)create megatron-core's model-parallel groups for a TP x PP layout; the rest of the world is DP."""
+def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int = 0, expert_parallel: int = 1) -> None:
+    """(Re)create megatron-core's model-parallel groups for a TP x PP layout; the rest of the world is
+    DP, over which the experts are split in `expert_parallel` parts (EP)."""
     from megatron.core import parallel_state, tensor_parallel as mcore_tp
 
     world = dist.get_world_size()
@@ -45,11 +48,43 @@ def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int 
             f"policy.tensor_model_parallel_size={tensor_parallel} x pipeline_model_parallel_size="
             f"{pipeline_parallel} must be >= 1 and divide the world size {world}"
         )
+    data_parallel = world // (tensor_parallel * pipeline_parallel)
+    if expert_parallel < 1 or data_parallel % expert_parallel:
+        raise ValueError(f"policy.expert_model_parallel_size={expert_parallel} must divide the data-parallel size "
+                         f"{data_parallel} (world size {world} / TP {tensor_parallel} / PP {pipeline_parallel})")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
+        expert_model_parallel_size=expert_parallel,
     )
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         mcore_tp.model_parallel_cuda_manual_seed(seed)
+
+
+def expert_parallel_refusal(hf_config, cfg, world: int) -> str | None:
+    """Why the Megatron backend does not run `policy.expert_model_parallel_size` (EP) for this model and
+    layout, in one line, or None: EP splits a mixture of experts' experts over data-parallel ranks, so
+    it must divide the expert count and DP = world / (TP x PP); its ranks run micro-batches in lockstep
+    (policy.py's docstring), which `micro_batch_tokens` does not."""
+    from aligner_ext.architecture import architecture
+
+    ep = cfg.expert_model_parallel_size
+    if ep == 1:
+        return None
+    experts = architecture(hf_config).experts
+    if experts is None:
+        return (f"policy.expert_model_parallel_size={ep} splits a mixture of experts' experts; "
+                f"{hf_config.model_type} is a dense model: policy.expert_model_parallel_size=1 runs it")
+    if experts.count % ep:
+        return f"policy.expert_model_parallel_size={ep} does not divide the {experts.count} experts of {hf_config.model_type}"
+    model_parallel = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size
+    if world % model_parallel or (world // model_parallel) % ep:
+        return (f"policy.expert_model_parallel_size={ep} does not divide the data-parallel size of {world} processes "
+                f"/ (tensor_model_parallel_size={cfg.tensor_model_parallel_size} x pipeline_model_parallel_size="
+                f"{cfg.pipeline_model_parallel_size})")
+    if cfg.micro_batch_tokens > 0:
+        return (f"policy.expert_model_parallel_size={ep} runs micro-batches of rows in lockstep over its ranks: "
+                "policy.micro_batch_tokens=0 (rows per micro-batch, policy.micro_batch_size)")
+    return None

@@ -19,6 +19,13 @@ masks are False, `forward.pad_rows`).
 - The KL reference (`frozen_reference`) is a second GPTModel of the starting weights, sharded and
   scheduled as the policy (frozen, no optimizer); with LoRA it is the policy's GPTModel with its
   adapters switched off (`AdaptersOff`).
+- Expert parallelism (`policy.expert_model_parallel_size`, EP; mixtures of experts): the experts are
+  split over EP data-parallel ranks (`parallel.init_model_parallel`), each converting its own
+  count / EP of them from the HF copy (convert.py); the refit and the export all-gather them over the
+  EP group (weights.py). megatron-core's allgather token dispatcher gathers every EP rank's tokens in
+  each MoE layer, so the EP ranks run micro-batches of one shape in lockstep: rows per micro-batch
+  (`micro_batch_tokens` is refused at EP > 1, its micro-batches differ between DP ranks:
+  `parallel.expert_parallel_refusal`).
 - LoRA (`policy.lora.rank > 0`, `lora.py`): the GPTModel is frozen and an adapter sharded as each
   adapted linear trains; DDP and the optimizer hold the adapters alone, the distributed checkpoint
   holds them and their optimizer state (with `base.json`, the base's path and checksum), the HF
@@ -65,7 +72,7 @@ from aligner_ext.models.megatron.decoder import MegatronGenerationModel
 from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
 from aligner_ext.models.megatron.moe import RouterRecorder
 from aligner_ext.models.megatron.optimizer import apply_settings, build_optimizer, clipped_step, set_lr, wrap_ddp
-from aligner_ext.models.megatron.parallel import init_distributed, init_model_parallel
+from aligner_ext.models.megatron.parallel import expert_parallel_refusal, init_distributed, init_model_parallel
 from aligner_ext.models.megatron.weights import refit_hf_model
 from aligner_ext.models.packing import token_micro_batches
 from aligner_ext.models.settings import PolicyConfig
@@ -97,7 +104,11 @@ class MegatronPolicy(Policy):
         self.cfg = cfg
         self.device = init_distributed()
         self.kernels = megatron_kernels(cfg.kernels, self.device)
-        init_model_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+        reason = expert_parallel_refusal(model.config, cfg, dist.get_world_size())
+        if reason:
+            raise ConfigError(reason)
+        init_model_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                            expert_parallel=cfg.expert_model_parallel_size)
         self.hf_config, self.generation_config = model.config, model.generation_config
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.hf_copy = cast_model(model, dtype=self.dtype)  # on the host until an engine samples it (generation_model)
@@ -109,6 +120,8 @@ class MegatronPolicy(Policy):
         self.routers = RouterRecorder(self.core, self.hf_config.num_hidden_layers, experts.count,
                                       experts.top_k) if experts else None
         self.adapters = lora.attach(self.core, cfg.lora) if cfg.lora.rank > 0 else []
+        if experts:
+            expert_parameters_apart(self.core)
         self.ddp = wrap_ddp(self.core, cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, cfg.use_distributed_optimizer)
         self.lr_at = lr_lambda(cfg.optim, total_steps)
@@ -124,13 +137,15 @@ class MegatronPolicy(Policy):
 
     def _core_from_hf(self) -> torch.nn.Module:
         """This rank's GPTModel with its shard of the HF copy's weights."""
-        tp, pp = self.cfg.tensor_model_parallel_size, self.cfg.pipeline_model_parallel_size
+        tp, pp, ep = (self.cfg.tensor_model_parallel_size, self.cfg.pipeline_model_parallel_size,
+                      self.cfg.expert_model_parallel_size)
         config = transformer_config(self.hf_config, tp, pp, self.dtype, self.cfg.sequence_parallel, self.kernels,
-                                    self.cfg.recompute_activations)
+                                    self.cfg.recompute_activations, ep)
         core = build_gpt_model(self.hf_config, config, self.device)
         shard = convert.hf_to_megatron_shard(
             self.hf_copy.state_dict(), self.hf_config, tp, pp,
             parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+            ep, parallel_state.get_expert_model_parallel_rank(),
         )
         convert.load_shard(core, shard)
         return core
@@ -293,10 +308,21 @@ class MegatronPolicy(Policy):
 
     def _weights_norm(self) -> float:
         """The weights' L2 norm over the model-parallel ranks' shards (a parameter that TP replicates
-        counts once per TP rank, before and after alike), the same on every rank."""
-        trained = [param for param in self.ddp.parameters() if param.requires_grad]
-        squares = torch.tensor([weights_norm(trained) ** 2], dtype=torch.float64, device=self.device)
+        counts once per TP rank, before and after alike), the same on every rank. Under expert
+        parallelism the experts' squares are summed over the experts' model-parallel group (EP x
+        expert TP x PP) instead, which holds every expert once."""
+        trained = [(name, param) for name, param in self.ddp.module.named_parameters() if param.requires_grad]
+        dense = [param for name, param in trained if not convert.is_expert(name)]
+        experts = [param for name, param in trained if convert.is_expert(name)]
+        squares = torch.tensor([weights_norm(dense) ** 2 if dense else 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        if experts:
+            expert_squares = torch.tensor([weights_norm(experts) ** 2], dtype=torch.float64, device=self.device)
+            if parallel_state.get_expert_model_parallel_world_size() > 1:
+                dist.all_reduce(expert_squares, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+            else:
+                dist.all_reduce(expert_squares, group=parallel_state.get_model_parallel_group())
+            squares += expert_squares
         return float(squares.sqrt())
 
     def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
@@ -371,6 +397,17 @@ class MegatronPolicy(Policy):
             if adapters is not None:
                 base_lora.save_peft(adapters, self.cfg.lora, self.base_path, Path(directory) / base_lora.ADAPTER_DIR)
         dist.barrier()
+
+
+def expert_parameters_apart(core: torch.nn.Module) -> None:
+    """Mark the experts' weights as megatron-core marks them under expert parallelism (`allreduce`
+    False) at EP = 1 too: megatron-core's DDP then reduces their gradients over the experts'
+    data-parallel group (at EP = 1 the data-parallel group itself, the same sum) and its optimizer
+    holds them in an optimizer of their own (chained after the dense one) at every EP size, so the
+    optimizer state of a distributed checkpoint has one structure and resumes at another EP size."""
+    for name, param in core.named_parameters():
+        if convert.is_expert(name):
+            param.allreduce = False
 
 
 class AdaptersOff:

@@ -8,7 +8,10 @@ must hold the current weights after each `MegatronPolicy.train` call. Per Megatr
 2. copy it into the HF parameters it maps to (`convert.hf_tensors`, the mapping `megatron_to_hf`
    uses too): vocabulary padding dropped, row-parallel matrices interleaved back, q/k/v unfused,
    gate/up split (fused again for Phi-3's checkpoint layout);
-3. with PP > 1, broadcast each HF parameter over the PP group from the stage that holds it, straight
+3. a mixture of experts' local experts under expert parallelism (EP): after the TP gather (over the
+   expert-TP group), all-gather the EP group's copies of the local expert: EP rank q's is global
+   expert q * count / EP + its local index;
+4. with PP > 1, broadcast each HF parameter over the PP group from the stage that holds it, straight
    into the other stages' HF parameters.
 With LoRA adapters (`lora.py`) each adapted weight's shard is merged first (W + B A * alpha / r, a
 new tensor: the GPTModel's weight keeps its values) and the adapters themselves map to nothing: the
@@ -44,6 +47,8 @@ def refit_hf_model(core: torch.nn.Module, hf_model: torch.nn.Module, hf_config) 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp, stage = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
     per_stage = hf_config.num_hidden_layers // pp
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    local_experts = arch.experts.count // ep if arch.experts else 0
     written: list[str] = []
     adapters = lora.adapters_by_weight(core)
     for name, param in core.named_parameters():
@@ -51,6 +56,11 @@ def refit_hf_model(core: torch.nn.Module, hf_model: torch.nn.Module, hf_config) 
             continue
         if name in adapters:
             param = adapters[name].merged(param)
+        if convert.is_expert(name):
+            full = _tp_gathered(param, tp, parallel_state.get_expert_tensor_parallel_group())
+            for ep_rank, copy in enumerate(_ep_gathered(full, ep)):
+                written += _copy_into_hf(name, copy, tp, hf, hf_config, arch, stage * per_stage, ep_rank * local_experts)
+            continue
         full = param if convert.is_replicated(name, arch) else _tp_gathered(param, tp)
         written += _copy_into_hf(name, full, tp, hf, hf_config, arch, stage * per_stage)
     owned = sorted(name for name in hf if _stage_of(name, per_stage, pp) == stage)
@@ -65,13 +75,23 @@ def refit_hf_model(core: torch.nn.Module, hf_model: torch.nn.Module, hf_config) 
             work.wait()
 
 
-def _tp_gathered(param: torch.Tensor, tp: int) -> torch.Tensor:
-    """Every TP rank's shard of `param`, concatenated along dim 0: [tp * rows, ...] on param's device."""
+def _tp_gathered(param: torch.Tensor, tp: int, group=None) -> torch.Tensor:
+    """Every TP rank's shard of `param`, concatenated along dim 0: [tp * rows, ...] on param's device
+    (`group`: the TP group, or the experts' TP group for an expert's weight)."""
     if tp == 1:
         return param
     full = param.new_empty((tp * param.shape[0], *param.shape[1:]))
-    dist.all_gather_into_tensor(full, param.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather_into_tensor(full, param.contiguous(), group=group or parallel_state.get_tensor_model_parallel_group())
     return full
+
+
+def _ep_gathered(full: torch.Tensor, ep: int) -> list[torch.Tensor]:
+    """Every EP rank's copy of a (TP-gathered) local expert's weight, by EP rank."""
+    if ep == 1:
+        return [full]
+    everyone = full.new_empty((ep * full.shape[0], *full.shape[1:]))  # concatenated along dim 0, as gloo gathers
+    dist.all_gather_into_tensor(everyone, full.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+    return list(everyone.chunk(ep))
 
 
 def _stage_of(hf_name: str, per_stage: int, pp: int) -> int:
@@ -89,9 +109,9 @@ def _put(target: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _copy_into_hf(name: str, full: torch.Tensor, tp: int, hf: dict, hf_config, arch: Architecture,
-                  first_layer: int) -> list[str]:
+                  first_layer: int, expert_offset: int = 0) -> list[str]:
     """Copy one TP-gathered Megatron tensor into the HF parameters it maps to; return their names."""
-    pairs = convert.hf_tensors(name, full, tp, hf_config, arch, first_layer)
+    pairs = convert.hf_tensors(name, full, tp, hf_config, arch, first_layer, expert_offset)
     names = []
     for hf_name, value in pairs:
         base, expert = convert.split_expert_slice(hf_name)
