@@ -37,14 +37,15 @@ def family_label(hf_config) -> str:
     return f"{family.name} ({hf_config.model_type})" if family else repr(hf_config.model_type)
 
 
-def rollout_refusal(hf_config, backend: str = "hf") -> str | None:
-    """Why the rollout engine does not run this model on the policy `backend`'s weights (one line naming
-    what does), or None."""
+def rollout_refusal(hf_config, backend: str = "hf", expert_parallel: int = 1) -> str | None:
+    """Why the rollout engine does not run this model on the policy `backend`'s weights, split over
+    `expert_parallel` ranks (policy.expert_model_parallel_size, a mixture of experts on the Megatron
+    backend), in one line naming what does, or None."""
     try:
         architecture(hf_config)
     except UnsupportedModel as err:
         return str(err)
-    reason = unsupported(hf_config, backend)
+    reason = unsupported(hf_config, backend, expert_parallel)
     return None if reason is None else f"{family_label(hf_config)}: {reason}; generator.engine=hf runs it"
 
 
@@ -128,11 +129,11 @@ def long_context_warning(hf_config, longest: int) -> str | None:
     return None
 
 
-def check_engine(engine: str, hf_config, backend: str = "hf") -> None:
+def check_engine(engine: str, hf_config, backend: str = "hf", expert_parallel: int = 1) -> None:
     """Refuse (`UnsupportedModel`, one line) a model an explicit `generator.engine=rollout` does not run
     on the policy `backend`'s weights (`aligner-ext train` and `aligner-ext serve`, whose model is an HF
     one, both ask, before any weight loads)."""
-    reason = rollout_refusal(hf_config, backend) if engine == "rollout" else None
+    reason = rollout_refusal(hf_config, backend, expert_parallel) if engine == "rollout" else None
     if reason:
         raise UnsupportedModel(reason)
 
@@ -161,10 +162,15 @@ def check_run(cfg, model_dir: Path | str) -> None:
                       f"adapters do not cover mixture-of-experts layers yet; {HF_RUNS_IT}")
         if reason:
             raise UnsupportedModel(reason)
-    check_engine(cfg.generator.engine, hf_config, policy.backend)
+    check_engine(cfg.generator.engine, hf_config, policy.backend, rollout_expert_parallel(cfg))
     warning = long_context_warning(hf_config, cfg.data.max_prompt_length + cfg.rollout.max_response_length)
     if warning and is_main_process():  # every rank reads the same config: one line, not one per rank
         logger.warning(warning)
+
+
+def rollout_expert_parallel(cfg) -> int:
+    """The run's expert parallelism as the rollout engine sees it: the Megatron backend's EP, else 1."""
+    return cfg.policy.expert_model_parallel_size if cfg.policy.backend == "megatron" else 1
 
 
 def check_routing_replay(cfg, hf_config, engine: str) -> None:

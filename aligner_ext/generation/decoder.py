@@ -6,10 +6,10 @@ subclasses say where the weights come from: `HFDecoder` (here) an HF module's,
 sums over the ranks between the layer functions).
 
 It runs every family `aligner_ext/architecture.py` describes (Llama, Mistral, Ministral, Qwen2,
-Qwen3, Phi-3, OLMo 2 / 3, SmolLM3, Gemma 3 text; the mixtures of experts Qwen3-MoE and Qwen2-MoE on
-the HF backend only), composed of that module's pieces: the family's RMSNorm formula and norm
-placement (`LayerWeights`' norms by role), per-head or whole-projection q/k norms, SwiGLU or GeGLU
-or a mixture of SwiGLU experts, Gemma's embedding scale and attention scale, and per layer a RoPE
+Qwen3, Phi-3, OLMo 2 / 3, SmolLM3, Gemma 3 text; the mixtures of experts Qwen3-MoE and Qwen2-MoE,
+on the Megatron backend at expert parallelism 1 only), composed of that module's pieces: the
+family's RMSNorm formula and norm placement (`LayerWeights`' norms by role), per-head or
+whole-projection q/k norms, SwiGLU or GeGLU or a mixture of SwiGLU experts, Gemma's embedding scale and attention scale, and per layer a RoPE
 table (every scaling type, partial rotary) or none, and a sliding window or none. `HFDecoder`
 computes such a causal LM with these functions over the policy's parameter tensors (referenced,
 never copied: after an optimizer step it computes with the new values); the math is the
@@ -54,7 +54,8 @@ compiled for minutes: docs/benchmarks.md.)
 
 A mixture of experts' MLP (`experts_mlp`) routes as transformers' router does, op for op (the
 trainer's forward takes the same experts), and computes the chosen experts' gated MLPs from the
-stacked expert tensors transformers keeps [E, 2I, h] and [E, h, I]: in bfloat16 by two
+stacked expert tensors transformers keeps [E, 2I, h] and [E, h, I] (on the Megatron backend its
+experts' TP shards stacked alike, `models/megatron/decoder.py`): in bfloat16 by two
 `torch._grouped_mm` products over all experts, the (token, expert) pairs sorted by expert, as
 transformers' `grouped_mm` experts do (so the decode step stays one CUDA graph: no host sync, no shape
 that depends on the routing); in other dtypes, which `_grouped_mm` takes neither under torch.compile
@@ -571,16 +572,18 @@ def decode_inputs_written(hidden: torch.Tensor, mlp: torch.Tensor, mlp_norm: tor
     return hidden, decode_written(q, k, v, squares, w, cos, sin, keys, values, positions, shape)
 
 
-def unsupported(config, backend: str = "hf") -> str | None:
+def unsupported(config, backend: str = "hf", expert_parallel: int = 1) -> str | None:
     """Why the decoder cannot run a model of this HF config on the policy `backend`'s weights
-    (`architecture`'s one line), or None. The Megatron backend's decoder has no mixture of experts yet."""
+    (`architecture`'s one line), or None. On the Megatron backend a mixture of experts runs at
+    `expert_parallel` (policy.expert_model_parallel_size) 1 only: under EP each rank holds only its
+    experts, and decoding the others' would need a token exchange the engine does not have."""
     try:
         pieces = architecture(config)
     except UnsupportedModel as error:
         return str(error)
-    if pieces.experts is not None and backend == "megatron":
-        return ("the rollout engine runs mixtures of experts on the HF backend only, not on the Megatron "
-                "backend's shards yet")
+    if pieces.experts is not None and backend == "megatron" and expert_parallel > 1:
+        return (f"the rollout engine runs mixtures of experts on the Megatron backend's shards at "
+                f"policy.expert_model_parallel_size=1 only, not {expert_parallel} (each rank holds only its experts)")
     return None
 
 

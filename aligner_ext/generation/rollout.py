@@ -36,8 +36,8 @@ records); a finished request's rows are copied out on the device before its slot
 come back as `GenerationOutput.routing`.
 
 Runs every family aligner_ext/architecture.py describes (decoder.py: sliding windows, per-layer
-RoPE tables, the families' norms; mixtures of experts on the HF backend) in the policy's dtype: bf16 on a GPU, float32 on the CPU (no CUDA
-graphs or compilation there). A slot holds one sequence for its life (no paged blocks): a prompt
+RoPE tables, the families' norms; mixtures of experts, on the Megatron backend at expert parallelism 1)
+in the policy's dtype: bf16 on a GPU, float32 on the CPU (no CUDA graphs or compilation there). A slot holds one sequence for its life (no paged blocks): a prompt
 that extends a kept sequence copies its K/V rather than sharing them; a windowed layer's cache keeps
 every position too (only the window is read).
 """

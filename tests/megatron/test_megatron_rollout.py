@@ -21,6 +21,13 @@ short LongRoPE factors (aligner_ext/architecture.py).
   model (stale copies of the other stage would give the old log-probs); with the rank split the
   two pipeline ranks decode one share each.
 
+- Mixtures of experts (Qwen3-MoE: top-k renormalised; Qwen2-MoE: pre-softmax top-k, a gated shared
+  expert; routers and experts redrawn by `decisive_experts`, so no choice is a near tie) at TP=1
+  (DP=2), TP=2 with sequence parallelism (as they train at TP > 1) and PP=2: the same greedy, sampled
+  and, with PP, after-the-change outputs as above; the experts recorded with `return_routing` equal
+  those the rollout engine records on the HF model; only this stage's stacked experts are copies.
+  Without a launch: `route` picks megatron-core's router's experts with its weights.
+
 Two torchrun launches (rollout_worker.py): every 2-process layout, then the 4-process one. A case
 the Megatron backend refuses to build is skipped, naming the refusal.
 """
@@ -35,11 +42,13 @@ pytest.importorskip("megatron.core")
 
 from aligner_ext.distributed import share  # noqa: E402
 from aligner_ext.generation.base import SamplingParams  # noqa: E402
+from aligner_ext.generation.decoder import route  # noqa: E402
 from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine  # noqa: E402
 from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig  # noqa: E402
 from aligner_ext.generation.sharded import rank_seed  # noqa: E402
 from aligner_ext.models.tiny import build_char_tokenizer  # noqa: E402
-from megatron_cases import build_model, hf_configs, torchrun  # noqa: E402
+from aligner_ext.models.family_configs import decisive_experts  # noqa: E402
+from megatron_cases import MOE_CASES, build_model, hf_configs, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +57,14 @@ TEXTS = ["hello the", "a", "what i", "xyzxyzxy", "hello the", "Q: na"]  # 9, 1, 
 GREEDY = SamplingParams(max_new_tokens=7, temperature=0.0, return_logprobs=True)  # as rollout_worker.py's
 SAMPLED = SamplingParams(max_new_tokens=7, temperature=1.0, top_p=0.9, seed=7, return_logprobs=True)
 LAYOUT_CASES = ["llama", "qwen2", "qwen3"]
-# layout -> cases; tp1 is DP=2; tp2_split needs 4 processes (TP=2 x DP=2)
-RUNS = {"tp2": sorted(hf_configs()), "tp2_triton": [*LAYOUT_CASES, "gemma3_text"], "tp1": LAYOUT_CASES,
-        "tp1_pp2": LAYOUT_CASES, "tp1_pp2_split": LAYOUT_CASES, "tp2_split": LAYOUT_CASES}
-GENERATION = [(name, layout) for layout in ("tp2", "tp2_triton", "tp1") for name in RUNS[layout]]
+DENSE_CASES = sorted(set(hf_configs()) - set(MOE_CASES))
+# layout -> cases; tp1 is DP=2; tp2_split needs 4 processes (TP=2 x DP=2); a mixture of experts at TP=2
+# is built with sequence parallelism (tp2_sp), as it trains
+RUNS = {"tp2": DENSE_CASES, "tp2_sp": list(MOE_CASES), "tp2_triton": [*LAYOUT_CASES, "gemma3_text"],
+        "tp1": [*LAYOUT_CASES, *MOE_CASES], "tp1_pp2": [*LAYOUT_CASES, *MOE_CASES], "tp1_pp2_split": LAYOUT_CASES,
+        "tp2_split": LAYOUT_CASES}
+GENERATION = [(name, layout) for layout in ("tp2", "tp2_sp", "tp2_triton", "tp1") for name in RUNS[layout]]
+ROUTED = SamplingParams(max_new_tokens=7, temperature=0.0, return_routing=True)  # as rollout_worker.py's
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +78,12 @@ def cases(tmp_path_factory):
             # a field the family does not have: transformers' KV cache (the HF engine's) would read it
             # as a window that the family's attention never applies
             vars(config).pop("sliding_window", None)
-        build_model(config).save_pretrained(root / name)
+        if name in MOE_CASES:
+            config.vocab_size += 16  # above the character tokenizer's 101 ids
+        model = build_model(config)
+        if name in MOE_CASES:
+            decisive_experts(model, 0.2)  # no token's choice of experts a near tie
+        model.save_pretrained(root / name)
     for processes, layouts in ((2, [layout for layout in RUNS if layout != "tp2_split"]), (4, ["tp2_split"])):
         (root / f"runs_{processes}.txt").write_text("\n".join(f"{name} {layout}" for layout in layouts
                                                               for name in RUNS[layout]))
@@ -136,7 +154,7 @@ def scaled(model):
     return model
 
 
-@pytest.mark.parametrize("name", LAYOUT_CASES)
+@pytest.mark.parametrize("name", [*LAYOUT_CASES, *MOE_CASES])
 def test_pipeline_stages_gathered_in_memory_generate_as_the_hf_model(cases, name):
     shards = results(cases / name, "tp1_pp2")
     model, tokenizer, prompts = hf_side(cases / name)
@@ -149,3 +167,38 @@ def test_pipeline_stages_gathered_in_memory_generate_as_the_hf_model(cases, name
         assert_same(result["greedy"], greedy)
         assert_same(result["sampled"], sampled)
         assert_same(result["greedy_scaled"], after_step)
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "tp1", "tp1_pp2"])
+@pytest.mark.parametrize("name", MOE_CASES)
+def test_a_mixture_of_experts_records_the_experts_the_hf_models_engine_records(cases, name, layout):
+    """The experts each token took (`return_routing`), per layer, as the rollout engine on the HF model
+    records them; this stage's stacked experts are copies (refreshed before each call), the other
+    stage's views of the pipeline gather's buffer (no copy)."""
+    shards = results(cases / name, layout)
+    model, tokenizer, prompts = hf_side(cases / name)
+    expected = [o.routing for o in RolloutEngine(model, tokenizer, RolloutEngineConfig()).generate(prompts, ROUTED)]
+    pp = 2 if "pp2" in layout else 1
+    for result in shards:
+        assert all(torch.equal(got, want) for got, want in zip(result["routing"], expected, strict=True))
+        assert result["expert_copies"] == 2 * model.config.num_hidden_layers // pp  # fc1 and fc2 of its own layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("normalize_top_k", [True, False], ids=["renormalised", "pre_softmax"])
+def test_the_engine_routes_as_megatron_cores_router(normalize_top_k, dtype):
+    """`route` (transformers' routers, op for op) picks the experts megatron-core's router picks in
+    training, with the same weights: its logits in the model's dtype, softmax over all experts then the
+    top k (`moe_router_pre_softmax`, no renormalisation: Qwen2-MoE), or the top k of the logits then a
+    softmax over them (renormalised: Qwen3-MoE; `model.moe_options`)."""
+    import aligner_ext.models.megatron.model  # noqa: F401  (megatron-core's router linear without TE)
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear, topk_routing_with_score_function
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 32, generator=generator, dtype=dtype)
+    router = torch.randn(8, 32, generator=generator, dtype=dtype)
+    weights, chosen = route(x, router, 2, normalize_top_k)
+    probs, routing_map = topk_routing_with_score_function(router_gating_linear(x, router, None, dtype), 2,
+                                                          use_pre_softmax=not normalize_top_k)
+    assert torch.equal(torch.zeros_like(routing_map).scatter(1, chosen, True), routing_map)
+    torch.testing.assert_close(torch.zeros_like(probs).scatter(1, chosen, weights), probs)

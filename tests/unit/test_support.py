@@ -104,7 +104,8 @@ def test_the_backends_and_the_engines_own_refusals_are_one_line_naming_what_runs
     message = refusal(tmp_path, family_config("qwen3", **TINY), MEGATRON)
     assert message == ("Qwen3 (qwen3): the Megatron backend does not build it (qwen3: some feature is not built); "
                        "policy.backend=hf runs it")
-    monkeypatch.setattr("aligner_ext.support.unsupported", lambda config, backend: "the rollout engine lacks something")
+    monkeypatch.setattr("aligner_ext.support.unsupported",
+                        lambda config, backend, expert_parallel: "the rollout engine lacks something")
     message = refusal(tmp_path, family_config("qwen3", **TINY), ROLLOUT)
     assert message == "Qwen3 (qwen3): the rollout engine lacks something; generator.engine=hf runs it"
 
@@ -203,24 +204,32 @@ def test_a_mixture_of_experts_under_tensor_parallelism_needs_sequence_parallelis
               tmp_path)
 
 
-def test_the_rollout_engine_runs_a_mixture_of_experts_on_the_hf_backend_only(tmp_path, monkeypatch):
-    """On the HF backend's modules it runs; on the Megatron backend's shards it refuses in one line, at
-    the run's check and in the Megatron decoder itself, and `auto` generates with the HF engine there."""
+def test_the_rollout_engine_runs_a_mixture_of_experts_on_both_backends_at_expert_parallelism_1(tmp_path, monkeypatch):
+    """On the HF backend's modules it runs, and on the Megatron backend's shards at EP=1 (`auto` takes
+    it on a GPU); under expert parallelism each rank holds only its experts: refused in one line, at the
+    run's check and in the Megatron decoder itself, and `auto` generates with the HF engine there."""
     monkeypatch.setenv("WORLD_SIZE", "1")
     config = Qwen2MoeConfig(**MOE, shared_expert_intermediate_size=32)
     config.save_pretrained(tmp_path)
     check_run(load_config("base", ROLLOUT), tmp_path)
     assert generation_engine_name(load_config("base", []), config, torch.device("cuda")) == "rollout"
-    line = ("Qwen2-MoE (qwen2_moe): the rollout engine runs mixtures of experts on the HF backend only, not on the "
-            "Megatron backend's shards yet; generator.engine=hf runs it")
-    assert refusal(tmp_path, config, MEGATRON + ROLLOUT) == line
-    assert generation_engine_name(load_config("base", MEGATRON), config, torch.device("cuda")) == "hf"
-    check_run(load_config("base", MEGATRON), tmp_path)  # the Megatron backend with the HF engine runs it
-    from aligner_ext.models.megatron.decoder import MegatronDecoder
+    pytest.importorskip("megatron.core")
+    check_run(load_config("base", MEGATRON + ROLLOUT), tmp_path)
+    assert generation_engine_name(load_config("base", MEGATRON), config, torch.device("cuda")) == "rollout"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ep = ["policy.expert_model_parallel_size=2"]
+    line = ("Qwen2-MoE (qwen2_moe): the rollout engine runs mixtures of experts on the Megatron backend's shards at "
+            "policy.expert_model_parallel_size=1 only, not 2 (each rank holds only its experts); "
+            "generator.engine=hf runs it")
+    assert refusal(tmp_path, config, MEGATRON + ep + ROLLOUT) == line
+    assert generation_engine_name(load_config("base", MEGATRON + ep), config, torch.device("cuda")) == "hf"
+    check_run(load_config("base", MEGATRON + ep), tmp_path)  # the Megatron backend with the HF engine runs it
+    from aligner_ext.models.megatron import decoder
 
-    with pytest.raises(UnsupportedModel, match="^qwen2_moe: the rollout engine runs mixtures of experts on the HF "
-                                               "backend only"):
-        MegatronDecoder(SimpleNamespace(config=config))
+    monkeypatch.setattr(decoder.parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
+    with pytest.raises(UnsupportedModel, match=r"^qwen2_moe: the rollout engine runs mixtures of experts on the "
+                                               r"Megatron backend's shards at policy.expert_model_parallel_size=1 only"):
+        decoder.MegatronDecoder(SimpleNamespace(config=config))
 
 
 def test_the_megatron_backend_splits_expert_widths_over_tensor_parallelism(tmp_path, monkeypatch):

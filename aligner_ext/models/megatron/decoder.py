@@ -3,7 +3,8 @@
 `MegatronGenerationModel` is what the Megatron backend hands the rollout engine instead of an HF
 copy of the policy: the GPTModel the optimizer updates, with the HF config. The engine asks it for
 its decoder (`rollout_decoder`), a `generation.decoder.Decoder` whose layer weights are the
-GPTModel's parameters themselves (nothing copied, nothing to sync after an optimizer step):
+GPTModel's parameters themselves (nothing copied, nothing to sync after an optimizer step; a mixture
+of experts' stacked experts aside, below):
 
 - each rank holds its shard of every layer: its K/V groups and their query heads (the fused q/k/v
   matrix in Megatron's per-group layout, `Shape.qkv_per_group`), its columns of the MLP. The KV
@@ -30,6 +31,29 @@ scale applies after the vocabulary-parallel lookup's sum. LoRA adapters (`lora.p
 B rows are this rank's output rows, a row-parallel one's partial product is summed over the group
 with the base product's.
 
+A mixture of experts (Qwen3-MoE, Qwen2-MoE; megatron-core's `SequentialMLP`) runs at expert
+parallelism 1 only (under EP a rank holds only its experts, and decoding the others' would need a
+token exchange: `generation/decoder.py::unsupported` refuses it in one line, and `auto` takes the
+HF engine). Per layer: `mlp.router.weight` [E, h] (replicated: every rank routes the full hidden
+state alike, as the engine runs no sequence parallelism), the local experts'
+`mlp.experts.local_experts.{e}.linear_fc1.weight` [2I/TP, h] (this rank's gate rows, then its up
+rows) and `.linear_fc2.weight` [h, I/TP], stacked as transformers stacks them, [E, 2I/TP, h] and
+[E, h, I/TP], for `experts_mlp` (`torch._grouped_mm` needs one 3D tensor per layer); Qwen2-MoE's
+shared expert `mlp.shared_experts.linear_fc1` / `linear_fc2` (split as a dense MLP's) and its
+replicated `gate_weight`. Each expert's output over this rank's columns, and so the routing-weighted
+sum and the gated shared expert's, is a partial sum over TP: the MLP output's `reduce` sums it. The
+stacked tensors are views where the experts lie back to back in one storage (the other stages' layers
+under PP: `PipelineGather`'s flat buffers hold each layer's parameters `in_stacking_order`), else a
+copy: this stage's own experts, separate parameters (megatron-core's DDP keeps them in its own
+buffer, in its own order; re-pointing them into a stacked one would break it), are stacked into one
+buffer per layer and matrix, refilled in place before every generate call (`MegatronDecoder.refresh`, which the engine
+calls; after each optimizer step they hold the new values). Its memory cost: one copy of this rank's
+own stage's expert weights (at PP=1, this rank's TP shard of every expert: most of a mixture of
+experts' weights). Routing is transformers' (`route`), which picks megatron-core's router's experts
+(`model.moe_options`; tests/megatron/test_megatron_rollout.py). The experts each token took can be
+recorded (`return_routing`) as on the HF backend, though the Megatron policy reads none
+(`Policy.reads_routing` is false here).
+
 With pipeline parallelism a stage holds only its layers, and decoding needs them all: the model is
 resharded in memory (`PipelineGather`). Every rank keeps, next to its own stage's parameters (used
 in place), a flat buffer per other stage of the same pipeline, filled by one broadcast per stage over
@@ -52,7 +76,10 @@ from megatron.core import parallel_state
 
 from aligner_ext.architecture import UnsupportedModel, architecture, rms_norm
 from aligner_ext.adapters import LowRank
-from aligner_ext.generation.decoder import Decoder, LayerWeights, Projection, Shape, split_adapter, unsupported
+from aligner_ext.generation.decoder import (
+    Decoder, ExpertWeights, LayerWeights, Projection, Shape, fused_buffer, split_adapter, unsupported,
+)
+from aligner_ext.models.megatron.convert import EXPERT_NAME
 from aligner_ext.models.megatron.lora import SUFFIX, ParallelLoRA
 from aligner_ext.models.megatron.model import output_weight
 
@@ -105,7 +132,19 @@ def stage_weights(core) -> StageWeights:
     if core.post_process:
         ends["final_norm"] = core.decoder.final_layernorm.weight
         ends["output"] = output_weight(core)
-    return StageWeights([dict(layer.named_parameters()) for layer in core.decoder.layers], ends)
+    return StageWeights([in_stacking_order(dict(layer.named_parameters())) for layer in core.decoder.layers], ends)
+
+
+def in_stacking_order(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layer's parameters with a mixture of experts' local experts' `linear_fc1` weights back to back
+    in expert order, then their `linear_fc2` weights, after the layer's other parameters (in their
+    order): `PipelineGather`'s flat buffers, laid out in this order, then hold each layer's stacked
+    expert tensors as views (`MegatronDecoder._stacked`). A dense layer's order is unchanged."""
+    experts = {name: EXPERT_NAME.fullmatch(name) for name in named}
+    others = [name for name, match in experts.items() if match is None]
+    stacked = sorted((name for name, match in experts.items() if match is not None),
+                     key=lambda name: (experts[name].group(2), int(experts[name].group(1))))
+    return {name: named[name] for name in others + stacked}
 
 
 class PipelineGather:
@@ -197,8 +236,8 @@ class MegatronDecoder(Decoder):
     """Prefill and decode over this rank's shards of a GPTModel (module docstring)."""
 
     def __init__(self, model: MegatronGenerationModel, compile: bool = False, attention: str = "auto"):
-        reason = unsupported(model.config, backend="megatron")
-        if reason:  # a mixture of experts: its layers have no linear_fc1 / linear_fc2 to read
+        reason = unsupported(model.config, "megatron", parallel_state.get_expert_model_parallel_world_size())
+        if reason:  # a mixture of experts split over EP ranks: this rank holds only its experts
             raise UnsupportedModel(f"{model.config.model_type}: {reason}; generator.engine=hf runs it")
         self.model = model
         config = model.core.config
@@ -207,6 +246,8 @@ class MegatronDecoder(Decoder):
         self.group = parallel_state.get_tensor_model_parallel_group()
         self.tensor_parallel, self.tensor_rank = tp, parallel_state.get_tensor_model_parallel_rank()
         weights = model.weights()
+        # a mixture of experts' stacked expert tensors that are copies (`_stacked`), with their sources
+        self.expert_copies: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         # LoRA: every adapter has the same alpha / r
         self.lora_scale = next(
             (module.scale for module in model.core.modules() if isinstance(module, ParallelLoRA)), None)
@@ -227,22 +268,64 @@ class MegatronDecoder(Decoder):
         """A layer's parameters by megatron-core's names (module docstring): the norms of the
         family's roles, q/k norms where it has them (a missing one is a KeyError, not a norm
         skipped)."""
-        qkv, fc1 = named["self_attention.linear_qkv.weight"], named["mlp.linear_fc1.weight"]
+        qkv = named["self_attention.linear_qkv.weight"]
         norms = {role: named[NORM_NAMES[role]] for role in self.architecture.norm_roles}
         qk_norms = ((named["self_attention.q_layernorm.weight"], named["self_attention.k_layernorm.weight"])
                     if self.architecture.qk_norm else (None, None))
         qkv_adapter = self._adapter(named, "self_attention.linear_qkv")
-        fc1_adapter = self._adapter(named, "mlp.linear_fc1")
-        halves = (fc1.shape[0] // 2, fc1.shape[0] // 2)  # this rank's [gate rows; up rows]
         qkv_projection = Projection((qkv,), (named.get("self_attention.linear_qkv.bias"),), (qkv.shape[0],),
                                     (qkv_adapter,) if qkv_adapter else ())
-        fc1_projection = Projection((fc1,), (None,), halves, split_adapter(fc1_adapter, halves) if fc1_adapter else ())
+        attention = (norms.get("input"), qkv_projection, *qk_norms, named["self_attention.linear_proj.weight"], None,
+                     norms.get("post_attention"), norms.get("pre_mlp"))
+        if self.architecture.experts is not None:
+            return LayerWeights(*attention, None, None, None, norms.get("post_mlp"),
+                                self._adapter(named, "self_attention.linear_proj"), experts=self._experts(named))
         return LayerWeights(
-            norms.get("input"), qkv_projection,
-            *qk_norms, named["self_attention.linear_proj.weight"], None, norms.get("post_attention"),
-            norms.get("pre_mlp"), fc1_projection,
-            named["mlp.linear_fc2.weight"], None, norms.get("post_mlp"),
+            *attention, self._fc1(named, "mlp.linear_fc1"), named["mlp.linear_fc2.weight"], None, norms.get("post_mlp"),
             self._adapter(named, "self_attention.linear_proj"), self._adapter(named, "mlp.linear_fc2"))
+
+    def _fc1(self, named: dict[str, torch.Tensor], linear: str) -> Projection:
+        """A gated MLP's column-parallel `linear_fc1`: this rank's gate rows, then its up rows."""
+        fc1, adapter = named[f"{linear}.weight"], self._adapter(named, linear)
+        halves = (fc1.shape[0] // 2, fc1.shape[0] // 2)
+        return Projection((fc1,), (None,), halves, split_adapter(adapter, halves) if adapter else ())
+
+    def _experts(self, named: dict[str, torch.Tensor]) -> ExpertWeights:
+        """megatron-core's MoE layer (`SequentialMLP`, EP=1: every expert local): the replicated router,
+        the local experts' `linear_fc1` [2I/TP, h] and `linear_fc2` [h, I/TP] stacked as transformers'
+        [E, 2I/TP, h] and [E, h, I/TP] (this rank's columns of every expert: each expert's output, and so
+        the weighted sum, is a partial sum over TP, summed with the layer's MLP output); Qwen2-MoE's shared
+        expert (a TP-split gated MLP) and its replicated gate."""
+        pieces = self.architecture.experts
+        fc = {linear: [named[f"mlp.experts.local_experts.{e}.{linear}.weight"] for e in range(pieces.count)]
+              for linear in ("linear_fc1", "linear_fc2")}
+        routed = (named["mlp.router.weight"], self._stacked(fc["linear_fc1"]), self._stacked(fc["linear_fc2"]),
+                  pieces.top_k, pieces.normalize_top_k)
+        if pieces.shared_ffn_size is None:
+            return ExpertWeights(*routed)
+        shared = "mlp.shared_experts."
+        return ExpertWeights(*routed, self._fc1(named, f"{shared}linear_fc1"), named[f"{shared}linear_fc2.weight"],
+                             self._adapter(named, f"{shared}linear_fc2"), named[f"{shared}gate_weight"])
+
+    def _stacked(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The experts' matrices as one [E, rows, columns] tensor, which `torch._grouped_mm` needs: a view
+        where they lie back to back in one storage (the other stages' layers, in `PipelineGather`'s flat
+        buffers), else a copy (this stage's parameters, each its own tensor), refilled in place by
+        `refresh` before every generate call (module docstring)."""
+        buffer = fused_buffer(params)
+        if buffer is not None:
+            return buffer.view(len(params), *params[0].shape)
+        with torch.inference_mode(False), torch.no_grad():
+            copy = torch.stack([param.detach() for param in params])
+        self.expert_copies.append((copy, params))
+        return copy
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Refill the stacked copies of this stage's experts from the parameters (in place: a captured
+        decode step keeps their addresses)."""
+        for copy, params in self.expert_copies:
+            torch.stack(params, out=copy)
 
     def _adapter(self, named: dict[str, torch.Tensor], linear: str) -> LowRank | None:
         """The LoRA adapter of a layer's linear (its shards: the sums over the ranks of a row-parallel

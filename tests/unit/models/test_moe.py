@@ -115,13 +115,15 @@ def test_a_load_balancing_loss_on_a_dense_model_is_refused(tiny_model):
         HFPolicy(tiny_model, PolicyConfig(device="cpu", router_aux_loss_coef=0.01), total_steps=1)
 
 
-@pytest.mark.parametrize("backend, engine", [("hf", "rollout"), ("megatron", "hf")])
-def test_auto_generates_a_mixture_of_experts_with_the_rollout_engine_on_the_hf_backend(backend, engine):
-    """On a GPU, `auto` takes the rollout engine where it runs the model: on the HF backend's modules,
-    not on the Megatron backend's shards (tests/unit/test_support.py)."""
+@pytest.mark.parametrize("backend, overrides, engine", [("hf", [], "rollout"), ("megatron", [], "rollout"),
+                                                        ("megatron", ["policy.expert_model_parallel_size=2"], "hf")])
+def test_auto_generates_a_mixture_of_experts_with_the_rollout_engine_where_it_runs(backend, overrides, engine):
+    """On a GPU, `auto` takes the rollout engine where it runs the model: on the HF backend's modules
+    and on the Megatron backend's shards at expert parallelism 1; under expert parallelism (each rank
+    holds only its experts) the HF engine (tests/unit/test_support.py)."""
     from aligner_ext.config import load_config
     from aligner_ext.trainer.build import generation_engine_name
 
     config = moe_model().config
-    cfg = load_config("base", [f"policy.backend={backend}"])
+    cfg = load_config("base", [f"policy.backend={backend}", *overrides])
     assert generation_engine_name(cfg, config, torch.device("cuda")) == engine
