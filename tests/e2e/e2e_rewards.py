@@ -16,3 +16,10 @@ def digit_fraction(response, row):
 def always_wrong(response, row):
     """Every sample fails, so every group's outcomes agree."""
     return RewardResult(score=0.0, correct=0.0)
+
+
+def character_parity(response, row):
+    """The parity of the response's character codes: a fair coin per sample, whatever the model writes
+    (a random-weight model may write no digit at all), so that dynamic sampling finds mixed groups."""
+    score = float(sum(map(ord, response)) % 2)
+    return RewardResult(score=score, correct=score)

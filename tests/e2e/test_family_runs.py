@@ -127,6 +127,26 @@ def test_routing_replay_trains_a_mixture_of_experts_on_the_engines_experts(tmp_p
     assert 0 <= step["moe/routing_mismatch"] < 0.05
 
 
+# Each variant with a mixture of experts, its routing replayed where the variant trains on what the engine
+# generated (the graded prompt trains its graded rows on another prompt: replay refused, the mismatch kept)
+MOE_VARIANTS = {
+    "dapo": ["+variant=dapo", "+reward.sources.arithmetic=e2e_rewards.character_parity", "policy.routing_replay=true"],
+    "graded_prompt": ["+variant=graded_prompt"],
+    "mtpo": ["+variant=mtpo", "mtpo.num_confidence_generations=2", "policy.routing_replay=true"],
+    "cpo": ["+variant=cpo", "policy.routing_replay=true"],
+}
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_a_mixture_of_experts_trains_with_every_variant(tmp_path, variant):
+    overrides = [*SMALL_MODEL, *STEP, f"model.path={qwen3_moe_checkpoint(tmp_path / 'model')}",
+                 f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *MOE_VARIANTS[variant]]
+    train(load_config("base", overrides))
+    step = step_records(tmp_path / "run")[1]
+    assert step["actor/num_updates"] >= 1 and "moe/load_max" in step
+    assert 0 <= step["moe/routing_mismatch"] < 0.05  # float32 on both sides: a near tie may flip, rarely
+
+
 def test_a_mixture_of_experts_trains_on_the_megatron_backend_at_tp2_with_sequence_parallelism(tmp_path):
     """A Qwen2-MoE checkpoint (shared expert, unnormalised top 2) on megatron-core's MoE layers at TP=2
     with sequence parallelism under torchrun, generating with the HF engine from the refitted HF copy
