@@ -40,3 +40,14 @@ def random_cache_pair(decoder, slots: int = 6, length: int = 40) -> list:
             tensor.normal_()
         caches.append(cache)
     return caches
+
+
+def drawn_lora_b(model, seed: int, scale: float = 0.3) -> None:
+    """Every LoRA B of `model` drawn away from its zero start, so that the adapters change the outputs."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * scale)

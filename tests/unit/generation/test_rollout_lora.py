@@ -5,7 +5,7 @@ base weights are neither copied nor changed; adapters outside the projections ar
 
 import pytest
 import torch
-from family_models import family_model
+from family_models import drawn_lora_b, family_model
 
 from aligner_ext.generation.base import SamplingParams
 from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
@@ -20,11 +20,7 @@ def adapted_model(name: str, tokenizer, **lora):
     its zero start so that the adapters change every output."""
     model = family_model(name, tokenizer).double()
     peft_model = attach(model, LoraConfig(rank=4, alpha=8.0, **lora))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if ".lora_B." in param_name:
-                param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * 0.3)
+    drawn_lora_b(model, seed=1)
     return model.eval(), peft_model
 
 

@@ -13,6 +13,7 @@ The routers' weights are drawn at a scale where each token's k-th and (k+1)-th e
 
 import pytest
 import torch
+from family_models import drawn_lora_b, random_cache_pair
 
 from aligner_ext.generation.base import SamplingParams
 from aligner_ext.generation.decoder import (
@@ -156,11 +157,7 @@ def adapted(tokenizer, target_modules: list[str]):
     """Qwen2-MoE in float64 with rank-4 adapters on `target_modules`, B drawn away from its zero start."""
     model = moe_model("qwen2_moe_shared", tokenizer)
     peft_model = attach(model, LoraConfig(rank=4, alpha=8.0, target_modules=target_modules))
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if ".lora_B." in param_name:
-                param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * 0.3)
+    drawn_lora_b(model, seed=4)
     return model.eval(), peft_model
 
 
@@ -193,8 +190,6 @@ def test_the_compiled_decode_step_computes_as_the_eager_one(tiny_tokenizer, dtyp
     """torch.compile of the decode layer's functions (the GPU path; here compiled for the CPU), with the
     gathered products (float64) and `torch._grouped_mm` (bfloat16). The routing weights' float32
     softmax, fused differently, rounds differently: agreement to float32's precision in float64."""
-    from family_models import random_cache_pair
-
     model = moe_model("qwen2_moe_shared", tiny_tokenizer, dtype)
     eager, compiled = HFDecoder(model), HFDecoder(model, compile=True)
     caches = random_cache_pair(eager)
