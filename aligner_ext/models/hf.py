@@ -286,8 +286,8 @@ class HFPolicy(Policy):
                     filled_ent[rows] = micro.entropy.float().cpu()
                 value, micro_metrics = loss(logprobs, micro, counts)
                 if routers:
-                    value = value + self._router_terms(routers[0], tally,
-                                                       float(micro.attention_mask.sum()) / real_tokens, metrics)
+                    share = float(mini.attention_mask[rows].sum()) / real_tokens  # on the host: no device sync
+                    value = value + self._router_terms(routers[0], tally, share, metrics)
                 value.backward()
             total_loss += value.detach()
             for key, number in micro_metrics.items():
