@@ -28,7 +28,7 @@ from aligner_ext.adapters import merged_state
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
-from aligner_ext.models import lora, moe
+from aligner_ext.models import experts, lora, moe
 from aligner_ext.models.attention import hf_packed_attention
 from aligner_ext.models.base import (
     POLICIES, NonFiniteGuard, Policy, record_applied, update_metrics, weights_norm,
@@ -194,6 +194,8 @@ class HFPolicy(Policy):
         self.device = resolve_device(cfg.device)
         self.model = cast_model(model, self.device, resolve_dtype(cfg.dtype, self.device))
         apply_kernels(self.model, cfg.kernels)
+        if self.device.type == "cuda" and moe.is_moe(self.model.config):
+            experts.compile_experts(self.model)  # transformers' grouped experts as fused kernels (models/experts.py)
         self.peft_model = lora.attach(self.model, cfg.lora) if cfg.lora.rank > 0 else None
         moe.check_aux_loss(self.model.config, cfg.router_aux_loss_coef)
         self.moe = moe.is_moe(self.model.config)  # its training forwards report what the routers did

@@ -3,7 +3,8 @@ torch.compile.
 
 `liger`: Liger-Kernel's Triton RMSNorm, SwiGLU MLP and rotary embedding patched into the model
 instance (extra `liger`; a CUDA device; every family of `LIGER_PATCHES`, GeGLU for Gemma 3, OLMo's
-q/k norms over the whole projection too; where the rotary is partial, transformers' own RoPE compiled). Its fused linear
+q/k norms over the whole projection too; where the rotary is partial, transformers' own RoPE compiled; for
+Qwen3-MoE its norms and RoPE, the experts' SwiGLU being compiled with the experts, models/experts.py). Its fused linear
 cross-entropy is left off: the policy computes log-probs from hidden states itself
 (models/logprobs.py, chunked), so the model's own head forward never runs in training. Measured
 (docs/benchmarks.md) faster at 358M and 1.5B with less memory, so `auto` (the default) takes it
@@ -25,11 +26,13 @@ import torch
 
 from aligner_ext.architecture import architecture
 from aligner_ext.errors import ConfigError
+from aligner_ext.models.moe import is_moe
 
 KERNELS = ("auto", "none", "liger")
 logger = logging.getLogger(__name__)
 # model_type -> Liger-Kernel's patch of it (its name is apply_liger_kernel_to_<model_type>)
-LIGER_PATCHES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "phi3", "olmo2", "olmo3", "smollm3", "gemma3_text")
+LIGER_PATCHES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "phi3", "olmo2", "olmo3", "smollm3", "gemma3_text",
+                 "qwen3_moe")
 GEGLU_MODELS = ("gemma3_text",)  # the gated MLP's activation is GeGLU: Liger's geglu kernel, not its swiglu
 
 
@@ -60,7 +63,8 @@ def patch_with_liger(model) -> None:
         liger = importlib.import_module("liger_kernel.transformers")
     except ImportError as err:
         raise ConfigError(f"policy.kernels=liger needs Liger-Kernel: pip install 'aligner_ext[liger]' ({err})") from err
-    gated_mlp = {"geglu" if model_type in GEGLU_MODELS else "swiglu": True}
+    # a mixture of experts' SwiGLU is inside its stacked experts: compiled with them (models/experts.py)
+    gated_mlp = {"geglu" if model_type in GEGLU_MODELS else "swiglu": not is_moe(model.config)}
     # Liger's RoPE kernel rotates the whole head: a partial-rotary model (Phi-4-mini) keeps transformers' RoPE
     pieces = architecture(model.config)
     full_rotary = pieces.rotary_dim == pieces.head_dim

@@ -50,6 +50,22 @@ def environment(argv: list[str]) -> dict:
     return env
 
 
+def device_times(fn, repeats: int, device: str) -> list[float]:
+    """Wall seconds of each of `repeats` calls of `fn`, the device's queue drained before and after each."""
+    import torch
+
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def slow_steps(times: list[float]) -> list[int]:
     """Indices of the steps above SLOW x the median of `times`."""
     if len(times) < 3:

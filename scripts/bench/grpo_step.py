@@ -61,7 +61,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
-from common import prev_tree, steps_line  # noqa: E402
+from common import device_times, prev_tree, steps_line  # noqa: E402
 from grpo_step_lib import PRESETS, Preset, write_json, write_workspace  # noqa: E402
 
 SYSTEMS = ("ours", "ours_rollout", "ours_rollout_prev", "ours_liger", "ours_packed", "ours_megatron",
@@ -92,16 +92,7 @@ def measure_hardware(device: str, matmul_size: int | None = None, copy_elements:
     import torch
 
     def best_of(fn, repeats: int) -> float:
-        times = []
-        for _ in range(repeats):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return statistics.median(device_times(fn, repeats, device))
 
     size, dtype = (8192, torch.bfloat16) if device == "cuda" else (2048, torch.float32)
     size = matmul_size or size

@@ -47,6 +47,7 @@ SUBCOMMANDS = {
     "serving": ("serving", "serving.json", "generation through `aligner-ext serve`, and weight pushes"),
     "lora": ("shape_step", "shape_step.json", "the GRPO step with LoRA at the Llama-3.1-8B shape, ours against TRL"),
     "moe": ("shape_step", "shape_step.json", "the GRPO step of a mixture of experts scaled to one GPU, ours against TRL"),
+    "moe-experts": ("moe_experts", "moe_experts.json", "one MoE layer's forward and backward per experts implementation"),
 }
 
 
@@ -128,6 +129,12 @@ def headline(result: dict) -> list[tuple[str, str]]:
                              f"{s['train_s'][0]:.3f} s [{s['train_s'][1]:.3f}, {s['train_s'][2]:.3f}], MFU "
                              f"{100 * s['train_mfu']:.1f}%{ratio}; peak {s['peak_gib']:.1f} GiB"))
         return rows
+    if result["subcommand"] == "moe-experts":
+        shape = report["shape"]
+        return [(f"MoE layer forward + backward, {name}, {tokens} tokens (hidden {shape['hidden']}, {shape['experts']} "
+                 f"experts of {shape['intermediate']}, top-{shape['top_k']})",
+                 f"{run['ms']:.2f} ms, MFU {100 * run['mfu']:.1f}%, peak {run['peak_mib']:.0f} MiB")
+                for tokens, runs in report["runs"].items() for name, run in runs.items()]
     return []
 
 

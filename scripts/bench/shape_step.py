@@ -115,6 +115,8 @@ def selected(args) -> tuple[Workload, Preset]:
     preset = replace(workload.preset, name=f"tiny_{args.workload}", **TINY_SIZES) if args.tiny else workload.preset
     if args.layers:
         preset = replace(preset, name=f"{preset.name}_{args.layers}_layers", num_layers=args.layers)
+    if args.micro_batch:
+        preset = replace(preset, name=f"{preset.name}_micro_batch_{args.micro_batch}", micro_batch=args.micro_batch)
     return workload, preset
 
 
@@ -175,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="an earlier commit or its tree: the system prev:ours runs with its library (before / after)")
     parser.add_argument("--layers", type=int, default=0, help="this many layers instead of the preset's (the same "
                         "layer shape, a cheaper workspace for --torch-profile); its figures are not the full model's")
+    parser.add_argument("--micro-batch", type=int, default=0, help="sequences per micro-batch in every system "
+                        "instead of the preset's")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more config override of every ours system (repeatable), e.g. policy.kernels=none")
     parser.add_argument("--torch-profile", default="", help="phases of one more step of ours under torch.profiler "
                         "(<out>/ours.torch_profile.txt), as in grpo_step.py")
     parser.add_argument("--workspace-worker", action="store_true", help=argparse.SUPPRESS)
@@ -192,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     workload, preset = selected(args)
     common = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--lr", str(args.lr)]
     itself = [sys.executable, __file__, "--workload", args.workload, "--out", str(args.out), *common,
-              *(["--tiny"] if args.tiny else []), "--layers", str(args.layers)]
+              *(["--tiny"] if args.tiny else []), "--layers", str(args.layers),
+              "--micro-batch", str(args.micro_batch)]
     if not (args.out / "workspace.json").is_file():  # an earlier call's workspace is reused
         _, failure = run_worker("workspace", [*itself, "--workspace-worker"], args.out, args.timeout)
         if failure:
@@ -201,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     def ours_command(system: str) -> list[str]:
         stem = system.replace(":", "_")  # file names without the colon
         profile = ["--torch-profile", args.torch_profile] if args.torch_profile and system == "ours" else []
-        settings = [*workload.ours, *OURS_EXTRA.get(system, [])]
+        settings = [*workload.ours, *OURS_EXTRA.get(system, []), *args.set]
         if system == "ours_megatron":
             settings.append(f"policy.micro_batch_tokens={preset.micro_batch * (preset.prompt_length + preset.response_length)}")
         return [sys.executable, str(HERE / "grpo_step_ours.py"), "--workspace", str(args.out / "work"),

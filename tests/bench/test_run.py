@@ -123,13 +123,29 @@ def test_the_lora_step_on_the_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_the_moe_step_on_the_cpu(tmp_path):
-    report = run_subcommand(tmp_path, "moe", "--tiny", "--warmup", "0", "--steps", "1")
+    report = run_subcommand(tmp_path, "moe", "--tiny", "--warmup", "0", "--steps", "1", "--micro-batch", "2",
+                            "--set", "policy.kernels=none")
+    assert report["preset"]["micro_batch"] == 2 and report["preset"]["name"].endswith("_micro_batch_2")
+    assert "policy.kernels=none" in report["systems"]["ours"]["settings"]["overrides"]
     model = report["hardware"]["model"]
     assert report["workload"] == "moe" and "lora" not in report and model["experts"] == 8 and model["top_k"] == 2
     # the body counts a token's 2 experts of 3 * 64 * 32 weights each and the 8 x 64 router, beside attention
     attention = 64 * (4 * 16 + 2 * 2 * 16) + 4 * 16 * 64
     assert model["body_matmul_params"] == 2 * (attention + 2 * 3 * 64 * 32 + 8 * 64)
     assert report["systems"]["ours"]["step_s"][0] > 0 and report["logprob_check"]["ours"]["relative_l2"] < 1e-5
+
+
+def test_one_moe_layer_per_experts_implementation_on_the_cpu(tmp_path):
+    report = run_subcommand(tmp_path, "moe-experts", "--device", "cpu", "--tokens", "40", "--hidden", "32",
+                            "--intermediate", "16", "--experts", "8", "--top-k", "2", "--steps", "1", "--warmup", "0")
+    runs = report["runs"]["40"]
+    assert {"transformers", "ours", "grouped_products_only"} <= runs.keys()
+    for name in ("transformers", "ours"):  # float32 on the CPU: transformers' eager experts to rounding
+        errors = runs[name]["relative_errors"]
+        assert set(errors) == {"output", "grad_input", "grad_gate.weight", "grad_experts.gate_up_proj",
+                               "grad_experts.down_proj"} and max(errors.values()) < 1e-5
+    rows = run.headline({"subcommand": "moe-experts", "report": report})
+    assert len(rows) == len(runs) and rows[0][0].startswith("MoE layer forward + backward, ")
 
 
 def test_the_families_table_takes_each_family_from_the_latest_file_by_its_number(tmp_path, monkeypatch):
