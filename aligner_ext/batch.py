@@ -107,13 +107,24 @@ class ExperienceBatch:
         return dataclasses.replace(self, **values)
 
     def to(self, device: torch.device | str) -> "ExperienceBatch":
-        """The same batch with every tensor on `device`."""
+        """The same batch with every tensor on `device` (from the host without waiting for the device:
+        `host_to_device`)."""
         values = {
-            f.name: getattr(self, f.name).to(device)
+            f.name: host_to_device(getattr(self, f.name), device)
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return dataclasses.replace(self, **values)
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` on `device`. A host tensor bound for a GPU goes through pinned memory without blocking:
+    a plain copy from pageable memory waits for everything queued on the device first, which keeps the
+    host from launching a micro-batch's kernels while the device still runs the previous one's."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def concat_batches(batches: Sequence[ExperienceBatch], pad_token_id: int) -> ExperienceBatch:

@@ -103,7 +103,7 @@ class OffPolicyCorrection:
         return CorrectionWeights(torch.where(outside, 0.0, ratio), outside)
 
     def metrics(self, weights: CorrectionWeights | None,
-                token_mean: Callable[[torch.Tensor], float]) -> dict[str, float]:
+                token_mean: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
         """actor/is_weight_mean and the share of tokens truncated (actor/is_capped_frac) or masked out
         (actor/is_masked_frac), each a token mean over the loss tokens."""
         if weights is None:

@@ -115,19 +115,20 @@ class PolicyGradientLoss(Loss):
             kl_loss = cfg.kl_coef * aggregate(self.kl_fn(logprobs, batch.ref_logprobs), mask, cfg.agg_mode, counts)
         total = pg_loss + kl_loss
 
-        metrics = {"loss/pg": pg_loss.item(), "loss/kl": kl_loss.item(), "loss/total": total.item()}
+        metrics = {"loss/pg": pg_loss, "loss/kl": kl_loss, "loss/total": total}
         metrics.update(self._token_metrics(log_ratio, logprobs, batch, counts, entropy, diagnostics, weights))
-        return total, metrics
+        # one copy to the host for all of them: each .item() would wait for the device
+        return total, dict(zip(metrics, torch.stack([value.detach().double() for value in metrics.values()]).tolist()))
 
     @torch.no_grad()
     def _token_metrics(self, log_ratio: torch.Tensor, logprobs: torch.Tensor, batch: ExperienceBatch,
                        counts: GlobalCounts, entropy: torch.Tensor | None, diagnostics: dict[str, torch.Tensor],
-                       weights: CorrectionWeights | None) -> dict[str, float]:
-        """Token-mean diagnostics, each divided by the global token count."""
+                       weights: CorrectionWeights | None) -> dict[str, torch.Tensor]:
+        """Token-mean diagnostics, each divided by the global token count (0-dim, on the device)."""
         mask = batch.response_mask
 
-        def token_mean(values: torch.Tensor) -> float:
-            return aggregate(values.to(logprobs.dtype), mask, "token-mean", counts).item()
+        def token_mean(values: torch.Tensor) -> torch.Tensor:
+            return aggregate(values.to(logprobs.dtype), mask, "token-mean", counts)
 
         metrics = {name: token_mean(values) for name, values in diagnostics.items()}
         metrics["actor/ratio_mean"] = token_mean(torch.exp(log_ratio))

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from aligner_ext.adapters import merged_state
-from aligner_ext.batch import ExperienceBatch
+from aligner_ext.batch import ExperienceBatch, host_to_device
 from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
 from aligner_ext.models import experts, lora, moe
@@ -101,42 +101,45 @@ def response_logprobs(
     device: computed at the valid response tokens only (`fused_logprobs`), zero elsewhere. `packed`:
     the rows go through the model end to end in one row (`packing.pack_end_to_end`). `routers`: a
     mixture of experts' router logits (one [tokens, experts] per layer) and the attention mask of
-    its real tokens ([b, s]) are appended to it (models/moe.py)."""
+    its real tokens ([b, s]) are appended to it (models/moe.py). `batch` on the host: the positions of
+    the valid tokens are found there, so that nothing here waits for the device."""
     device = model.device
-    valid = batch.response_valid.to(device)
     router_kwargs = {"output_router_logits": True} if routers is not None else {}
+    at_valid = batch.response_valid.flatten().nonzero().squeeze(1)  # row by row, as packing orders them
+    at_valid_on_device = host_to_device(at_valid, device)
     if packed:
         row = pack_end_to_end(batch, PACK_PAD_ID)
-        boundaries = row.cu_seqlens.to(device)
+        boundaries = host_to_device(row.cu_seqlens, device)
         with hf_packed_attention(model):
             out = model.base_model(
-                input_ids=row.ids.to(device), position_ids=row.positions.to(device), use_cache=False,
-                cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=row.max_seqlen,
+                input_ids=host_to_device(row.ids, device), position_ids=host_to_device(row.positions, device),
+                use_cache=False, cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=row.max_seqlen,
                 max_length_k=row.max_seqlen, **router_kwargs,
             )
-        hidden = out.last_hidden_state
-        hidden, targets = hidden[0].index_select(0, row.response_index.to(device)), row.response_ids.to(device)
+        hidden = out.last_hidden_state[0].index_select(0, host_to_device(row.response_index, device))
+        targets = host_to_device(row.response_ids, device)
         real = (torch.arange(row.ids.shape[-1], device=device) < boundaries[-1]).view(1, -1)
     else:
         prompt_width, response_width = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-        real = batch.attention_mask.to(device)
+        real = host_to_device(batch.attention_mask, device)
         out = model.base_model(
-            input_ids=batch.input_ids.to(device),
+            input_ids=host_to_device(batch.input_ids, device),
             attention_mask=real,
-            position_ids=batch.position_ids.to(device),
+            position_ids=host_to_device(batch.position_ids, device),
             use_cache=False, **router_kwargs,
         )
-        hidden = out.last_hidden_state
         # The hidden state at column P-1+t predicts response token t.
-        hidden = hidden[:, prompt_width - 1 : prompt_width - 1 + response_width][valid]
-        targets = batch.response_ids.to(device)[valid]
+        hidden = out.last_hidden_state[:, prompt_width - 1 : prompt_width - 1 + response_width].flatten(0, 1)
+        hidden = hidden.index_select(0, at_valid_on_device)
+        targets = host_to_device(batch.response_ids.flatten()[at_valid], device)
     if routers is not None:
         routers.append((out.router_logits, real))
     head = model.get_output_embeddings().weight
     lp, ent = fused_logprobs(hidden, head, targets, chunk_size, with_entropy, temperature)
 
     def scatter(values: torch.Tensor) -> torch.Tensor:
-        return values.new_zeros(valid.shape).masked_scatter(valid, values)
+        return values.new_zeros(batch.response_valid.numel()).index_copy(0, at_valid_on_device, values).view(
+            batch.response_valid.shape)
 
     return scatter(lp), scatter(ent) if with_entropy else None
 
@@ -168,11 +171,13 @@ def score(model: PreTrainedModel, batch: ExperienceBatch, cfg: PolicyConfig, wit
     lp = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
     ent = torch.zeros_like(lp) if with_entropy else None
     packed = cfg.micro_batch_tokens > 0
+    parts = []  # brought to the host after the loop: a copy to the host waits for the device
     for rows in micro_batch_rows(batch, cfg):
         micro = batch.select(rows)
         with moe.engine_routing(model, token_routing(micro, packed), cfg.routing_replay, mismatch):
-            part_lp, part_ent = response_logprobs(model, micro, cfg.logprob_chunk_size, with_entropy, temperature,
-                                                  packed=packed)
+            parts.append((rows, *response_logprobs(model, micro, cfg.logprob_chunk_size, with_entropy, temperature,
+                                                   packed=packed)))
+    for rows, part_lp, part_ent in parts:
         lp[rows] = part_lp.float().cpu()
         if with_entropy:
             ent[rows] = part_ent.float().cpu()
@@ -273,19 +278,20 @@ class HFPolicy(Policy):
         tally = (moe.RouterTally(self.model.config.num_hidden_layers, moe.experts(self.model.config),
                                  self.model.config.num_experts_per_tok, self.model.device) if self.moe else None)
         packed = self.cfg.micro_batch_tokens > 0
+        filled = []  # (rows, old log-probs, entropy) on the device, brought to the host after the loop
         for rows in micro_batch_rows(mini, self.cfg):
-            micro = mini.select(rows).to(self.model.device)
+            on_host = mini.select(rows)
+            micro = on_host.to(self.model.device)
             routers = [] if self.moe else None
             # around the backward too: activation checkpointing runs the routers again in it
-            with moe.engine_routing(self.model, token_routing(micro, packed), self.cfg.routing_replay,
+            with moe.engine_routing(self.model, token_routing(on_host, packed), self.cfg.routing_replay,
                                     self.mismatch if fill else None):
-                logprobs, entropy = response_logprobs(self.model, micro, self.cfg.logprob_chunk_size, fill,
+                logprobs, entropy = response_logprobs(self.model, on_host, self.cfg.logprob_chunk_size, fill,
                                                       temperature, packed=packed, routers=routers)
                 if fill:
                     mask = micro.response_valid
                     micro.old_logprobs, micro.entropy = logprobs.detach() * mask, entropy.detach() * mask
-                    filled_lp[rows] = micro.old_logprobs.float().cpu()
-                    filled_ent[rows] = micro.entropy.float().cpu()
+                    filled.append((rows, micro.old_logprobs, micro.entropy))
                 value, micro_metrics = loss(logprobs, micro, counts)
                 if routers:
                     share = float(mini.attention_mask[rows].sum()) / real_tokens  # on the host: no device sync
@@ -295,6 +301,8 @@ class HFPolicy(Policy):
             for key, number in micro_metrics.items():
                 metrics[key] += float(number)
         if fill:
+            for rows, old_logprobs, entropy in filled:
+                filled_lp[rows], filled_ent[rows] = old_logprobs.float().cpu(), entropy.float().cpu()
             mini.old_logprobs, mini.entropy = filled_lp, filled_ent
         if tally is not None:
             metrics.update(tally.metrics())

@@ -35,6 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
+from aligner_ext.batch import host_to_device
 from aligner_ext.errors import ConfigError
 from aligner_ext.generation.base import NOT_RECORDED
 
@@ -190,7 +191,7 @@ def engine_routing(model, routing: torch.Tensor | None, replay: bool,
     if routing is None or not (replay or mismatch is not None):
         yield
         return
-    choices = _EngineChoices(routing.to(model.device, torch.long), replay, mismatch)
+    choices = _EngineChoices(host_to_device(routing, model.device).long(), replay, mismatch)
     hooks = [layer.mlp.gate.register_forward_hook(
         lambda router, args, output, layer=index: choices(layer, router, output))
         for index, layer in enumerate(model.get_decoder().layers)]
