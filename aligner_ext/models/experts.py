@@ -18,26 +18,17 @@ to size 1; it and CPU inputs take transformers' function as it is).
 
 from __future__ import annotations
 
-import torch
+from aligner_ext.models.kernels import compiled_on_cuda
 
 IMPLEMENTATION = "aligner_ext_compiled_grouped_mm"
 
 
 def compiled_grouped_mm():
-    """transformers' `grouped_mm_experts_forward`, compiled on first use where it applies (module docstring)."""
+    """transformers' `grouped_mm_experts_forward`, compiled on first use where it applies (module docstring;
+    its hidden states, the argument after the module, decide)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    compiled = None
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        nonlocal compiled
-        if not hidden_states.is_cuda or hidden_states.shape[0] < 2:
-            return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-        if compiled is None:
-            compiled = torch.compile(grouped_mm_experts_forward, dynamic=True)
-        return compiled(self, hidden_states, top_k_index, top_k_weights)
-
-    return forward
+    return compiled_on_cuda(grouped_mm_experts_forward, tensor_argument=1)
 
 
 def compile_experts(model) -> bool:

@@ -107,10 +107,10 @@ def start_compile_workers() -> None:
     maybe_warm_pool()
 
 
-def compiled_on_cuda(fn):
-    """`fn` compiled by torch.compile (shapes dynamic, compiled once, on first use) when its first
-    argument is a CUDA tensor, and run as it is elsewhere (the CPU tests run the same code). A first
-    argument of fewer than 2 rows runs as it is too: torch.compile specialises sizes 0 and 1, so the
+def compiled_on_cuda(fn, tensor_argument: int = 0):
+    """`fn` compiled by torch.compile (shapes dynamic, compiled once, on first use) when its argument at
+    `tensor_argument` (the first by default) is a CUDA tensor, and run as it is elsewhere (the CPU tests
+    run the same code). Such an argument of fewer than 2 rows runs as it is too: torch.compile specialises sizes 0 and 1, so the
     first such input (a log-prob chunk of one token) would compile a second graph in the middle of
     training (1.7 s of a 3.7 s step at 358M, against 1.5 s for the others; docs/benchmarks.md)."""
     compiled = None
@@ -118,7 +118,8 @@ def compiled_on_cuda(fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
-        if not args[0].is_cuda or args[0].shape[0] < 2:
+        tensor = args[tensor_argument]
+        if not tensor.is_cuda or tensor.shape[0] < 2:
             return fn(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True)
