@@ -5,8 +5,8 @@ refuses alike and the CLI prints the line once (rank 0) with exit status 2.
 
 What runs what: the HF backend and the HF engine run every model transformers runs; the Megatron
 backend and the rollout engine run the families of `aligner_ext/architecture.py` (`architecture()` names
-the first field outside them) as far as their own checks agree (`unsupported()` of the rollout
-engine, `transformer_config()` of the Megatron backend). docs/models.md is generated from these
+the first field outside them) as far as the Megatron backend's own checks agree
+(`transformer_config()`). docs/models.md is generated from these
 functions (scripts/gen_models_doc.py).
 """
 
@@ -20,7 +20,6 @@ from transformers import AutoConfig
 
 from aligner_ext.distributed import is_main_process, launched_world_size
 from aligner_ext.errors import ConfigError
-from aligner_ext.generation.decoder import unsupported
 from aligner_ext.architecture import FAMILIES, UnsupportedModel, architecture
 from aligner_ext.models.moe import is_moe
 from aligner_ext.variants import active_variants
@@ -37,16 +36,15 @@ def family_label(hf_config) -> str:
     return f"{family.name} ({hf_config.model_type})" if family else repr(hf_config.model_type)
 
 
-def rollout_refusal(hf_config, backend: str = "hf", expert_parallel: int = 1) -> str | None:
-    """Why the rollout engine does not run this model on the policy `backend`'s weights, split over
-    `expert_parallel` ranks (policy.expert_model_parallel_size, a mixture of experts on the Megatron
-    backend), in one line naming what does, or None."""
+def rollout_refusal(hf_config) -> str | None:
+    """Why the rollout engine does not run this model (`architecture`'s one line naming what does), or
+    None. It runs what it runs on either policy backend, under any layout of the Megatron backend
+    (a mixture of experts under expert parallelism too: generation/decoder.py::ExpertExchange)."""
     try:
         architecture(hf_config)
     except UnsupportedModel as err:
         return str(err)
-    reason = unsupported(hf_config, backend, expert_parallel)
-    return None if reason is None else f"{family_label(hf_config)}: {reason}; generator.engine=hf runs it"
+    return None
 
 
 def _any_divisor_of(value: int, key: str) -> str:
@@ -129,11 +127,11 @@ def long_context_warning(hf_config, longest: int) -> str | None:
     return None
 
 
-def check_engine(engine: str, hf_config, backend: str = "hf", expert_parallel: int = 1) -> None:
+def check_engine(engine: str, hf_config) -> None:
     """Refuse (`UnsupportedModel`, one line) a model an explicit `generator.engine=rollout` does not run
-    on the policy `backend`'s weights (`aligner-ext train` and `aligner-ext serve`, whose model is an HF
-    one, both ask, before any weight loads)."""
-    reason = rollout_refusal(hf_config, backend, expert_parallel) if engine == "rollout" else None
+    (`aligner-ext train` and `aligner-ext serve`, whose model is an HF one, both ask, before any weight
+    loads)."""
+    reason = rollout_refusal(hf_config) if engine == "rollout" else None
     if reason:
         raise UnsupportedModel(reason)
 
@@ -162,22 +160,17 @@ def check_run(cfg, model_dir: Path | str) -> None:
                       f"adapters do not cover mixture-of-experts layers yet; {HF_RUNS_IT}")
         if reason:
             raise UnsupportedModel(reason)
-    check_engine(cfg.generator.engine, hf_config, policy.backend, rollout_expert_parallel(cfg))
+    check_engine(cfg.generator.engine, hf_config)
     warning = long_context_warning(hf_config, cfg.data.max_prompt_length + cfg.rollout.max_response_length)
     if warning and is_main_process():  # every rank reads the same config: one line, not one per rank
         logger.warning(warning)
 
 
-def rollout_expert_parallel(cfg) -> int:
-    """The run's expert parallelism as the rollout engine sees it: the Megatron backend's EP, else 1."""
-    return cfg.policy.expert_model_parallel_size if cfg.policy.backend == "megatron" else 1
-
-
 def check_routing_replay(cfg, hf_config, engine: str) -> None:
     """Refuse (ConfigError, one line) `policy.routing_replay` where there is nothing to replay: a dense
     model, an `engine` (generator.engine, auto resolved) that records no routing, or the graded system
-    prompt, whose policy trains on another prompt than the engine generated from. (The Megatron backend
-    is refused with the config, `PolicyConfig`.)"""
+    prompt, whose policy trains on another prompt than the engine generated from. Both policy backends
+    replay, the Megatron backend under any layout (models/megatron/moe.py)."""
     if not cfg.policy.routing_replay:
         return
     if not is_moe(hf_config):

@@ -104,7 +104,7 @@ def support_table() -> tuple[list[str], list[str]]:
         rollout = rollout_refusal(config)
         cells = ["yes", notes.cell(None if model_type in LIGER_PATCHES else liger)]
         cells += [notes.cell(refusal) for refusal in megatron]
-        cells += ["yes", notes.cell(rollout), notes.cell(megatron[0] or rollout_refusal(config, "megatron")),
+        cells += ["yes", notes.cell(rollout), notes.cell(megatron[0] or rollout),
                   "the server's [s]"]
         lines.append(f"| {family.name} (`{model_type}`) | " + " | ".join(cells) + " |")
     footnotes = [f"{index}. {line}" for index, line in enumerate(notes.lines, 1)]
@@ -284,9 +284,9 @@ def render() -> str:
         "EP=1 (docs/megatron.md); multi-GPU figures are to come. The conversion maps transformers' "
         "stacked expert tensors onto the experts' MLPs bit for bit, and reads and writes checkpoint files with "
         "their experts one by one, as released checkpoints hold them. Not there yet on the Megatron backend: "
-        "the load-balancing loss and LoRA (each refused in one line). The rollout engine "
+        "LoRA (refused in one line). The rollout engine "
         "runs them on both backends: on the HF backend from transformers' own parameters "
-        "(`generation/decoder.py::experts_mlp`), on the Megatron backend at EP=1 from the GPTModel's own TP shards "
+        "(`generation/decoder.py::experts_mlp`), on the Megatron backend from the GPTModel's own TP shards "
         "(`models/megatron/decoder.py`: each layer's local experts stacked as transformers stacks them, a copy of "
         "this rank's own stage's experts refreshed before each generate call, the other pipeline stages' experts "
         "views of the pipeline gather's buffers): "
@@ -296,9 +296,11 @@ def render() -> str:
         "float64 (which `torch._grouped_mm` takes on a GPU only with a host sync, or not at all) a gather of "
         "each token's experts' weights, whose memory grows with the tokens of a step: for checks at small "
         "sizes. LoRA on the attention and a shared expert runs too (on the HF backend). Under expert parallelism "
-        "each rank holds only its experts, and the engine has no token exchange between them: EP > 1 with "
-        "`generator.engine=rollout` is refused in one line, and `auto` then generates with the HF engine. On the "
-        "CPU the engine on the Megatron shards (TP=1, TP=2 with sequence parallelism, PP=2) gives the HF engine's "
+        "each rank holds only its experts and decodes its own requests: each MoE layer trades the tokens over the "
+        "expert-parallel group (all-gather, this rank's experts, reduce-scatter: "
+        "`generation/decoder.py::ExpertExchange`), the group's ranks decoding in lockstep (docs/megatron.md). On "
+        "the CPU the engine on the Megatron shards (TP=1, TP=2 with sequence parallelism, PP=2, and EP=2 alone, "
+        "with TP=2 + SP and with PP=2) gives the HF engine's "
         "greedy tokens and log-probs and records the HF model's experts; its routing picks megatron-core's router's "
         "experts (`tests/megatron/test_megatron_rollout.py`). On both backends every "
         "training forward reports what the routers did, pooled over the mini-batch's real tokens "
@@ -306,10 +308,20 @@ def render() -> str:
         "its ranks, `models/megatron/moe.py`): per layer, the largest expert's share of the top-k choices "
         "times the number of experts (`moe/load_max/layer_N`, 1.0 when balanced) and the router's entropy in "
         "nats (`moe/router_entropy/layer_N`), with their means over the layers (`moe/load_max`, "
-        "`moe/router_entropy`). `policy.router_aux_loss_coef` adds transformers' load-balancing loss of the "
-        "family (`load_balancing_loss_func`, logged as `loss/router_aux`) times that coefficient to the "
-        "policy loss; 0, the default, leaves it out, as most RL runs of these models do. The Megatron backend and a dense model with a "
-        "coefficient above 0 refuse it in one line. LoRA's default targets (`.*_proj`) take the attention "
+        "`moe/router_entropy`). `policy.router_aux_loss_coef` adds a load-balancing loss (logged as "
+        "`loss/router_aux`, without the coefficient) times that coefficient to the policy loss, over each "
+        "micro-batch's real tokens and averaged over the mini-batch by tokens as the policy loss is; 0, the "
+        "default, leaves it out, as most RL runs of these models do. The two backends take their library's own "
+        "loss, which differ: the HF backend transformers' `load_balancing_loss_func` of the family, Switch "
+        "Transformer's E * sum_e f_e P_e over all layers' tokens pooled, f_e the share of tokens whose top k "
+        "holds expert e (summing to k over the experts); the Megatron backend megatron-core's `aux_loss` "
+        "(`moe_utils.switch_load_balancing_loss_func`), the same product per layer with f_e divided by k (summing "
+        "to 1), summed over the layers: about layers / k times transformers' for the same routing, so a "
+        "coefficient does not carry over between the backends unchanged. On the Megatron backend each micro-batch's "
+        "loss, over its real tokens (megatron-core's padding mask), is weighted by its share of the update's "
+        "real tokens (`models/megatron/moe.py`; megatron-core's own weighting by the rank's token count serves "
+        "schedules that divide by the tokens afterwards, which this backend's losses already are). A dense model "
+        "with a coefficient above 0 is refused in one line. LoRA's default targets (`.*_proj`) take the attention "
         "projections and a shared expert's, not the routed experts, whose weights transformers keeps as "
         "stacked tensors rather than linear layers.",
         "",
@@ -318,7 +330,7 @@ def render() -> str:
         "The rollout engine routes as the trainer does, op for op, but not on the same numbers: other kernels, "
         "batch shapes and bfloat16 roundings move a router's inputs, and where a token's k-th and (k+1)-th "
         "experts are close the two take different sets, so that the importance ratio of a token compares two "
-        "different models. When the policy is a mixture of experts on the HF backend, the experience makers ask "
+        "different models. When the policy is a mixture of experts (on either backend), the experience makers ask "
         "the engine for its choices (`SamplingParams.return_routing`; nothing is recorded otherwise). The rollout "
         "engine records each layer's top k for every token it feeds through the model (the prompt in the "
         "prefill, each generated token but the last in the decode step): `experts_mlp` writes them into a static "
@@ -333,23 +345,34 @@ def render() -> str:
         "compares the trainer's routers with them (`models/moe.py::RoutingMismatch`, pooled on the device): "
         "`moe/routing_mismatch` is the share of (token, layer) pairs whose top-k sets differ, order aside, over "
         "the recorded tokens, with its value per layer (`moe/routing_mismatch/layer_N`) and the share of tokens "
-        "that differ in any layer (`moe/routing_mismatch_tokens`).",
+        "that differ in any layer (`moe/routing_mismatch_tokens`). The Megatron backend counts on each rank its "
+        "tokens (a TP rank's sequence shard under sequence parallelism) and its stage's layers, and sums over "
+        "the ranks (a token differs where it does in a layer of any pipeline stage), so every rank reports the "
+        "same shares (`models/megatron/moe.py`).",
         "",
         "`policy.routing_replay=true` makes every forward over the step's batch (the old log-probs, the training "
         "forward and its recomputation under `policy.recompute_activations`, and the KL reference, so that the "
         "KL compares both models on the same experts and is 0 before the first update) route each recorded "
         "token to the engine's experts, weighted by the trainer's own router probabilities at them (softmax in "
         "float32 over all experts, gathered, renormalised where the family renormalises its top k, cast back): "
-        "the router still gets its gradient through those weights, as through transformers' top-k weights. The "
+        "the router still gets its gradient through those weights, as through transformers' top-k weights. On "
+        "the Megatron backend megatron-core's own replay (`RouterReplay`) takes them, one per router, outside "
+        "its class-wide list (the policy and the KL reference each drive their own); its weights are the same: "
+        "the gathered float32 softmax where the family does not renormalise (Qwen2-MoE), the softmax of the "
+        "gathered logits, which is the gathered softmax renormalised, where it does (Qwen3-MoE); a layer "
+        "recomputed in the backward replays its micro-batch's experts again. The "
         "expert load, router entropy and load-balancing loss stay those of the trainer's own logits. Per "
         "variant: dynamic sampling (DAPO) and MTPO carry the routing (an MTPO sample takes round 1's over the "
         "prompt and answer, the experts its answer was sampled under, and round 2's from the answer's last "
         "token on); CPO trains on the generated tokens and carries it, while its hinted pass scores sequences "
         "the engine never ran, with the trainer's own routers; the graded system prompt generates from prompts "
         "the policy does not train on, so its graded rows carry none (left out of the mismatch) and replay is "
-        "refused unless `graded_prompt.keep_in_training=true`. Replay is refused in one line for a dense model, "
-        "for an engine that records no routing (`generator.engine` other than rollout, or `auto` where it takes "
-        "the HF engine) and on the Megatron backend (not yet).",
+        "refused unless `graded_prompt.keep_in_training=true`. Replay is refused in one line for a dense model "
+        "and for an engine that records no routing (`generator.engine` other than rollout, or `auto` where it "
+        "takes the HF engine). On the CPU, at DP=2, TP=2 with sequence parallelism, PP=2, packed micro-batches "
+        "with activation recomputation and EP=2, the Megatron backend's mismatch equals hand counts, its "
+        "load-balancing loss megatron-core's formula computed in float64, and its replayed log-probs, KL "
+        "reference and router gradients the HF backend's (`tests/megatron/test_megatron_tp_pp.py`).",
         "",
         "Measured on one H200 at a 3.0B Qwen3-MoE shape with random weights (docs/benchmarks.md, \"A mixture "
         "of experts on one GPU\"): 4.8-5.0% of the (token, layer) pairs differ between the engine and the "
@@ -364,7 +387,8 @@ def render() -> str:
         "`policy.kernels=auto`, 3.4-3.7% with `none`, 3.2-3.4% before); replay trains on the engine's experts "
         "whatever the kernels. Mixtures of experts train faster with larger micro-batches: each expert's "
         "product has about tokens x k / experts rows. Not measured yet: a released model's mismatch (random "
-        "routers have many near ties), and packed micro-batches.",
+        "routers have many near ties), packed micro-batches, and the Megatron backend's experts on a GPU "
+        "(megatron-core's `SequentialMLP`, one product per expert).",
         "",
         "## A random-weight checkpoint of a family",
         "",

@@ -7,8 +7,8 @@ sums over the ranks between the layer functions).
 
 It runs every family `aligner_ext/architecture.py` describes (Llama, Mistral, Ministral, Qwen2,
 Qwen3, Phi-3, OLMo 2 / 3, SmolLM3, Gemma 3 text; the mixtures of experts Qwen3-MoE and Qwen2-MoE,
-on the Megatron backend at expert parallelism 1 only), composed of that module's pieces: the
-family's RMSNorm formula and norm placement (`LayerWeights`' norms by role), per-head or
+on the Megatron backend under expert parallelism too, `ExpertExchange`), composed of that module's
+pieces: the family's RMSNorm formula and norm placement (`LayerWeights`' norms by role), per-head or
 whole-projection q/k norms, SwiGLU or GeGLU or a mixture of SwiGLU experts, Gemma's embedding scale and attention scale, and per layer a RoPE
 table (every scaling type, partial rotary) or none, and a sliding window or none. `HFDecoder`
 computes such a causal LM with these functions over the policy's parameter tensors (referenced,
@@ -63,7 +63,10 @@ nor on a GPU without a host sync (float32), nor at all (float64), by a gather of
 weights (`grouped_mm_runs`). A cache made with `record_routing` holds a `RoutingRecord`: the prefill
 and the decode step keep the experts each token took per layer at its slot and position, for the
 trainer (models/moe.py); `experts_mlp` writes a decode step's into a static buffer per layer, so the
-step stays one CUDA graph.
+step stays one CUDA graph. Under expert parallelism (the Megatron backend's
+policy.expert_model_parallel_size) each rank holds only its experts: `ExpertExchange` trades the
+MLP's tokens over the expert-parallel group, and the engine keeps the group's ranks in lockstep
+(rollout.py).
 
 Low-rank adapters (LoRA, `aligner_ext/adapters.py`) run from the policy's own A and B tensors inside
 the same functions: each adapted product is `x W^T + (x A^T) B^T * alpha / r` (`Projection.adapters`,
@@ -81,15 +84,17 @@ window's first position); `"auto"` is triton on a GPU and sdpa on the CPU. The e
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from aligner_ext.adapters import LowRank, adapter_of, add_low_rank, is_adapted, linear
 from aligner_ext.architecture import (
-    Architecture, UnsupportedModel, activation, apply_rotary, architecture, rms_norm, rope_tables, rotary_cos_sin,
+    Architecture, activation, apply_rotary, architecture, rms_norm, rope_tables, rotary_cos_sin,
     scale_embedding,
 )
 from aligner_ext.generation import decode_attention
@@ -340,16 +345,18 @@ def out_projection(attended: torch.Tensor, w: LayerWeights) -> torch.Tensor:
     return linear(attended.transpose(1, 2).reshape(batch, width, -1), w.o, w.o_bias, w.o_adapter)
 
 
-def residual_mlp(hidden: torch.Tensor, projected: torch.Tensor, w: LayerWeights,
-                 shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+def residual_mlp(hidden: torch.Tensor, projected: torch.Tensor, w: LayerWeights, shape: Shape,
+                 exchange: "ExpertExchange | None" = None,
+                 tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The hidden state after attention (`hidden` plus the projected attention output, normalised
     where the layer has a post-attention norm) and the MLP's output of it (under tensor parallelism
     this rank's partial sum). The post-MLP norm is left to whoever adds that output to the hidden
     state (`decode_projections`, `Decoder.prefill`, the head): under tensor parallelism it needs the
-    sum over the ranks first."""
+    sum over the ranks first. `exchange`, `tokens`: a mixture of experts' under expert parallelism
+    (`experts_mlp`)."""
     hidden = hidden + norm(projected, w.post_attention_norm, shape)
     if w.experts is not None:
-        return hidden, experts_mlp(norm(hidden, w.pre_mlp_norm, shape), w.experts, shape)
+        return hidden, experts_mlp(norm(hidden, w.pre_mlp_norm, shape), w.experts, shape, exchange, tokens)
     gate, up = project(norm(hidden, w.pre_mlp_norm, shape), w.gate_up)
     return hidden, linear(activation(shape.activation)(gate) * up, w.down, w.down_bias, w.down_adapter)
 
@@ -401,24 +408,106 @@ def gathered_expert_outputs(x: torch.Tensor, chosen: torch.Tensor, experts: Expe
     return (experts.down[chosen] @ (act(gate) * up)[..., None]).squeeze(-1)
 
 
-def experts_mlp(x: torch.Tensor, experts: ExpertWeights, shape: Shape) -> torch.Tensor:
+def experts_mlp(x: torch.Tensor, experts: ExpertWeights, shape: Shape, exchange: "ExpertExchange | None" = None,
+                tokens: int | None = None) -> torch.Tensor:
     """A mixture of experts' output for `x` [b, s, h], as transformers' sparse MoE blocks compute it:
     `route`, each chosen expert's gated MLP, their outputs summed with the routing weights, plus
     Qwen2-MoE's shared expert times sigmoid of its gate. The products are batched over the experts,
-    never a loop over experts or tokens (`grouped_mm_runs` says which kernel)."""
+    never a loop over experts or tokens (`grouped_mm_runs` says which kernel). Under expert
+    parallelism `exchange` computes the routed sum over the ranks' experts (`tokens`: the rows each
+    rank of its group sends, this call's padded to them)."""
     flat = x.reshape(-1, x.shape[-1])
     act = activation(shape.activation)
     weights, chosen = route(flat, experts.router, experts.top_k, experts.normalize_top_k)
     if experts.record is not None:
         experts.record[: len(chosen)].copy_(chosen)
-    outputs = (grouped_expert_outputs if grouped_mm_runs(flat, experts) else gathered_expert_outputs)(
-        flat, chosen, experts, act)
-    out = (outputs * weights[..., None]).sum(dim=1)
+    if exchange is None:
+        out = weighted_expert_sum(flat, weights, chosen, experts, act)
+    else:
+        out = exchange(flat, weights, chosen, experts, act, tokens)
     if experts.shared_gate is not None:
         gate, up = project(flat, experts.shared_gate_up)
         shared = linear(act(gate) * up, experts.shared_down, None, experts.shared_down_adapter)
         out = out + torch.sigmoid(F.linear(flat, experts.shared_gate)) * shared
     return out.view(x.shape)
+
+
+def weighted_expert_sum(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: ExpertWeights,
+                        act: Callable, first: int | None = None) -> torch.Tensor:
+    """The chosen experts' outputs for `x` [n, h] summed with the routing `weights` [n, k]. Under expert
+    parallelism (`first` given) `experts` holds the experts [first, first + its count) of the global
+    ones `chosen` names, and the pairs routed elsewhere add nothing: the grouped products skip them
+    (their expert set to the count: sorted past the last group's end, out of histc's range, as
+    transformers' expert-parallel sentinels), the gather computes them with expert 0; either way
+    their outputs are dropped, not scaled by 0 (the grouped product leaves their rows uninitialised)."""
+    grouped = grouped_mm_runs(x, experts)
+    product = grouped_expert_outputs if grouped else gathered_expert_outputs
+    if first is None:
+        return (product(x, chosen, experts, act) * weights[..., None]).sum(dim=1)
+    count = experts.gate_up.shape[0]
+    local = chosen - first
+    outside = (local < 0) | (local >= count)
+    outputs = product(x, local.masked_fill(outside, count if grouped else 0), experts, act)
+    return (outputs.masked_fill(outside[..., None], 0.0) * weights[..., None]).sum(dim=1)
+
+
+class ExpertExchange:
+    """Expert parallelism in the engine, as megatron-core's all-gather token dispatcher: each rank of
+    `group` holds `experts / size` consecutive experts (global index = rank * local + local index) and
+    decodes its own tokens. Per MoE layer each rank routes its tokens (and records their experts),
+    the group all-gathers the tokens' hidden states, routing weights and experts, each rank computes
+    its experts' weighted outputs for every gathered token (pairs routed elsewhere skipped), and a
+    reduce-scatter sums them back to the tokens' own ranks. Under tensor parallelism the group is one
+    TP rank's (megatron-core's expert-model-parallel group): the ranks of a TP group decode the same
+    tokens, each exchange sums its columns' partial outputs, and the MLP's sum over TP adds them up.
+
+    The collectives need the same rows on every rank and the same number of MoE passes: a decode step
+    runs the rows the group agreed on, a prefill pads its tokens to the group's most (padded rows take
+    no expert), and a rank without work joins with `idle` passes (the engine's lockstep, rollout.py).
+    `agree` runs over `host_group` (gloo, CPU tensors), so it never waits for the device: the decode
+    step's collectives over `group` (NCCL on a GPU) are captured in its CUDA graph, the agreements
+    stay outside it."""
+
+    def __init__(self, group, host_group, experts: int):
+        self.group, self.host_group = group, host_group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.local = experts // self.size
+        self.first = self.rank * self.local  # the global index of this rank's first expert
+
+    def agree(self, values: list[int]) -> list[int]:
+        """Each value's maximum over the group (host integers)."""
+        tensor = torch.tensor(values, dtype=torch.long)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.host_group)
+        return tensor.tolist()
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, experts: ExpertWeights,
+                 act: Callable, tokens: int | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum [n, h] for this rank's tokens `x` [n, h] (routed to the
+        global experts `chosen` [n, k] with `weights`), each rank sending `tokens` rows (default n)."""
+        rows, hidden = x.shape
+        pad = (tokens or rows) - rows
+        sent = F.pad(torch.cat([x, weights], dim=-1), (0, 0, 0, pad))
+        ids = F.pad(chosen, (0, 0, 0, pad), value=-1)  # padded rows: no rank's expert
+        gathered = sent.new_empty(self.size * len(sent), sent.shape[-1])
+        gathered_ids = ids.new_empty(self.size * len(ids), ids.shape[-1])
+        dist.all_gather_into_tensor(gathered, sent, group=self.group)
+        dist.all_gather_into_tensor(gathered_ids, ids, group=self.group)
+        summed = weighted_expert_sum(gathered[:, :hidden], gathered[:, hidden:], gathered_ids, experts, act,
+                                     self.first)
+        out = summed.new_empty(len(sent), hidden)
+        dist.reduce_scatter_tensor(out, summed, group=self.group)
+        return out[:rows]
+
+    def idle(self, layers: list[LayerWeights], shape: Shape, tokens: int) -> None:
+        """A pass through every MoE layer for a rank with no tokens of its own: its experts compute
+        the others' tokens (`tokens` rows from each rank)."""
+        act = activation(shape.activation)
+        for w in layers:
+            if w.experts is not None:
+                router = w.experts.router
+                ids = torch.empty(0, w.experts.top_k, dtype=torch.long, device=router.device)
+                self(router.new_empty(0, router.shape[1]), router.new_empty(0, w.experts.top_k), ids, w.experts, act,
+                     tokens)
 
 
 def recording(w: LayerWeights, record: torch.Tensor) -> LayerWeights:
@@ -572,33 +661,20 @@ def decode_inputs_written(hidden: torch.Tensor, mlp: torch.Tensor, mlp_norm: tor
     return hidden, decode_written(q, k, v, squares, w, cos, sin, keys, values, positions, shape)
 
 
-def unsupported(config, backend: str = "hf", expert_parallel: int = 1) -> str | None:
-    """Why the decoder cannot run a model of this HF config on the policy `backend`'s weights
-    (`architecture`'s one line), or None. On the Megatron backend a mixture of experts runs at
-    `expert_parallel` (policy.expert_model_parallel_size) 1 only: under EP each rank holds only its
-    experts, and decoding the others' would need a token exchange the engine does not have."""
-    try:
-        pieces = architecture(config)
-    except UnsupportedModel as error:
-        return str(error)
-    if pieces.experts is not None and backend == "megatron" and expert_parallel > 1:
-        return (f"the rollout engine runs mixtures of experts on the Megatron backend's shards at "
-                f"policy.expert_model_parallel_size=1 only, not {expert_parallel} (each rank holds only its experts)")
-    return None
-
-
 class Decoder:
     """Prefill and decode steps over a `SlotKVCache` for a model whose layers are `LayerWeights`
     (module docstring). A subclass supplies the weights (`layers`, `shape`, `architecture`), the
     embedding and the output head; under tensor parallelism it also supplies `reduce`, the in-place
     sum of a partial result over the ranks (after the attention's and the MLP's output projections,
     and of a projection q/k norm's sums of squares), which then splits each layer between compiled
-    functions with the sums between them."""
+    functions with the sums between them. Under expert parallelism it supplies `exchange`, which runs
+    each MoE layer's MLP (uncompiled: its collectives sit between the products)."""
 
     layers: list[LayerWeights]
     shape: Shape
     architecture: Architecture
     reduce: Callable[[torch.Tensor], None] | None = None
+    exchange: ExpertExchange | None = None
 
     def __init__(self, hf_config, compile: bool, attention: str):
         self.num_layers = len(self.layers)
@@ -688,15 +764,20 @@ class Decoder:
         return positioned(q, k, v, squares, w, cos, sin, self.shape)
 
     def _output_parts(self, hidden: torch.Tensor, attended: torch.Tensor, w: LayerWeights, parts: Callable,
-                      mlp: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+                      mlp: Callable, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`layer_output_parts` by `parts`; under tensor parallelism the projection, its sum over the
-        ranks, `mlp` (`residual_mlp`) and the sum of its output instead."""
-        if self.reduce is None:
+        ranks, `mlp` (`residual_mlp`) and the sum of its output instead; under expert parallelism a MoE
+        layer's `residual_mlp` with the exchange (each rank sending `tokens` rows)."""
+        if w.experts is not None and self.exchange is not None:
+            mlp = partial(residual_mlp, exchange=self.exchange, tokens=tokens)
+        elif self.reduce is None:
             return parts(hidden, attended, w, self.shape)
         projected = out_projection(attended, w)
-        self.reduce(projected)
+        if self.reduce is not None:
+            self.reduce(projected)
         hidden, output = mlp(hidden, projected, w, self.shape)
-        self.reduce(output)
+        if self.reduce is not None:
+            self.reduce(output)
         return hidden, output
 
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: SlotKVCache,
@@ -714,6 +795,8 @@ class Decoder:
         masks = {window: visible(positions, end, window)[:, None] for window in self.windows}  # [b, 1, s, end]
         hidden, rotary = self._inputs(ids, positions)
         routing = cache.routing
+        # under expert parallelism every rank sends as many tokens as the rank with the most
+        tokens = None if self.exchange is None else self.exchange.agree([ids.numel()])[0]
         for index, (w, plan) in enumerate(zip(self.layers, self.plans)):
             q, k, v = self._attention_inputs(hidden, w, *rotary.get(plan.rope, (None, None)))
             keys, values = cache.keys[index], cache.values[index]
@@ -723,12 +806,18 @@ class Decoder:
             if routing is not None:
                 chosen = torch.empty((*ids.shape, w.experts.top_k), dtype=routing.history.dtype, device=device)
                 w = recording(w, chosen.view(-1, w.experts.top_k))
-            hidden, mlp = self._output_parts(hidden, attended, w, layer_output_parts, residual_mlp)
+            hidden, mlp = self._output_parts(hidden, attended, w, layer_output_parts, residual_mlp, tokens)
             hidden = hidden + norm(mlp, w.post_mlp_norm, self.shape)
             if routing is not None:
                 routing.history[written_slots, written_positions, index] = chosen[real_rows, real_columns]
         last = hidden[torch.arange(len(ids), device=device), lengths - 1]  # [b, h]
         return self._head(last).float()
+
+    def idle_prefill(self) -> None:
+        """Under expert parallelism, a rank with nothing to prefill while another of its group
+        prefills: its experts compute the others' tokens (`ExpertExchange.idle`)."""
+        tokens = self.exchange.agree([0])[0]
+        self.exchange.idle(self.layers, self.shape, tokens)
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache, attended: int) -> torch.Tensor:
         """One token per slot of [0, b): `ids`, `positions` [b], every position < `attended`; logits

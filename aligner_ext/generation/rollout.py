@@ -35,9 +35,23 @@ prefix's rows are copied with their K/V (a kept cache that recorded none is not 
 records); a finished request's rows are copied out on the device before its slot is taken again, and
 come back as `GenerationOutput.routing`.
 
+Under expert parallelism (a mixture of experts on the Megatron backend at
+policy.expert_model_parallel_size > 1: the decoder's `exchange`, decoder.py's `ExpertExchange`) each
+rank of an expert-parallel group decodes its own requests, but every MoE layer trades tokens with
+the group's other ranks, so they run in lockstep. Per call the ranks agree on the cache length (the
+longest any rank needs) and the slot count (for the most requests any rank has, as many as fit on
+every rank), and check that they sample alike; per loop turn one agreement (a gloo all-reduce of
+three host integers, outside the captured step) says whether any rank prefills, and the decode
+step's rows and attended length, the most any rank needs. A rank with nothing to prefill then joins
+with an idle pass (its experts compute the others' tokens), a rank with no busy slot decodes its
+idle ones, and a call without requests of its own runs until its group is done; a prefill pads its
+tokens to the group's most inside the decoder. So every rank's decode step has the same shape and
+graph context at every turn, and the CUDA graphs (which hold the exchange's NCCL collectives) are
+warmed up, which runs the step's collectives once more, on every rank of the group at the same turn.
+
 Runs every family aligner_ext/architecture.py describes (decoder.py: sliding windows, per-layer
-RoPE tables, the families' norms; mixtures of experts, on the Megatron backend at expert parallelism 1)
-in the policy's dtype: bf16 on a GPU, float32 on the CPU (no CUDA graphs or compilation there). A slot holds one sequence for its life (no paged blocks): a prompt
+RoPE tables, the families' norms; mixtures of experts, on the Megatron backend under expert
+parallelism too) in the policy's dtype: bf16 on a GPU, float32 on the CPU (no CUDA graphs or compilation there). A slot holds one sequence for its life (no paged blocks): a prompt
 that extends a kept sequence copies its K/V rather than sharing them; a windowed layer's cache keeps
 every position too (only the window is read).
 """
@@ -49,6 +63,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
+from itertools import islice
 
 import numpy as np
 import torch
@@ -221,7 +236,7 @@ class RolloutEngine(GenerationEngine):
         """Continue every prompt once; a `should_stop` that turns true (a server's client left) ends the
         call between decode steps, its slots freed and outputs cut where they are."""
         check_request(prompts, params)
-        if not prompts:
+        if not prompts and self.decoder.exchange is None:  # under expert parallelism it joins its group's call
             return []
         call_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         matcher = StopStringMatcher(params.stop, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -242,8 +257,10 @@ class RolloutEngine(GenerationEngine):
             self.model.train(was_training)
 
     def slot_count(self, requests: int, length: int, record_routing: bool = False) -> int:
-        """How many sequences a call's cache holds (with the experts' record when it records routing)."""
-        slots = min(self.cfg.max_batch_size, requests)
+        """How many sequences a call's cache holds (with the experts' record when it records routing);
+        under expert parallelism the same on every rank of the group (module docstring), 0 when no
+        rank has a request."""
+        fits = self.cfg.max_batch_size
         if self.decoder.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.decoder.device)
             per_slot_token = self.decoder.cache_bytes_per_slot_token(record_routing)
@@ -252,8 +269,21 @@ class RolloutEngine(GenerationEngine):
                 raise RuntimeError(f"no KV-cache slot of {length} tokens fits in {self.cfg.kv_cache_memory_share:.0%} "
                                    f"of the {free / 2**30:.1f} GiB free; raise generator.rollout.kv_cache_memory_share "
                                    "or shorten prompts / max_new_tokens")
-            slots = min(slots, fits)
-        return slots
+        if self.decoder.exchange is not None:
+            requests, fewest = self.decoder.exchange.agree([requests, -fits])
+            fits = -fewest
+        return min(self.cfg.max_batch_size, requests, fits)
+
+    def group_length(self, length: int, params: SamplingParams, record_routing: bool) -> int:
+        """Under expert parallelism, the cache length of a call: the longest any rank of the group
+        needs; first checking that the ranks sample alike, since the decode step's graphs are warmed
+        and captured per sampling setting (module docstring)."""
+        setting = hash((params.temperature, params.top_p, params.top_k, record_routing)) % 2**62
+        longest, most, fewest = self.decoder.exchange.agree([length, setting, -setting])
+        if most != -fewest:
+            raise ValueError("under expert parallelism the ranks of a group decode with the same temperature, "
+                             "top_p, top_k and return_routing")
+        return longest
 
 
 def _draw(compiled_sample, logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seeds: torch.Tensor,
@@ -281,7 +311,9 @@ class _Call:
         self.kept = kept if any(length for _, length in self.prefixes) else None
         self.seeds = [request_seed(call_seed, index) for index in range(len(prompts))]
         count = len(prompts)
-        self.length = max(map(len, self.prompts)) + params.max_new_tokens
+        self.length = max(map(len, self.prompts), default=0) + params.max_new_tokens
+        if engine.decoder.exchange is not None:
+            self.length = engine.group_length(self.length, params, record_routing)
         self.slot_total = engine.slot_count(count, self.length, record_routing)
         # Per request: generated tokens and log-probs so far, how many, and the finish reason.
         self.tokens = np.zeros((count, params.max_new_tokens), dtype=np.int64)
@@ -302,7 +334,10 @@ class _Call:
         self.routing: list[torch.Tensor | None] = [None] * count
 
     def run(self, should_stop: Callable[[], bool] | None = None) -> list[GenerationOutput]:
+        if not self.slot_total:  # under expert parallelism: no rank of the group has a request
+            return []
         device = self.decoder.device
+        exchange = self.decoder.exchange
         cache = self.decoder.new_cache(self.slot_total, self.length, self.record_routing)
         self.slots = _DeviceSlots(cache, self.slot_total, device)
         on_gpu = device.type == "cuda"
@@ -316,17 +351,32 @@ class _Call:
         in_flight: deque = deque()
         steps = 0
         stopped = False
-        while self.waiting or (self.occupant >= 0).any():
-            if should_stop is not None and should_stop():
+        while True:
+            if not stopped and should_stop is not None and should_stop():
                 stopped = True  # steps still in flight are dropped: nobody reads this call's outputs
+                if exchange is None:
+                    break
+                self.waiting.clear()  # under expert parallelism it keeps joining its group, with no work
+                self.occupant[:] = -1
+                in_flight.clear()
+            admitting = bool(self.waiting and self.free)
+            if exchange is not None:  # lockstep (module docstring): whether any rank prefills, the step's shape
+                prefilling, rows, last = exchange.agree([int(admitting), *self._ahead()])
+                if not (prefilling or rows):
+                    break
+            elif not (self.waiting or (self.occupant >= 0).any()):
                 break
-            if self.waiting and self.free:
+            if admitting:
                 self._admit()
+            elif exchange is not None and prefilling:
+                self.decoder.idle_prefill()
             busy = np.flatnonzero(self.occupant >= 0)
-            if len(busy):
-                rows = int(busy[-1]) + 1
+            if exchange is None:  # the step's shape from the slots now busy
+                rows = int(busy[-1]) + 1 if len(busy) else 0
+                last = int(self.slots.host_positions[busy].max()) if len(busy) else 0
+            if rows:
                 step = self.engine.cfg.attended_length_step
-                attended = min(self.length, -(-(int(self.slots.host_positions[busy].max()) + 1) // step) * step)
+                attended = min(self.length, -(-(last + 1) // step) * step)
                 if self.decoder.attention.reads_to_position:
                     attended = self.length  # one graph per batch size
                 if graphs is not None:
@@ -335,13 +385,15 @@ class _Call:
                 else:
                     self._step(rows, attended)
                 self.slots.host_positions[:rows] = np.minimum(self.slots.host_positions[:rows] + 1, self.length - 1)
-                host_tokens, host_logprobs = buffers[steps % len(buffers)]
-                host_tokens[:rows].copy_(self.slots.ids[:rows], non_blocking=on_gpu)  # before any admission rewrites ids
-                host_logprobs[:rows].copy_(self.slots.logprobs[:rows], non_blocking=on_gpu)
-                done = torch.cuda.Event() if on_gpu else None
-                if done is not None:
-                    done.record()
-                in_flight.append((done, host_tokens, host_logprobs, self.occupant[:rows].copy()))
+                if len(busy):  # an idle step (expert parallelism) has no tokens to read
+                    host_tokens, host_logprobs = buffers[steps % len(buffers)]
+                    # before any admission rewrites ids
+                    host_tokens[:rows].copy_(self.slots.ids[:rows], non_blocking=on_gpu)
+                    host_logprobs[:rows].copy_(self.slots.logprobs[:rows], non_blocking=on_gpu)
+                    done = torch.cuda.Event() if on_gpu else None
+                    if done is not None:
+                        done.record()
+                    in_flight.append((done, host_tokens, host_logprobs, self.occupant[:rows].copy()))
                 steps += 1
             while len(in_flight) > LOOKAHEAD or (in_flight and not (self.occupant >= 0).any()):
                 self._read_step(*in_flight.popleft())
@@ -361,6 +413,19 @@ class _Call:
                                  routing=routing[index])
                 for index, n in enumerate(self.generated)]
 
+    def _ahead(self) -> tuple[int, int]:
+        """What this loop turn's decode step needs, before its admission: the rows (slots [0, highest
+        busy slot], counting the lowest free ones the admission takes) and the highest position it
+        feeds (an admitted prompt's is its length)."""
+        busy = np.flatnonzero(self.occupant >= 0)
+        highest = int(busy[-1]) if len(busy) else -1
+        last = int(self.slots.host_positions[busy].max()) if len(busy) else 0
+        admitted = min(len(self.waiting), len(self.free))
+        if admitted:
+            highest = max(highest, max(heapq.nsmallest(admitted, self.free)))
+            last = max(last, max(len(self.prompts[index]) for index in islice(self.waiting, admitted)))
+        return highest + 1, last
+
     def _take_routing(self, index: int, slot: int) -> None:
         """Copy, on the device, the experts of request `index`'s fed tokens (its prompt and every generated
         token but the last) out of `slot`: every step that computed them has been launched, and the next
@@ -371,6 +436,8 @@ class _Call:
     def _routing_outputs(self) -> list[torch.Tensor]:
         """Each request's experts per token, int16 on the CPU (one copy for all), NOT_RECORDED on its last
         generated token (`GenerationOutput.routing`)."""
+        if not self.routing:
+            return []
         lengths = [len(record) for record in self.routing]
         records = torch.cat(self.routing).to(device="cpu", dtype=torch.int16).split(lengths)
         last = torch.full((1, *records[0].shape[1:]), NOT_RECORDED, dtype=torch.int16)

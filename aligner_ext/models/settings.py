@@ -101,8 +101,8 @@ class PolicyConfig:
     sequence_parallel: bool = False  # megatron backend: shard norm/dropout activations over TP ranks (TP > 1)
     use_distributed_optimizer: bool = False  # megatron backend: shard optimizer state over data-parallel ranks
     micro_batch_tokens: int = number(0, ge=0)  # pack whole sequences end to end into micro-batches of at most this many tokens (both backends; no compute on pads; a longer sequence goes alone); 0 = micro_batch_size rows per micro-batch, padded
-    router_aux_loss_coef: float = number(0.0, ge=0)  # mixture-of-experts policies (HF backend): weight of the router's load-balancing loss (transformers' load_balancing_loss_func) added to the policy loss; 0 = off, as most RL runs leave it. Expert load and router entropy are in the metrics either way (moe/)
-    routing_replay: bool = False  # mixture-of-experts policies (HF backend, generator.engine=rollout): every forward over a step's batch (old log-probs, training, KL reference) routes each token to the experts the engine's routers chose for it, weighted by the trainer's own router probabilities at them, instead of its own top k. The share of (token, layer) pairs whose top-k sets differ is in the metrics either way (moe/routing_mismatch)
+    router_aux_loss_coef: float = number(0.0, ge=0)  # mixture-of-experts policies: weight of the router's load-balancing loss added to the policy loss (loss/router_aux, without the weight), over each micro-batch's real tokens, averaged over the mini-batch by tokens; 0 = off, as most RL runs leave it. HF backend: transformers' load_balancing_loss_func (all layers' tokens pooled, E * sum_e f_e P_e with f_e the top-k choices per token, summing to k); Megatron backend: megatron-core's aux_loss (per layer, f_e divided by k, so summing to 1, then summed over the layers): the same coefficient weighs them differently. Expert load and router entropy are in the metrics either way (moe/)
+    routing_replay: bool = False  # mixture-of-experts policies (generator.engine=rollout; both backends): every forward over a step's batch (old log-probs, training, KL reference) routes each token to the experts the engine's routers chose for it, weighted by the trainer's own router probabilities at them, instead of its own top k. The share of (token, layer) pairs whose top-k sets differ is in the metrics either way (moe/routing_mismatch)
     recompute_activations: bool = False  # keep only each layer's input and recompute the layer in the backward (less memory, ~1/3 more compute): megatron-core's full recomputation on the Megatron backend, transformers' gradient checkpointing on the HF backend
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -110,10 +110,3 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"policy.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
-        if self.backend == "megatron" and self.router_aux_loss_coef > 0:
-            raise ValueError(f"policy.router_aux_loss_coef={self.router_aux_loss_coef:g}: the Megatron backend's "
-                             "mixture-of-experts layers add no load-balancing loss yet (policy.backend=hf does, "
-                             "docs/models.md)")
-        if self.backend == "megatron" and self.routing_replay:
-            raise ValueError("policy.routing_replay=true: the Megatron backend's routers do not replay the engine's "
-                             "experts yet (policy.backend=hf does, docs/models.md)")

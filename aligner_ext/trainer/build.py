@@ -42,7 +42,7 @@ from aligner_ext.models.warmup import supervised_warmup
 from aligner_ext.registry import load_dotted
 from aligner_ext.rewards.manager import RewardManager
 from aligner_ext.rules import Registered, rule_of
-from aligner_ext.support import check_routing_replay, check_run, rollout_expert_parallel, rollout_refusal
+from aligner_ext.support import check_routing_replay, check_run, rollout_refusal
 from aligner_ext.trainer.contracts import check_stages, step_stages
 from aligner_ext.trainer.run_dir import EMBEDDED_MODEL
 
@@ -71,13 +71,13 @@ class Components:
 def generation_engine_name(cfg: RunConfig, model_config, device: torch.device) -> str:
     """`generator.engine`, with `auto` resolved: the rollout engine where the benchmarks measure it
     faster (docs/benchmarks.md: on a GPU, for a decoder it runs, on the HF backend or on the Megatron
-    backend's shards, a mixture of experts there at expert parallelism 1 only), else the HF engine,
+    backend's shards, a mixture of experts there under expert parallelism too), else the HF engine,
     saying why where the model is what the rollout engine does not run."""
     if cfg.generator.engine != "auto":
         return cfg.generator.engine
     if device.type != "cuda":
         return "hf"
-    reason = rollout_refusal(model_config, cfg.policy.backend, rollout_expert_parallel(cfg))
+    reason = rollout_refusal(model_config)
     if reason:
         logger.info("generator.engine=auto: the HF engine generates, as the rollout engine does not run this "
                     "model (%s)", reason)

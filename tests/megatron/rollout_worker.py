@@ -2,8 +2,8 @@
 rank's shards of a GPTModel (models/megatron/decoder.py).
 
 argv: the work directory, then the runs' file name under it: lines "<case> <layout>", layout
-tp{T}[_pp{P}][_sp][_split][_triton] (PP 1 where not named; "sp": the GPTModel built with sequence
-parallelism, as a mixture of experts trains at TP > 1; "split": the engine wrapped in the rank split
+tp{T}[_pp{P}][_ep{E}][_sp][_split][_triton] (PP and EP 1 where not named, EP below; "sp": the
+GPTModel built with sequence parallelism, as a mixture of experts trains at TP > 1; "split": the engine wrapped in the rank split
 as the trainer builds it, over the data-parallel group, with PP > 1 over the data-parallel and
 pipeline ranks; "triton": the Triton decode attention, in Triton's interpreter on the CPU). For every run, every rank builds its
 GPTModel shard of the case's HF checkpoint (saved by the test) in float32, generates the test's
@@ -13,6 +13,12 @@ them with the HF model's engines. With PP > 1 it then scales every parameter of 
 generates greedily once more. A mixture of experts also generates greedily with `return_routing`
 (the experts it records). A case the Megatron backend refuses to build (`transformer_config`)
 writes the refusal instead, for the test to skip.
+
+Under expert parallelism (`_ep2`: each rank holds its EP rank's half of the experts) the EP ranks
+decode different prompts for different lengths (`EP_SHARES`: EP rank 0 four prompts in 3 slots, rank
+1 one prompt for fewer tokens), greedily with log-probs, then with `return_routing`, then rank 0 two
+prompts while rank 1 has none; the trainer's rank split of five prompts, sampled; and, after every
+parameter is scaled by 1.01 (and the pipeline gather refreshed), their own prompts greedily again.
 """
 
 import re
@@ -24,7 +30,10 @@ from triton_interpreter import use_on_cpu  # noqa: E402
 
 use_on_cpu()
 
+from dataclasses import replace  # noqa: E402
+
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from safetensors.torch import load_file
 from transformers import AutoConfig, GenerationConfig
 
@@ -42,6 +51,8 @@ from megatron.core import parallel_state
 GREEDY = SamplingParams(max_new_tokens=7, temperature=0.0, return_logprobs=True)
 SAMPLED = SamplingParams(max_new_tokens=7, temperature=1.0, top_p=0.9, seed=7, return_logprobs=True)
 ROUTED = SamplingParams(max_new_tokens=7, temperature=0.0, return_routing=True)
+# the test's: EP rank -> (first prompt, end, max_new_tokens)
+EP_SHARES = {0: (0, 4, 7), 1: (4, 5, 3)}
 
 
 def outputs(engine, prompts, params) -> list:
@@ -49,20 +60,23 @@ def outputs(engine, prompts, params) -> list:
 
 
 def run(case: Path, layout: str, device) -> dict:
-    tp, pp, sp, split, triton = re.fullmatch(r"tp(\d)(?:_pp(\d))?(_sp)?(_split)?(_triton)?", layout).groups()
-    tp, pp = int(tp), int(pp or 1)
-    init_model_parallel(tp, pp)
+    tp, pp, ep, sp, split, triton = re.fullmatch(r"tp(\d)(?:_pp(\d))?(?:_ep(\d))?(_sp)?(_split)?(_triton)?",
+                                                 layout).groups()
+    tp, pp, ep = int(tp), int(pp or 1), int(ep or 1)
+    init_model_parallel(tp, pp, expert_parallel=ep)
     hf_config = AutoConfig.from_pretrained(case)
     try:
-        config = transformer_config(hf_config, tp, pp, torch.float32, sequence_parallel=bool(sp))
+        config = transformer_config(hf_config, tp, pp, torch.float32, sequence_parallel=bool(sp), expert_parallel=ep)
     except ValueError as refusal:
         return {"refused": str(refusal).splitlines()[0]}
     core = build_gpt_model(hf_config, config, device)
     convert.load_shard(core, convert.hf_to_megatron_shard(
         convert.stacked_experts(load_file(case / "model.safetensors")), hf_config, tp, pp,
         parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_rank()))
+        parallel_state.get_pipeline_model_parallel_rank(), ep, parallel_state.get_expert_model_parallel_rank()))
     model = MegatronGenerationModel(core, hf_config, GenerationConfig.from_pretrained(case))
+    if ep > 1:
+        return expert_parallel(model, torch.load(case.parent / "prompts.pt"))
     engine = RolloutEngine(model, build_char_tokenizer(),  # 3 slots for 6 requests: slots freed and retaken
                            RolloutEngineConfig(max_batch_size=3, attention="triton" if triton else "auto"))
     if split:
@@ -80,6 +94,27 @@ def run(case: Path, layout: str, device) -> dict:
         model.refresh()
         engine.update_weights(model)
         result["greedy_scaled"] = outputs(engine, prompts, GREEDY)
+    return result
+
+
+def expert_parallel(model: MegatronGenerationModel, prompts: list) -> dict:
+    """The EP runs (module docstring): each EP rank's outputs on its own prompts, its share of the
+    rank split's, and its own prompts' after the weights change."""
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    start, end, new_tokens = EP_SHARES[ep_rank]
+    own, greedy = prompts[start:end], replace(GREEDY, max_new_tokens=new_tokens)
+    engine = RolloutEngine(model, build_char_tokenizer(), RolloutEngineConfig(max_batch_size=3))
+    result = {"ep_rank": ep_rank, "own": outputs(engine, own, greedy),
+              "routing": [o.routing for o in engine.generate(own, replace(ROUTED, max_new_tokens=new_tokens))],
+              "alone": outputs(engine, prompts[:2] if ep_rank == 0 else [], GREEDY),
+              "split": outputs(split_across_ranks(engine, True, model.split_group), prompts[:5], SAMPLED),
+              "split_ranks": dist.get_world_size(model.split_group), "expert_copies": len(engine.decoder.expert_copies)}
+    with torch.no_grad():
+        for param in model.core.parameters():
+            param.mul_(1.01)
+    model.refresh()
+    engine.update_weights(model)
+    result["own_scaled"] = outputs(engine, own, greedy)
     return result
 
 

@@ -27,8 +27,15 @@ short LongRoPE factors (aligner_ext/architecture.py).
   and, with PP, after-the-change outputs as above; the experts recorded with `return_routing` equal
   those the rollout engine records on the HF model; only this stage's stacked experts are copies.
   Without a launch: `route` picks megatron-core's router's experts with its weights.
+- Expert parallelism (EP=2: each rank holds 2 of the 4 experts, and each MoE layer trades tokens
+  over the EP group) at TP=1, at TP=2 with sequence parallelism x EP=2 and at PP=2 x EP=2 (4
+  processes): the EP ranks decode different prompts (4 in 3 slots, and 1) for different lengths (7
+  and 3 tokens), and then 2 and none, in lockstep: greedy tokens and log-probs equal the HF engine's
+  on each rank's prompts, the recorded experts transformers' routers' choice for each token; the
+  trainer's rank split of 5 prompts samples each share as the HF model's rollout engine does; after
+  every parameter is scaled by 1.01, the equally scaled HF model's greedy outputs.
 
-Two torchrun launches (rollout_worker.py): every 2-process layout, then the 4-process one. A case
+Two torchrun launches (rollout_worker.py): every 2-process layout, then the 4-process ones. A case
 the Megatron backend refuses to build is skipped, naming the refusal.
 """
 
@@ -58,13 +65,16 @@ GREEDY = SamplingParams(max_new_tokens=7, temperature=0.0, return_logprobs=True)
 SAMPLED = SamplingParams(max_new_tokens=7, temperature=1.0, top_p=0.9, seed=7, return_logprobs=True)
 LAYOUT_CASES = ["llama", "qwen2", "qwen3"]
 DENSE_CASES = sorted(set(hf_configs()) - set(MOE_CASES))
-# layout -> cases; tp1 is DP=2; tp2_split needs 4 processes (TP=2 x DP=2); a mixture of experts at TP=2
-# is built with sequence parallelism (tp2_sp), as it trains
+# layout -> cases; tp1 is DP=2; tp2_split needs 4 processes (TP=2 x DP=2), and so do TP=2 or PP=2 x EP=2;
+# a mixture of experts at TP=2 is built with sequence parallelism (tp2_sp), as it trains
 RUNS = {"tp2": DENSE_CASES, "tp2_sp": list(MOE_CASES), "tp2_triton": [*LAYOUT_CASES, "gemma3_text"],
         "tp1": [*LAYOUT_CASES, *MOE_CASES], "tp1_pp2": [*LAYOUT_CASES, *MOE_CASES], "tp1_pp2_split": LAYOUT_CASES,
-        "tp2_split": LAYOUT_CASES}
+        "tp1_ep2": list(MOE_CASES), "tp2_split": LAYOUT_CASES, "tp2_ep2_sp": list(MOE_CASES),
+        "tp1_pp2_ep2": list(MOE_CASES)}
+FOUR_PROCESSES = ("tp2_split", "tp2_ep2_sp", "tp1_pp2_ep2")
 GENERATION = [(name, layout) for layout in ("tp2", "tp2_sp", "tp2_triton", "tp1") for name in RUNS[layout]]
 ROUTED = SamplingParams(max_new_tokens=7, temperature=0.0, return_routing=True)  # as rollout_worker.py's
+EP_SHARES = {0: (0, 4, 7), 1: (4, 5, 3)}  # as rollout_worker.py's: EP rank -> (first prompt, end, max_new_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +94,7 @@ def cases(tmp_path_factory):
         if name in MOE_CASES:
             decisive_experts(model, 0.2)  # no token's choice of experts a near tie
         model.save_pretrained(root / name)
-    for processes, layouts in ((2, [layout for layout in RUNS if layout != "tp2_split"]), (4, ["tp2_split"])):
+    for processes, layouts in ((2, [layout for layout in RUNS if layout not in FOUR_PROCESSES]), (4, FOUR_PROCESSES)):
         (root / f"runs_{processes}.txt").write_text("\n".join(f"{name} {layout}" for layout in layouts
                                                               for name in RUNS[layout]))
         torchrun([str(WORKER), str(root), f"runs_{processes}.txt"], processes=processes, timeout=1200)  # a hang guard
@@ -202,3 +212,47 @@ def test_the_engine_routes_as_megatron_cores_router(normalize_top_k, dtype):
                                                           use_pre_softmax=not normalize_top_k)
     assert torch.equal(torch.zeros_like(routing_map).scatter(1, chosen, True), routing_map)
     torch.testing.assert_close(torch.zeros_like(probs).scatter(1, chosen, weights), probs)
+
+
+def transformers_experts(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """[fed tokens, layers, k]: the experts transformers' routers pick, in increasing order, for each
+    token a request fed through the model (its prompt and every generated token but the last)."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt + tokens[:-1]]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return torch.stack([logits.topk(k).indices.sort().values for logits in out.router_logits], dim=1)
+
+
+@pytest.mark.parametrize("layout, ranks", [("tp1_ep2", 2), ("tp2_ep2_sp", 4), ("tp1_pp2_ep2", 4)])
+@pytest.mark.parametrize("name", MOE_CASES)
+def test_expert_parallel_ranks_decode_their_own_prompts_as_the_hf_model(cases, name, layout, ranks):
+    """EP=2: each rank holds half the experts and decodes its own prompts, for its own lengths, while
+    the other decodes others or none (rollout_worker.py's `EP_SHARES`), as transformers does them
+    all; it records transformers' routers' experts for its own tokens."""
+    shards = results(cases / name, layout, ranks)
+    model, tokenizer, prompts = hf_side(cases / name)
+    hf = HFGenerationEngine(model, tokenizer, HFEngineConfig())
+    own = {rank: (prompts[start:end], replace(GREEDY, max_new_tokens=new_tokens))
+           for rank, (start, end, new_tokens) in EP_SHARES.items()}
+    expected = {rank: outputs(hf, params, mine) for rank, (mine, params) in own.items()}
+    experts = {rank: [transformers_experts(model, prompt, tokens)
+                      for prompt, (tokens, _, _) in zip(mine, expected[rank])] for rank, (mine, _) in own.items()}
+    alone = {0: outputs(hf, GREEDY, prompts[:2]), 1: []}
+    engine, split_ranks = RolloutEngine(model, tokenizer, RolloutEngineConfig()), shards[0]["split_ranks"]
+    split = []
+    for share_rank in range(split_ranks):
+        mine = share(5, share_rank, split_ranks)
+        split += outputs(engine, replace(SAMPLED, seed=rank_seed(SAMPLED, share_rank, split_ranks)),
+                         prompts[mine.start : mine.stop])
+    scaled_hf = HFGenerationEngine(scaled(model), tokenizer, HFEngineConfig())
+    after_step = {rank: outputs(scaled_hf, params, mine) for rank, (mine, params) in own.items()}
+    assert [len(tokens) for tokens, _, _ in expected[0]] != [len(tokens) for tokens, _, _ in expected[1]]
+    for result in shards:
+        rank = result["ep_rank"]
+        assert_same(result["own"], expected[rank])
+        assert_same(result["alone"], alone[rank])
+        assert_same(result["split"], split)
+        assert_same(result["own_scaled"], after_step[rank])
+        for routing, chosen in zip(result["routing"], experts[rank], strict=True):
+            assert torch.equal(routing[:-1].sort(dim=-1).values.long(), chosen)
+        assert result["expert_copies"] == 2 * model.config.num_hidden_layers // (2 if "pp2" in layout else 1)

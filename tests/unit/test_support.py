@@ -5,7 +5,6 @@ RoPE switch."""
 
 import logging
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,7 +95,8 @@ def test_a_layout_that_splits_passes_under_torchrun(tmp_path, monkeypatch):
               tmp_path)
 
 
-def test_the_backends_and_the_engines_own_refusals_are_one_line_naming_what_runs_it(tmp_path, monkeypatch):
+def test_the_backends_own_refusals_are_one_line_naming_what_runs_it(tmp_path, monkeypatch):
+    """(The rollout engine has none of its own: it runs what `architecture` describes, on any layout.)"""
     def refuses(*args, **kwargs):
         raise ValueError("qwen3: some feature is not built\nsecond line")
 
@@ -104,10 +104,6 @@ def test_the_backends_and_the_engines_own_refusals_are_one_line_naming_what_runs
     message = refusal(tmp_path, family_config("qwen3", **TINY), MEGATRON)
     assert message == ("Qwen3 (qwen3): the Megatron backend does not build it (qwen3: some feature is not built); "
                        "policy.backend=hf runs it")
-    monkeypatch.setattr("aligner_ext.support.unsupported",
-                        lambda config, backend, expert_parallel: "the rollout engine lacks something")
-    message = refusal(tmp_path, family_config("qwen3", **TINY), ROLLOUT)
-    assert message == "Qwen3 (qwen3): the rollout engine lacks something; generator.engine=hf runs it"
 
 
 @pytest.mark.parametrize("overrides", [[], ["generator.engine=hf"], ["generator.engine=auto"]])
@@ -204,10 +200,10 @@ def test_a_mixture_of_experts_under_tensor_parallelism_needs_sequence_parallelis
               tmp_path)
 
 
-def test_the_rollout_engine_runs_a_mixture_of_experts_on_both_backends_at_expert_parallelism_1(tmp_path, monkeypatch):
-    """On the HF backend's modules it runs, and on the Megatron backend's shards at EP=1 (`auto` takes
-    it on a GPU); under expert parallelism each rank holds only its experts: refused in one line, at the
-    run's check and in the Megatron decoder itself, and `auto` generates with the HF engine there."""
+def test_the_rollout_engine_runs_a_mixture_of_experts_under_expert_parallelism_too(tmp_path, monkeypatch):
+    """On the HF backend's modules and on the Megatron backend's shards, at EP=1 and under expert
+    parallelism (each rank's experts, tokens traded over the EP group: generation/decoder.py's
+    `ExpertExchange`), where `auto` takes it on a GPU too."""
     monkeypatch.setenv("WORLD_SIZE", "1")
     config = Qwen2MoeConfig(**MOE, shared_expert_intermediate_size=32)
     config.save_pretrained(tmp_path)
@@ -218,18 +214,8 @@ def test_the_rollout_engine_runs_a_mixture_of_experts_on_both_backends_at_expert
     assert generation_engine_name(load_config("base", MEGATRON), config, torch.device("cuda")) == "rollout"
     monkeypatch.setenv("WORLD_SIZE", "2")
     ep = ["policy.expert_model_parallel_size=2"]
-    line = ("Qwen2-MoE (qwen2_moe): the rollout engine runs mixtures of experts on the Megatron backend's shards at "
-            "policy.expert_model_parallel_size=1 only, not 2 (each rank holds only its experts); "
-            "generator.engine=hf runs it")
-    assert refusal(tmp_path, config, MEGATRON + ep + ROLLOUT) == line
-    assert generation_engine_name(load_config("base", MEGATRON + ep), config, torch.device("cuda")) == "hf"
-    check_run(load_config("base", MEGATRON + ep), tmp_path)  # the Megatron backend with the HF engine runs it
-    from aligner_ext.models.megatron import decoder
-
-    monkeypatch.setattr(decoder.parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
-    with pytest.raises(UnsupportedModel, match=r"^qwen2_moe: the rollout engine runs mixtures of experts on the "
-                                               r"Megatron backend's shards at policy.expert_model_parallel_size=1 only"):
-        decoder.MegatronDecoder(SimpleNamespace(config=config))
+    check_run(load_config("base", MEGATRON + ep + ROLLOUT), tmp_path)
+    assert generation_engine_name(load_config("base", MEGATRON + ep), config, torch.device("cuda")) == "rollout"
 
 
 def test_the_megatron_backend_splits_expert_widths_over_tensor_parallelism(tmp_path, monkeypatch):

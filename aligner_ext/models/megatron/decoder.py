@@ -31,28 +31,36 @@ scale applies after the vocabulary-parallel lookup's sum. LoRA adapters (`lora.p
 B rows are this rank's output rows, a row-parallel one's partial product is summed over the group
 with the base product's.
 
-A mixture of experts (Qwen3-MoE, Qwen2-MoE; megatron-core's `SequentialMLP`) runs at expert
-parallelism 1 only (under EP a rank holds only its experts, and decoding the others' would need a
-token exchange: `generation/decoder.py::unsupported` refuses it in one line, and `auto` takes the
-HF engine). Per layer: `mlp.router.weight` [E, h] (replicated: every rank routes the full hidden
-state alike, as the engine runs no sequence parallelism), the local experts'
-`mlp.experts.local_experts.{e}.linear_fc1.weight` [2I/TP, h] (this rank's gate rows, then its up
-rows) and `.linear_fc2.weight` [h, I/TP], stacked as transformers stacks them, [E, 2I/TP, h] and
-[E, h, I/TP], for `experts_mlp` (`torch._grouped_mm` needs one 3D tensor per layer); Qwen2-MoE's
-shared expert `mlp.shared_experts.linear_fc1` / `linear_fc2` (split as a dense MLP's) and its
-replicated `gate_weight`. Each expert's output over this rank's columns, and so the routing-weighted
-sum and the gated shared expert's, is a partial sum over TP: the MLP output's `reduce` sums it. The
-stacked tensors are views where the experts lie back to back in one storage (the other stages' layers
-under PP: `PipelineGather`'s flat buffers hold each layer's parameters `in_stacking_order`), else a
-copy: this stage's own experts, separate parameters (megatron-core's DDP keeps them in its own
-buffer, in its own order; re-pointing them into a stacked one would break it), are stacked into one
-buffer per layer and matrix, refilled in place before every generate call (`MegatronDecoder.refresh`, which the engine
-calls; after each optimizer step they hold the new values). Its memory cost: one copy of this rank's
-own stage's expert weights (at PP=1, this rank's TP shard of every expert: most of a mixture of
-experts' weights). Routing is transformers' (`route`), which picks megatron-core's router's experts
-(`model.moe_options`; tests/megatron/test_megatron_rollout.py). The experts each token took can be
-recorded (`return_routing`) as on the HF backend, though the Megatron policy reads none
-(`Policy.reads_routing` is false here).
+A mixture of experts (Qwen3-MoE, Qwen2-MoE; megatron-core's `SequentialMLP`), per layer:
+`mlp.router.weight` [E, h] (replicated: every rank routes the full hidden state alike, as the engine
+runs no sequence parallelism), the local experts' `mlp.experts.local_experts.{e}.linear_fc1.weight`
+[2I/TP, h] (this rank's gate rows, then its up rows) and `.linear_fc2.weight` [h, I/TP], stacked as
+transformers stacks them, [E, 2I/TP, h] and [E, h, I/TP], for `experts_mlp` (`torch._grouped_mm`
+needs one 3D tensor per layer); Qwen2-MoE's shared expert `mlp.shared_experts.linear_fc1` /
+`linear_fc2` (split as a dense MLP's) and its replicated `gate_weight`. Each expert's output over
+this rank's columns, and so the routing-weighted sum and the gated shared expert's, is a partial sum
+over TP: the MLP output's `reduce` sums it. The stacked tensors are views where the experts lie back
+to back in one storage (the other stages' layers under PP: `PipelineGather`'s flat buffers hold each
+layer's parameters `in_stacking_order`), else a copy: this stage's own experts, separate parameters
+(megatron-core's DDP keeps them in its own buffer, in its own order; re-pointing them into a stacked
+one would break it), are stacked into one buffer per layer and matrix, refilled in place before
+every generate call (`MegatronDecoder.refresh`, which the engine calls; after each optimizer step
+they hold the new values). Its memory cost: one copy of this rank's own stage's expert weights (at
+PP=1, this rank's TP shard of every expert: most of a mixture of experts' weights). Routing is
+transformers' (`route`), which picks megatron-core's router's experts (`model.moe_options`;
+tests/megatron/test_megatron_rollout.py). The experts each token took are recorded
+(`return_routing`) as on the HF backend, for the Megatron policy's mismatch metric and routing replay
+(`models/megatron/moe.py`).
+
+Under expert parallelism (EP > 1, over the data-parallel ranks) a rank holds E / EP experts, those
+of its EP rank (global index = EP rank * E / EP + local index, as `convert.py` splits them), stacked
+alike, and decodes its own share of the requests (the rank split's group holds its EP group). Each
+MoE layer exchanges the tokens over megatron-core's expert-model-parallel group
+(`generation/decoder.py::ExpertExchange`: all-gather, this rank's experts, reduce-scatter), whose
+ranks share this rank's TP rank and stage: under TP each exchange carries one TP rank's partial
+outputs, summed over TP after it; under PP every rank of the group holds its EP rank's experts of
+every layer (the pipeline gather's stages share its EP rank). The engine keeps the group's ranks in
+lockstep (generation/rollout.py), agreeing over a gloo twin of the group (`_host_group`).
 
 With pipeline parallelism a stage holds only its layers, and decoding needs them all: the model is
 resharded in memory (`PipelineGather`). Every rank keeps, next to its own stage's parameters (used
@@ -74,10 +82,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
-from aligner_ext.architecture import UnsupportedModel, architecture, rms_norm
+from aligner_ext.architecture import architecture, rms_norm
 from aligner_ext.adapters import LowRank
 from aligner_ext.generation.decoder import (
-    Decoder, ExpertWeights, LayerWeights, Projection, Shape, fused_buffer, split_adapter, unsupported,
+    Decoder, ExpertExchange, ExpertWeights, LayerWeights, Projection, Shape, fused_buffer, split_adapter,
 )
 from aligner_ext.models.megatron.convert import EXPERT_NAME
 from aligner_ext.models.megatron.lora import SUFFIX, ParallelLoRA
@@ -214,6 +222,20 @@ def _views(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
     return views
 
 
+def _host_group(group):
+    """A gloo group of `group`'s ranks, for agreements on host values that must not wait for the
+    device (`ExpertExchange.agree`); every rank creates every such twin, in the same order, as torch
+    requires."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dist.get_process_group_ranks(group))
+    mine = None
+    for ranks in sorted({tuple(ranks) for ranks in every}):
+        twin = dist.new_group(list(ranks), backend="gloo")
+        if dist.get_rank() in ranks:
+            mine = twin
+    return mine
+
+
 def _same_tensor_rank_group():
     """The process group of the ranks with this rank's TP rank (data-parallel and pipeline ranks
     together); every rank creates every such group, in the same order, as torch requires."""
@@ -236,9 +258,6 @@ class MegatronDecoder(Decoder):
     """Prefill and decode over this rank's shards of a GPTModel (module docstring)."""
 
     def __init__(self, model: MegatronGenerationModel, compile: bool = False, attention: str = "auto"):
-        reason = unsupported(model.config, "megatron", parallel_state.get_expert_model_parallel_world_size())
-        if reason:  # a mixture of experts split over EP ranks: this rank holds only its experts
-            raise UnsupportedModel(f"{model.config.model_type}: {reason}; generator.engine=hf runs it")
         self.model = model
         config = model.core.config
         self.architecture = architecture(model.config)
@@ -262,6 +281,9 @@ class MegatronDecoder(Decoder):
         self.vocab_size = model.config.vocab_size
         if tp > 1:
             self.reduce = self._sum_over_group
+        if self.architecture.experts is not None and parallel_state.get_expert_model_parallel_world_size() > 1:
+            group = parallel_state.get_expert_model_parallel_group()
+            self.exchange = ExpertExchange(group, _host_group(group), self.architecture.experts.count)
         super().__init__(model.config, compile, attention)
 
     def _weights(self, named: dict[str, torch.Tensor]) -> LayerWeights:
@@ -291,13 +313,14 @@ class MegatronDecoder(Decoder):
         return Projection((fc1,), (None,), halves, split_adapter(adapter, halves) if adapter else ())
 
     def _experts(self, named: dict[str, torch.Tensor]) -> ExpertWeights:
-        """megatron-core's MoE layer (`SequentialMLP`, EP=1: every expert local): the replicated router,
-        the local experts' `linear_fc1` [2I/TP, h] and `linear_fc2` [h, I/TP] stacked as transformers'
-        [E, 2I/TP, h] and [E, h, I/TP] (this rank's columns of every expert: each expert's output, and so
-        the weighted sum, is a partial sum over TP, summed with the layer's MLP output); Qwen2-MoE's shared
-        expert (a TP-split gated MLP) and its replicated gate."""
+        """megatron-core's MoE layer (`SequentialMLP`): the replicated router, the local experts'
+        (all E at EP=1, E / EP under expert parallelism) `linear_fc1` [2I/TP, h] and `linear_fc2`
+        [h, I/TP] stacked as transformers' [E, 2I/TP, h] and [E, h, I/TP] (this rank's columns of each
+        expert: each expert's output, and so the weighted sum, is a partial sum over TP, summed with the
+        layer's MLP output); Qwen2-MoE's shared expert (a TP-split gated MLP) and its replicated gate."""
         pieces = self.architecture.experts
-        fc = {linear: [named[f"mlp.experts.local_experts.{e}.{linear}.weight"] for e in range(pieces.count)]
+        local = pieces.count // parallel_state.get_expert_model_parallel_world_size()
+        fc = {linear: [named[f"mlp.experts.local_experts.{e}.{linear}.weight"] for e in range(local)]
               for linear in ("linear_fc1", "linear_fc2")}
         routed = (named["mlp.router.weight"], self._stacked(fc["linear_fc1"]), self._stacked(fc["linear_fc2"]),
                   pieces.top_k, pieces.normalize_top_k)

@@ -41,9 +41,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import unwrap_model
 
 from aligner_ext.batch import ExperienceBatch, concat_batches
+from aligner_ext.generation.base import NOT_RECORDED
 from aligner_ext.models.megatron.logprobs import enter_tensor_parallel_region, vocab_parallel_logprobs
 from aligner_ext.models.megatron.model import output_weight, pack_rows, stage_forward
-from aligner_ext.models.megatron.moe import RouterRecorder
+from aligner_ext.models.megatron.moe import Routers
 from aligner_ext.models.packing import pack_end_to_end, valid_responses
 
 
@@ -57,6 +58,8 @@ class Packed:
     response_ids: torch.Tensor  # [N] int64 those tokens (row-major over the batch's response_valid)
     batch: ExperienceBatch  # the micro-batch itself (advantages, masks) for the loss
     real: torch.Tensor  # [b, S] bool: the tokens of its sequences (not pads, not filler rows): the routers' statistics
+    real_tokens: int  # how many (counted on the host)
+    routing: torch.Tensor | None  # [b, S, layers, k] int16 the engine's experts at the real tokens (NOT_RECORDED elsewhere), or None
     boundaries: PackedSeqParams | None = None  # the sequences' cumulative lengths when packed
 
 
@@ -71,8 +74,9 @@ def pack(micro: ExperienceBatch, pad_token_id: int, device: torch.device, multip
     index, response_ids = valid_responses(micro, torch.arange(len(micro)) * width + columns[:, 0])
     lengths = (micro.prompt_mask.sum(dim=1) + micro.response_valid.sum(dim=1)) * micro.response_valid.any(dim=1)
     real = torch.arange(width) < lengths[:, None]  # rolled rows: each sequence from column 0
+    kept = micro.attention_mask.bool() & micro.response_valid.any(dim=1, keepdim=True)
     return Packed(ids.to(device), positions.to(device), index.to(device), response_ids.to(device), micro.to(device),
-                  real.to(device))
+                  real.to(device), int(real.sum()), engine_routing(micro, kept, real, device))
 
 
 def pack_sequences(micro: ExperienceBatch, pad_token_id: int, device: torch.device, multiple_of: int = 1,
@@ -85,8 +89,23 @@ def pack_sequences(micro: ExperienceBatch, pad_token_id: int, device: torch.devi
                                  max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen)
     # the row's tail, padding it to `width` and to the multiple, is a sequence of its own in cu_seqlens
     real = (torch.arange(row.ids.shape[-1]) < row.cu_seqlens[len(micro)]).view(1, -1) & micro.response_valid.any()
+    kept = micro.attention_mask.bool() & micro.response_valid.any()
     return Packed(row.ids.to(device), row.positions.to(device), row.response_index.to(device),
-                  row.response_ids.to(device), micro.to(device), real.to(device), boundaries)
+                  row.response_ids.to(device), micro.to(device), real.to(device), int(real.sum()),
+                  engine_routing(micro, kept, real, device), boundaries)
+
+
+def engine_routing(micro: ExperienceBatch, kept: torch.Tensor, real: torch.Tensor, device: torch.device
+                   ) -> torch.Tensor | None:
+    """The engine's experts of `micro` [b, S, layers, k] int16 on `device` in a layout whose real
+    tokens `real` [b, S] are those of `micro` where `kept` [B, P+R], in the same order (row by row,
+    prompt then response); NOT_RECORDED elsewhere. None when the batch carries no routing."""
+    routing = micro.routing
+    if routing is None:
+        return None
+    placed = torch.full((*real.shape, *routing.shape[2:]), NOT_RECORDED, dtype=routing.dtype)
+    placed[real] = routing[kept]
+    return placed.to(device)
 
 
 def filler_rows(batch: ExperienceBatch, rows: int) -> ExperienceBatch:
@@ -121,11 +140,12 @@ def last_stage_logprobs(model, hidden: torch.Tensor, packed: Packed, vocab_size:
 
 
 def _run(model, micro_batches: list[Packed], reduce_fn: Callable, forward_only: bool,
-         routers: RouterRecorder | None = None) -> list:
+         routers: Routers | None = None) -> list:
     """One schedule call; `reduce_fn(packed, hidden)` runs on the last stage per micro-batch.
 
     `model` is the GPTModel or its DDP wrapper (the schedule needs the wrapper for gradient sync);
-    `routers` records what a mixture of experts' routers do in each micro-batch's forward.
+    `routers`: a mixture of experts' routers, told each micro-batch's tokens and engine routing
+    (moe.py), which give the forward megatron-core's padding mask where its load-balancing loss needs it.
     """
     config = unwrap_model(model).config
     seq = micro_batches[0].ids.shape[1]
@@ -134,9 +154,8 @@ def _run(model, micro_batches: list[Packed], reduce_fn: Callable, forward_only: 
 
     def forward_step(data_iterator, stage_model):
         packed = next(data_iterator)
-        if routers is not None:
-            routers.begin(packed.real)
-        hidden = stage_forward(unwrap_model(stage_model), packed.ids, packed.positions, packed.boundaries)
+        padding = routers.begin(packed.real, packed.routing, packed.real_tokens) if routers is not None else None
+        hidden = stage_forward(unwrap_model(stage_model), packed.ids, packed.positions, packed.boundaries, padding)
         if routers is not None:
             routers.end()
 
@@ -157,16 +176,17 @@ def _run(model, micro_batches: list[Packed], reduce_fn: Callable, forward_only: 
     )
 
 
-def forward_logprobs(model, micro_batches: list[Packed], vocab_size: int, chunk_size: int, temperature: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """No-grad log-probs and entropy [sum of b, R] float32 of every micro-batch, on every rank."""
+def forward_logprobs(model, micro_batches: list[Packed], vocab_size: int, chunk_size: int, temperature: float,
+                     routers: Routers | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad log-probs and entropy [sum of b, R] float32 of every micro-batch, on every rank;
+    `routers`: a mixture of experts' (moe.py), compared with or replaying the engine's experts."""
 
     def reduce_fn(packed: Packed, hidden: torch.Tensor):
         lp, ent = last_stage_logprobs(unwrap_model(model), hidden, packed, vocab_size, chunk_size, True, temperature)
         return torch.stack([lp.float(), ent.float()])
 
     with torch.no_grad():
-        outputs = _run(model, micro_batches, reduce_fn, forward_only=True)
+        outputs = _run(model, micro_batches, reduce_fn, forward_only=True, routers=routers)
     result = _on_every_stage(outputs, micro_batches)
     return result[0], result[1]
 
@@ -186,13 +206,13 @@ def _on_every_stage(parts: list[torch.Tensor], micro_batches: list[Packed]) -> t
 
 def forward_backward(model, micro_batches: list[Packed], vocab_size: int, chunk_size: int, temperature: float,
                      step_fn: Callable[[torch.Tensor, ExperienceBatch], tuple[torch.Tensor, dict]],
-                     fill_old_logprobs: bool = False, routers: RouterRecorder | None = None
+                     fill_old_logprobs: bool = False, routers: Routers | None = None
                      ) -> tuple[list[dict], torch.Tensor | None]:
     """Forward and backward of `step_fn(logprobs [b, R], micro)` -> (scalar, metrics) per micro-batch.
 
     Returns the metrics dicts (on the last pipeline stage; empty on the others) and, with
     `fill_old_logprobs`, the old log-probs and entropy the micro-batches were given, [2, sum of b, R]
-    float32 on every rank (else None). `routers`: a mixture of experts' recorder (moe.py).
+    float32 on every rank (else None). `routers`: a mixture of experts' routers (moe.py).
     """
     filled = []
 

@@ -322,7 +322,7 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
 
 def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, dtype: torch.dtype,
                        sequence_parallel: bool = False, kernels: str = "none", recompute: bool = False,
-                       expert_parallel: int = 1) -> ArchitectureConfig:
+                       expert_parallel: int = 1, aux_loss_coef: float = 0.0) -> ArchitectureConfig:
     """The megatron-core TransformerConfig of an HF config of any family `architecture()` covers
     (`UnsupportedModel`, one line, for the others).
 
@@ -334,6 +334,7 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
     activation recomputation, one layer per checkpoint): less memory, about a third more compute.
     `expert_parallel` (EP) splits a mixture of experts' experts over EP data-parallel ranks, each
     holding count / EP of them (megatron-core's `num_local_experts`); a dense model is refused at EP > 1.
+    `aux_loss_coef`: a mixture of experts' load-balancing loss coefficient (`moe_options`).
     """
     if kernels not in ("none", "liger"):
         raise ValueError(f"kernels must be none or liger (auto is resolved by the policy), got {kernels!r}")
@@ -403,25 +404,26 @@ def transformer_config(hf_config, tensor_parallel: int, pipeline_parallel: int, 
         recompute_num_layers=1 if recompute else None,
         architecture=arch,
         kernels=kernels,
-        **(moe_options(arch.experts) if arch.experts else {}),
+        **(moe_options(arch.experts, aux_loss_coef) if arch.experts else {}),
     )
 
 
-def moe_options(experts: Experts) -> dict:
+def moe_options(experts: Experts, aux_loss_coef: float = 0.0) -> dict:
     """megatron-core's MoE options for the family's mixture of experts (`architecture.Experts`).
     Routing: softmax over all experts then the top k (`moe_router_pre_softmax`) where the weights are
     not renormalised; where they are, the top k of the logits then a softmax over those k, which is the
     same (softmax is monotone, and its renormalised top k is the softmax of the top-k logits). The
     router's logits are computed in the model's dtype, as transformers computes them
-    (`moe_router_dtype` unset). No load-balancing loss and no token dropping: each token goes to its
-    k experts (`moe_expert_capacity_factor` unset)."""
+    (`moe_router_dtype` unset). No token dropping: each token goes to its k experts
+    (`moe_expert_capacity_factor` unset). `aux_loss_coef` > 0: megatron-core's load-balancing loss
+    (`aux_loss`, per layer), weighted per micro-batch by moe.py's `Routers`; else none."""
     return dict(
         num_moe_experts=experts.count,
         moe_router_topk=experts.top_k,
         moe_ffn_hidden_size=experts.ffn_size,
         moe_router_pre_softmax=not experts.normalize_top_k,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coef > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coef,
         moe_token_dispatcher_type="allgather",  # the alltoall one needs CUDA streams (no CPU tests)
         moe_shared_expert_intermediate_size=experts.shared_ffn_size,
         moe_shared_expert_gate=experts.shared_ffn_size is not None,
@@ -479,13 +481,16 @@ def output_weight(model: GPTModel) -> torch.Tensor:
 
 
 def stage_forward(model: GPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                  packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
+                  packed_seq_params: PackedSeqParams | None = None, padding_mask: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """Run this pipeline stage: [s, b, H] hidden states (after the final norm on the last stage).
 
     Args:
         input_ids: [b, s] int64 (`pack_rows` rows, or b = 1 packed sequences); read on the first stage only.
         position_ids: [b, s] int64, the same in every row: each token's position in its own sequence.
         packed_seq_params: the sequences' boundaries when the row holds several (`SDPAttention`).
+        padding_mask: [b, s] bool, True on pads (this rank's sequence shard under sequence
+            parallelism): megatron-core's MoE layers leave them out of the load-balancing loss.
 
     RoPE is taken from `position_ids` (megatron-core's own `_preprocess` would rotate by column,
     which a packed row's later sequences do not start at): cos and sin of every RoPE table once per
@@ -511,7 +516,8 @@ def stage_forward(model: GPTModel, input_ids: torch.Tensor, position_ids: torch.
                         if window < width}
     boundaries = vars(packed_seq_params) if packed_seq_params is not None else {"qkv_format": "sbhd"}
     layout = SequenceLayout(**boundaries, rotary=rotary, window_masks=window_masks)
-    return model.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=None, packed_seq_params=layout)
+    return model.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=None, packed_seq_params=layout,
+                         padding_mask=padding_mask)
 
 
 def pack_rows(prompt_mask: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int

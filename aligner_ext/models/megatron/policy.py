@@ -26,6 +26,12 @@ masks are False, `forward.pad_rows`).
   each MoE layer, so the EP ranks run micro-batches of one shape in lockstep: rows per micro-batch
   (`micro_batch_tokens` is refused at EP > 1, its micro-batches differ between DP ranks:
   `parallel.expert_parallel_refusal`).
+- Mixtures of experts (`moe.Routers`, one per GPTModel): the training forwards report the expert
+  load and router entropy, `policy.router_aux_loss_coef` adds megatron-core's load-balancing loss
+  weighted per micro-batch by its share of the update's real tokens (all-reduced over DP), the
+  step's first forward (old-log-prob pass, or the training forward that fills them) compares the
+  routers with the engine's experts (`moe/routing_mismatch`), and `policy.routing_replay` makes
+  the policy's forwards and the KL reference's take them, as on the HF backend.
 - LoRA (`policy.lora.rank > 0`, `lora.py`): the GPTModel is frozen and an adapter sharded as each
   adapted linear trains; DDP and the optimizer hold the adapters alone, the distributed checkpoint
   holds them and their optimizer state (with `base.json`, the base's path and checksum), the HF
@@ -48,6 +54,7 @@ the HF backend.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 from collections import defaultdict
@@ -70,10 +77,11 @@ from aligner_ext.models.megatron.forward import (
 )
 from aligner_ext.models.megatron.decoder import MegatronGenerationModel
 from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
-from aligner_ext.models.megatron.moe import RouterRecorder
+from aligner_ext.models.megatron.moe import Routers
 from aligner_ext.models.megatron.optimizer import apply_settings, build_optimizer, clipped_step, set_lr, wrap_ddp
 from aligner_ext.models.megatron.parallel import expert_parallel_refusal, init_distributed, init_model_parallel
 from aligner_ext.models.megatron.weights import refit_hf_model
+from aligner_ext.models.moe import check_aux_loss
 from aligner_ext.models.packing import token_micro_batches
 from aligner_ext.models.settings import PolicyConfig
 
@@ -101,6 +109,7 @@ class MegatronPolicy(Policy):
     restores_own_weights = True  # the distributed checkpoint holds them (save_sharded)
 
     def __init__(self, model: PreTrainedModel, cfg: PolicyConfig, total_steps: int):
+        check_aux_loss(model.config, cfg.router_aux_loss_coef)  # before any process group starts
         self.cfg = cfg
         self.device = init_distributed()
         self.kernels = megatron_kernels(cfg.kernels, self.device)
@@ -115,12 +124,12 @@ class MegatronPolicy(Policy):
         self.base_path = str(model.name_or_path)  # what LoRA checkpoints point at
         self.generation: MegatronGenerationModel | None = None  # the rollout engine's model, once asked for
         self.core = self._core_from_hf()
-        experts = self.core.config.architecture.experts
-        # a mixture of experts' training forwards report what its routers did (moe.py)
-        self.routers = RouterRecorder(self.core, self.hf_config.num_hidden_layers, experts.count,
-                                      experts.top_k) if experts else None
+        # a mixture of experts' training forwards report what its routers did, its first forward over a
+        # step compares them with the engine's, and its forwards may replay those (moe.py)
+        self.routers = self._routers(self.core)
+        self.reads_routing = self.routers is not None
         self.adapters = lora.attach(self.core, cfg.lora) if cfg.lora.rank > 0 else []
-        if experts:
+        if self.routers is not None:
             expert_parameters_apart(self.core)
         self.ddp = wrap_ddp(self.core, cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, cfg.optim, cfg.use_distributed_optimizer)
@@ -140,7 +149,7 @@ class MegatronPolicy(Policy):
         tp, pp, ep = (self.cfg.tensor_model_parallel_size, self.cfg.pipeline_model_parallel_size,
                       self.cfg.expert_model_parallel_size)
         config = transformer_config(self.hf_config, tp, pp, self.dtype, self.cfg.sequence_parallel, self.kernels,
-                                    self.cfg.recompute_activations, ep)
+                                    self.cfg.recompute_activations, ep, self.cfg.router_aux_loss_coef)
         core = build_gpt_model(self.hf_config, config, self.device)
         shard = convert.hf_to_megatron_shard(
             self.hf_copy.state_dict(), self.hf_config, tp, pp,
@@ -149,6 +158,13 @@ class MegatronPolicy(Policy):
         )
         convert.load_shard(core, shard)
         return core
+
+    def _routers(self, core: torch.nn.Module) -> Routers | None:
+        """A mixture of experts' routers of `core` (moe.py); None for a dense model."""
+        experts = core.config.architecture.experts
+        if experts is None:
+            return None
+        return Routers(core, self.hf_config.num_hidden_layers, experts.count, experts.top_k, self.cfg.routing_replay)
 
     def frozen_reference(self) -> "MegatronReference | AdaptersOff":
         if self.adapters:
@@ -227,15 +243,18 @@ class MegatronPolicy(Policy):
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_replicated(batch)
         self.ddp.eval()
-        return self.logprobs_of(self.ddp, batch, temperature)
+        return self.logprobs_of(self.ddp, batch, temperature, self.routers, compare=True)
 
-    def logprobs_of(self, model: torch.nn.Module, batch: ExperienceBatch, temperature: float
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs_of(self, model: torch.nn.Module, batch: ExperienceBatch, temperature: float,
+                    routers: Routers | None = None, compare: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropy [B, R] of `model` (the policy's or the reference's GPTModel, laid out
-        as the policy's) on every rank: each DP rank scores its rows, then they are all-gathered."""
+        as the policy's) on every rank: each DP rank scores its rows, then they are all-gathered.
+        `routers`: the model's, replaying the engine's experts under `policy.routing_replay`, and
+        comparing its own with them (`compare`: the old-log-prob pass, the step's first forward)."""
         packed, order, per_rank = self._micro_batches(batch)
-        lp, ent = forward_logprobs(model, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
-                                   temperature)
+        with recording(routers, compare=compare):
+            lp, ent = forward_logprobs(model, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
+                                       temperature, routers)
         return self._gather_rows(torch.stack([lp, ent]), order, per_rank, batch)
 
     def _gather_rows(self, local: torch.Tensor, order: torch.Tensor, per_rank: int, batch: ExperienceBatch
@@ -281,6 +300,8 @@ class MegatronPolicy(Policy):
         set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
         metrics = update_metrics(totals, grad_norms, skipped, ratios, diverged)
         metrics["actor/lr"] = self.cfg.optim.lr * self.lr_at(self.rl_step)
+        if self.routers is not None:  # from the old-log-prob pass, or this call's forward when it gave them
+            metrics.update(self.routers.take_mismatch())
         return metrics
 
     def _update(self, mini: ExperienceBatch, loss: Loss,
@@ -294,9 +315,10 @@ class MegatronPolicy(Policy):
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         fill = mini.old_logprobs is None
-        outputs, filled = forward_backward(self.ddp, packed, self.hf_config.vocab_size, self.cfg.logprob_chunk_size,
-                                           temperature, lambda logprobs, micro: loss(logprobs, micro, counts), fill,
-                                           self.routers)
+        with recording(self.routers, tally=True, compare=fill, real_tokens=self._real_tokens(packed)):
+            outputs, filled = forward_backward(self.ddp, packed, self.hf_config.vocab_size,
+                                               self.cfg.logprob_chunk_size, temperature,
+                                               lambda logprobs, micro: loss(logprobs, micro, counts), fill, self.routers)
         if fill:
             mini.old_logprobs, mini.entropy = self._gather_rows(filled, order, per_rank, mini)
         before = self._weights_norm()
@@ -305,6 +327,15 @@ class MegatronPolicy(Policy):
         if self.routers is not None:
             metrics.update(self.routers.take())
         return metrics, grad_norm, (before, self._weights_norm())
+
+    def _real_tokens(self, packed: list[Packed]) -> int:
+        """The real tokens of an update's micro-batches over every DP rank, where the load-balancing
+        loss weights each micro-batch by its share of them (else 0: no collective)."""
+        if self.cfg.router_aux_loss_coef == 0:
+            return 0
+        total = torch.tensor([sum(part.real_tokens for part in packed)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        return int(total.item())
 
     def _weights_norm(self) -> float:
         """The weights' L2 norm over the model-parallel ranks' shards (a parameter that TP replicates
@@ -399,6 +430,11 @@ class MegatronPolicy(Policy):
         dist.barrier()
 
 
+def recording(routers: Routers | None, **what) -> contextlib.AbstractContextManager:
+    """`Routers.forwards` of a mixture of experts' routers; nothing for a dense model."""
+    return routers.forwards(**what) if routers is not None else contextlib.nullcontext()
+
+
 def expert_parameters_apart(core: torch.nn.Module) -> None:
     """Mark the experts' weights as megatron-core marks them under expert parallelism (`allreduce`
     False) at EP = 1 too: megatron-core's DDP then reduces their gradients over the experts'
@@ -430,7 +466,8 @@ class MegatronReference:
     def __init__(self, policy: MegatronPolicy):
         self.policy = policy
         self.core = policy._core_from_hf().eval().requires_grad_(False)
+        self.routers = policy._routers(self.core)  # replaying the engine's experts as the policy's do
 
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch, temperature: float) -> torch.Tensor:
-        return self.policy.logprobs_of(self.core, batch, temperature)[0]
+        return self.policy.logprobs_of(self.core, batch, temperature, self.routers)[0]

@@ -21,6 +21,7 @@ from aligner_ext.generation.decoder import (
     experts_mlp,
     grouped_mm_runs,
     route,
+    weighted_expert_sum,
 )
 from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
 from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
@@ -138,6 +139,40 @@ def test_the_experts_output_is_transformers_sparse_blocks(tiny_tokenizer, name, 
             assert torch.equal(out, expected)
         else:
             torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, grouped", [(torch.bfloat16, True), (torch.float32, False)])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_expert_parallel_ranks_shares_add_up_to_transformers_experts(tiny_tokenizer, ranks, dtype, grouped):
+    """Under expert parallelism (`ExpertExchange`) each rank sums the pairs of its slice of the experts
+    only, the others skipped: in bfloat16 sorted past the grouped products' last group (the kernel
+    leaves their rows uninitialised), in float32 computed with expert 0 and dropped. The ranks' sums
+    add up to transformers' experts module's output for the same routing; a padded row (expert -1,
+    no rank's) gets nothing."""
+    model = moe_model("qwen3_moe", tiny_tokenizer, dtype)
+    decoder = HFDecoder(model)
+    x = torch.randn(12, SIZES["hidden_size"], generator=torch.Generator().manual_seed(5)).to(dtype)
+    local = SIZES["num_experts"] // ranks
+    act = torch.nn.functional.silu
+    for layer, weights in zip(model.model.layers, decoder.layers):
+        experts = weights.experts
+        assert grouped_mm_runs(x, experts) == grouped
+        with torch.no_grad():
+            top, chosen = route(x, experts.router, experts.top_k, experts.normalize_top_k)
+            expected = layer.mlp.experts(x, chosen, top)
+            padded_top, padded_chosen = torch.cat([top, top[:1]]), torch.cat([chosen, torch.full_like(chosen[:1], -1)])
+            shares = [weighted_expert_sum(torch.cat([x, x[:1]]), padded_top, padded_chosen,
+                                          experts._replace(gate_up=experts.gate_up[rank * local : (rank + 1) * local],
+                                                           down=experts.down[rank * local : (rank + 1) * local]),
+                                          act, rank * local)
+                      for rank in range(ranks)]
+        held = [((padded_chosen >= rank * local) & (padded_chosen < (rank + 1) * local)).any(dim=-1)
+                for rank in range(ranks)]
+        assert not all(mine.all() for mine in held)  # some rank holds none of some token's experts
+        for share, mine in zip(shares, held):  # it adds exactly 0 there (no uninitialised row leaks)
+            assert torch.equal(share[~mine], torch.zeros_like(share[~mine]))
+        total = torch.stack(shares).sum(dim=0)
+        torch.testing.assert_close(total[:-1], expected, **({} if grouped else dict(atol=1e-6, rtol=1e-5)))
 
 
 @pytest.mark.parametrize("name", MODELS)

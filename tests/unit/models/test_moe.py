@@ -110,20 +110,29 @@ def test_the_load_balancing_loss_adds_its_coefficient_times_its_gradient():
         torch.testing.assert_close(with_aux - without, 0.5 * expected.float(), rtol=1e-4, atol=1e-6)
 
 
-def test_a_load_balancing_loss_on_a_dense_model_is_refused(tiny_model):
-    with pytest.raises(ConfigError, match=r"policy.router_aux_loss_coef=0.01: the model \(llama\) has no router"):
-        HFPolicy(tiny_model, PolicyConfig(device="cpu", router_aux_loss_coef=0.01), total_steps=1)
+@pytest.mark.parametrize("backend", ["hf", "megatron"])
+def test_a_load_balancing_loss_on_a_dense_model_is_refused(tiny_model, backend):
+    """In one line, before the Megatron backend starts any process group (its loss on a mixture of
+    experts: tests/megatron/test_megatron_tp_pp.py)."""
+    if backend == "megatron":
+        policy_class = pytest.importorskip("aligner_ext.models.megatron.policy").MegatronPolicy
+    else:
+        policy_class = HFPolicy
+    cfg = PolicyConfig(backend=backend, device="cpu", router_aux_loss_coef=0.01)
+    with pytest.raises(ConfigError) as refused:
+        policy_class(tiny_model, cfg, total_steps=1)
+    assert "policy.router_aux_loss_coef=0.01: the model (llama) has no router" in str(refused.value)
+    assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("backend, overrides, engine", [("hf", [], "rollout"), ("megatron", [], "rollout"),
-                                                        ("megatron", ["policy.expert_model_parallel_size=2"], "hf")])
-def test_auto_generates_a_mixture_of_experts_with_the_rollout_engine_where_it_runs(backend, overrides, engine):
-    """On a GPU, `auto` takes the rollout engine where it runs the model: on the HF backend's modules
-    and on the Megatron backend's shards at expert parallelism 1; under expert parallelism (each rank
-    holds only its experts) the HF engine (tests/unit/test_support.py)."""
+@pytest.mark.parametrize("backend, overrides", [("hf", []), ("megatron", []),
+                                                ("megatron", ["policy.expert_model_parallel_size=2"])])
+def test_auto_generates_a_mixture_of_experts_with_the_rollout_engine_where_it_runs(backend, overrides):
+    """On a GPU, `auto` takes the rollout engine: on the HF backend's modules and on the Megatron
+    backend's shards, under expert parallelism too (tests/unit/test_support.py)."""
     from aligner_ext.config import load_config
     from aligner_ext.trainer.build import generation_engine_name
 
     config = moe_model().config
     cfg = load_config("base", [f"policy.backend={backend}", *overrides])
-    assert generation_engine_name(cfg, config, torch.device("cuda")) == engine
+    assert generation_engine_name(cfg, config, torch.device("cuda")) == "rollout"

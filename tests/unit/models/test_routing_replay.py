@@ -27,6 +27,7 @@ from aligner_ext.models.family_configs import decisive_experts, random_model
 from aligner_ext.models.hf import HFPolicy, micro_batch_rows
 from aligner_ext.models.settings import OptimConfig, PolicyConfig
 from aligner_ext.support import check_routing_replay
+from probe_losses import SummedLogprobs
 
 EXPERTS, TOP_K, LAYERS, VOCAB = 4, 2, 2, 64
 SIZES = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=1,
@@ -264,15 +265,6 @@ def test_replay_gradients_reach_the_router_as_the_forced_forwards(kind, recomput
     batch.old_logprobs = torch.zeros(batch.response_ids.shape)
     batch.advantages = batch.response_valid.double()
 
-    class SummedLogprobs:
-        """-sum of the response log-probs: its gradient is that of the forced forwards' sum."""
-
-        def global_counts(self, mini):
-            return None
-
-        def __call__(self, logprobs, micro, counts):
-            return -(logprobs * micro.response_valid).sum(), {}
-
     policy.model.train()
     policy._update(batch, SummedLogprobs(), temperature=1.0)
     routers = [layer.mlp.gate.weight for layer in policy.model.model.layers]
@@ -327,9 +319,21 @@ def test_replay_composes_with_what_trains_on_the_generated_tokens():
         check_routing_replay(replay_config(*overrides, "generator.engine=rollout"), QWEN3_MOE, "rollout")
 
 
-def test_replay_on_the_megatron_backend_is_refused_with_the_config():
-    with pytest.raises(ValueError, match="policy.routing_replay=true: the Megatron backend's routers do not replay"):
-        load_config("base", ["policy.backend=megatron", "policy.routing_replay=true"])
+@pytest.mark.parametrize("overrides, engine, message", [
+    ([], "rollout", None),
+    (["policy.expert_model_parallel_size=2"], "rollout", None),
+    (["generator.engine=hf"], "hf", "generator.engine=hf records none"),
+], ids=["rollout", "expert_parallel", "hf_engine"])
+def test_replay_on_the_megatron_backend_is_refused_where_the_hf_backends_is(overrides, engine, message):
+    """The Megatron backend replays (tests/megatron/test_megatron_tp_pp.py), at any layout; what refuses
+    replay refuses it there in the same one line."""
+    cfg = replay_config("policy.backend=megatron", *overrides)
+    if message is None:
+        check_routing_replay(cfg, QWEN3_MOE, engine)
+        return
+    with pytest.raises(ConfigError) as refused:
+        check_routing_replay(cfg, QWEN3_MOE, engine)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_the_cli_refuses_replay_in_one_line_before_the_model_loads(tmp_path, capsys):
