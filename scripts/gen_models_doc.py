@@ -372,7 +372,7 @@ def render() -> str:
         "takes the HF engine). On the CPU, at DP=2, TP=2 with sequence parallelism, PP=2, packed micro-batches "
         "with activation recomputation and EP=2, the Megatron backend's mismatch equals hand counts, its "
         "load-balancing loss megatron-core's formula computed in float64, and its replayed log-probs, KL "
-        "reference and router gradients the HF backend's (`tests/megatron/test_megatron_tp_pp.py`).",
+        "reference and router gradients the HF backend's (`tests/megatron/test_megatron_routing.py`).",
         "",
         "Measured on one H200 at a 3.0B Qwen3-MoE shape with random weights (docs/benchmarks.md, \"A mixture "
         "of experts on one GPU\"): 4.8-5.0% of the (token, layer) pairs differ between the engine and the "

@@ -8,4 +8,5 @@ class SummedLogprobs:
         return None
 
     def __call__(self, logprobs, micro, counts):
-        return -(logprobs * micro.response_valid).sum(), {}
+        value = -(logprobs * micro.response_valid).sum()
+        return value, {"loss/total": value.detach()}

@@ -11,9 +11,6 @@ with micro-batches of padded rows, and (`_packed`) with the sequences packed end
 token budget that puts rows 0 and 2 together and row 1 alone (out of order).
 Rank 0 writes `<case>/tp{T}_pp{P}[_ep{E}][_sp][_packed].pt`; the test compares with HF. Launched with 4
 processes it runs the mixtures of experts at TP=2 + SP x EP=2 alone (`four_ranks`).
-For the mixtures of experts' `*_routing` cases (`routing_case`): the routing mismatch of the
-old-log-prob pass and of an on-policy training forward, the router gradients with and without the
-load-balancing loss, and log-probs, KL reference log-probs and router gradients under routing replay.
 """
 
 import dataclasses
@@ -187,73 +184,18 @@ def guard_case(case: Path) -> None:
         torch.save(errors, case / "guards.pt")
 
 
-class SummedLogprobs:
-    """Minus the summed valid response log-probs: its gradient is one a float64 HF forward gives too."""
-
-    def global_counts(self, mini):
-        return None
-
-    def __call__(self, logprobs, micro, counts):
-        value = -(logprobs * micro.response_valid).sum()
-        return value, {"loss/total": value.detach()}
-
-
-def router_grads(policy: MegatronPolicy, tp: int, pp: int, ep: int) -> dict:
-    """The routers' gradients of the last update (summed over DP by DDP), under their HF names."""
-    grads = gathered_shards({name: p.main_grad.detach().clone() for name, p in policy.core.named_parameters()}, ep)
-    hf = convert.megatron_to_hf(grads, policy.hf_config, tp, pp, ep)
-    return {name: grad for name, grad in hf.items() if name.endswith("mlp.gate.weight")}
-
-
-def routing_case(case: Path, tp: int, pp: int, sp: bool, packed: bool = False, ep: int = 1) -> None:
-    """A mixture of experts with the engine's routing (`routing_setup.pt`: a batch whose routing differs
-    from the model's own at known pairs, and one with random experts) at one layout (module docstring);
-    learning rate 0, so every policy keeps the starting weights; `packed` recomputes activations."""
-    setup = torch.load(case / "routing_setup.pt", weights_only=False)
-    cfg = dataclasses.replace(setup["policy_cfg"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              sequence_parallel=sp, micro_batch_tokens=TOKEN_BUDGET if packed else 0,
-                              recompute_activations=packed, expert_model_parallel_size=ep)
-
-    def policy_with(**overrides) -> MegatronPolicy:
-        model = AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32)
-        return MegatronPolicy(model, dataclasses.replace(cfg, **overrides), total_steps=4)
-
-    def train(policy: MegatronPolicy, batch: ExperienceBatch) -> tuple[dict, dict]:
-        batch = dataclasses.replace(batch, old_logprobs=torch.zeros(batch.response_ids.shape))
-        return policy.train(batch, SummedLogprobs(), 1.0), router_grads(policy, tp, pp, ep)
-
-    result = {}
-    plain = policy_with()
-    plain.logprobs(setup["mismatch"], 1.0)
-    result["mismatch"] = plain.routers.take_mismatch()
-    result["plain_metrics"], result["plain_grads"] = train(plain, setup["replay"])
-    on_policy = dataclasses.replace(setup["mismatch"], old_logprobs=None)
-    result["on_policy_metrics"] = plain.train(on_policy, SummedLogprobs(), 1.0)
-    result["aux_metrics"], result["aux_grads"] = train(policy_with(router_aux_loss_coef=setup["aux_coef"]),
-                                                       setup["replay"])
-    replayed = policy_with(routing_replay=True)
-    reference = replayed.frozen_reference()
-    result["replay_logprobs"] = replayed.logprobs(setup["replay"], 1.0)[0]
-    result["reference_logprobs"] = reference.logprobs(setup["replay"], 1.0)
-    result["replay_metrics"], result["replay_grads"] = train(replayed, setup["replay"])
-    if dist.get_rank() == 0:
-        torch.save(result, case / layout_name(tp, pp, sp, "routing_", packed, ep))
-
-
-def routing_cases(root: Path) -> None:
-    """`routing_case` for every `*_routing` case and layout of `routing_cases.txt`."""
-    for line in (root / "routing_cases.txt").read_text().splitlines():
-        name, layout = line.split()
-        tp, pp, sp, packed, ep = parse_layout(layout)
-        routing_case(root / name, tp, pp, sp, packed, ep)
-
-
 def four_ranks(root: Path, device) -> None:
     """Under `torchrun --nproc_per_node=4`: the mixtures of experts at TP=2 with sequence parallelism and
     their experts split over the two DP ranks (EP=2), log-probs and one train call."""
     for name in ("qwen3_moe", "qwen2_moe"):
         run_case(root / name, 2, 1, True, False, device, ep=2)
     train_case(root / "qwen2_moe", 2, 1, True, ep=2)
+
+
+def process_groups(run: tuple) -> tuple[int, int, int]:
+    """(TP, PP, EP) of a run (name, tp, pp, sp, packed, ep): the layout its process groups depend on."""
+    _, tp, pp, _, _, ep = run
+    return tp, pp, ep
 
 
 def main() -> None:
@@ -265,20 +207,22 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
-    for line in (root / "logprob_cases.txt").read_text().splitlines():
-        name, layout = line.split()
-        tp, pp, sp, packed, ep = parse_layout(layout)
+    # layout by layout, so megatron-core's groups are made once per layout (models/megatron/parallel.py)
+    logprob_runs = [(name, *parse_layout(layout)) for name, layout in
+                    map(str.split, (root / "logprob_cases.txt").read_text().splitlines())]
+    for name, tp, pp, sp, packed, ep in sorted(logprob_runs, key=process_groups):
         run_case(root / name, tp, pp, sp, packed, device, ep)
-    routing_cases(root)
+    train_runs = []
     for name in (root / "train_cases.txt").read_text().split():
         experts = getattr(AutoConfig.from_pretrained(root / name), "num_experts", None)
         for tp, pp, sp in ((2, 1, False), (1, 2, False), (1, 1, False), (2, 1, True)):  # (1, 1): DP=2
             if not (experts and tp > 1 and not sp):  # a mixture of experts under TP needs SP
-                train_case(root / name, tp, pp, sp)
-        for tp, pp, sp in ((2, 1, True), (1, 2, False), (1, 1, False)):
-            train_case(root / name, tp, pp, sp, packed=True)
+                train_runs.append((name, tp, pp, sp, False, 1))
+        train_runs += [(name, tp, pp, sp, True, 1) for tp, pp, sp in ((2, 1, True), (1, 2, False), (1, 1, False))]
         if experts:  # the experts split over the two data-parallel ranks (EP=2)
-            train_case(root / name, 1, 1, False, ep=2)
+            train_runs.append((name, 1, 1, False, False, 2))
+    for name, tp, pp, sp, packed, ep in sorted(train_runs, key=process_groups):
+        train_case(root / name, tp, pp, sp, packed, ep)
     for tp, pp, sp, packed in ((2, 1, True, True), (1, 2, False, True), (1, 1, False, False)):
         on_policy_case(root / "llama", tp, pp, sp, packed)
     guard_case(root / "llama")

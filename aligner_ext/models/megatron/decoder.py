@@ -90,6 +90,7 @@ from aligner_ext.generation.decoder import (
 from aligner_ext.models.megatron.convert import EXPERT_NAME
 from aligner_ext.models.megatron.lora import SUFFIX, ParallelLoRA
 from aligner_ext.models.megatron.model import output_weight
+from aligner_ext.models.megatron.parallel import partition_group
 
 
 class MegatronGenerationModel(torch.nn.Module):
@@ -224,29 +225,19 @@ def _views(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
 
 def _host_group(group):
     """A gloo group of `group`'s ranks, for agreements on host values that must not wait for the
-    device (`ExpertExchange.agree`); every rank creates every such twin, in the same order, as torch
-    requires."""
+    device (`ExpertExchange.agree`)."""
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, dist.get_process_group_ranks(group))
-    mine = None
-    for ranks in sorted({tuple(ranks) for ranks in every}):
-        twin = dist.new_group(list(ranks), backend="gloo")
-        if dist.get_rank() in ranks:
-            mine = twin
-    return mine
+    return partition_group(list({tuple(ranks) for ranks in every}), backend="gloo")
 
 
 def _same_tensor_rank_group():
     """The process group of the ranks with this rank's TP rank (data-parallel and pipeline ranks
-    together); every rank creates every such group, in the same order, as torch requires."""
+    together)."""
     tensor_ranks = [None] * dist.get_world_size()
     dist.all_gather_object(tensor_ranks, parallel_state.get_tensor_model_parallel_rank())
-    mine = None
-    for tensor_rank in sorted(set(tensor_ranks)):
-        group = dist.new_group([rank for rank, value in enumerate(tensor_ranks) if value == tensor_rank])
-        if tensor_rank == parallel_state.get_tensor_model_parallel_rank():
-            mine = group
-    return mine
+    return partition_group([[rank for rank, value in enumerate(tensor_ranks) if value == tensor_rank]
+                            for tensor_rank in set(tensor_ranks)])
 
 
 # GPTModel parameter names of the norms, by `Architecture.norm_names`' roles

@@ -113,7 +113,7 @@ def test_the_load_balancing_loss_adds_its_coefficient_times_its_gradient():
 @pytest.mark.parametrize("backend", ["hf", "megatron"])
 def test_a_load_balancing_loss_on_a_dense_model_is_refused(tiny_model, backend):
     """In one line, before the Megatron backend starts any process group (its loss on a mixture of
-    experts: tests/megatron/test_megatron_tp_pp.py)."""
+    experts: tests/megatron/test_megatron_routing.py)."""
     if backend == "megatron":
         policy_class = pytest.importorskip("aligner_ext.models.megatron.policy").MegatronPolicy
     else:

@@ -325,7 +325,7 @@ def test_replay_composes_with_what_trains_on_the_generated_tokens():
     (["generator.engine=hf"], "hf", "generator.engine=hf records none"),
 ], ids=["rollout", "expert_parallel", "hf_engine"])
 def test_replay_on_the_megatron_backend_is_refused_where_the_hf_backends_is(overrides, engine, message):
-    """The Megatron backend replays (tests/megatron/test_megatron_tp_pp.py), at any layout; what refuses
+    """The Megatron backend replays (tests/megatron/test_megatron_routing.py), at any layout; what refuses
     replay refuses it there in the same one line."""
     cfg = replay_config("policy.backend=megatron", *overrides)
     if message is None:
