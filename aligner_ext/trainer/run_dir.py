@@ -58,6 +58,9 @@ def claim_run_dir(cfg: RunConfig, run_dir: Path, checkpointer: Checkpointer) -> 
     """Check that this config may write into `run_dir` (module docstring), moving it aside for
     `trainer.resume=false`. Collective under torchrun."""
     occupied = run_dir.is_dir() and any(path.name != EMBEDDED_MODEL for path in run_dir.iterdir())
+    # every rank has looked before the main one moves the directory aside or, once this returns, writes
+    # into it: a rank that looked later would take the run for a resumed one and wait in other collectives
+    barrier()
     if occupied and not cfg.trainer.resume:
         aside = run_dir.with_name(f"{run_dir.name}.moved-{time.strftime('%Y%m%d-%H%M%S')}")
         if is_main_process():

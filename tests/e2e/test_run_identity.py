@@ -1,13 +1,19 @@
 """A run directory belongs to one run (trainer/run_dir.py): another run's command is refused before
 it writes anything, so the first run's files stay byte-identical; a finished run is not re-run; an
-explicit trainer.resume=false moves the old directory aside; variants get their own directory."""
+explicit trainer.resume=false moves the old directory aside; variants get their own directory; under
+torchrun every rank claims the directory before the main process writes into it."""
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from aligner_ext.cli import main
+from aligner_ext.distributed import free_port
 from small_run import SMALL_MODEL
 
 pytestmark = pytest.mark.slow
@@ -97,3 +103,14 @@ def test_a_directory_that_holds_no_run_is_not_written_into(tmp_path, capsys):
     error = refused(capsys, "demo", [*RUN, f"trainer.output_dir={tmp_path}"])
     assert "is not empty and holds no config.yaml of a run" in error
     assert sorted(path.name for path in (tmp_path / "demo").iterdir()) == ["notes.txt"]
+
+
+def test_a_rank_that_claims_the_run_directory_late_sees_it_fresh_too(tmp_path):
+    """The main process writes the run's config right after its claim; a rank that had not looked yet
+    took the directory for a resumed run and waited in a collective the main process never reached."""
+    worker = Path(__file__).with_name("run_dir_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               str(worker), str(tmp_path)]
+    done = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -128,8 +128,6 @@ def test_a_dotted_plugin_path_is_accepted_at_load():
      "data.max_prompt_length + mtpo.max_answer_length + mtpo.max_confidence_length = 256 + 456 tokens"),
     (["+variant=mtpo", "rollout.n=6"], "rollout.n=6: two-round rollouts make"),
     (["trainer.eval.temperature=1e-9"], "trainer.eval.temperature=1e-09: must be 0 (greedy) or >= 1e-05"),
-    (["policy.backend=megatron", "policy.router_aux_loss_coef=0.01"],
-     "policy.router_aux_loss_coef=0.01: the Megatron backend's mixture-of-experts layers add no load-balancing loss"),
 ])
 def test_rules_across_sections(overrides, message):
     with pytest.raises(ValueError) as refused:
