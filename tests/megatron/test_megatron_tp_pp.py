@@ -93,7 +93,7 @@ def cases(tmp_path_factory):
         torch.save(train_setup(config.vocab_size), root / name / "train_setup.pt")
     (root / "logprob_cases.txt").write_text("\n".join(f"{name} {layout}" for name, layout in LOGPROB_CASES))
     (root / "train_cases.txt").write_text(" ".join(TRAIN_CASES))
-    torchrun([str(WORKER), str(root)], timeout=1500)  # a hang guard: its cases took 9-10 min on 2 cores
+    torchrun([str(WORKER), str(root)], timeout=600)  # a hang guard: its cases take about a minute on 2 cores
     return root
 
 
