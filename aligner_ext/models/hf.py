@@ -18,6 +18,7 @@ them (docs/lora.md).
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from aligner_ext.models.base import (
 )
 from aligner_ext.models.kernels import apply_kernels
 from aligner_ext.models.logprobs import fused_logprobs
+from aligner_ext.models.master_weights import MasterWeights
 from aligner_ext.models.packing import pack_end_to_end, token_micro_batches
 from aligner_ext.models.settings import OptimConfig, PolicyConfig
 
@@ -213,8 +215,11 @@ class HFPolicy(Policy):
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.trainable = [param for param in self.model.parameters() if param.requires_grad]
+        trainable = [param for param in self.model.parameters() if param.requires_grad]
         optim = cfg.optim
+        # what the optimizer updates: float32 masters of bf16 weights (models/master_weights.py), or the weights
+        self.masters = MasterWeights(trainable) if optim.master_weights else None
+        self.trainable = self.masters.weights if self.masters else trainable
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=optim.lr, betas=(optim.beta1, optim.beta2),
             eps=optim.eps, weight_decay=optim.weight_decay,
@@ -254,7 +259,9 @@ class HFPolicy(Policy):
             if record_applied(self.guard, update, grad_norm, norms, totals, grad_norms, ratios):  # the loop stops the run
                 diverged += 1
                 break
-        self.scheduler.step()
+        with warnings.catch_warnings():  # the schedule counts RL steps, a first step whose updates were all skipped too
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
+            self.scheduler.step()
         metrics = update_metrics(totals, grad_norms, skipped, ratios, diverged)
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         if self.mismatch is not None:  # from the old-log-prob pass, or this call's forward when it gave them
@@ -313,6 +320,8 @@ class HFPolicy(Policy):
             return None, grad_norm, None
         before = weights_norm(self.trainable)
         self.optimizer.step()
+        if self.masters:
+            self.masters.copy_to_model()
         return metrics, grad_norm, (before, weights_norm(self.trainable))
 
     def _router_terms(self, router: tuple, tally: "moe.RouterTally", share: float,
@@ -326,14 +335,19 @@ class HFPolicy(Policy):
         if coefficient == 0:
             return 0.0
         aux = moe.load_balancing_loss(self.model, logits, real)
-        metrics["loss/router_aux"] += float(aux) * share
+        metrics["loss/router_aux"] += float(aux.detach()) * share
         return coefficient * aux * share
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "nonfinite_guard": self.guard.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "nonfinite_guard": self.guard.state_dict()}
+        if self.masters and self.masters.pairs:
+            state["master_weights"] = self.masters.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        if self.masters:  # before the optimizer's state, which is cast to its tensors' dtype
+            self.masters.load_state_dict(state.get("master_weights"))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_settings()

@@ -54,7 +54,7 @@ def expected_statistics(model, batch) -> tuple[list[float], list[float], torch.T
     for layer, hidden in zip(model.model.layers, router_inputs(model, batch)):
         logits = hidden[real].double() @ layer.mlp.gate.weight.double().T  # [tokens, E]
         probs = torch.softmax(logits, dim=-1)
-        entropies.append(float(-(probs * probs.log()).sum(-1).mean()))
+        entropies.append(float(-(probs * probs.log()).sum(-1).mean().detach()))
         top = probs.topk(TOP_K, dim=-1).indices  # [tokens, k]
         counts = [sum(int((top[t] == e).sum()) for t in range(len(top))) for e in range(EXPERTS)]
         loads.append(max(counts) / (TOP_K * len(top)) * EXPERTS)
