@@ -118,6 +118,17 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
        note="Four optimizer updates per step (`policy.mini_batch_size=32` of the 128 samples), the same for the "
             "three: from the second update on the ratios leave 1 and the losses differ; the clip fractions below say how "
             "often each loss's clip bound (GSPO clips whole sequences, at its paper's narrow range)."),
+    # bf16 training on the HF backend keeps float32 master weights (models/master_weights.py); without them
+    # AdamW's updates below a weight's bf16 spacing round away
+    Comparison("arithmetic", (
+        Method("float32", ("policy.dtype=float32",)),
+        Method("bf16", ("policy.dtype=bfloat16",), "learns as float32 does"),
+        Method("bf16 without masters", ("policy.dtype=bfloat16", "policy.optim.master_weights=false"),
+               "loses the updates below a weight's bf16 spacing"),
+    ), name="arithmetic_precision", diagnostics=("actor/grad_norm", "actor/update_ratio_max", "actor/entropy"),
+       note="The demo's run (lr 5e-5) in float32 and in bf16 on the CPU, with the float32 master weights and "
+            "optimizer state of bf16 training (`policy.optim.master_weights`, the default) and without them "
+            "(AdamW on the bf16 weights). The float32 runs are the baseline."),
     # LoRA at ten times full training's learning rate (the usual finding for LoRA in RL), alpha 32 at both ranks
     Comparison("arithmetic", (
         Method("GRPO", ()),
