@@ -78,3 +78,30 @@ def test_a_run_that_learns_says_nothing(tmp_path, monkeypatch, capsys, caplog):
     assert not any(line.startswith("warning:") for line in printed)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/identical_group_fraction"] for r in records if r["step"] > 0] == [0.0, 0.0, 0.0]
+
+
+def test_the_megatron_backend_reports_what_the_detector_reads(tmp_path):
+    """TP=2 on CPU (gloo), lr=0 with rewards that vary: the same metric names reach the detector, and
+    the warning is one line of the main process, not one per rank."""
+    pytest.importorskip("megatron.core")
+    import os
+    import subprocess
+    import sys
+
+    from aligner_ext.models.megatron.parallel import free_port
+
+    e2e = Path(__file__).parent
+    overrides = SMALL_MODEL + ["model.tiny.num_kv_heads=2", "rollout.max_response_length=12", "trainer.tensorboard=false",
+                               DENSE, "policy.backend=megatron", "policy.tensor_model_parallel_size=2",
+                               "policy.dtype=float32", "trainer.total_steps=2", "trainer.no_learning_steps=2",
+                               "policy.optim.lr=0", "trainer.export_hf=false", f"trainer.output_dir={tmp_path}",
+                               "trainer.run_name=run"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(e2e))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", "-m", "aligner_ext", "train", *overrides],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    logged = [line for line in done.stderr.splitlines() if "aligner_ext.trainer.no_learning" in line]
+    assert len(logged) == 1 and "[rank 0]" in logged[0] and causes_in(logged[0]) == [ZERO_LR]
+    warning, = json.loads((tmp_path / "run" / "summary.json").read_text())["warnings"]
+    assert warning.startswith("the policy could not learn in 2 of 2 steps") and causes_in(warning) == [ZERO_LR]
