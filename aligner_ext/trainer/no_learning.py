@@ -13,22 +13,24 @@ One such step is ordinary (every group of the batch right, say), so `trainer.no_
 of them in a row get one warning naming the likely causes the metrics tell apart (the texts below:
 every reward a fallback, identical samples, one reward for the whole batch, rewards that agree
 within every group, no batch reached training, a zero learning rate). The run's summary repeats it
-for the whole run (`run_warnings` replays metrics.jsonl, so the steps before a resume count too).
+for the whole run (`run_warnings` replays metrics.jsonl, so the steps before a resume count too; the
+log's count starts again at a resume).
 
 Separately, a step where every group's samples are token-identical although the rollout samples
 (temperature > 0, groups of two or more: `rollout/identical_group_fraction` 1, experience/base.py)
-is warned at once: sampling does not give that, a generation server applying one seed to a whole
-request does (or a policy collapsed to one answer per prompt).
+is warned at once: sampling at a useful temperature does not give that, a generation server applying
+one seed to a whole request does (or a policy collapsed to one answer per prompt).
 
 Decisions (tests/unit/trainer/test_no_learning.py pins them):
 - Only backend-neutral names are read: both policy backends report `actor/*` through
   `models/base.update_metrics` and `actor/lr`; the rest comes from the batch (trainer/step_metrics.py)
-  and the experience maker. The loop feeds it whatever the step logged; no variant is named here.
+  and the experience maker. The loop feeds it whatever the step logged; no variant decides anything here.
 - `actor/lr` is the rate after the step's schedule step (the next update's, on both backends), so a
   step's update ran at the rate the previous step reported (the first step watched: its own). A
   schedule decaying to 0 reports 0 after its last update only, which is no zero-rate update.
 - `actor/update_ratio_max` (the change of the weights' norm) is no trigger: a real update at a small
-  learning rate can leave a float32 norm unchanged.
+  learning rate can leave a float32 norm unchanged (the small e2e run at lr=1e-8 logs 0 at every step,
+  its gradient norm 0.5).
 - A stretch of steps that cannot learn warns once, when it reaches the count; a later stretch warns
   again. Identical samples warn on the first step of each run of such steps.
 """
