@@ -116,6 +116,7 @@ class TrainerConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
     log_samples_every: int = number(10, ge=0)  # write sample completions every k steps; 0 = never
     num_log_samples: int = number(4, ge=0)  # completions written each time
+    no_learning_steps: int = number(3, ge=1)  # warn (log and summary) when this many steps in a row cannot change the policy: no non-zero advantage, no update, a zero gradient or learning rate; one such step is ordinary (every group right), trainer/no_learning.py
     tensorboard: bool = True  # mirror metrics to TensorBoard (<run dir>/tensorboard)
     wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases, off by default (aligner_ext/trackers.py)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # MLflow, off by default (aligner_ext/trackers.py)

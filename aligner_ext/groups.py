@@ -73,3 +73,15 @@ def first_rows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, inverse = torch.unique(ids, return_inverse=True)
     first = torch.full((int(inverse.max()) + 1 if len(ids) else 0,), len(ids), dtype=torch.long)
     return inverse, first.scatter_reduce(0, inverse, torch.arange(len(ids)), "amin")
+
+
+def identical_group_fraction(rows: torch.Tensor, group_ids: torch.Tensor) -> float | None:
+    """Share of the groups of two or more rows whose rows [B, W] are all equal (the caller marks the
+    padding so that rows of different lengths differ); None when no group has two rows."""
+    index, first = first_rows(group_ids)
+    same_as_first = (rows == rows[first[index]]).all(dim=1)
+    differing = torch.zeros(len(first), dtype=torch.long).index_add_(0, index, (~same_as_first).long())
+    several = torch.bincount(index, minlength=len(first)) > 1
+    if not bool(several.any()):
+        return None
+    return float((differing[several] == 0).double().mean())

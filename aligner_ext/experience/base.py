@@ -33,6 +33,7 @@ from aligner_ext.data.templating import left_pad, right_pad
 from aligner_ext.data.types import PromptDraw, PromptRow
 from aligner_ext.experience.settings import RolloutConfig
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.groups import identical_group_fraction
 from aligner_ext.registry import Registry
 from aligner_ext.rewards.manager import RewardManager
 
@@ -149,7 +150,7 @@ class GroupSampling(ExperienceMaker):
         outputs = self.generate(requests, self.sampling_params(step))
         batch = self.assemble(requests, outputs)
         self.score(batch)
-        return batch, self.rewards.metrics()
+        return batch, {**self.rewards.metrics(), **identical_samples(batch)}
 
     def sampling_params(self, step: int) -> SamplingParams:
         """Training sampling; seeded by (seed, step) so a resumed run samples the same responses."""
@@ -219,6 +220,17 @@ def sparse_token_rewards(rewards: torch.Tensor, lengths: torch.Tensor, width: in
     rows = torch.nonzero(has_tokens).squeeze(1)
     token_rewards[rows, lengths[has_tokens] - 1] = rewards[has_tokens]
     return token_rewards
+
+
+def identical_samples(batch: ExperienceBatch) -> dict[str, float]:
+    """`rollout/identical_group_fraction`: the share of groups whose samples are token-identical. With
+    sampling, every group identical is sampling that does not vary (a server giving a whole request
+    one seed) or a policy collapsed to one answer per prompt: no group then has a learning signal
+    (trainer/no_learning.py warns). Measured before any filter drops groups; absent without a group
+    of two samples."""
+    tokens = batch.response_ids.masked_fill(~batch.response_valid, -1)  # padding never equals a token
+    fraction = identical_group_fraction(tokens, batch.group_ids)
+    return {} if fraction is None else {"rollout/identical_group_fraction": fraction}
 
 
 def without(fields: tuple[str, ...], field: str) -> tuple[str, ...]:

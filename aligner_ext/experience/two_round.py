@@ -49,7 +49,7 @@ from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.types import PromptDraw
 from aligner_ext.errors import ConfigError
-from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, SampleRequest
+from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, SampleRequest, identical_samples
 from aligner_ext.experience.calibration_metrics import calibration_metrics
 from aligner_ext.experience.settings import RolloutConfig, TwoRoundConfig
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
@@ -121,7 +121,7 @@ class TwoRoundSampling(GroupSampling):
         samples, timing = self.two_rounds(draws, g, h, *self.round_params(step))
         scored = self.score_samples(samples)
         batch = self.assemble_samples(samples, scored)
-        metrics = self.rewards.metrics()
+        metrics = {**self.rewards.metrics(), **identical_samples(batch)}
         metrics.update(rollout_metrics(samples, scored, batch))
         metrics.update(timing)
         return batch, metrics

@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from aligner_ext.trainer.build import Components, build_components
 from aligner_ext.trainer.checkpoint import Checkpointer, CorruptCheckpoint
 from aligner_ext.trainer.evaluate import Evaluator
 from aligner_ext.trainer.metrics import MetricsLogger, StageTimer, plot_history, read_history
+from aligner_ext.trainer.no_learning import NoLearningDetector, run_warnings
 from aligner_ext.trainer.run_dir import EXPORTED_MODEL, SAVED_CONFIG, SUMMARY, claim_run_dir
 from aligner_ext.trainer.startup import startup_lines
 from aligner_ext.trainer.step_metrics import batch_metrics
@@ -49,6 +50,8 @@ class RunSummary:
     held_out_before: dict[str, float]  # every val/* metric of the evaluation before RL
     held_out_after: dict[str, float]  # and of the last evaluation
     evaluation: str = "greedy"  # how held-out responses were drawn (trainer.eval): "8 samples, temperature 0.7"
+    reward_fallback_fraction: float = math.nan  # run mean of reward/fallback_fraction: rewards that were reward.fallback_score
+    warnings: list[str] = field(default_factory=list)  # steps that could not learn, identical samples (trainer/no_learning.py)
 
 
 def train(cfg: RunConfig) -> RunSummary:
@@ -79,6 +82,7 @@ def train(cfg: RunConfig) -> RunSummary:
         if before:
             log.log(0, before)
     temperature = cfg.rollout.temperature
+    detector = NoLearningDetector(cfg.trainer.no_learning_steps, temperature, log=is_main_process())
     after = before
     started = time.perf_counter()
     progress = tqdm(range(start_step, cfg.trainer.total_steps), desc="GRPO", disable=not cfg.trainer.progress_bar,
@@ -97,6 +101,7 @@ def train(cfg: RunConfig) -> RunSummary:
             after = evaluator(done)
             metrics.update(after)
         log.log(done, metrics)
+        detector.observe(done, metrics)
         progress.set_postfix_str(progress_line(metrics, after), refresh=False)
         if metrics.get("actor/diverged_updates", 0.0) > 0:  # the guard's verdict: these weights are never saved
             ratio = metrics["actor/update_ratio_max"]
@@ -128,6 +133,9 @@ def train(cfg: RunConfig) -> RunSummary:
         train_seconds=time.perf_counter() - started,
         run_means=run_means(run_dir / "metrics.jsonl", parts.maker.summary_metrics),
         held_out_before=dict(before), held_out_after=dict(after), evaluation=cfg.trainer.eval.describe(),
+        reward_fallback_fraction=run_means(run_dir / "metrics.jsonl", ("reward/fallback_fraction",))[
+            "reward/fallback_fraction"],
+        warnings=run_warnings(read_history(run_dir / "metrics.jsonl"), cfg.trainer.no_learning_steps, temperature),
     )
     if is_main_process():
         (run_dir / SUMMARY).write_text(json.dumps(json_safe(summary.__dict__), indent=2, allow_nan=False))

@@ -52,4 +52,9 @@ def print_summary(summary: RunSummary) -> None:
     console.print(table)
     for key, value in summary.run_means.items():
         console.print(f"run mean of {key}: {value:.3f}")
+    if not math.isnan(summary.reward_fallback_fraction):
+        console.print(f"rewards that fell back to reward.fallback_score (run mean of reward/fallback_fraction): "
+                      f"{summary.reward_fallback_fraction:.3f}", soft_wrap=True)
+    for warning in summary.warnings:  # one line each, unwrapped, so that it reads as the log's
+        console.print(f"warning: {warning}", style="bold yellow", markup=False, soft_wrap=True)
     console.print(f"run directory: {summary.run_dir} (metrics.jsonl, reward_accuracy.png, hf_model/, checkpoints/)")

@@ -23,3 +23,8 @@ def character_parity(response, row):
     (a random-weight model may write no digit at all), so that dynamic sampling finds mixed groups."""
     score = float(sum(map(ord, response)) % 2)
     return RewardResult(score=score, correct=score)
+
+
+def always_raises(response, row):
+    """A reward function broken for every call: each one falls back to reward.fallback_score."""
+    raise RuntimeError("this reward function always fails")

@@ -55,3 +55,15 @@ def test_a_sampled_evaluation_is_named_with_pass_and_maj_rows_in_order(capsys):
     assert "held-out (16 samples, temperature 0.7)" in out
     rows = [line.split("│")[1].strip() for line in out.splitlines() if line.count("│") >= 4]
     assert rows[2:] == ["arith/pass@16", "maj@16", "pass@2", "pass@16"]
+
+
+def test_the_fallback_share_and_each_warning_are_printed_on_one_line(capsys):
+    warning = ("the policy could not learn in 3 of 3 steps, in stretches of 3 or more in a row (steps 1-3; "
+               "trainer.no_learning_steps); likely cause: every reward was reward.fallback_score (the reward "
+               "function raised or timed out on every call: see its warnings)")
+    print_summary(RunSummary(run_dir="runs/x", steps=3, accuracy_before=0.25, accuracy_after=0.25, reward_before=0.0,
+                             reward_after=0.0, train_seconds=1.0, run_means={}, held_out_before={},
+                             held_out_after={}, reward_fallback_fraction=1.0, warnings=[warning, "second"]))
+    lines = capsys.readouterr().out.splitlines()
+    assert "rewards that fell back to reward.fallback_score (run mean of reward/fallback_fraction): 1.000" in lines
+    assert f"warning: {warning}" in lines and "warning: second" in lines
