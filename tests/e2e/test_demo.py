@@ -58,9 +58,10 @@ def test_demo_run_writes_its_outputs(tmp_path):
 DENSE_REWARD = "+reward.sources.arithmetic=e2e_rewards.digit_fraction"  # tests/e2e/e2e_rewards.py
 
 
-def test_resume_continues_the_same_run(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: its float32 master weights resume too
+def test_resume_continues_the_same_run(tmp_path, monkeypatch, caplog, dtype):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the reward workers inherit sys.path
-    run = ["trainer.total_steps=4", "trainer.save_every=2", DENSE_REWARD]
+    run = ["trainer.total_steps=4", "trainer.save_every=2", DENSE_REWARD, f"policy.dtype={dtype}"]
     straight = small_config(tmp_path, *run, "trainer.run_name=a")
     train(straight)
     # the same run, killed after its step-2 checkpoint: drop step 4 and point `latest` back at step 2
