@@ -79,15 +79,16 @@ def configure_logging(level: str) -> None:
 def hide_checkpoint_bars() -> None:
     """transformers draws a progress bar for every checkpoint it loads or saves (the demo's 1M-parameter
     model's too), between the run's own bars and log lines; a run's loading and saving are in its log.
-    Turning them off turns huggingface_hub's off too: its download bars are turned back on, unless the
-    user's HF_HUB_DISABLE_PROGRESS_BARS keeps them off."""
-    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    Turning them off turns huggingface_hub's download bars off too: those are turned back on. A user's
+    HF_HUB_DISABLE_PROGRESS_BARS (either value) decides for every bar instead."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import enable_progress_bars
     from transformers.utils import logging as transformers_logging
 
-    downloads_quiet = are_progress_bars_disabled()
+    if constants.HF_HUB_DISABLE_PROGRESS_BARS is not None:
+        return
     transformers_logging.disable_progress_bar()
-    if not downloads_quiet:
-        enable_progress_bars()
+    enable_progress_bars()
 
 
 def fail(message: str) -> NoReturn:
