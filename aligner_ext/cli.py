@@ -76,6 +76,21 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level_number, format=f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s")
 
 
+def hide_checkpoint_bars() -> None:
+    """transformers draws a progress bar for every checkpoint it loads or saves (the demo's 1M-parameter
+    model's too), between the run's own bars and log lines; a run's loading and saving are in its log.
+    Turning them off turns huggingface_hub's download bars off too: those are turned back on. A user's
+    HF_HUB_DISABLE_PROGRESS_BARS (either value) decides for every bar instead."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    if constants.HF_HUB_DISABLE_PROGRESS_BARS is not None:
+        return
+    transformers_logging.disable_progress_bar()
+    enable_progress_bars()
+
+
 def fail(message: str) -> NoReturn:
     """Exit with status 2 and `message`, one line, no traceback.
 
@@ -124,10 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(to_yaml(cfg))
         return 0
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     from aligner_ext.distributed import is_main_process
     from aligner_ext.trainer.loop import train
     from aligner_ext.trainer.summary import print_summary
 
+    hide_checkpoint_bars()
     try:
         if args.command == "serve":
             from aligner_ext.serving.server import serve  # fastapi / uvicorn load only here
@@ -136,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 serve_trained_model(cfg, named_run=any(o.startswith("trainer.run_name=") for o in args.overrides))
             serve(cfg)
             return 0
-        summary = train(cfg)
+        with logging_redirect_tqdm():  # a log line printed while a progress bar is drawn goes above the bar
+            summary = train(cfg)
     except UserError as err:  # the message names the file, row, field or key: the traceback adds nothing
         if os.environ.get(TRACEBACK_ENV):
             raise

@@ -40,7 +40,11 @@ def apply_kernels(model, kernels: str) -> str:
     """Patch `model` in place with the kernels `policy.kernels` names; the kernels applied (auto resolved)."""
     if kernels == "auto":
         kernels = "liger" if liger_runs(model) else "none"
-        logger.info("policy.kernels=auto: %s", kernels)
+        if kernels == "liger":
+            logger.info("policy.kernels=auto: Liger-Kernel's fused kernels (none keeps transformers' modules)")
+        else:  # the usual case off CUDA (the demo): nothing to report
+            logger.debug("policy.kernels=auto: transformers' modules (liger needs CUDA, a listed decoder and the "
+                         "extra `liger`)")
     if kernels == "none":
         return kernels
     if next(model.parameters()).device.type != "cuda":

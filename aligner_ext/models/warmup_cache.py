@@ -1,11 +1,16 @@
 """The warmed-up embedded model, kept once per machine and warm-up.
 
 A variant's demo spends most of a short run warming the embedded model up (200-600 supervised steps).
-The result depends only on the warm-up's inputs, so it is kept under the cache directory
+The result depends on the warm-up's inputs, so it is kept under the cache directory
 (`model.warmup.cache_dir`) by a key hashing them: the model's size, the warm-up settings, every
 (prompt, target) example and the device type. A run whose key is there copies the model into its
 run directory instead of training it again; a run that trained one stores it. Entries are written
 under a temporary name and renamed into place, so a killed run leaves no half entry.
+
+The result's roundings also depend on the machine: the CPU's vector instructions (torch's kernels for
+AVX-512 and for AVX2 round differently) and the thread count. The key leaves them out, so every later
+run on a machine starts from the weights its first warm-up left, whatever its thread count; the
+demo's held-out accuracy before RL differs by machine (docs/demo.md).
 """
 
 from __future__ import annotations

@@ -206,12 +206,25 @@ def sampled_keys(history: list[dict]) -> list[tuple[str, str]]:
     return [(f"val/{kind}_at_{max(ks)}", f"held-out {kind}@{max(ks)}") for kind, ks in logged.items() if ks]
 
 
+def figure_class():
+    """matplotlib's Figure, imported with its font manager's warnings held back: the first import on a
+    machine builds matplotlib's font cache and, past 5 s of it (a busy machine), warns that it is doing so,
+    a line about matplotlib at the end of a run."""
+    font_log = logging.getLogger("matplotlib.font_manager")
+    level = font_log.level
+    font_log.setLevel(logging.ERROR)
+    try:
+        from matplotlib.figure import Figure
+    finally:
+        font_log.setLevel(level)
+    return Figure
+
+
 def history_figure(metrics_path: str | Path, evaluation: str = "greedy"):
     """A matplotlib Figure of a run's metrics.jsonl: one panel per quantity of `history_panels`, step on
     x and the quantity on y, training values with a moving average and held-out evaluations as
     markers, one legend below the panels; titled with the run's directory name."""
-    from matplotlib.figure import Figure
-
+    Figure = figure_class()
     metrics_path = Path(metrics_path)
     panels = history_panels(read_history(metrics_path), evaluation)
     columns = max(1, min(PANEL_COLUMNS, len(panels)))

@@ -1,7 +1,11 @@
 """Fault injection with real kills: a training process is SIGKILLed at a chosen point of saving a
 checkpoint (nothing after that point runs, no handler, no flush), then the same command is run
 again; it resumes from step 2. The resumed run must end bit-identical to a run that was never killed: the same final
-weights and the same metrics for every step."""
+weights and the same metrics for every step.
+
+Nothing here waits on time: the patched save kills its own process when the run reaches that point,
+however slow the machine, and every run starts one compute thread (small_run.py), so the runs compared
+sum their floats in the same order whatever the load when each started."""
 
 import json
 import os

@@ -46,6 +46,7 @@ OVERRIDES = [
     "+reward.sources.arithmetic=e2e_rewards.digit_fraction", "policy.backend=megatron",
     "policy.tensor_model_parallel_size=2", "policy.dtype=float32", "policy.optim.lr=1e-3",
     "trainer.total_steps=4", "trainer.save_every=2",
+    "trainer.cpu_threads=1",  # runs that are compared sum floats alike whatever the load (tests/e2e/small_run.py)
 ]
 
 

@@ -1,4 +1,5 @@
-"""Logging under torchrun: one stream of INFO lines (rank 0), warnings from every rank, rank-tagged."""
+"""Logging under torchrun: one stream of INFO lines (rank 0), warnings from every rank, rank-tagged; and
+transformers' progress bar per checkpoint hidden, the downloads' bars kept."""
 
 from __future__ import annotations
 
@@ -54,3 +55,22 @@ def test_unknown_level_is_named(level):
     result = run_snippet({}, SNIPPET.replace("'INFO'", repr(level)))
     assert result.returncode != 0
     assert f"unknown --log-level {level!r}" in result.stderr
+
+
+
+BARS = ("from aligner_ext.cli import hide_checkpoint_bars; hide_checkpoint_bars(); "
+        "from transformers.utils import logging; from huggingface_hub.utils import are_progress_bars_disabled; "
+        "print('checkpoint bars', logging.is_progress_bar_enabled(), 'download bars', not are_progress_bars_disabled())")
+
+
+@pytest.mark.parametrize("user_setting, expected", [
+    (None, "checkpoint bars False download bars True"),  # the downloads' bars kept
+    ("1", "checkpoint bars False download bars False"),
+    ("0", "checkpoint bars True download bars True"),
+])
+def test_checkpoint_bars_are_hidden_unless_the_user_set_hugging_face_bars(monkeypatch, user_setting, expected):
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    result = run_snippet({} if user_setting is None else {"HF_HUB_DISABLE_PROGRESS_BARS": user_setting}, BARS)
+    assert result.returncode == 0, result.stderr
+    assert expected in result.stdout
+    assert "progress bars" not in result.stderr  # huggingface_hub warns where a call goes against the setting
