@@ -1,5 +1,6 @@
-"""Tokenizers that render real chat templates (tests/fixtures/chat_templates/) without a download: one
-token per printable ASCII character plus the family's special tokens, so every id is known by hand."""
+"""Tokenizers that render real chat templates (tests/fixtures/chat_templates/) without a download (one
+token per printable ASCII character plus the family's special tokens, so every id is known by hand),
+and typed arithmetic functions to serve as tools."""
 
 import string
 from pathlib import Path
@@ -43,3 +44,39 @@ def qwen3_tokenizer():
 @pytest.fixture(scope="session")
 def llama31_tokenizer():
     return chat_tokenizer("llama3_1.jinja", LLAMA_SPECIAL, [], eos="<|eot_id|>", bos="<|begin_of_text|>")
+
+
+def add(a: int, b: int = 2) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def mul(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a * b
+
+
+def divide(a: float, b: float) -> float:
+    """Divide a by b.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+
+@pytest.fixture(scope="session")
+def arithmetic():
+    """Tools by name: add (b defaults to 2), mul, divide."""
+    return {"add": add, "mul": mul, "divide": divide}

@@ -12,26 +12,6 @@ from aligner_ext.agents.tool_calls import MalformedCall, ParsedTurn, ToolCall
 from aligner_ext.agents.tools import ToolRunner, tool_schema
 
 
-def add(a: int, b: int = 2) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first number.
-        b: The second number.
-    """
-    return a + b
-
-
-def divide(a: float, b: float) -> float:
-    """Divide a by b.
-
-    Args:
-        a: The dividend.
-        b: The divisor.
-    """
-    return a / b
-
-
 def lookup(key: Literal["x", "y"], default: Any = None) -> dict:
     """Look a key up.
 
@@ -46,8 +26,8 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
-def test_the_schema_is_what_chat_templates_take():
-    assert tool_schema(add) == {"type": "function", "function": {
+def test_the_schema_is_what_chat_templates_take(arithmetic):
+    assert tool_schema(arithmetic["add"]) == {"type": "function", "function": {
         "name": "add", "description": "Add two integers.",
         "parameters": {"type": "object", "properties": {
             "a": {"type": "integer", "description": "The first number."},
@@ -65,8 +45,8 @@ def test_the_schema_is_what_chat_templates_take():
         tool_schema(untyped)
 
 
-def test_calls_return_the_output_as_text():
-    runner = ToolRunner([add, divide, lookup])
+def test_calls_return_the_output_as_text(arithmetic):
+    runner = ToolRunner([arithmetic["add"], arithmetic["divide"], lookup])
     assert run(runner.call(ToolCall("add", {"a": 40}))).content == "42"
     assert run(runner.call(ToolCall("divide", {"a": 1, "b": 4}))).content == "0.25"
     result = run(runner.call(ToolCall("lookup", {"key": "x", "default": [1]})))
@@ -85,8 +65,8 @@ def test_calls_return_the_output_as_text():
      "bad_arguments"),
     (ToolCall("divide", {"a": 1, "b": 0}), "Error: divide raised ZeroDivisionError: division by zero", "exception"),
 ])
-def test_every_failure_is_a_counted_error_observation(call, expected, reason):
-    runner = ToolRunner([add, divide, lookup])
+def test_every_failure_is_a_counted_error_observation(call, expected, reason, arithmetic):
+    runner = ToolRunner([arithmetic["add"], arithmetic["divide"], lookup])
     result = run(runner.call(call))
     assert (result.content, result.error) == (expected, reason)
     assert runner.counts == {"calls": 1, reason: 1}
@@ -160,6 +140,6 @@ def test_a_turn_is_answered_in_call_order_with_calls_run_concurrently():
     assert runner.counts == {"calls": 3, "malformed": 1}
 
 
-def test_two_tools_of_one_name_are_refused():
+def test_two_tools_of_one_name_are_refused(arithmetic):
     with pytest.raises(ValueError, match="two tools share a name"):
-        ToolRunner([add, add])
+        ToolRunner([arithmetic["add"], arithmetic["add"]])
