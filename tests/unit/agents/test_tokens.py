@@ -117,6 +117,18 @@ def test_qwen3_dropping_earlier_thinking_is_reported_and_a_new_row_starts(qwen3_
                                   "<|im_start|>assistant\n")
 
 
+def test_a_turn_stopped_at_the_call_end_gets_the_whole_turn_closing_as_template(qwen25_tokenizer, arithmetic):
+    """Generation stopped at the stop string </tool_call>: the template's <|im_end|> and "\n" were not sampled."""
+    tokenizer = qwen25_tokenizer
+    renderer = ChatRenderer(tokenizer, ToolRunner([arithmetic["add"]]).schemas)
+    trajectory = renderer.start([{"role": "user", "content": "What is 1+2?"}])
+    model_turn(renderer, trajectory, encode(tokenizer, ADD_CALL))
+    extension = renderer.add_messages(trajectory, [{"role": "tool", "content": "3"}])
+    assert extension.template_ids == [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("\n")]
+    assert trajectory.roles[-len(extension.observation_ids) - 3:-len(extension.observation_ids)] == [
+        "sampled", "template", "template"]
+
+
 def test_a_turn_that_re_renders_otherwise_is_reported(qwen25_tokenizer, arithmetic):
     """The model spaced its call's JSON otherwise than the template's tojson writes it."""
     tokenizer = qwen25_tokenizer
