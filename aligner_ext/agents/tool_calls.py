@@ -89,6 +89,8 @@ class ToolCallFormat:
 
 
 class HermesFormat(ToolCallFormat):
+    """Qwen2.5 / Qwen3 / Hermes: `<tool_call>` blocks of JSON with "arguments", any number per turn."""
+
     name = "hermes"
     markers = ("<tool_call>",)
     end_of_turn = ("<|im_end|>", "<|endoftext|>")
@@ -114,6 +116,8 @@ class HermesFormat(ToolCallFormat):
 
 
 class Llama3JsonFormat(ToolCallFormat):
+    """Llama 3.1 / 3.2: the whole turn is one JSON call with "parameters", maybe after <|python_tag|>."""
+
     name = "llama3_json"
     markers = ('"parameters"', "<|eot_id|>")
     end_of_turn = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")

@@ -60,7 +60,9 @@ class ToolRunner:
         self.functions = {function.__name__: function for function in functions}
         if len(self.functions) != len(functions):
             raise ValueError(f"two tools share a name: {sorted(function.__name__ for function in functions)}")
-        self.schemas = [tool_schema(function) for function in functions]
+        self.schemas = [tool_schema(function) for function in functions]  # what the chat template shows the model
+        self.properties = {schema["function"]["name"]: schema["function"]["parameters"]["properties"]
+                           for schema in self.schemas}  # argument name -> its JSON schema, per tool
         self.timeout_s = timeout_s
         self.counts: Counter[str] = Counter()  # "calls" and each error reason
 
@@ -103,10 +105,8 @@ class ToolRunner:
             inspect.signature(self.functions[call.name]).bind(**call.arguments)
         except TypeError as err:
             return str(err)
-        properties = next(schema for schema in self.schemas
-                          if schema["function"]["name"] == call.name)["function"]["parameters"]["properties"]
         for name, value in call.arguments.items():
-            spec = properties[name]
+            spec = self.properties[call.name][name]
             if "type" not in spec:  # an `Any` hint: nothing to check
                 continue
             types = spec["type"] if isinstance(spec["type"], list) else [spec["type"]]

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import pytest
 
 from aligner_ext.agents.tool_calls import MalformedCall, ParsedTurn, ToolCall
-from aligner_ext.agents.tools import ToolRunner, tool_schema
+from aligner_ext.agents.tools import ERRORS, ToolRunner, tool_schema
 
 
 def lookup(key: Literal["x", "y"], default: Any = None) -> dict:
@@ -68,7 +68,7 @@ def test_calls_return_the_output_as_text(arithmetic):
 def test_every_failure_is_a_counted_error_observation(call, expected, reason, arithmetic):
     runner = ToolRunner([arithmetic["add"], arithmetic["divide"], lookup])
     result = run(runner.call(call))
-    assert (result.content, result.error) == (expected, reason)
+    assert (result.content, result.error) == (expected, reason) and reason in ERRORS
     assert runner.counts == {"calls": 1, reason: 1}
 
 
