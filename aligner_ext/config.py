@@ -20,17 +20,19 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from aligner_ext.algorithms.settings import AdvantageConfig, CPOConfig, check_group_size
 from aligner_ext.data.settings import DataConfig, check_val_set_names
-from aligner_ext.experience.settings import DynamicSamplingConfig, GradedPromptConfig, RolloutConfig, TwoRoundConfig
+from aligner_ext.experience.settings import (DynamicSamplingConfig, GradedPromptConfig, RolloutConfig, TwoRoundConfig,
+                                             check_evaluation, check_rollouts)
 from aligner_ext.from_verl import VERL_ALIASES, VERL_SECTIONS, VERL_VALUE_ALIASES, no_equivalent
-from aligner_ext.generation.settings import MIN_TEMPERATURE, HFEngineConfig, RemoteEngineConfig, RolloutEngineConfig
+from aligner_ext.generation.settings import (MIN_TEMPERATURE, HFEngineConfig, RemoteEngineConfig, RolloutEngineConfig,
+                                             check_remote_engine)
 from aligner_ext.generation.vllm_colocated import VLLMEngineConfig
-from aligner_ext.losses.settings import LossConfig
-from aligner_ext.models.settings import PolicyConfig, TinyModelConfig, WarmupConfig
+from aligner_ext.losses.settings import LossConfig, resolve_loss_settings
+from aligner_ext.models.settings import PolicyConfig, TinyModelConfig, WarmupConfig, check_lora_engine
 from aligner_ext.rewards.settings import RewardConfig
 from aligner_ext.rules import check_settings, choice, number, numbers, plugin, plugins
 from aligner_ext.secrets import read_secret, redact
 from aligner_ext.trackers import MlflowConfig, WandbConfig
-from aligner_ext.variants import active_variants, merge_variant_overrides, resolve_variants
+from aligner_ext.variants import active_variants, merge_variant_overrides, overlay_settings, resolve_variants
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 logger = logging.getLogger(__name__)
@@ -287,6 +289,7 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
     Raises ValueError naming the key for an unknown key, a wrong type or an invalid value.
     Overrides naming a recipe key are first rewritten to ours (`apply_aliases`).
     """
+    given = _given_names(list(overrides or []))
     overrides = merge_variant_overrides(apply_aliases(list(overrides or [])))
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
@@ -311,10 +314,18 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
         raise ValueError(_one_line(err, name, overrides)) from err
     cfg = OmegaConf.to_object(validated)
     check_settings(cfg)
-    check_across_sections(cfg, for_training)
+    check_across_sections(cfg, for_training, given, overlay_settings(overrides, directory))
     if cfg.trainer.run_name == "auto":
         cfg.trainer.run_name = "_".join([Path(name).name, *sorted(active_variants(cfg))])
     return cfg
+
+
+def _given_names(overrides: list[str]) -> dict[str, str]:
+    """{our key: the name the command line gave it by} for every setting `overrides` set (an alias's own name
+    kept, so a refusal can quote it)."""
+    keys = [override.lstrip("+~").partition("=")[0] for override in overrides]
+    ours = [override.lstrip("+~").partition("=")[0] for override in apply_aliases(overrides)]
+    return {key: name for name, key in zip(keys, ours) if key != "variant"}
 
 
 def _prefixes(dotted: str) -> list[str]:
@@ -389,10 +400,18 @@ def _parent(tree: dict, dotted: str) -> tuple[dict, str]:
     return tree, name
 
 
-def check_across_sections(cfg: RunConfig, for_training: bool = True) -> None:
+def check_across_sections(cfg: RunConfig, for_training: bool = True, given: dict[str, str] | None = None,
+                          from_overlays: frozenset[str] = frozenset()) -> None:
     """Checks that involve more than one section, so that `aligner-ext config` refuses what a run would
-    (and the one setting inferred from another: the graded maker from its switch, `variants.py`)."""
-    resolve_variants(cfg)
+    (and the settings inferred from others: the graded maker from its switch, `variants.py`; the loss's
+    aggregation mode); `given` and `from_overlays`: the keys the command line and the variant overlays set
+    (`variants.check_unread`)."""
+    resolve_variants(cfg, given, from_overlays)
+    resolve_loss_settings(cfg.algorithm.loss, cfg.loss)
+    check_evaluation(cfg.algorithm.experience_maker, cfg.trainer.eval)
+    check_rollouts(cfg)
+    check_remote_engine(cfg.generator.engine, cfg.generator.remote)
+    check_lora_engine(cfg.policy.lora, cfg.generator.engine)
     check_group_size(cfg)
     check_val_set_names(cfg.data, cfg.trainer.eval.sets)
     sequences = cfg.data.train_batch_size * cfg.rollout.n
