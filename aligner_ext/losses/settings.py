@@ -16,6 +16,7 @@ from aligner_ext.rules import choice, number, plugin
 LOSSES = "aligner_ext.losses.base:LOSSES"  # the registry algorithm.loss names
 AGG_MODE_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # losses/aggregation.py
 CORRECTIONS = ("none", "token_tis", "sequence_tis", "token_mask", "sequence_mask")  # losses/off_policy.py
+TRUNCATING = ("token_tis", "sequence_tis")  # the corrections that read importance_sampling_cap
 
 
 @dataclass
@@ -53,6 +54,10 @@ class LossConfig:
     cispo: CISPOConfig = field(default_factory=CISPOConfig)  # read by algorithm.loss=cispo
 
     def __post_init__(self) -> None:
+        problem = correction_problem(correction_mode(self), self.importance_sampling_cap, self.importance_sampling_low,
+                                     self.importance_sampling_high)
+        if problem is not None:
+            raise ValueError(problem)
         if 0 < self.clip_ratio_c <= 1:
             raise ValueError(f"loss.clip_ratio_c must be > 1 (or 0: no dual clip), got {self.clip_ratio_c:g}")
 
@@ -62,6 +67,19 @@ def correction_mode(cfg) -> str:
     if cfg.off_policy_correction == "none" and cfg.importance_sampling_cap > 0:
         return "token_tis"
     return cfg.off_policy_correction
+
+
+def correction_problem(mode: str, cap: float, low: float, high: float) -> str | None:
+    """Why an off-policy correction cannot run with these settings (one line), or None."""
+    if mode in TRUNCATING and cap == 0:
+        return (f"loss.off_policy_correction={mode} truncates at loss.importance_sampling_cap, which is {cap:g}: set "
+                "it > 0 (verl and TRL use 2)")
+    if mode not in TRUNCATING and cap > 0:
+        return (f"loss.importance_sampling_cap={cap:g} is read only by token_tis and sequence_tis; "
+                f"loss.off_policy_correction={mode} does not truncate")
+    if not 0 < low <= 1 <= high:
+        return f"loss.importance_sampling_low={low:g} and _high={high:g} must satisfy 0 < low <= 1 <= high"
+    return None
 
 
 def undefined_setting(loss: str, agg_mode: str, correction: str, agg_modes: tuple[str, ...] | list[str],
