@@ -210,7 +210,7 @@ class TwoRoundSampling(GroupSampling):
     def evaluate(self, loader: PromptLoader,
                  single_round: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
         """Greedy two rounds, one answer and one confidence per prompt; accuracy and calibration.
-        Sampled evaluation (trainer.eval.k > 1) is refused at build (`own_evaluation`).
+        Sampled evaluation (trainer.eval.k > 1) is refused at load (`own_evaluation`).
 
         A missing or unparseable confidence counts as 0 (RLCR's evaluation); how often that
         happened is `val/confidence_parsed_ratio`. With no confidence stated at all, calibration is

@@ -2,9 +2,10 @@
 
 What a user can fix stops the build with a UserError (aligner_ext/errors.py), which the CLI prints as
 one line: a plug-in name that does not resolve (`check_plugin_names`, before anything loads), sampled
-evaluation with a maker that evaluates its own way (`check_evaluation`, before anything loads too), a
-plug-in that refuses its settings (`construct`), a training row the experience maker would fail on
-(`ExperienceMaker.check_rows`).
+evaluation with a maker of a dotted path that evaluates its own way (`check_evaluation`; a built-in
+one is refused when the config loads), a reward entry that would never score (`RewardManager.check`,
+once the data has loaded, before the model), a plug-in that refuses its settings (`construct`), a
+training row the experience maker would fail on (`ExperienceMaker.check_rows`).
 """
 
 from __future__ import annotations
