@@ -59,6 +59,7 @@ ELSEWHERE = {
     "the model's linear": "the model's module names",
     "has no chat": "the tokenizer's chat template",
     "no prompts left": "the data rows' lengths",
+    "no data row carries data_source": "the data rows (checked once they load, before the model)",
     "or raise data.max_prompt_length": "the data rows' lengths",
     "cannot resume the prompt stream": "a checkpoint's saved state",
     "the trained prompt is not the chat-template rendering": "a data row and the tokenizer",
