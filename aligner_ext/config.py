@@ -32,7 +32,7 @@ from aligner_ext.rewards.settings import RewardConfig
 from aligner_ext.rules import check_settings, choice, number, numbers, plugin, plugins
 from aligner_ext.secrets import read_secret, redact
 from aligner_ext.trackers import MlflowConfig, WandbConfig
-from aligner_ext.variants import active_variants, merge_variant_overrides, overlay_settings, resolve_variants
+from aligner_ext.variants import active_variants, flatten, merge_variant_overrides, overlay_settings, resolve_variants
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 logger = logging.getLogger(__name__)
@@ -468,27 +468,16 @@ def as_tree(cfg: RunConfig) -> dict:
 
 def settings(cfg: RunConfig) -> dict:
     """The config as {dotted key: value}."""
-    return _flatten(as_tree(cfg))
+    return flatten(as_tree(cfg))
 
 
 def changed_settings(saved_yaml: str, cfg: RunConfig, among: tuple[str, ...] = ("",)) -> list[str]:
     """`key: saved -> current` for every setting of `cfg` that differs from a saved `to_yaml` text, so a
     resume can say what it changed (a new layout is expected; a new learning rate may not be); `among`:
     only keys starting with one of these."""
-    saved = _flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
+    saved = flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
     current = settings(cfg)
     missing = "(absent)"
     return [f"{key}: {saved.get(key, missing)} -> {current.get(key, missing)}"
             for key in sorted(saved.keys() | current.keys())
             if key.startswith(among) and saved.get(key, missing) != current.get(key, missing)]
-
-
-def _flatten(tree, prefix: str = "") -> dict:
-    """A nested config container as {dotted key: leaf value}; an empty section is one leaf."""
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    flat = {}
-    for key, value in tree.items():
-        flat.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else
-                    {f"{prefix}{key}": value})
-    return flat

@@ -130,7 +130,7 @@ def overlay_settings(overrides: list[str], config_dir: Path) -> frozenset[str]:
         for name in (match.group(1).strip("[] ").split(",") if match else []):
             overlay = config_dir / "variant" / f"{name.strip()}.yaml"
             if overlay.is_file():
-                keys |= set(_flat(OmegaConf.to_container(OmegaConf.load(overlay))))
+                keys |= set(flatten(OmegaConf.to_container(OmegaConf.load(overlay))))
     return frozenset(keys)
 
 
@@ -153,9 +153,8 @@ def resolve_variants(cfg, given: dict[str, str] | None = None, from_overlays: fr
     """Refuse a pair of variants that does not compose, a switch that does not compose with a variant
     (`check_switches`), or a setting that nothing would read (`check_unread`: `given`, the keys the command
     line set, each with the name it was given by; `from_overlays`, those the variant overlays set); turn the
-    graded maker on from its switch
-    alone (the original recipe's behaviour), and under MTPO dynamic sampling's segment filter on and the
-    dapo overlay's overlong shaping off."""
+    graded maker on from its switch alone (the original recipe's behaviour), and under MTPO dynamic
+    sampling's segment filter on and the dapo overlay's overlong shaping off."""
     algorithm = cfg.algorithm
     active = sorted(active_variants(cfg))
     for index, first in enumerate(active):
@@ -236,15 +235,15 @@ def check_unread(cfg, switches: set[str], given: dict[str, str], from_overlays: 
     (`given`: our key -> the name it was given by, a recipe's or verl's perhaps) or set to other than its
     default by a config file; warn once of one only a variant's overlay set (`from_overlays`). Under a
     plug-in of a dotted path (user code) nothing is judged: what it reads is unknown."""
-    defaults = _flat(redact(dataclasses.asdict(type(cfg)())))
-    for key, value in _flat(redact(dataclasses.asdict(cfg))).items():
+    defaults = flatten(redact(dataclasses.asdict(type(cfg)())))
+    for key, value in flatten(redact(dataclasses.asdict(cfg))).items():
         readers = next((switches_ for setting, switches_ in READ_ONLY_UNDER.items()
                         if key == setting or (setting.endswith(".") and key.startswith(setting))), ())
         tested = {_switch_key(switch) for switch in readers}
         if not readers or key in tested or set(readers) & switches:
             continue
-        chosen = sorted(switch for switch in switches if _switch_key(switch) in tested)
-        if any(re.search(r"=.*[.:]", switch) for switch in chosen):
+        chosen = sorted(switch for switch in switches if _switch_key(switch) in tested)  # e.g. algorithm.loss=gspo
+        if any(_is_dotted_path(switch.partition("=")[2]) for switch in chosen):
             continue
         named = f"{given[key]}={value} (read as {key})" if given.get(key, key) != key else f"{key}={value}"
         reason = (f"{named} has no effect: it is read only under {' or '.join(readers)}"
@@ -255,14 +254,22 @@ def check_unread(cfg, switches: set[str], given: dict[str, str], from_overlays: 
             logger.warning("%s (a variant's overlay sets it; ignored)", reason)
 
 
+def _is_dotted_path(name: str) -> bool:
+    """A plug-in name that is user code (`pkg.module:attr`), as rules.Registered reads one."""
+    return "." in name or ":" in name
+
+
 def _switch_key(switch: str) -> str:
     """The setting a switch tests: `algorithm.loss=gspo` -> algorithm.loss, `rollout.overlong_buffer_fraction>0` -> ..."""
     return re.split(r"[=<>]", switch, maxsplit=1)[0]
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    """A nested dict as {dotted key: leaf value}."""
+def flatten(tree, prefix: str = "") -> dict:
+    """A nested config container as {dotted key: leaf value}; an empty section is one leaf."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
     flat = {}
     for key, value in tree.items():
-        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {f"{prefix}{key}": value})
+        flat.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else
+                    {f"{prefix}{key}": value})
     return flat
