@@ -93,7 +93,7 @@ ELSEWHERE = {
     "pipeline_model_parallel_size=": "the processes torchrun launched",
     "must divide the data-parallel size": "the processes torchrun launched",
     "holds {held}, this run trains {wanted}": "a checkpoint",
-    "has no router; the load-balancing loss": "the model's family",
+    "has no router; the load-balancing loss": "the model's family (config.json, checked before it loads)",
     "has no router; routing": "the model's family (config.json, checked before it loads)",
     "records none: set generator.engine=rollout": "the engine auto picks on this machine (checked before the model loads)",
     "policy.routing_replay=true with the graded system prompt": "the model's family (only a mixture of experts reads it)",
