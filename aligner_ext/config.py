@@ -289,8 +289,9 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
     Raises ValueError naming the key for an unknown key, a wrong type or an invalid value.
     Overrides naming a recipe key are first rewritten to ours (`apply_aliases`).
     """
-    given = _given_names(list(overrides or []))
-    overrides = merge_variant_overrides(apply_aliases(list(overrides or [])))
+    rewritten = apply_aliases(list(overrides or []))
+    given = _given_names(list(overrides or []), rewritten)
+    overrides = merge_variant_overrides(rewritten)
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from hydra.errors import ConfigCompositionException
@@ -320,12 +321,13 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
     return cfg
 
 
-def _given_names(overrides: list[str]) -> dict[str, str]:
-    """{our key: the name the command line gave it by} for every setting `overrides` set (an alias's own name
-    kept, so a refusal can quote it)."""
-    keys = [override.lstrip("+~").partition("=")[0] for override in overrides]
-    ours = [override.lstrip("+~").partition("=")[0] for override in apply_aliases(overrides)]
-    return {key: name for name, key in zip(keys, ours) if key != "variant"}
+def _given_names(overrides: list[str], rewritten: list[str]) -> dict[str, str]:
+    """{our key: the name the command line gave it by} for every setting `overrides` set, `rewritten` being
+    them as `apply_aliases` reads them (an alias's own name kept, so that a refusal can quote it)."""
+    def key(override: str) -> str:
+        return override.lstrip("+~").partition("=")[0]
+
+    return {key(ours): key(given) for given, ours in zip(overrides, rewritten) if key(ours) != "variant"}
 
 
 def _prefixes(dotted: str) -> list[str]:
