@@ -100,8 +100,6 @@ READ_ONLY_UNDER: dict[str, tuple[str, ...]] = {
     "mtpo.": ("algorithm.experience_maker=two_round",),
     "advantage.": tuple(f"algorithm.adv_estimator={name}" for name in  # RLOO divides by no std
                         ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "mtpo_segments", "cpo")),
-    "generator.remote.": ("generator.engine=remote",),
-    "generator.vllm.": ("generator.engine=vllm",),
 }
 
 
@@ -202,8 +200,7 @@ def active_switches(cfg) -> set[str]:
     estimator, loss, maker = cfg.algorithm.adv_estimator, cfg.algorithm.loss, cfg.algorithm.experience_maker
     switches = {f"algorithm.adv_estimator={CANONICAL[ESTIMATORS].get(estimator, estimator)}",
                 f"algorithm.loss={CANONICAL[LOSSES].get(loss, loss)}",
-                f"algorithm.experience_maker={CANONICAL[MAKERS].get(maker, maker)}",
-                f"generator.engine={cfg.generator.engine}"}
+                f"algorithm.experience_maker={CANONICAL[MAKERS].get(maker, maker)}"}
     if cfg.dynamic_sampling.enabled:
         switches.add("dynamic_sampling.enabled=true")
     if correction_mode(cfg.loss) != "none":

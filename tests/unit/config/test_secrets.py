@@ -38,8 +38,7 @@ def test_secret_names_and_redaction():
 
 def test_every_serialisation_of_the_config_redacts_and_the_value_stays_usable(monkeypatch):
     monkeypatch.setenv("REMOTE_KEY_VAR", "env-secret-value")
-    cfg = load_config("base", ["serve.api_key=cli-secret-value", "generator.engine=remote",
-                               "generator.remote.urls=[http://127.0.0.1:8000]", "generator.remote.api_key_env=REMOTE_KEY_VAR"])
+    cfg = load_config("base", ["serve.api_key=cli-secret-value", "generator.remote.api_key_env=REMOTE_KEY_VAR"])
     assert (cfg.serve.api_key, cfg.generator.remote.api_key) == ("cli-secret-value", "env-secret-value")
     for text in (to_yaml(cfg), repr(as_tree(cfg)), repr(settings(cfg)), repr(cfg)):
         assert "secret-value" not in text

@@ -24,9 +24,6 @@ CASES = {
     "rollout.overlong_penalty": ("rollout.overlong_penalty=0.5", ["rollout.overlong_buffer_fraction=0.25"]),
     "mtpo.": ("mtpo.max_answer_length=32", ["+variant=mtpo"]),
     "advantage.": ("advantage.use_std=false", []),
-    "generator.remote.": ("generator.remote.concurrency=2", ["generator.engine=remote",
-                                                             "generator.remote.urls=[http://a:1]"]),
-    "generator.vllm.": ("generator.vllm.enforce_eager=true", ["generator.engine=vllm"]),
 }
 # what turns every reader of a setting off where the base config reads it
 READERS_OFF = {"loss.epsilon": ["algorithm.loss=gspo"], "loss.epsilon_high": ["algorithm.loss=cispo"],
