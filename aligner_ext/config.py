@@ -20,17 +20,19 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from aligner_ext.algorithms.settings import AdvantageConfig, CPOConfig, check_group_size
 from aligner_ext.data.settings import DataConfig, check_val_set_names
-from aligner_ext.experience.settings import DynamicSamplingConfig, GradedPromptConfig, RolloutConfig, TwoRoundConfig
+from aligner_ext.experience.settings import (DynamicSamplingConfig, GradedPromptConfig, RolloutConfig, TwoRoundConfig,
+                                             check_evaluation, check_rollouts)
 from aligner_ext.from_verl import VERL_ALIASES, VERL_SECTIONS, VERL_VALUE_ALIASES, no_equivalent
-from aligner_ext.generation.settings import MIN_TEMPERATURE, HFEngineConfig, RemoteEngineConfig, RolloutEngineConfig
+from aligner_ext.generation.settings import (MIN_TEMPERATURE, HFEngineConfig, RemoteEngineConfig, RolloutEngineConfig,
+                                             check_remote_engine)
 from aligner_ext.generation.vllm_colocated import VLLMEngineConfig
-from aligner_ext.losses.settings import LossConfig
-from aligner_ext.models.settings import PolicyConfig, TinyModelConfig, WarmupConfig
+from aligner_ext.losses.settings import LossConfig, resolve_loss_settings
+from aligner_ext.models.settings import PolicyConfig, TinyModelConfig, WarmupConfig, check_lora_engine
 from aligner_ext.rewards.settings import RewardConfig
 from aligner_ext.rules import check_settings, choice, number, numbers, plugin, plugins
 from aligner_ext.secrets import read_secret, redact
 from aligner_ext.trackers import MlflowConfig, WandbConfig
-from aligner_ext.variants import active_variants, merge_variant_overrides, resolve_variants
+from aligner_ext.variants import active_variants, flatten, merge_variant_overrides, overlay_settings, resolve_variants
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 logger = logging.getLogger(__name__)
@@ -288,7 +290,9 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
     Raises ValueError naming the key for an unknown key, a wrong type or an invalid value.
     Overrides naming a recipe key are first rewritten to ours (`apply_aliases`).
     """
-    overrides = merge_variant_overrides(apply_aliases(list(overrides or [])))
+    rewritten = apply_aliases(list(overrides or []))
+    given = _given_names(list(overrides or []), rewritten)
+    overrides = merge_variant_overrides(rewritten)
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from hydra.errors import ConfigCompositionException
@@ -312,10 +316,19 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
         raise ValueError(_one_line(err, name, overrides)) from err
     cfg = OmegaConf.to_object(validated)
     check_settings(cfg)
-    check_across_sections(cfg, for_training)
+    check_across_sections(cfg, for_training, given, overlay_settings(overrides, directory))
     if cfg.trainer.run_name == "auto":
         cfg.trainer.run_name = "_".join([Path(name).name, *sorted(active_variants(cfg))])
     return cfg
+
+
+def _given_names(overrides: list[str], rewritten: list[str]) -> dict[str, str]:
+    """{our key: the name the command line gave it by} for every setting `overrides` set, `rewritten` being
+    them as `apply_aliases` reads them (an alias's own name kept, so that a refusal can quote it)."""
+    def key(override: str) -> str:
+        return override.lstrip("+~").partition("=")[0]
+
+    return {key(ours): key(given) for given, ours in zip(overrides, rewritten) if key(ours) != "variant"}
 
 
 def _prefixes(dotted: str) -> list[str]:
@@ -390,10 +403,18 @@ def _parent(tree: dict, dotted: str) -> tuple[dict, str]:
     return tree, name
 
 
-def check_across_sections(cfg: RunConfig, for_training: bool = True) -> None:
+def check_across_sections(cfg: RunConfig, for_training: bool = True, given: dict[str, str] | None = None,
+                          from_overlays: frozenset[str] = frozenset()) -> None:
     """Checks that involve more than one section, so that `aligner-ext config` refuses what a run would
-    (and the one setting inferred from another: the graded maker from its switch, `variants.py`)."""
-    resolve_variants(cfg)
+    (and the settings inferred from others: the graded maker from its switch, `variants.py`; the loss's
+    aggregation mode); `given` and `from_overlays`: the keys the command line and the variant overlays set
+    (`variants.check_unread`)."""
+    resolve_variants(cfg, given, from_overlays)
+    resolve_loss_settings(cfg.algorithm.loss, cfg.loss)
+    check_evaluation(cfg.algorithm.experience_maker, cfg.trainer.eval)
+    check_rollouts(cfg)
+    check_remote_engine(cfg.generator.engine, cfg.generator.remote)
+    check_lora_engine(cfg.policy.lora, cfg.generator.engine)
     check_group_size(cfg)
     check_val_set_names(cfg.data, cfg.trainer.eval.sets)
     sequences = cfg.data.train_batch_size * cfg.rollout.n
@@ -450,27 +471,16 @@ def as_tree(cfg: RunConfig) -> dict:
 
 def settings(cfg: RunConfig) -> dict:
     """The config as {dotted key: value}."""
-    return _flatten(as_tree(cfg))
+    return flatten(as_tree(cfg))
 
 
 def changed_settings(saved_yaml: str, cfg: RunConfig, among: tuple[str, ...] = ("",)) -> list[str]:
     """`key: saved -> current` for every setting of `cfg` that differs from a saved `to_yaml` text, so a
     resume can say what it changed (a new layout is expected; a new learning rate may not be); `among`:
     only keys starting with one of these."""
-    saved = _flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
+    saved = flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
     current = settings(cfg)
     missing = "(absent)"
     return [f"{key}: {saved.get(key, missing)} -> {current.get(key, missing)}"
             for key in sorted(saved.keys() | current.keys())
             if key.startswith(among) and saved.get(key, missing) != current.get(key, missing)]
-
-
-def _flatten(tree, prefix: str = "") -> dict:
-    """A nested config container as {dotted key: leaf value}; an empty section is one leaf."""
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    flat = {}
-    for key, value in tree.items():
-        flat.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else
-                    {f"{prefix}{key}": value})
-    return flat

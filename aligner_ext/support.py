@@ -21,7 +21,7 @@ from transformers import AutoConfig
 from aligner_ext.distributed import is_main_process, launched_world_size
 from aligner_ext.errors import ConfigError
 from aligner_ext.architecture import FAMILIES, UnsupportedModel, architecture
-from aligner_ext.models.moe import is_moe
+from aligner_ext.models.moe import check_aux_loss, is_moe
 from aligner_ext.variants import active_variants
 
 logger = logging.getLogger(__name__)
@@ -140,9 +140,11 @@ def check_run(cfg, model_dir: Path | str) -> None:
     """Refuse (`UnsupportedModel`, one line) a model of `model_dir` that the run's Megatron backend or
     explicit rollout engine does not run, or a layout the backend cannot split it into; warn of
     sequences past a per-batch RoPE switch. `generator.engine=auto` is not refused here:
-    it falls back to the HF engine (trainer/build.py::generation_engine_name)."""
+    it falls back to the HF engine (trainer/build.py::generation_engine_name). A load-balancing loss for a
+    model without a router is refused here too, before the weights load."""
     hf_config = AutoConfig.from_pretrained(model_dir)
     policy = cfg.policy
+    check_aux_loss(hf_config, policy.router_aux_loss_coef)
     if policy.backend == "megatron":
         try:
             import megatron.core  # noqa: F401

@@ -12,17 +12,27 @@ and leaves the dapo overlay's overlong shaping off.
 The switches beside the variants (the estimators and losses researchers compare with, DAPO's overlong
 techniques) are checked against every variant that is on, through `SWITCH_REFUSALS`: a pair not
 listed there composes.
+Two more tables keep every setting read: a switch whose experience wrapper `algorithm.experience_wrappers`
+does not list is refused (`APPLIED_BY`), and so is a setting that only switches that are off read
+(`READ_ONLY_UNDER`), given on the command line or set by a config file; set by a variant's overlay, it is
+warned about once instead: the overlay sets it for the variant's usual loss, and the user cannot unset it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
+from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from aligner_ext.losses.settings import CORRECTIONS, correction_mode
 from aligner_ext.plugin_names import CANONICAL
+from aligner_ext.secrets import redact
 
 ESTIMATORS, LOSSES = "aligner_ext.algorithms.advantages:ADVANTAGES", "aligner_ext.losses.base:LOSSES"  # registries
+MAKERS = "aligner_ext.experience.base:EXPERIENCE_MAKERS"
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +76,33 @@ SWITCH_REFUSALS: dict[tuple[str, str], str] = {
 }
 
 
+# switch -> the experience wrapper that applies it, which algorithm.experience_wrappers must list.
+APPLIED_BY: dict[str, str] = {
+    "dynamic_sampling.enabled=true": "dynamic_sampling",
+    "rollout.overlong_buffer_fraction>0": "overlong",
+    "rollout.overlong_filter=true": "overlong",
+    "algorithm.adv_estimator=cpo": "hint_logprobs",  # the CPO advantage reads the hint log-probs it adds
+}
+
+_MASKS = ("loss.off_policy_correction=token_mask", "loss.off_policy_correction=sequence_mask")
+# setting (a key, or a section ending in ".") -> the switches under which alone it is read (active_switches'
+# spelling); set under none of them it has no effect (`check_unread`). A switch's own key is never judged.
+READ_ONLY_UNDER: dict[str, tuple[str, ...]] = {
+    "loss.epsilon": ("algorithm.loss=clipped_pg",),  # GSPO and CISPO clip at loss.gspo.* and loss.cispo.*
+    "loss.epsilon_high": ("algorithm.loss=clipped_pg",),
+    "loss.clip_ratio_c": ("algorithm.loss=clipped_pg",),
+    "loss.gspo.": ("algorithm.loss=gspo",),
+    "loss.cispo.": ("algorithm.loss=cispo",),
+    "loss.importance_sampling_low": _MASKS,
+    "loss.importance_sampling_high": _MASKS,
+    "dynamic_sampling.": ("dynamic_sampling.enabled=true",),
+    "rollout.overlong_penalty": ("rollout.overlong_buffer_fraction>0",),
+    "mtpo.": ("algorithm.experience_maker=two_round",),
+    "advantage.": tuple(f"algorithm.adv_estimator={name}" for name in  # RLOO divides by no std
+                        ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "mtpo_segments", "cpo")),
+}
+
+
 def merge_variant_overrides(overrides: list[str]) -> list[str]:
     """`+variant=a ... +variant=b` as one `+variant=[a,b]` where the first stood (Hydra refuses two)."""
     names, position = [], None
@@ -83,6 +120,18 @@ def merge_variant_overrides(overrides: list[str]) -> list[str]:
     return kept[:position] + [f"+variant=[{','.join(names)}]"] + kept[position:]
 
 
+def overlay_settings(overrides: list[str], config_dir: Path) -> frozenset[str]:
+    """The dotted keys the overlays `+variant=...` of `overrides` set (conf/variant/<name>.yaml)."""
+    keys = set()
+    for override in overrides:
+        match = _VARIANT_OVERRIDE.match(override)
+        for name in (match.group(1).strip("[] ").split(",") if match else []):
+            overlay = config_dir / "variant" / f"{name.strip()}.yaml"
+            if overlay.is_file():
+                keys |= set(flatten(OmegaConf.to_container(OmegaConf.load(overlay))))
+    return frozenset(keys)
+
+
 def active_variants(cfg) -> set[str]:
     """The variants whose switch is on in `cfg` (module docstring)."""
     algorithm = cfg.algorithm
@@ -98,11 +147,12 @@ def active_variants(cfg) -> set[str]:
     return active
 
 
-def resolve_variants(cfg) -> None:
+def resolve_variants(cfg, given: dict[str, str] | None = None, from_overlays: frozenset[str] = frozenset()) -> None:
     """Refuse a pair of variants that does not compose, a switch that does not compose with a variant
-    (`check_switches`), or a setting that nothing would read; turn the graded maker on from its switch
-    alone (the original recipe's behaviour), and under MTPO dynamic sampling's segment filter on and the
-    dapo overlay's overlong shaping off."""
+    (`check_switches`), or a setting that nothing would read (`check_unread`: `given`, the keys the command
+    line set, each with the name it was given by; `from_overlays`, those the variant overlays set); turn the
+    graded maker on from its switch alone (the original recipe's behaviour), and under MTPO dynamic
+    sampling's segment filter on and the dapo overlay's overlong shaping off."""
     algorithm = cfg.algorithm
     active = sorted(active_variants(cfg))
     for index, first in enumerate(active):
@@ -114,6 +164,7 @@ def resolve_variants(cfg) -> None:
         _filter_by_segments(cfg.dynamic_sampling)
         _no_overlong_shaping(cfg.rollout)
     check_switches(cfg, active)
+    check_unread(cfg, active_switches(cfg), given or {}, from_overlays)
     wrap_method = cfg.cpo.wrap_method
     if wrap_method != "none" and algorithm.adv_estimator != "cpo":
         raise ValueError(f"cpo.wrap_method={wrap_method} is read only by algorithm.adv_estimator=cpo "
@@ -146,9 +197,12 @@ def _no_overlong_shaping(rollout) -> None:
 
 def active_switches(cfg) -> set[str]:
     """The switches beside the variants that `cfg` sets, spelt as in SWITCH_REFUSALS (registered names, not aliases)."""
-    estimator, loss = cfg.algorithm.adv_estimator, cfg.algorithm.loss
+    estimator, loss, maker = cfg.algorithm.adv_estimator, cfg.algorithm.loss, cfg.algorithm.experience_maker
     switches = {f"algorithm.adv_estimator={CANONICAL[ESTIMATORS].get(estimator, estimator)}",
-                f"algorithm.loss={CANONICAL[LOSSES].get(loss, loss)}"}
+                f"algorithm.loss={CANONICAL[LOSSES].get(loss, loss)}",
+                f"algorithm.experience_maker={CANONICAL[MAKERS].get(maker, maker)}"}
+    if cfg.dynamic_sampling.enabled:
+        switches.add("dynamic_sampling.enabled=true")
     if correction_mode(cfg.loss) != "none":
         switches.add(f"loss.off_policy_correction={correction_mode(cfg.loss)}")
     if cfg.rollout.overlong_buffer_fraction > 0:
@@ -159,14 +213,60 @@ def active_switches(cfg) -> set[str]:
 
 
 def check_switches(cfg, active: list[str]) -> None:
-    """Refuse a switch that does not compose with a variant that is on (SWITCH_REFUSALS), or that nothing reads."""
+    """Refuse a switch that does not compose with a variant that is on (SWITCH_REFUSALS), or whose experience
+    wrapper is not listed (APPLIED_BY): nothing would apply it."""
     switches = sorted(active_switches(cfg))
     for switch in switches:
         for variant in active:
             reason = SWITCH_REFUSALS.get((switch, variant))
             if reason is not None:
                 raise ValueError(f"{switch} and variant {variant} do not compose: {reason} (docs/variants/README.md)")
-    overlong = [switch for switch in switches if switch.startswith("rollout.overlong")]
-    if overlong and "overlong" not in cfg.algorithm.experience_wrappers:
-        raise ValueError(f"{overlong[0]} is applied by the experience wrapper overlong, which "
-                         "algorithm.experience_wrappers does not list")
+        wrapper = APPLIED_BY.get(switch)
+        if wrapper is not None and wrapper not in cfg.algorithm.experience_wrappers:
+            raise ValueError(f"{switch} is applied by the experience wrapper {wrapper}, which "
+                             "algorithm.experience_wrappers does not list")
+
+
+def check_unread(cfg, switches: set[str], given: dict[str, str], from_overlays: frozenset[str] = frozenset()) -> None:
+    """Refuse a setting of READ_ONLY_UNDER that none of its switches reads here, given on the command line
+    (`given`: our key -> the name it was given by, a recipe's or verl's perhaps) or set to other than its
+    default by a config file; warn once of one only a variant's overlay set (`from_overlays`). Under a
+    plug-in of a dotted path (user code) nothing is judged: what it reads is unknown."""
+    defaults = flatten(redact(dataclasses.asdict(type(cfg)())))
+    for key, value in flatten(redact(dataclasses.asdict(cfg))).items():
+        readers = next((switches_ for setting, switches_ in READ_ONLY_UNDER.items()
+                        if key == setting or (setting.endswith(".") and key.startswith(setting))), ())
+        tested = {_switch_key(switch) for switch in readers}
+        if not readers or key in tested or set(readers) & switches:
+            continue
+        chosen = sorted(switch for switch in switches if _switch_key(switch) in tested)  # e.g. algorithm.loss=gspo
+        if any(_is_dotted_path(switch.partition("=")[2]) for switch in chosen):
+            continue
+        named = f"{given[key]}={value} (read as {key})" if given.get(key, key) != key else f"{key}={value}"
+        reason = (f"{named} has no effect: it is read only under {' or '.join(readers)}"
+                  + (f", not under {', '.join(chosen)}" if chosen else ""))
+        if key in given or (value != defaults.get(key) and key not in from_overlays):
+            raise ValueError(f"{reason}; leave it out")
+        if value != defaults.get(key):
+            logger.warning("%s (a variant's overlay sets it; ignored)", reason)
+
+
+def _is_dotted_path(name: str) -> bool:
+    """A plug-in name that is user code (`pkg.module:attr`), as rules.Registered reads one."""
+    return "." in name or ":" in name
+
+
+def _switch_key(switch: str) -> str:
+    """The setting a switch tests: `algorithm.loss=gspo` -> algorithm.loss, `rollout.overlong_buffer_fraction>0` -> ..."""
+    return re.split(r"[=<>]", switch, maxsplit=1)[0]
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    """A nested config container as {dotted key: leaf value}; an empty section is one leaf."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else
+                    {f"{prefix}{key}": value})
+    return flat

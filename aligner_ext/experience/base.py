@@ -58,7 +58,7 @@ class ExperienceMaker(abc.ABC):
     """
 
     summary_metrics: tuple[str, ...] = ()  # metrics whose run mean the end-of-run summary shows
-    own_evaluation: str | None = None  # how `evaluate` departs from the single-round evaluation, whose sampling settings (trainer.eval) the build then refuses (read from the configured maker's class); None: it runs that one
+    own_evaluation: str | None = None  # how `evaluate` departs from the single-round evaluation, whose sampling settings (trainer.eval) the config's load then refuses (from the generated table aligner_ext/plugin_names.py; a maker of a dotted path when the run builds); None: it runs that one
     reads: tuple[str, ...] = ()  # ExperienceBatch fields it needs from the inner maker (wrappers), checked at build
     writes: tuple[str, ...] = ()  # optional ExperienceBatch fields every batch it returns has set
 

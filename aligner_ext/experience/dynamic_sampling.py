@@ -92,9 +92,6 @@ class DynamicSampling(ExperienceWrapper):
         """The wrapper when `dynamic_sampling.enabled` is on; otherwise `inner` untouched."""
         if not ctx.cfg.dynamic_sampling.enabled:
             return inner
-        if ctx.cfg.rollout.n < 2:
-            raise ValueError("dynamic_sampling.enabled needs rollout.n >= 2: a group of one sample "
-                             "has no spread, so every group would be dropped")
         return cls(inner, ctx.cfg.dynamic_sampling, ctx.tokenizer.pad_token_id)
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:

@@ -64,10 +64,7 @@ class OverlongShaping(ExperienceWrapper):
     def __init__(self, inner: ExperienceMaker, cfg: RolloutConfig):
         super().__init__(inner)
         self.cfg = cfg
-        self.buffer = round(cfg.overlong_buffer_fraction * cfg.max_response_length)
-        if cfg.overlong_buffer_fraction > 0 and self.buffer == 0:
-            raise ValueError(f"rollout.overlong_buffer_fraction={cfg.overlong_buffer_fraction:g} of "
-                             f"rollout.max_response_length={cfg.max_response_length} is 0 tokens; raise it")
+        self.buffer = cfg.overlong_buffer_tokens()  # at least one token when on (RolloutConfig refuses 0)
 
     @classmethod
     def from_context(cls, inner: ExperienceMaker, ctx: BuildContext) -> ExperienceMaker:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aligner_ext.generation.settings import MIN_TEMPERATURE
+from aligner_ext.plugin_names import OWN_EVALUATION
 from aligner_ext.rewards.settings import SegmentRewardsConfig
 from aligner_ext.rules import choice, number
 
@@ -38,6 +39,13 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if any(not isinstance(text, str) or not text for text in self.stop):
             raise ValueError(f"rollout.stop strings must be non-empty, got {list(self.stop)}")
+        if self.overlong_buffer_fraction > 0 and self.overlong_buffer_tokens() == 0:
+            raise ValueError(f"rollout.overlong_buffer_fraction={self.overlong_buffer_fraction:g} of "
+                             f"rollout.max_response_length={self.max_response_length} is 0 tokens; raise it")
+
+    def overlong_buffer_tokens(self) -> int:
+        """The length of DAPO's overlong buffer, in tokens (experience/overlong.py)."""
+        return round(self.overlong_buffer_fraction * self.max_response_length)
 
 
 @dataclass
@@ -104,3 +112,33 @@ class TwoRoundConfig:
     confidence_stop_str: str = "</confidence>"  # ends round 2; kept in the sample
     apply_answer_loss_on_first_confidence_only: bool = True  # round-1 tokens count only in the first of the H samples of an answer
     rewards: SegmentRewardsConfig = field(default_factory=SegmentRewardsConfig)
+
+
+def own_evaluation_refusal(maker: str, own: str | None, evaluation) -> str | None:
+    """Why sampled evaluation (`evaluation`, trainer.eval: k above 1 or a temperature) cannot run with the
+    experience maker `maker`, which evaluates its own way (`own`, its `own_evaluation`), or None."""
+    if own and (evaluation.k > 1 or evaluation.temperature > 0):
+        return (f"trainer.eval.k={evaluation.k}, trainer.eval.temperature={evaluation.temperature:g} with experience "
+                f"maker {maker} (algorithm.experience_maker): {own}, which sampled evaluation does not change; keep "
+                "trainer.eval.k=1 and trainer.eval.temperature=0")
+    return None
+
+
+def check_evaluation(maker: str, evaluation) -> None:
+    """`own_evaluation_refusal` at load, for a built-in maker (the generated table; any maker is checked again
+    when the run builds)."""
+    problem = own_evaluation_refusal(maker, OWN_EVALUATION.get(maker), evaluation)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def check_rollouts(cfg) -> None:
+    """Settings the experience makers and wrappers of the run config `cfg` cannot run with: dynamic sampling
+    needs groups of two, two-round rollouts stop at their own strings."""
+    rollout = cfg.rollout
+    if cfg.dynamic_sampling.enabled and rollout.n < 2:
+        raise ValueError("dynamic_sampling.enabled needs rollout.n >= 2: a group of one sample has no spread, so every "
+                         "group would be dropped")
+    if cfg.algorithm.experience_maker in ("two_round", "mtpo") and rollout.stop:
+        raise ValueError(f"rollout.stop {list(rollout.stop)} is not used by two-round rollouts; set "
+                         "mtpo.answer_stop_str and mtpo.confidence_stop_str")

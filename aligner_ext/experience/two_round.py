@@ -100,9 +100,6 @@ class TwoRoundSampling(GroupSampling):
         for name in ("answer_stop_str", "confidence_stop_str"):
             if not getattr(mtpo, name):
                 raise ValueError(f"mtpo.{name} must be a non-empty string")
-        if rollout.stop:
-            raise ValueError(f"rollout.stop {list(rollout.stop)} is not used by two-round rollouts; "
-                             "set mtpo.answer_stop_str and mtpo.confidence_stop_str")
         samples_per_prompt = mtpo.num_answer_generations * mtpo.num_confidence_generations
         if rollout.n != samples_per_prompt:
             raise ValueError(f"rollout.n ({rollout.n}) must equal mtpo.num_answer_generations x "
@@ -213,7 +210,7 @@ class TwoRoundSampling(GroupSampling):
     def evaluate(self, loader: PromptLoader,
                  single_round: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
         """Greedy two rounds, one answer and one confidence per prompt; accuracy and calibration.
-        Sampled evaluation (trainer.eval.k > 1) is refused at build (`own_evaluation`).
+        Sampled evaluation (trainer.eval.k > 1) is refused at load (`own_evaluation`).
 
         A missing or unparseable confidence counts as 0 (RLCR's evaluation); how often that
         happened is `val/confidence_parsed_ratio`. With no confidence stated at all, calibration is

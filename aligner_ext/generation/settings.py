@@ -71,3 +71,14 @@ class RemoteEngineConfig:
         if self.server_kind == "vllm" and self.weight_sync_backend == "gloo":
             raise ValueError("generator.remote.weight_sync_backend=gloo: vLLM's workers receive weights over NCCL only "
                              "(server_kind=vllm); use nccl or auto")
+
+
+def check_remote_engine(engine: str, remote: RemoteEngineConfig) -> None:
+    """What the remote engine refuses when it is built (generation/remote.py), at load."""
+    if engine != "remote":
+        return
+    if not remote.urls:
+        raise ValueError("generator.engine=remote needs generator.remote.urls (the servers' base URLs)")
+    if remote.weight_sync == "disk" and not remote.weight_sync_dir:
+        raise ValueError("generator.remote.weight_sync=disk needs generator.remote.weight_sync_dir, a directory the "
+                         "servers can read")

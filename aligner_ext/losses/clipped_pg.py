@@ -47,8 +47,6 @@ class ClippedPGLoss(PolicyGradientLoss):
             raise ValueError(f"loss.epsilon must be in [0, 1), got {cfg.epsilon}")
         if cfg.epsilon_high < 0.0:
             raise ValueError(f"loss.epsilon_high must be >= 0, got {cfg.epsilon_high}")
-        if cfg.clip_ratio_c != 0.0 and cfg.clip_ratio_c <= 1.0:
-            raise ValueError(f"loss.clip_ratio_c must be > 1 (or 0: no dual clip), got {cfg.clip_ratio_c}")
         super().__init__(cfg)
 
     def surrogate(self, logprobs: torch.Tensor, log_ratio: torch.Tensor,

@@ -44,9 +44,7 @@ from typing import Callable
 import torch
 
 from aligner_ext.batch import ExperienceBatch
-from aligner_ext.losses.settings import CORRECTIONS, correction_mode
-
-TRUNCATING = ("token_tis", "sequence_tis")
+from aligner_ext.losses.settings import CORRECTIONS, TRUNCATING, correction_mode, correction_problem
 
 
 @dataclass(frozen=True)
@@ -65,14 +63,9 @@ class OffPolicyCorrection:
             raise ValueError(f"unknown loss.off_policy_correction {mode!r}; known: {', '.join(CORRECTIONS)}")
         if cap < 0:
             raise ValueError(f"loss.importance_sampling_cap must be >= 0 (0: off), got {cap:g}")
-        if mode in TRUNCATING and cap == 0:
-            raise ValueError(f"loss.off_policy_correction={mode} truncates at loss.importance_sampling_cap, which is "
-                             f"{cap:g}: set it > 0 (verl and TRL use 2)")
-        if mode not in TRUNCATING and cap > 0:
-            raise ValueError(f"loss.importance_sampling_cap={cap:g} is read only by token_tis and sequence_tis; "
-                             f"loss.off_policy_correction={mode} does not truncate")
-        if not 0 < low <= 1 <= high:
-            raise ValueError(f"loss.importance_sampling_low={low:g} and _high={high:g} must satisfy 0 < low <= 1 <= high")
+        reason = correction_problem(mode, cap, low, high)  # LossConfig refuses it at load already
+        if reason is not None:
+            raise ValueError(reason)
         self.mode, self.cap, self.low, self.high, self.clamp = mode, cap, low, high, log_ratio_clamp
         self.reads: tuple[str, ...] = () if mode == "none" else ("generation_logprobs",)
 

@@ -9,8 +9,10 @@ For one micro-batch, with r_t = exp(clamp(logprob - old_logprob, +-log_ratio_cla
 
 with the global counts of the optimizer update (losses/aggregation.py), so the micro-batch losses
 sum to the full-batch loss. A loss declares the aggregation modes and corrections defined for it
-(`agg_modes`, `corrections`) and whether it has clipped_pg's dual clip (`dual_clip`): any other
-setting is refused when it is built, in one line naming the setting and the loss.
+(`agg_modes`, its own mode first, which `loss.agg_mode=auto` gives; `corrections`) and whether it has
+clipped_pg's dual clip (`dual_clip`): any other setting is refused in one line naming the setting and
+the loss, when the config loads for a built-in loss (`settings.resolve_loss_settings`, from the
+generated table aligner_ext/plugin_names.py) and when it is built for any.
 
 Shared decisions (docs/grpo.md):
 - kl_coef = 0 means no reference model: ref_logprobs is then not read, and actor/kl is reported
@@ -36,7 +38,7 @@ from aligner_ext.losses.aggregation import AGG_MODES, aggregate, check_agg_mode
 from aligner_ext.losses.base import LOSSES, GlobalCounts, Loss
 from aligner_ext.losses.kl import KL_ESTIMATORS, kl_k3
 from aligner_ext.losses.off_policy import CorrectionWeights, OffPolicyCorrection
-from aligner_ext.losses.settings import CORRECTIONS, LossConfig
+from aligner_ext.losses.settings import CORRECTIONS, LossConfig, undefined_setting
 
 
 class PolicyGradientLoss(Loss):
@@ -46,7 +48,7 @@ class PolicyGradientLoss(Loss):
     narrow `agg_modes` and `corrections`, saying why in `restriction`.
     """
 
-    agg_modes: tuple[str, ...] = tuple(AGG_MODES)
+    agg_modes: tuple[str, ...] = tuple(AGG_MODES)  # its own first: what loss.agg_mode=auto gives
     corrections: tuple[str, ...] = CORRECTIONS
     restriction = ""  # why a mode or correction is not defined for this loss (refusals quote it)
     dual_clip = False  # whether it reads loss.clip_ratio_c (clipped_pg's dual clip); set for another, it is refused
@@ -57,17 +59,17 @@ class PolicyGradientLoss(Loss):
             raise ValueError(f"loss.kl_coef must be >= 0, got {cfg.kl_coef}")
         if cfg.log_ratio_clamp <= 0.0:
             raise ValueError(f"loss.log_ratio_clamp must be > 0, got {cfg.log_ratio_clamp}")
-        check_agg_mode(cfg.agg_mode)
+        self.agg_mode = self.agg_modes[0] if cfg.agg_mode == "auto" else cfg.agg_mode
+        check_agg_mode(self.agg_mode)
         if cfg.clip_ratio_c > 0 and not self.dual_clip:
             raise ValueError(f"loss.clip_ratio_c={cfg.clip_ratio_c:g} is clipped_pg's dual clip; loss {self.name} does "
                              "not read it (set it to 0)")
         self.cfg = cfg
         self.correction = OffPolicyCorrection.from_config(cfg)
-        for key, value, defined in (("agg_mode", cfg.agg_mode, self.agg_modes),
-                                    ("off_policy_correction", self.correction.mode, self.corrections)):
-            if value not in defined:
-                raise ValueError(f"loss.{key}={value} is not defined for loss {self.name} ({self.restriction}); "
-                                 f"it takes {' | '.join(defined)}")
+        problem = undefined_setting(self.name, self.agg_mode, self.correction.mode, self.agg_modes, self.corrections,
+                                    self.restriction)
+        if problem is not None:
+            raise ValueError(problem)
         self.kl_fn = KL_ESTIMATORS.get(cfg.kl_estimator)
         self.reads = self.reads + (("ref_logprobs",) if cfg.kl_coef > 0 else ()) + self.correction.reads
 
@@ -108,11 +110,11 @@ class PolicyGradientLoss(Loss):
         weights = self.correction(batch)
         if weights is not None:
             per_token = per_token * weights.weight
-        pg_loss = aggregate(per_token, mask, cfg.agg_mode, counts)
+        pg_loss = aggregate(per_token, mask, self.agg_mode, counts)
 
         kl_loss = torch.zeros_like(pg_loss)
         if cfg.kl_coef > 0:
-            kl_loss = cfg.kl_coef * aggregate(self.kl_fn(logprobs, batch.ref_logprobs), mask, cfg.agg_mode, counts)
+            kl_loss = cfg.kl_coef * aggregate(self.kl_fn(logprobs, batch.ref_logprobs), mask, self.agg_mode, counts)
         total = pg_loss + kl_loss
 
         metrics = {"loss/pg": pg_loss, "loss/kl": kl_loss, "loss/total": total}

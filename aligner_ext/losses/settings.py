@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from aligner_ext.plugin_names import CANONICAL, LOSS_RULES
 from aligner_ext.rules import choice, number, plugin
 
+LOSSES = "aligner_ext.losses.base:LOSSES"  # the registry algorithm.loss names
 AGG_MODE_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")  # losses/aggregation.py
 CORRECTIONS = ("none", "token_tis", "sequence_tis", "token_mask", "sequence_mask")  # losses/off_policy.py
+TRUNCATING = ("token_tis", "sequence_tis")  # the corrections that read importance_sampling_cap
 
 
 @dataclass
@@ -38,7 +41,7 @@ class LossConfig:
 
     epsilon: float = number(0.2, ge=0, lt=1)  # clipped_pg's lower clip: the ratio is clipped below at 1 - epsilon
     epsilon_high: float = number(0.2, ge=0)  # clipped_pg's upper clip: clipped above at 1 + epsilon_high (DAPO: 0.28)
-    agg_mode: str = choice("token-mean", *AGG_MODE_NAMES)  # token-mean | seq-mean-token-mean | seq-mean-token-sum (gspo: seq-mean-token-mean only)
+    agg_mode: str = choice("auto", "auto", *AGG_MODE_NAMES)  # token-mean | seq-mean-token-mean | seq-mean-token-sum | auto (the loss's own: token-mean for clipped_pg and cispo, seq-mean-token-mean for gspo, the one it defines)
     kl_coef: float = number(0.0, ge=0)  # beta, weight of the KL(pi || ref) term; 0 disables the reference model
     kl_estimator: str = plugin("k3", "aligner_ext.losses.kl:KL_ESTIMATORS")  # k1 | k2 | k3 (losses/kl.py)
     log_ratio_clamp: float = number(20.0, gt=0)  # |logprob - old_logprob| bound before exp, in nats
@@ -50,9 +53,56 @@ class LossConfig:
     gspo: GSPOConfig = field(default_factory=GSPOConfig)  # read by algorithm.loss=gspo
     cispo: CISPOConfig = field(default_factory=CISPOConfig)  # read by algorithm.loss=cispo
 
+    def __post_init__(self) -> None:
+        problem = correction_problem(correction_mode(self), self.importance_sampling_cap, self.importance_sampling_low,
+                                     self.importance_sampling_high)
+        if problem is not None:
+            raise ValueError(problem)
+        if 0 < self.clip_ratio_c <= 1:
+            raise ValueError(f"loss.clip_ratio_c must be > 1 (or 0: no dual clip), got {self.clip_ratio_c:g}")
+
 
 def correction_mode(cfg) -> str:
     """The correction the `loss` section asks for: a cap alone selects token_tis (losses/off_policy.py)."""
     if cfg.off_policy_correction == "none" and cfg.importance_sampling_cap > 0:
         return "token_tis"
     return cfg.off_policy_correction
+
+
+def correction_problem(mode: str, cap: float, low: float, high: float) -> str | None:
+    """Why an off-policy correction cannot run with these settings (one line), or None."""
+    if mode in TRUNCATING and cap == 0:
+        return (f"loss.off_policy_correction={mode} truncates at loss.importance_sampling_cap, which is {cap:g}: set "
+                "it > 0 (verl and TRL use 2)")
+    if mode not in TRUNCATING and cap > 0:
+        return (f"loss.importance_sampling_cap={cap:g} is read only by token_tis and sequence_tis; "
+                f"loss.off_policy_correction={mode} does not truncate")
+    if not 0 < low <= 1 <= high:
+        return f"loss.importance_sampling_low={low:g} and _high={high:g} must satisfy 0 < low <= 1 <= high"
+    return None
+
+
+def undefined_setting(loss: str, agg_mode: str, correction: str, agg_modes: tuple[str, ...] | list[str],
+                      corrections: tuple[str, ...] | list[str], restriction: str) -> str | None:
+    """Why `loss` cannot run with this aggregation mode or off-policy correction (one line), or None: the
+    refusal the loss makes when it is built, and `resolve_loss_settings` at load for a built-in one."""
+    for key, value, defined in (("agg_mode", agg_mode, agg_modes), ("off_policy_correction", correction, corrections)):
+        if value not in defined:
+            return f"loss.{key}={value} is not defined for loss {loss} ({restriction}); it takes {' | '.join(defined)}"
+    return None
+
+
+def resolve_loss_settings(loss: str, cfg: LossConfig) -> None:
+    """At load, for a built-in `loss` (the generated table LOSS_RULES; a plug-in of a dotted path does both
+    when it is built): `agg_mode=auto` becomes the loss's own mode, the first it defines, and a mode or
+    correction it does not define is refused."""
+    name = CANONICAL[LOSSES].get(loss, loss)
+    if name not in LOSS_RULES:
+        return
+    rules = LOSS_RULES[name]
+    if cfg.agg_mode == "auto":
+        cfg.agg_mode = rules["agg_modes"][0]
+    problem = undefined_setting(name, cfg.agg_mode, correction_mode(cfg), rules["agg_modes"], rules["corrections"],
+                                rules["restriction"])
+    if problem is not None:
+        raise ValueError(problem)

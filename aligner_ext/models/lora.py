@@ -156,13 +156,3 @@ def load_adapters(model: torch.nn.Module, state: dict[str, torch.Tensor], checkp
             raise CheckpointError(f"checkpoint {checkpoint}: adapter {name} is {tuple(value.shape)}, policy.lora "
                                   f"makes {tuple(expected[name].shape)} (another policy.lora.rank?)")
     model.load_state_dict(state, strict=False)
-
-
-def check_combination(cfg: LoraConfig, engine: str) -> None:
-    """Refuse, before anything loads, LoRA with an engine that would hold a second copy of the base
-    weights (ConfigError, one line)."""
-    if cfg.rank > 0 and engine == "vllm":
-        raise ConfigError(f"policy.lora.rank={cfg.rank} with generator.engine=vllm: the colocated vLLM engine holds "
-                          "its own copy of the base weights, the memory LoRA saves; generator.engine=rollout or hf "
-                          "runs the adapters from the policy's own tensors, generator.engine=remote pushes merged "
-                          "weights to servers (docs/lora.md)")

@@ -111,3 +111,12 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"policy.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
+
+
+def check_lora_engine(lora: LoraConfig, engine: str) -> None:
+    """Refuse LoRA with an engine that would hold a second copy of the base weights."""
+    if lora.rank > 0 and engine == "vllm":
+        raise ValueError(f"policy.lora.rank={lora.rank} with generator.engine=vllm: the colocated vLLM engine holds "
+                         "its own copy of the base weights, the memory LoRA saves; generator.engine=rollout or hf "
+                         "runs the adapters from the policy's own tensors, generator.engine=remote pushes merged "
+                         "weights to servers (docs/lora.md)")

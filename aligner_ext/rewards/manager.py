@@ -53,6 +53,7 @@ Decisions:
 from __future__ import annotations
 
 import ctypes
+import difflib
 import logging
 import multiprocessing as mp
 import os
@@ -355,8 +356,20 @@ class RewardManager:
         self.close()
 
     def check(self, rows: list[PromptRow]) -> None:
-        """Resolve the reward function of every data_source in `rows` now (the run calls this before
-        its model loads), so that an unknown source in a late row does not stop a run hours in."""
+        """Before the model loads (the run calls this once its data has loaded): import every function the
+        reward config names, refuse a `sources` entry that no row carries (a misspelt data_source would
+        leave its rows on another reward), and resolve the reward function of every data_source in `rows`,
+        so that an unknown source in a late row does not stop a run hours in."""
+        carried = {row.data_source for row in rows}
+        for source, name in self.cfg.sources.items():
+            self._load(name, source, f"reward.sources.{source}")
+            if source not in carried:
+                close = difflib.get_close_matches(source, sorted(carried), n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise RewardSourceError(f"reward.sources.{source}: no data row carries data_source {source!r} "
+                                        f"({hint}the rows carry {', '.join(sorted(carried))})")
+        if self.cfg.default is not None:
+            self._load(self.cfg.default, "(any other)", "reward.default")
         for row in {row.data_source: row for row in reversed(rows)}.values():  # each source's first row
             self._resolve(row)
 
@@ -373,18 +386,24 @@ class RewardManager:
         source = row.data_source
         if source not in self._functions:
             name = self._reward_name(source, row.row_id)
-            try:
-                fn = adapt(REWARDS.get(name))  # a verl compute_score is wrapped to take (response, row)
-                if hasattr(fn, "with_reward_config"):
-                    fn = fn.with_reward_config(self.cfg)
-                pickle.dumps(fn)  # workers receive it by reference: a lambda or nested function cannot go
-            except (KeyError, ImportError, AttributeError, ValueError, TypeError, pickle.PicklingError) as err:
-                raise RewardSourceError(f"reward {name!r} for data_source {source!r} (row {row.row_id}): {err}") from err
-            if not callable(fn):
-                raise RewardSourceError(f"reward {name!r} for data_source {source!r} is a {type(fn).__name__}, "
-                                 "not a function")
-            self._functions[source] = (name, fn)
+            self._functions[source] = (name, self._load(name, source, f"row {row.row_id}"))
         return self._functions[source]
+
+    def _load(self, name: str, source: str, where: str) -> Callable[..., Any]:
+        """The reward function `name` (registered or `pkg.module:fn`), ready for the workers; a RewardSourceError
+        naming `where` (a row, or the setting) if it does not import, is not a function or takes neither our
+        arguments nor verl's."""
+        try:
+            fn = adapt(REWARDS.get(name))  # a verl compute_score is wrapped to take (response, row)
+            if hasattr(fn, "with_reward_config"):
+                fn = fn.with_reward_config(self.cfg)
+            pickle.dumps(fn)  # workers receive it by reference: a lambda or nested function cannot go
+        except (KeyError, ImportError, AttributeError, ValueError, TypeError, pickle.PicklingError) as err:
+            raise RewardSourceError(f"reward {name!r} for data_source {source!r} ({where}): {err}") from err
+        if not callable(fn):
+            raise RewardSourceError(f"reward {name!r} for data_source {source!r} ({where}) is a {type(fn).__name__}, "
+                                    "not a function")
+        return fn
 
     def _reward_name(self, source: str, row_id: str) -> str:
         if source in self.cfg.sources:

@@ -229,8 +229,9 @@ def _client(cfg: JudgeConfig) -> JudgeClient:
     return _CLIENTS[cfg.key()]
 
 
-# RuscaRL's HealthBench rows are graded by an LLM judge against their rubrics (docs/rewards.md).
-_SOURCES = {"rubric_judge": ("healthbench",)}
+# RuscaRL's HealthBench rows are graded by an LLM judge against their rubrics (docs/rewards.md); the built-in
+# rubric_qa task's items carry check specs, which the rule grader reads.
+_SOURCES = {"rubric_judge": ("healthbench",), "rubric": ("rubric_qa",)}
 for _name, _cfg in (
     ("rubric", RubricConfig(grader="rule")),
     ("rubric_clipped", RubricConfig(grader="rule", clip=True)),

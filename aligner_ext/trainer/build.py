@@ -2,9 +2,10 @@
 
 What a user can fix stops the build with a UserError (aligner_ext/errors.py), which the CLI prints as
 one line: a plug-in name that does not resolve (`check_plugin_names`, before anything loads), sampled
-evaluation with a maker that evaluates its own way (`check_evaluation`, before anything loads too), a
-plug-in that refuses its settings (`construct`), a training row the experience maker would fail on
-(`ExperienceMaker.check_rows`).
+evaluation with a maker of a dotted path that evaluates its own way (`check_evaluation`; a built-in
+one is refused when the config loads), a reward entry that would never score (`RewardManager.check`,
+once the data has loaded, before the model), a plug-in that refuses its settings (`construct`), a
+training row the experience maker would fail on (`ExperienceMaker.check_rows`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from aligner_ext.data.tasks import builtin_rows
 from aligner_ext.distributed import main_process_first
 from aligner_ext.errors import ConfigError, ModelPathError, UserError, error_line
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
+from aligner_ext.experience.settings import own_evaluation_refusal
 from aligner_ext.files import follow_umask
 from aligner_ext.generation.base import ENGINES, GenerationEngine
 from aligner_ext.generation.sharded import split_across_ranks
 from aligner_ext.losses.base import LOSSES, Loss
-from aligner_ext.models import lora, warmup_cache
+from aligner_ext.models import warmup_cache
 from aligner_ext.models.base import POLICIES, Policy, Reference
 from aligner_ext.models.hf import resolve_device
 from aligner_ext.models.kernels import start_compile_workers
@@ -150,7 +152,6 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     loads; the plug-ins' settings, batch contracts (trainer/contracts.py) and the training rows against
     the experience maker once they are built, before the first step."""
     check_plugin_names(cfg)
-    lora.check_combination(cfg.policy.lora, cfg.generator.engine)
     check_evaluation(cfg)
     model_dir = model_directory(cfg, run_dir)
     check_run(cfg, model_dir)  # the model's family and layout, from config.json alone (aligner_ext/support.py)
@@ -214,13 +215,12 @@ def build_experience_maker(ctx: BuildContext) -> ExperienceMaker:
 
 def check_evaluation(cfg: RunConfig) -> None:
     """Refuse sampled evaluation (trainer.eval, above k=1 at temperature 0) with an experience maker that
-    evaluates its own way (`ExperienceMaker.own_evaluation`): it would ignore those settings."""
-    settings, name = cfg.trainer.eval, cfg.algorithm.experience_maker
-    own = EXPERIENCE_MAKERS.get(name).own_evaluation
-    if own and (settings.k > 1 or settings.temperature > 0):
-        raise ConfigError(f"trainer.eval.k={settings.k}, trainer.eval.temperature={settings.temperature:g} with "
-                          f"experience maker {name} (algorithm.experience_maker): {own}, which sampled "
-                          "evaluation does not change; keep trainer.eval.k=1 and trainer.eval.temperature=0")
+    evaluates its own way (`ExperienceMaker.own_evaluation`): it would ignore those settings. The config's
+    load refuses it for a built-in maker already; this covers a maker of a dotted path."""
+    name = cfg.algorithm.experience_maker
+    problem = own_evaluation_refusal(name, EXPERIENCE_MAKERS.get(name).own_evaluation, cfg.trainer.eval)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def check_plugin_names(cfg: RunConfig) -> None:

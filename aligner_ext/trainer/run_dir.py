@@ -9,7 +9,8 @@
   refuses, naming the differing keys. It refuses too when the newest checkpoint is past
   `trainer.total_steps` (a later checkpoint would be numbered below it). A run that has finished
   (`summary.json` written at the step of its newest checkpoint, `trainer.total_steps`) is reported,
-  not run again, so its outputs are never overwritten;
+  not run again, so its outputs are never overwritten; the settings this config changes since the run
+  started are named as not applied;
 - `trainer.resume=false` moves the directory aside (`<run_name>.moved-<time>`, never deleted) and
   starts fresh.
 """
@@ -87,8 +88,10 @@ def claim_run_dir(cfg: RunConfig, run_dir: Path, checkpointer: Checkpointer) -> 
         raise RunDirectoryTaken(f"{run_dir}: its checkpoint of step {step} is past trainer.total_steps={total}; "
                                 f"raise trainer.total_steps to continue it, or {fresh_hint}")
     if step == total and finished_at(run_dir) == step:
-        return RunStart(f"finished at step {step}, nothing to do (raise trainer.total_steps to train it further, "
-                        f"or {fresh_hint})", finished=True)
+        unapplied = changed_settings(saved.read_text(encoding="utf-8"), cfg)
+        return RunStart(f"finished at step {step}, nothing to do"
+                        + (f"; the changed settings were not applied ({'; '.join(unapplied)})" if unapplied else "")
+                        + f" (raise trainer.total_steps to train it further, or {fresh_hint})", finished=True)
     return RunStart(f"resumed from step {step} ({latest})")
 
 

@@ -18,9 +18,9 @@ TINY = [
     "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
     "model.tiny.intermediate_size=64", "model.warmup.steps=2", "model.warmup.batch_size=4",
     "data.builtin_train_size=16", "data.builtin_val_size=4", "data.train_batch_size=2", "rollout.n=4",
-    "rollout.max_response_length=12", "mtpo.num_confidence_generations=2", "mtpo.max_answer_length=12",
-    "mtpo.max_confidence_length=8", "reward.num_workers=1", "trainer.progress_bar=false",
+    "rollout.max_response_length=12", "reward.num_workers=1", "trainer.progress_bar=false",
 ]
+MTPO_SIZES = ["mtpo.num_confidence_generations=2", "mtpo.max_answer_length=12", "mtpo.max_confidence_length=8"]
 # name -> (config in conf/, overlays): every shipped config and variant, and every pair that composes
 # (docs/variants/README.md); conf/embedded_size/ only sizes the embedded model, which TINY replaces
 CASES = {
@@ -44,7 +44,7 @@ def built(tmp_path_factory):
     """Components per case, built once for the module."""
     components = {}
     for case, (name, overlays) in CASES.items():
-        cfg = load_config(name, overlays + TINY)
+        cfg = load_config(name, overlays + TINY + (MTPO_SIZES if "mtpo" in case else []))  # read by two rounds only
         components[case] = build_components(cfg, tmp_path_factory.mktemp(case.replace("+", "_")))
     yield components
     for parts in components.values():

@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 from small_run import SMALL_MODEL
 
 from aligner_ext.config import load_config
-from aligner_ext.errors import ConfigError
 from aligner_ext.trainer.loop import train
 
 pytestmark = pytest.mark.slow
@@ -64,6 +63,6 @@ def test_a_resumed_lora_run_ends_with_the_adapters_of_an_uninterrupted_one(tmp_p
         assert torch.equal(value, resumed[name]), name
 
 
-def test_lora_with_the_colocated_vllm_engine_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="policy.lora.rank=4 with generator.engine=vllm: .* own copy of the base"):
-        train(lora_run(tmp_path, "refused", ["generator.engine=vllm"]))
+def test_lora_with_the_colocated_vllm_engine_is_refused_when_the_config_loads(tmp_path):
+    with pytest.raises(ValueError, match="policy.lora.rank=4 with generator.engine=vllm: .* own copy of the base"):
+        lora_run(tmp_path, "refused", ["generator.engine=vllm"])

@@ -68,9 +68,17 @@ def test_rerunning_a_finished_run_reports_it_and_writes_nothing(finished_run, ca
     output, run_dir, before = finished_run
     assert main(["demo", *RUN, f"trainer.output_dir={output}"]) == 0
     printed = capsys.readouterr()
-    assert "finished at step 2, nothing to do" in caplog.text
+    assert "finished at step 2, nothing to do (raise trainer.total_steps" in caplog.text
     saved = json.loads((run_dir / "summary.json").read_text())
     assert f"{100 * saved['accuracy_after']:.1f}" in printed.out  # the finished run's own summary
+    assert fingerprint(run_dir) == before
+
+
+def test_rerunning_a_finished_run_with_changed_settings_names_them_as_not_applied(finished_run, capsys, caplog):
+    output, run_dir, before = finished_run
+    assert main(["demo", *RUN, f"trainer.output_dir={output}", "policy.optim.lr=2e-5", "rollout.temperature=0.5"]) == 0
+    assert ("finished at step 2, nothing to do; the changed settings were not applied (policy.optim.lr: 5e-05 -> "
+            "2e-05; rollout.temperature: 1.0 -> 0.5)") in caplog.text
     assert fingerprint(run_dir) == before
 
 

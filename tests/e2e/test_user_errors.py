@@ -55,6 +55,23 @@ def test_an_unknown_data_source_in_the_last_row_stops_before_the_model_loads(tmp
     assert "no reward function for data_source 'no_such_source'" in error and "train.jsonl:7" in error  # row ids count from 0
 
 
+@pytest.mark.parametrize("entry, says", [
+    ("+reward.sources.arithmetc=exact_match", "reward.sources.arithmetc: no data row carries data_source 'arithmetc' "
+                                             "(did you mean 'arithmetic'? the rows carry arithmetic)"),
+    ("+reward.sources.arithmetic=no_such_module:score", "reward 'no_such_module:score' for data_source 'arithmetic' "
+                                                        "(reward.sources.arithmetic): cannot import module"),
+])
+def test_a_reward_entry_that_would_never_score_stops_before_the_model_loads(tmp_path, capsys, monkeypatch, entry, says):
+    data = rows_file(tmp_path / "train.jsonl", [row(i) for i in range(4)])
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the reward entries were checked")
+
+    monkeypatch.setattr("aligner_ext.trainer.build.AutoModelForCausalLM.from_pretrained", never)
+    error = one_line_error(capsys, SMALL_MODEL + [f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}", entry])
+    assert says in error
+
+
 def test_a_nan_ground_truth_names_the_row_and_field(tmp_path, capsys):
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps(row(0)) + "\n" + json.dumps(row(1)).replace('"4"', "NaN") + "\n")

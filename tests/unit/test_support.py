@@ -252,3 +252,9 @@ def test_expert_parallelism_of_a_dense_model_is_refused_before_the_run(tmp_path,
     monkeypatch.setenv("WORLD_SIZE", "2")
     message = refusal(tmp_path, LlamaConfig(**TINY), MEGATRON + ["policy.expert_model_parallel_size=2"])
     assert "llama is a dense model: policy.expert_model_parallel_size=1 runs it" in message
+
+
+def test_a_load_balancing_loss_for_a_dense_model_is_refused_before_its_weights_load(tmp_path):
+    LlamaConfig(**TINY).save_pretrained(tmp_path)  # a config and no weights: nothing could load them
+    with pytest.raises(ConfigError, match=r"^policy.router_aux_loss_coef=0.01: the model \(llama\) has no router"):
+        check_run(load_config("base", ["policy.router_aux_loss_coef=0.01"]), tmp_path)

@@ -11,7 +11,7 @@ from aligner_ext.config import load_config
 from aligner_ext.data.types import PromptRow
 from aligner_ext.from_verl import VERL_ALIASES, VERL_NO_EQUIVALENT, VERL_VALUE_ALIASES
 from aligner_ext.rewards.base import RewardResult, as_result
-from aligner_ext.rewards.verl_score import adapt, is_verl_signature
+from aligner_ext.rewards.verl_score import RewardSignatureError, adapt
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "from_verl.md"
 
@@ -101,8 +101,17 @@ def ours(response, row):
     return 1.0
 
 
+def gsm8k_score(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
+    """verl's own scorers' signature (verl.utils.reward_score.gsm8k; math's takes the first two only)."""
+    return score if solution_str.split("####")[-1].strip() == ground_truth else format_score
+
+
+def keywords_only(**kwargs):
+    return {"score": float(kwargs["solution_str"] == kwargs["ground_truth"]), "source": kwargs["data_source"],
+            "level": kwargs["extra_info"]["level"]}
+
+
 def test_a_verl_compute_score_is_a_reward_as_it_is():
-    assert is_verl_signature(compute_score) and is_verl_signature(plain_score) and not is_verl_signature(ours)
     assert adapt(ours) is ours
     row = PromptRow(row_id="t:0", messages=[], data_source="gsm8k", ground_truth="42", extra_info={"level": 3})
     right = as_result(adapt(compute_score)("so it is 42", row))
@@ -110,3 +119,31 @@ def test_a_verl_compute_score_is_a_reward_as_it_is():
     wrong = as_result(adapt(compute_score)("so it is 41", row))
     assert (wrong.score, wrong.correct) == (-0.5, 0.0)
     assert as_result(adapt(plain_score)("42", row)) == RewardResult(score=1.0)
+
+
+def test_verls_two_parameter_scorers_get_the_ground_truth_not_the_row():
+    row = PromptRow(row_id="t:0", messages=[], data_source="openai/gsm8k", ground_truth="72", extra_info={"level": 1})
+    assert as_result(adapt(gsm8k_score)("so #### 72", row)).score == 1.0
+    assert as_result(adapt(gsm8k_score)("so #### 71", row)).score == 0.0
+    assert as_result(adapt(keywords_only)("72", row)) == RewardResult(score=1.0, info={"source": "openai/gsm8k",
+                                                                                       "level": 1})
+
+
+def geo3k_score(predict_str, ground_truth):  # verl's geo3k names the response otherwise: not passed by keyword
+    return 0.0
+
+
+def three_of_ours(response, row, weight):
+    return 0.0
+
+
+@pytest.mark.parametrize("fn, says", [
+    (geo3k_score, "geo3k_score(predict_str, ground_truth): predict_str has no default and is none of the arguments "
+                  "verl passes (data_source, solution_str, ground_truth, extra_info)"),
+    (three_of_ours, "three_of_ours(response, row, weight) takes neither our arguments (response, row) nor verl's"),
+    (lambda ground_truth, extra_info: 0.0, "takes no solution_str: it would never see the response"),
+])
+def test_a_signature_that_fits_neither_is_refused_in_one_line(fn, says):
+    with pytest.raises(RewardSignatureError) as refused:
+        adapt(fn)
+    assert says in str(refused.value) and "\n" not in str(refused.value)

@@ -84,7 +84,7 @@ RENAMED = [("algorithm.use_dynamic_sample", "dynamic_sampling.enabled", "true", 
            ("algorithm.dynamic_sample_max_gen_batches", "dynamic_sampling.max_gen_batches", "7", 7),
            ("algorithm.gold_as_hint", "cpo.gold_as_hint", "false", False),
            ("algorithm.wrap_method", "cpo.wrap_method", "mi3", "mi3")]
-ON_FOR_CPO = ["algorithm.adv_estimator=cpo"]  # wrap_method is refused unless CPO reads it
+SWITCHES_ON = ["algorithm.adv_estimator=cpo", "+variant=dapo"]  # what reads the settings (an unread one is refused)
 
 
 def setting(cfg, dotted):
@@ -95,7 +95,7 @@ def setting(cfg, dotted):
 
 @pytest.mark.parametrize("seed_key, ours, value, expected", RENAMED, ids=[r[0] for r in RENAMED])
 def test_a_renamed_seed_key_sets_ours_from_the_command_line(seed_key, ours, value, expected):
-    cfg = load_config("base", [*ON_FOR_CPO, f"{seed_key}={value}"])
+    cfg = load_config("base", [*SWITCHES_ON, f"{seed_key}={value}"])
     assert setting(cfg, ours) == expected != setting(RunConfig(), ours)
 
 
@@ -103,7 +103,7 @@ def test_a_renamed_seed_key_sets_ours_from_the_command_line(seed_key, ours, valu
 def test_a_renamed_seed_key_sets_ours_from_yaml(tmp_path, seed_key, ours, value, expected):
     name = seed_key.split(".")[1]
     (tmp_path / "seed.yaml").write_text(f"defaults:\n  - run_schema\n  - _self_\n"
-                                        f"algorithm:\n  adv_estimator: cpo\n  {name}: {value}\n")
+                                        f"dynamic_sampling:\n  enabled: true\nalgorithm:\n  adv_estimator: cpo\n  {name}: {value}\n")
     assert setting(load_config("seed", [], tmp_path), ours) == expected
     default = setting(RunConfig(), ours)
     assert setting(load_config("seed", [f"{ours}={default}"], tmp_path), ours) == default  # an override comes last
@@ -117,7 +117,7 @@ def test_the_seed_switch_alone_turns_dynamic_sampling_on():
 def test_old_and_new_names_with_different_values_are_refused_naming_both(tmp_path, seed_key, ours, value, expected):
     other = setting(RunConfig(), ours)
     with pytest.raises(ValueError, match=rf"{seed_key}={value} and {ours}={other} set the same option"):
-        load_config("base", [*ON_FOR_CPO, f"{seed_key}={value}", f"{ours}={other}"])
+        load_config("base", [*SWITCHES_ON, f"{seed_key}={value}", f"{ours}={other}"])
     section, name = ours.split(".")
     (tmp_path / "both.yaml").write_text(f"defaults:\n  - run_schema\n  - _self_\nalgorithm:\n  adv_estimator: cpo\n"
                                         f"  {seed_key.split('.')[1]}: {value}\n{section}:\n  {name}: {other}\n")

@@ -96,7 +96,7 @@ def test_a_negative_value_is_refused_or_means_something(key):
     ("policy.backend=megatorn", "(did you mean 'megatron'?)"),
     ("loss.kl_estimator=k4", "loss.kl_estimator='k4': must be a KL estimator name"),
     ("cpo.wrap_method=mi_clamp", "cpo.wrap_method='mi_clamp': must be a cpo advantage wrapper name"),
-    ("loss.agg_mode=mean", "loss.agg_mode='mean': must be one of token-mean, seq-mean-token-mean, seq-mean-token-sum"),
+    ("loss.agg_mode=mean", "loss.agg_mode='mean': must be one of auto, token-mean, seq-mean-token-mean, seq-mean-token-sum"),
     ("policy.device=gpu", "policy.device='gpu': must be auto, cpu, cuda or cuda:N"),
     ("algorithm.experience_wrappers=[dynamic_samplin]", "(did you mean 'dynamic_sampling'?)"),
     ("policy.optim.lrr=1", "policy.optim.lrr: no such setting (did you mean policy.optim.lr?)"),

@@ -14,7 +14,7 @@ SWITCHES = {
     "algorithm.adv_estimator=rloo": ["algorithm.adv_estimator=rloo"],
     "algorithm.adv_estimator=reinforce_plus_plus": ["algorithm.adv_estimator=reinforce++"],
     "algorithm.adv_estimator=reinforce_plus_plus_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
-    "algorithm.loss=gspo": ["algorithm.loss=gspo", "loss.agg_mode=seq-mean-token-mean"],
+    "algorithm.loss=gspo": ["algorithm.loss=gspo"],  # loss.agg_mode=auto: GSPO's own
     "algorithm.loss=cispo": ["algorithm.loss=cispo"],
     "loss.off_policy_correction=token_tis": ["loss.importance_sampling_cap=2"],  # the cap alone is token_tis
     "loss.off_policy_correction=sequence_tis": ["loss.off_policy_correction=sequence_tis",

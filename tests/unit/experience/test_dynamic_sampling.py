@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
-from aligner_ext.config import RunConfig
+from aligner_ext.config import RunConfig, load_config
 from aligner_ext.data.loader import DataConfig, PromptLoader
 from aligner_ext.data.types import PromptRow
 from aligner_ext.experience.base import ExperienceMaker, GroupSampling, RolloutConfig
@@ -189,9 +189,9 @@ def test_switched_off_it_leaves_the_maker_untouched():
                       DynamicSampling)
 
 
-def test_one_sample_per_prompt_is_a_config_error():
-    with pytest.raises(ValueError, match="rollout.n >= 2"):
-        DynamicSampling.from_context(ScriptedMaker([]), context(dynamic_sampling__enabled=True, rollout__n=1))
+def test_one_sample_per_prompt_is_refused_when_the_config_loads():
+    with pytest.raises(ValueError, match="dynamic_sampling.enabled needs rollout.n >= 2"):
+        load_config("base", ["+variant=dapo", "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"])
 
 
 class AnswerEngine(GenerationEngine):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from aligner_ext.config import load_config
 from aligner_ext.data.loader import DataConfig, PromptLoader
 from aligner_ext.data.types import PromptRow
 from aligner_ext.experience.base import RolloutConfig
@@ -217,9 +218,8 @@ def test_configuration_errors(tiny_tokenizer, rewards):
     with pytest.raises(ValueError, match=r"rollout.n \(8\) must equal .* = 6"):
         TwoRoundSampling(TwoRoundSampling.Config(num_answer_generations=2, num_confidence_generations=3),
                          RolloutConfig(n=8), None, rewards, tiny_tokenizer)
-    with pytest.raises(ValueError, match="rollout.stop"):
-        TwoRoundSampling(TwoRoundSampling.Config(num_answer_generations=2, num_confidence_generations=3),
-                         RolloutConfig(n=6, stop=["x"]), None, rewards, tiny_tokenizer)
+    with pytest.raises(ValueError, match=r"rollout.stop \['x'\] is not used by two-round rollouts"):
+        load_config("base", ["+variant=mtpo", "rollout.stop=[x]"])
     with pytest.raises(ValueError, match="mtpo.max_confidence_length"):
         TwoRoundSampling(TwoRoundSampling.Config(max_confidence_length=0), RolloutConfig(n=8), None, rewards,
                          tiny_tokenizer)

@@ -90,7 +90,7 @@ def test_gspo_on_the_first_update_is_the_sequence_mean_policy_gradient(make_batc
 def test_gspo_refuses_token_level_modes_and_the_dual_clip():
     with pytest.raises(ValueError, match=r"loss.agg_mode=token-mean is not defined for loss gspo \(its ratio, clip "
                                          r"and advantage are per sequence\); it takes seq-mean-token-mean"):
-        GSPOLoss(LossConfig())
+        GSPOLoss(LossConfig(agg_mode="token-mean"))
     with pytest.raises(ValueError, match="loss.agg_mode=seq-mean-token-sum is not defined for loss gspo"):
         GSPOLoss(LossConfig(agg_mode="seq-mean-token-sum"))
     with pytest.raises(ValueError, match="off_policy_correction=token_tis is not defined for loss gspo"):
@@ -155,7 +155,8 @@ def test_cispo_refuses_the_dual_clip():
 
 
 def test_the_build_turns_a_refused_mode_into_one_line_naming_the_loss_and_its_section():
-    cfg = load_config("base", ["algorithm.loss=gspo"])  # the default agg_mode, token-mean
+    cfg = load_config("base", ["algorithm.loss=gspo"])
+    cfg.loss.agg_mode = "token-mean"  # refused at load (tests/unit/config/test_late_refusals.py); here the build's own
     ctx = BuildContext(cfg=cfg, tokenizer=None, policy=None, engine=None, rewards=None)
     with pytest.raises(ConfigError) as refused:
         construct(cfg, "loss", "algorithm.loss", "gspo", GSPOLoss, lambda cls: cls.from_context(ctx), section="loss")

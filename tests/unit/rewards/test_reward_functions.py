@@ -183,7 +183,7 @@ def test_builtin_data_sources():
     assert DATA_SOURCES["MATH"] == "math_verify"
     assert DATA_SOURCES["short_qa"] == "squad_exact_match"
     assert DATA_SOURCES["multiple_choice"] == "multiple_choice"
-    assert "rubric_qa" not in DATA_SOURCES
+    assert DATA_SOURCES["rubric_qa"] == "rubric"  # the built-in task's items carry check specs for the rule grader
 
 
 def test_register_reward_refuses_a_data_source_mapped_twice(monkeypatch):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from aligner_ext.data.types import PromptRow
-from aligner_ext.rewards.manager import MAX_LOGS_PER_ERROR, RewardConfig, RewardManager
+from aligner_ext.rewards.manager import MAX_LOGS_PER_ERROR, RewardConfig, RewardManager, RewardSourceError
 
 HELPERS = "reward_helper_fns"  # tests/unit/rewards/reward_helper_fns.py, loaded by dotted path
 
@@ -40,6 +40,20 @@ def test_builtin_sources_score_in_workers():
         assert manager.metrics() == {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0,
                                      "reward/fallback_fraction": 0.0}
         assert manager.score([], []) == []
+
+
+def test_check_imports_every_named_function_and_refuses_a_source_no_row_carries():
+    rows = [row("arithmetic", "19"), row("short_qa", "red", index=1)]
+    RewardManager(RewardConfig(sources={"short_qa": f"{HELPERS}:count_words"})).check(rows)
+    with pytest.raises(RewardSourceError, match=r"^reward.sources.arithmetc: no data row carries data_source "
+                                                r"'arithmetc' \(did you mean 'arithmetic'\? the rows carry arithmetic, "
+                                                r"short_qa\)$"):
+        RewardManager(RewardConfig(sources={"arithmetc": "exact_match"})).check(rows)
+    with pytest.raises(RewardSourceError, match=r"reward 'no_such_module:score' for data_source 'short_qa' "
+                                                r"\(reward.sources.short_qa\): cannot import module 'no_such_module'"):
+        RewardManager(RewardConfig(sources={"short_qa": "no_such_module:score"})).check(rows)
+    with pytest.raises(RewardSourceError, match=r"\(reward.default\): module 'reward_helper_fns' has no attribute"):
+        RewardManager(RewardConfig(default=f"{HELPERS}:no_such_function")).check(rows)
 
 
 def test_sources_override_the_builtin_table_and_load_dotted_paths():

@@ -12,7 +12,6 @@ import pytest
 
 from aligner_ext.config import load_config
 from aligner_ext.data.types import PromptDraw, PromptRow
-from aligner_ext.errors import ConfigError
 from aligner_ext.generation.base import GenerationOutput
 from aligner_ext.rewards.base import RewardResult
 from aligner_ext.trainer.build import check_evaluation
@@ -237,9 +236,9 @@ def test_settings_that_cannot_run_are_refused(overrides, says):
 
 def test_sampled_evaluation_is_refused_with_a_maker_that_evaluates_its_own_way():
     sampled = ["trainer.eval.k=4", "trainer.eval.temperature=1"]
-    with pytest.raises(ConfigError, match=r"^trainer.eval.k=4, trainer.eval.temperature=1 with experience maker "
-                                          r"two_round \(algorithm.experience_maker\): it evaluates two greedy rounds"):
-        check_evaluation(load_config("base", ["+variant=mtpo", *sampled]))
+    with pytest.raises(ValueError, match=r"^trainer.eval.k=4, trainer.eval.temperature=1 with experience maker "
+                                         r"two_round \(algorithm.experience_maker\): it evaluates two greedy rounds"):
+        load_config("base", ["+variant=mtpo", *sampled])  # at load, before anything is built
     check_evaluation(load_config("base", ["+variant=mtpo"]))  # its greedy default is its own evaluation
     for variant in ("dapo", "cpo", "graded_prompt"):  # single-round makers and wrappers compose
         check_evaluation(load_config("base", [f"+variant={variant}", *sampled]))
