@@ -33,6 +33,7 @@ from aligner_ext.secrets import redact
 
 ESTIMATORS, LOSSES = "aligner_ext.algorithms.advantages:ADVANTAGES", "aligner_ext.losses.base:LOSSES"  # registries
 MAKERS = "aligner_ext.experience.base:EXPERIENCE_MAKERS"
+BACKENDS = "aligner_ext.models.base:POLICIES"
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ READ_ONLY_UNDER: dict[str, tuple[str, ...]] = {
     "dynamic_sampling.": ("dynamic_sampling.enabled=true",),
     "rollout.overlong_penalty": ("rollout.overlong_buffer_fraction>0",),
     "mtpo.": ("algorithm.experience_maker=two_round",),
+    "policy.optim.master_weights": ("policy.backend=hf",),  # megatron-core's optimizer always keeps float32 masters
     "advantage.": tuple(f"algorithm.adv_estimator={name}" for name in  # RLOO divides by no std
                         ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "mtpo_segments", "cpo")),
 }
@@ -200,7 +202,8 @@ def active_switches(cfg) -> set[str]:
     estimator, loss, maker = cfg.algorithm.adv_estimator, cfg.algorithm.loss, cfg.algorithm.experience_maker
     switches = {f"algorithm.adv_estimator={CANONICAL[ESTIMATORS].get(estimator, estimator)}",
                 f"algorithm.loss={CANONICAL[LOSSES].get(loss, loss)}",
-                f"algorithm.experience_maker={CANONICAL[MAKERS].get(maker, maker)}"}
+                f"algorithm.experience_maker={CANONICAL[MAKERS].get(maker, maker)}",
+                f"policy.backend={CANONICAL[BACKENDS].get(cfg.policy.backend, cfg.policy.backend)}"}
     if cfg.dynamic_sampling.enabled:
         switches.add("dynamic_sampling.enabled=true")
     if correction_mode(cfg.loss) != "none":

@@ -62,7 +62,7 @@ class OptimConfig:
     min_lr_ratio: float = number(0.0, ge=0, le=1)  # final lr / peak lr for linear and cosine decay
     max_nonfinite_in_a_row: int = number(3, ge=1)  # an update with a non-finite loss or gradient norm is skipped (and counted); this many in a row stop the run
     max_update_ratio: float = number(0.1, ge=0)  # an update changing the weights' L2 norm by more than this fraction of it diverged: the run stops (exit 2) without saving it (0 disables)
-    master_weights: bool = True  # HF backend, bf16 / fp16 weights: AdamW updates float32 copies of them (its moments float32 too) and rounds them into the model after each step, 18 bytes per trainable parameter instead of 8; false: AdamW on the bf16 weights, where an update below a weight's bf16 spacing (lr 1e-6 against 1e-4 to 5e-4 at magnitudes 0.02-0.1) rounds away (models/master_weights.py). The Megatron backend always keeps float32 masters (megatron-core's optimizer)
+    master_weights: bool = True  # HF backend, bf16 / fp16 weights: AdamW updates float32 copies of them (its moments float32 too) and rounds them into the model after each step, 18 bytes per trainable parameter instead of 8; false: AdamW on the bf16 weights, where an update below a weight's bf16 spacing (lr 1e-6 against 1e-4 to 5e-4 at magnitudes 0.02-0.1) rounds away (models/master_weights.py). The Megatron backend always keeps float32 masters (megatron-core's optimizer; the setting is refused there)
 
 
 @dataclass

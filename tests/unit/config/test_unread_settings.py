@@ -24,10 +24,12 @@ CASES = {
     "rollout.overlong_penalty": ("rollout.overlong_penalty=0.5", ["rollout.overlong_buffer_fraction=0.25"]),
     "mtpo.": ("mtpo.max_answer_length=32", ["+variant=mtpo"]),
     "advantage.": ("advantage.use_std=false", []),
+    "policy.optim.master_weights": ("policy.optim.master_weights=false", []),
 }
 # what turns every reader of a setting off where the base config reads it
 READERS_OFF = {"loss.epsilon": ["algorithm.loss=gspo"], "loss.epsilon_high": ["algorithm.loss=cispo"],
-               "loss.clip_ratio_c": ["algorithm.loss=cispo"], "advantage.": ["algorithm.adv_estimator=rloo"]}
+               "loss.clip_ratio_c": ["algorithm.loss=cispo"], "advantage.": ["algorithm.adv_estimator=rloo"],
+               "policy.optim.master_weights": ["policy.backend=megatron"]}
 
 
 def test_every_rule_has_a_case():
