@@ -189,3 +189,25 @@ def test_settings_vllm_cannot_take_are_refused(tiny_tokenizer):
     except ImportError:
         with pytest.raises(ImportError, match="needs vLLM installed beside the trainer"):
             remote_vllm.nccl_rank0(torch.device("cuda"))
+
+
+def test_a_seeded_sampling_call_asks_vllm_once_per_group_with_n_and_each_samples_seed(tiny_tokenizer):
+    """vLLM seeds every prompt of a request alike and child j of a prompt asked with `n` from seed + j: one
+    request per run of identical prompts, seeded for its first sample k with seed * 0x100000001B3 + k,
+    gives sample k that seed whatever the chunking (here chunks of 6 cut the second group in two)."""
+    tok = tiny_tokenizer
+    policy = small_model(tok)
+    prompts = [tok.encode(text) for text in TEXTS[:3]]
+    calls = [prompt for prompt in prompts for _ in range(4)]
+    base = 5 * 1099511628211
+    with fake_vllm(policy, tok) as (url, fake):
+        engine = remote(policy, tok, [url], server_kind="vllm", max_prompts_per_request=6)
+        outputs = engine.generate(calls, SamplingParams(max_new_tokens=3, temperature=1.0, seed=5))
+        engine.generate(calls, GREEDY)
+    requests = [json.loads(body) for _, path, _, body in fake.calls if path == "/v1/completions"]
+    sampled = sorted(((request["prompt"], request["n"], request["seed"]) for request in requests[:4]), key=lambda r: r[2])
+    assert sampled == [([prompts[0]], 4, base), ([prompts[1]], 2, base + 4), ([prompts[1]], 2, base + 6),
+                       ([prompts[2]], 4, base + 8)]
+    assert len(outputs) == 12
+    greedy = sorted((request["prompt"], request["n"]) for request in requests[4:])  # seeds do not matter: a chunk
+    assert greedy == sorted([(calls[:6], 1), (calls[6:], 1)])
