@@ -3,9 +3,12 @@ one server for the module: a training run through it learns (its groups' samples
 gradient and weights move) and the served log-probs equal the trainer's after every push of the tied
 embedded model; a seeded call of 512 samples (128 prompts) gives each sample its own draw, the same again
 and under another chunking; greedy tokens and log-probs equal the in-process engine's; a push driven as
-SGLang's names the setting. Each test pushes the weights it compares against."""
+SGLang's names the setting. Each test pushes the weights it compares against. And the colocated `vllm`
+engine in process, without the sleep mode vLLM's CPU platform refuses (vllm_colocated_worker.py)."""
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,8 @@ from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
 from aligner_ext.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from aligner_ext.trainer.build import model_directory
 from aligner_ext.trainer.loop import train
-from real_vllm import vllm_server
+from aligner_ext.distributed import free_port
+from real_vllm import ROOT, vllm_python, vllm_server
 from small_run import SMALL_MODEL
 from test_demo import DENSE_REWARD
 
@@ -127,3 +131,19 @@ def test_a_vllm_server_driven_as_sglang_names_the_setting(served):
     with pytest.raises(ServerError, match=f"^generation server {url} has no /update_weights_from_disk endpoint "
                                           "\\(404\\).*set generator.remote.server_kind=vllm$"):
         engine.update_weights(random_model(0))
+
+
+def test_the_colocated_engine_generates_and_loads_the_policys_weights_in_process(served, tmp_path):
+    _, model_dir, _ = served
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # external_launcher: a one-process group
+    result = tmp_path / "result.json"
+    with open(tmp_path / "worker.log", "w") as log:
+        subprocess.run([str(vllm_python()), str(Path(__file__).parent / "vllm_colocated_worker.py"), str(model_dir),
+                        str(result)], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600, check=True)
+    measured = json.loads(result.read_text())
+    assert measured["gap_before"] <= 1e-5
+    assert measured["gap_after_update"] <= 1e-5  # the update reached every layer, the tied head included
+    first, second = measured["draws"]
+    assert len({tuple(tokens) for tokens in first}) == 4 and second == first  # own seed per sample, reproducible
