@@ -174,8 +174,8 @@ class RemoteEngine(GenerationEngine):
         self.servers = [_Server(url, cfg) for url in cfg.urls]
         self._pool = ThreadPoolExecutor(max_workers=len(self.servers) * cfg.concurrency, thread_name_prefix="remote")
         # a chunk's requests of one group each (server_kind=vllm): as many samples in flight as whole chunks
-        self._group_requests = ThreadPoolExecutor(max_workers=len(self.servers) * cfg.concurrency * cfg.max_prompts_per_request,
-                                                  thread_name_prefix="remote-group")
+        self._group_requests = ThreadPoolExecutor(
+            max_workers=len(self.servers) * cfg.concurrency * cfg.max_prompts_per_request, thread_name_prefix="remote-group")
         self._lock = threading.Lock()
         self._next = itertools.cycle(range(len(self.servers)))
         self._group: WeightGroup | None = None
@@ -222,8 +222,8 @@ class RemoteEngine(GenerationEngine):
             response = server.client.completions.create(model=server.model_id(), prompt=prompts, n=n, **standard,
                                                         extra_body=extra)
         except openai.OpenAIError as err:
-            raise ServerError(f"generation server {server.url} failed (retried up to "
-                              f"{self.cfg.max_retries} times on connection errors, timeouts, 408/429/5xx): {answer(err)}; "
+            raise ServerError(f"generation server {server.url} failed (retried up to {self.cfg.max_retries} times on "
+                              f"connection errors, timeouts, 408/429/5xx): {answer(err)}; "
                               f"{FAILED_GENERATION_HINTS[self.cfg.server_kind]}") from err
         choices = sorted(response.choices, key=lambda choice: choice.index)
         if len(choices) != len(prompts) * n:

@@ -101,9 +101,9 @@ class VLLMColocatedEngine(GenerationEngine):
     def update_weights(self, policy_model) -> None:
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        weights = [(name, param.detach()) for name, param in policy_model.named_parameters()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": with_tied_names(weights, policy_model.state_dict()),
-                                                          "is_checkpoint_format": True})
+        weights = with_tied_names([(name, param.detach()) for name, param in policy_model.named_parameters()],
+                                  policy_model.state_dict())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

@@ -27,8 +27,9 @@ def greedy_gap(engine, model) -> float:
     for prompt, output in zip(PROMPTS, outputs):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + output.token_ids])).logits[0].double()
-        expected = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:-1].gather(-1, torch.tensor(output.token_ids)[:, None])
-        gap = max(gap, (expected.squeeze(-1) - torch.tensor(output.logprobs, dtype=torch.float64)).abs().max().item())
+        scores = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:-1]
+        expected = scores.gather(-1, torch.tensor(output.token_ids)[:, None]).squeeze(-1)
+        gap = max(gap, (expected - torch.tensor(output.logprobs, dtype=torch.float64)).abs().max().item())
     return gap
 
 
