@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
-from aligner_ext.generation.remote_vllm import with_tied_names
 from aligner_ext.rules import number
 
 
@@ -99,6 +98,8 @@ class VLLMColocatedEngine(GenerationEngine):
         self.asleep = True
 
     def update_weights(self, policy_model) -> None:
+        from aligner_ext.generation.remote_vllm import with_tied_names  # torch: not at config time (settings above)
+
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         weights = with_tied_names([(name, param.detach()) for name, param in policy_model.named_parameters()],
