@@ -222,9 +222,10 @@ class RemoteEngine(GenerationEngine):
             response = server.client.completions.create(model=server.model_id(), prompt=prompts, n=n, **standard,
                                                         extra_body=extra)
         except openai.OpenAIError as err:
+            gone = isinstance(err, (openai.APIConnectionError, openai.InternalServerError))  # not a refused request
             raise ServerError(f"generation server {server.url} failed (retried up to {self.cfg.max_retries} times on "
-                              f"connection errors, timeouts, 408/429/5xx): {answer(err)}; "
-                              f"{FAILED_GENERATION_HINTS[self.cfg.server_kind]}") from err
+                              f"connection errors, timeouts, 408/429/5xx): {answer(err)}"
+                              f"{'; ' + FAILED_GENERATION_HINTS[self.cfg.server_kind] if gone else ''}") from err
         choices = sorted(response.choices, key=lambda choice: choice.index)
         if len(choices) != len(prompts) * n:
             raise ServerError(f"generation server {server.url} returned {len(choices)} choices for {len(prompts)} "
