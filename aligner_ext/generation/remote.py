@@ -40,7 +40,7 @@ import torch
 
 from aligner_ext import distributed
 from aligner_ext.adapters import merged_parameters, merged_state
-from aligner_ext.errors import ConfigError, UserError
+from aligner_ext.errors import UserError
 from aligner_ext.generation import remote_vllm
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.sampler import request_seed
