@@ -8,8 +8,13 @@ request by `timeout_s`. A server still failing after its retries ends the call w
 it: never a hang. Generated ids come back as ids (`token_ids`: ours and vLLM >= 0.10.2 with
 `return_token_ids`), so nothing is re-tokenised; a server that does not return them is an error.
 
-Seeds: chunk c of a call with seed s is requested with seed s + c * `seed_stride` (none: unseeded),
-so a call's samples are reproducible for a given chunking. Greedy tokens equal the in-process engine's.
+Seeds: sample k of a call seeded s is drawn from seed `request_seed(s, k)` (generation/sampler.py, the
+rollout engine's stream of request k), so every sample of a group has its own seed. A request is
+seeded with the seed of its first sample: our server draws each of a request's samples from its own
+stream; vLLM seeds every prompt of a request alike (identical prompts: identical samples) and child j
+of a prompt asked with `n` from seed + j, so with `server_kind=vllm` a seeded sampling call sends one
+request per run of identical prompts (a group) with `n`, its sample k then seeded `request_seed(s, k)`
+whatever the chunking or the number of servers. Greedy tokens equal the in-process engine's.
 
 Weights: `update_weights`, called by the loop after each optimizer step, pushes the policy's
 parameters to every server (`weight_sync`): `disk` writes them as safetensors to `weight_sync_dir`
@@ -35,8 +40,10 @@ import torch
 
 from aligner_ext import distributed
 from aligner_ext.adapters import merged_parameters, merged_state
+from aligner_ext.errors import UserError
 from aligner_ext.generation import remote_vllm
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.sampler import request_seed
 from aligner_ext.generation.settings import RemoteEngineConfig
 from aligner_ext.generation.weight_group import WeightGroup, describe
 from aligner_ext.weights_file import save_state
@@ -53,8 +60,23 @@ MISSING_ENDPOINT_HINTS = {
 }
 
 
-class ServerError(RuntimeError):
+# what to change when a server stops answering or fails a generation request, by `server_kind`
+FAILED_GENERATION_HINTS = {
+    "sglang": "see the server's log",
+    "vllm": "see the server's log; a vLLM engine that dies on a large call needs --max-num-batched-tokens and "
+            "--max-num-seqs above one request's tokens and sequences (16384 and 512 served 512 seeded prompts on the "
+            "CPU), or a lower generator.remote.max_prompts_per_request",
+}
+
+
+class ServerError(UserError, RuntimeError):
     """A generation server failed a request after its retries, or answered something unusable."""
+
+
+def answer(err: Exception) -> str:
+    """What a server answered (or why it did not), on one line."""
+    said = " ".join(str(err).split())
+    return f"{type(err).__name__}: {said[:300]}{'...' if len(said) > 300 else ''}"
 
 
 class _Server:
@@ -94,7 +116,18 @@ class _Server:
                               f"generator.remote.server_kind={self.kind} calls: it takes "
                               f"{MISSING_ENDPOINT_HINTS[self.kind]}") from err
         except openai.OpenAIError as err:
-            raise ServerError(f"generation server {self.url}{path} failed: {type(err).__name__}: {err}") from err
+            raise ServerError(f"generation server {self.url}{path} failed: {answer(err)}") from err
+
+
+def identical_runs(prompts: list[list[int]]) -> list[tuple[int, list[int], int]]:
+    """(index of the first, prompt, count) of each run of identical consecutive prompts (a group's copies)."""
+    runs: list[list] = []
+    for index, prompt in enumerate(prompts):
+        if runs and runs[-1][1] == prompt:
+            runs[-1][2] += 1
+        else:
+            runs.append([index, prompt, 1])
+    return [(first, prompt, count) for first, prompt, count in runs]
 
 
 def request_fields(params: SamplingParams, seed: int | None) -> tuple[dict, dict]:
@@ -135,9 +168,14 @@ class RemoteEngine(GenerationEngine):
         if cfg.weight_sync == "disk" and not cfg.weight_sync_dir:
             raise ValueError("generator.remote.weight_sync=disk needs generator.remote.weight_sync_dir, "
                              "a directory the servers can read")
+        if cfg.server_kind == "vllm" and cfg.weight_sync == "distributed":
+            remote_vllm.check_policy_device(next(model.parameters()).device)
         self.cfg = cfg
         self.servers = [_Server(url, cfg) for url in cfg.urls]
         self._pool = ThreadPoolExecutor(max_workers=len(self.servers) * cfg.concurrency, thread_name_prefix="remote")
+        # a chunk's requests of one group each (server_kind=vllm): as many samples in flight as whole chunks
+        self._group_requests = ThreadPoolExecutor(
+            max_workers=len(self.servers) * cfg.concurrency * cfg.max_prompts_per_request, thread_name_prefix="remote-group")
         self._lock = threading.Lock()
         self._next = itertools.cycle(range(len(self.servers)))
         self._group: WeightGroup | None = None
@@ -147,8 +185,8 @@ class RemoteEngine(GenerationEngine):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         size = self.cfg.max_prompts_per_request
-        chunks = [prompts[begin:begin + size] for begin in range(0, len(prompts), size)]
-        futures = [self._pool.submit(self._complete, chunk, params, index) for index, chunk in enumerate(chunks)]
+        futures = [self._pool.submit(self._complete, prompts[begin:begin + size], params, begin)
+                   for begin in range(0, len(prompts), size)]
         return [output for future in futures for output in future.result()]
 
     def _pick(self) -> _Server:
@@ -160,24 +198,38 @@ class RemoteEngine(GenerationEngine):
             server.in_flight += 1
             return server
 
-    def _complete(self, chunk: list[list[int]], params: SamplingParams, index: int) -> list[GenerationOutput]:
-        import openai
-
-        seed = None if params.seed is None else params.seed + index * self.cfg.seed_stride
-        standard, extra = request_fields(params, seed)
+    def _complete(self, chunk: list[list[int]], params: SamplingParams, first: int) -> list[GenerationOutput]:
+        """The call's prompts `first`, `first` + 1, ... (`chunk`) on one server: one request, or with vLLM
+        and a seeded sampling call one request per run of identical prompts (module docstring)."""
         server = self._pick()
         try:
-            response = server.client.completions.create(model=server.model_id(), prompt=chunk, n=1, **standard,
-                                                        extra_body=extra)
-        except openai.OpenAIError as err:
-            raise ServerError(f"generation server {server.url} failed (retried up to {self.cfg.max_retries} times on "
-                              f"connection errors, timeouts, 408/429/5xx): {type(err).__name__}: {err}") from err
+            if self.cfg.server_kind == "vllm" and params.seed is not None and params.temperature > 0:
+                requests = [self._group_requests.submit(self._request, server, [prompt], count, params, first + offset)
+                            for offset, prompt, count in identical_runs(chunk)]
+                return [output for request in requests for output in request.result()]
+            return self._request(server, chunk, 1, params, first)
         finally:
             with self._lock:
                 server.in_flight -= 1
+
+    def _request(self, server: _Server, prompts: list[list[int]], n: int, params: SamplingParams,
+                 first: int) -> list[GenerationOutput]:
+        """One completions request: every prompt `n` times, seeded with the seed of the call's sample `first`."""
+        import openai
+
+        standard, extra = request_fields(params, None if params.seed is None else request_seed(params.seed, first))
+        try:
+            response = server.client.completions.create(model=server.model_id(), prompt=prompts, n=n, **standard,
+                                                        extra_body=extra)
+        except openai.OpenAIError as err:
+            gone = isinstance(err, (openai.APIConnectionError, openai.InternalServerError))  # not a refused request
+            raise ServerError(f"generation server {server.url} failed (retried up to {self.cfg.max_retries} times on "
+                              f"connection errors, timeouts, 408/429/5xx): {answer(err)}"
+                              f"{'; ' + FAILED_GENERATION_HINTS[self.cfg.server_kind] if gone else ''}") from err
         choices = sorted(response.choices, key=lambda choice: choice.index)
-        if len(choices) != len(chunk):
-            raise ServerError(f"generation server {server.url} returned {len(choices)} choices for {len(chunk)} prompts")
+        if len(choices) != len(prompts) * n:
+            raise ServerError(f"generation server {server.url} returned {len(choices)} choices for {len(prompts)} "
+                              f"prompts x n={n}")
         return [parse_choice(choice, server.url, params.return_logprobs) for choice in choices]
 
     def update_weights(self, policy_model) -> None:
@@ -196,7 +248,8 @@ class RemoteEngine(GenerationEngine):
         directory = Path(self.cfg.weight_sync_dir)
         directory.mkdir(parents=True, exist_ok=True)
         staging = directory / "model.safetensors.tmp"
-        save_state(merged_state(model), staging)
+        state = merged_state(model)
+        save_state(remote_vllm.with_tied_copies(state) if self.cfg.server_kind == "vllm" else state, staging)
         staging.replace(directory / "model.safetensors")  # servers never read a half-written file
         if self.cfg.server_kind == "vllm":
             remote_vllm.reload_from_disk(self._on_every_server, str(directory))
@@ -205,6 +258,8 @@ class RemoteEngine(GenerationEngine):
 
     def _push_distributed(self, model) -> None:
         named = merged_parameters(model)
+        if self.cfg.server_kind == "vllm":
+            named = remote_vllm.with_tied_names(named, merged_state(model))
         if self._group is None:
             self._group = self._join_group(next(model.parameters()).device)
 

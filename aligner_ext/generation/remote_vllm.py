@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from aligner_ext.generation.weight_group import describe
+from aligner_ext.weights_file import tied_groups
 
 # (path, payload for server i) -> None: POSTs to every server at once (RemoteEngine._on_every_server)
 OnEveryServer = Callable[[str, Callable[[int], dict]], None]
@@ -45,11 +46,16 @@ class NcclRank0:
         self._communicator.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
 
 
+def check_policy_device(device: torch.device) -> None:
+    """`distributed` pushes over NCCL: the trainer's end needs a GPU (checked when the engine is built)."""
+    if device.type != "cuda":
+        raise ValueError(f"generator.remote.server_kind=vllm with weight_sync=distributed needs the policy on a GPU "
+                         f"(it is on {device.type}): vLLM's workers receive weights over NCCL only; use "
+                         f"generator.remote.weight_sync=disk")
+
+
 def nccl_rank0(device: torch.device) -> Callable[[str, int, int], NcclRank0]:
     """A maker of the trainer's end of the group; checks first, before any server waits to join."""
-    if device.type != "cuda":
-        raise ValueError("generator.remote.server_kind=vllm with weight_sync=distributed needs the policy on a GPU: "
-                         "vLLM's workers receive weights over NCCL only")
     try:
         import vllm.distributed.device_communicators.pynccl  # noqa: F401
         import vllm.distributed.utils  # noqa: F401
@@ -58,6 +64,26 @@ def nccl_rank0(device: torch.device) -> Callable[[str, int, int], NcclRank0]:
                           "the trainer too (pip install 'aligner_ext[vllm]', the servers' version): vLLM's workers "
                           "join through vLLM's StatelessProcessGroup and PyNcclCommunicator") from err
     return lambda address, port, world_size: NcclRank0(address, port, world_size, device)
+
+
+def with_tied_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with a tied tensor's second and later names holding copies: a safetensors file keeps a
+    tensor held by one storage under one name only (module docstring: why vLLM needs them all)."""
+    aliases = {name for names in tied_groups(state) for name in names[1:]}
+    return {name: value.clone() if name in aliases else value for name, value in state.items()}
+
+
+def with_tied_names(named: list[tuple[str, torch.Tensor]],
+                    state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """`named` and, for each of its tensors that `state` holds under more names (tied embeddings), those
+    names with the same tensor (module docstring)."""
+    tensors = dict(named)
+    aliases = []
+    for names in tied_groups(state):
+        pushed = next((name for name in names if name in tensors), None)
+        if pushed is not None:
+            aliases += [(alias, tensors[pushed]) for alias in names if alias not in tensors]
+    return named + aliases
 
 
 def reload_from_disk(on_every_server: OnEveryServer, directory: str) -> None:

@@ -58,7 +58,6 @@ class RemoteEngineConfig:
     routing: str = choice("least_loaded", *ROUTING)  # which server takes the next chunk: round_robin | least_loaded (fewest in flight)
     timeout_s: float = number(600.0, gt=0)  # limit per request (each retry has its own), seconds
     max_retries: int = number(3, ge=0)  # retries per request after a connection error, timeout, 408, 429 or 5xx (exponential backoff)
-    seed_stride: int = number(1_000_003, ge=1)  # chunk c of a call seeded s is requested with seed s + c * seed_stride
     weight_sync: str = choice("none", *WEIGHT_SYNC_MODES)  # how updated weights reach the servers: none | disk | distributed (docs/serving.md)
     weight_sync_dir: str | None = None  # disk: a directory the servers can read (the trainer writes model.safetensors there)
     weight_sync_address: str | None = None  # distributed: this machine's address as the servers reach it; unset: its host name

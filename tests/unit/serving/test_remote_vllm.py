@@ -10,11 +10,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from aligner_ext.config import load_config
 from aligner_ext.generation import remote_vllm
 from aligner_ext.generation.base import SamplingParams
-from aligner_ext.generation.remote import RemoteEngineConfig, ServerError
+from aligner_ext.generation.remote import RemoteEngine, RemoteEngineConfig, ServerError
 from aligner_ext.generation.weight_group import WeightGroup
 from fake_vllm_server import FakeVllm, build_fake_vllm_app
 from served_engine import serve_in_thread, serving
@@ -57,6 +58,7 @@ def assert_holds(fake, policy):
 def gloo_rank0(monkeypatch):
     """The trainer's end of the weight group over gloo, as the fake's workers join it (a refused update
     leaves it waiting for receivers: it gives up after 20 s, where the test fails)."""
+    monkeypatch.setattr(remote_vllm, "check_policy_device", lambda device: None)  # the CPU stands in for the GPU
     monkeypatch.setattr(remote_vllm, "nccl_rank0", lambda device: lambda address, port, world: WeightGroup(
         address, port, 0, world, "gloo", timeout_s=20))
 
@@ -84,13 +86,18 @@ def test_a_push_from_disk_reloads_every_vllm_server(tiny_tokenizer, tmp_path):
             assert not fake.paused
     assert after == updated
     assert sorted(path.name for path in sync.iterdir()) == ["model.safetensors"]  # what vLLM's loader globs
+    written = load_file(sync / "model.safetensors")
+    assert written.keys() == policy.state_dict().keys()  # lm_head.weight too, the tied head (remote_vllm.py)
+    assert all(torch.equal(written[name], value) for name, value in policy.state_dict().items())
 
 
 def test_an_in_memory_push_reaches_every_worker_of_every_vllm_server(tiny_tokenizer, gloo_rank0):
     tok = tiny_tokenizer
     policy = small_model(tok)
     prompts = [tok.encode(text) for text in TEXTS[:4]]
-    names = [name for name, _ in policy.named_parameters()]
+    # the tied output layer under its own name too: vLLM reloads every layer apart (remote_vllm.py)
+    names = [name for name, _ in policy.named_parameters()] + ["lm_head.weight"]
+    shapes = [list(param.shape) for param in policy.parameters()] + [list(policy.lm_head.weight.shape)]
     with fake_vllm(policy, tok, workers=1) as (url_a, fake_a), fake_vllm(policy, tok, workers=2) as (url_b, fake_b):
         engine = remote(policy, tok, [url_a, url_b], server_kind="vllm", weight_sync="distributed",
                         weight_sync_address="127.0.0.1", weight_sync_port=0, max_prompts_per_request=2)
@@ -111,7 +118,7 @@ def test_an_in_memory_push_reaches_every_worker_of_every_vllm_server(tiny_tokeni
             ("POST", "/start_weight_update", {}, {"is_checkpoint_format": True}),
             ("POST", "/update_weights", {}, {"update_info": {
                 "names": names, "dtype_names": ["float32"] * len(names),
-                "shapes": [list(param.shape) for param in policy.parameters()]}}),
+                "shapes": shapes}}),
             ("POST", "/finish_weight_update", {}, {}),
             ("POST", "/resume", {}, {})]
     for calls, offset in ((calls_a, 1), (calls_b, 2)):
@@ -169,15 +176,38 @@ def test_the_fake_refuses_what_vllm_refuses(tiny_tokenizer):
         assert not fake.update_active
 
 
-def test_settings_vllm_cannot_take_are_refused():
+def test_settings_vllm_cannot_take_are_refused(tiny_tokenizer):
     with pytest.raises(ValueError, match="^generator.remote.server_kind='trtllm': must be one of sglang, vllm$"):
         load_config("base", ["generator.remote.server_kind=trtllm"])
     with pytest.raises(ValueError, match="NCCL only"):
         RemoteEngineConfig(server_kind="vllm", weight_sync="distributed", weight_sync_backend="gloo")
-    with pytest.raises(ValueError, match="policy on a GPU"):
-        remote_vllm.nccl_rank0(torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs the policy on a GPU .it is on cpu.: .* use generator.remote.weight_sync=disk$"):
+        RemoteEngine(small_model(tiny_tokenizer), tiny_tokenizer, RemoteEngineConfig(
+            urls=["http://127.0.0.1:1"], server_kind="vllm", weight_sync="distributed"))
     try:
         import vllm  # noqa: F401
     except ImportError:
         with pytest.raises(ImportError, match="needs vLLM installed beside the trainer"):
             remote_vllm.nccl_rank0(torch.device("cuda"))
+
+
+def test_a_seeded_sampling_call_asks_vllm_once_per_group_with_n_and_each_samples_seed(tiny_tokenizer):
+    """vLLM seeds every prompt of a request alike and child j of a prompt asked with `n` from seed + j: one
+    request per run of identical prompts, seeded for its first sample k with seed * 0x100000001B3 + k,
+    gives sample k that seed whatever the chunking (here chunks of 6 cut the second group in two)."""
+    tok = tiny_tokenizer
+    policy = small_model(tok)
+    prompts = [tok.encode(text) for text in TEXTS[:3]]
+    calls = [prompt for prompt in prompts for _ in range(4)]
+    base = 5 * 1099511628211
+    with fake_vllm(policy, tok) as (url, fake):
+        engine = remote(policy, tok, [url], server_kind="vllm", max_prompts_per_request=6)
+        outputs = engine.generate(calls, SamplingParams(max_new_tokens=3, temperature=1.0, seed=5))
+        engine.generate(calls, GREEDY)
+    requests = [json.loads(body) for _, path, _, body in fake.calls if path == "/v1/completions"]
+    sampled = sorted(((request["prompt"], request["n"], request["seed"]) for request in requests[:4]), key=lambda r: r[2])
+    assert sampled == [([prompts[0]], 4, base), ([prompts[1]], 2, base + 4), ([prompts[1]], 2, base + 6),
+                       ([prompts[2]], 4, base + 8)]
+    assert len(outputs) == 12
+    greedy = sorted((request["prompt"], request["n"]) for request in requests[4:])  # seeds do not matter: a chunk
+    assert greedy == sorted([(calls[:6], 1), (calls[6:], 1)])
