@@ -12,12 +12,15 @@ lays it: the experts' data-parallel size is DP / EP.
 torch frees no process group's resources (a gloo group keeps three threads and its sockets after
 `destroy_process_group`), and collectives slow down as they pile up (measured on 2 CPU processes:
 100 all-reduces 0.055 s with no other group, 1.04 s beside 1,500 idle ones). So groups are made once
-per process and layout: `init_model_parallel` keeps megatron-core's groups when the layout is
-unchanged, and `partition_group` returns the same group for the same partition of the ranks.
+per process and layout: `init_model_parallel` keeps megatron-core's groups for every layout it has
+made (a switch back to an earlier layout restores its groups instead of making them anew: a test
+resuming checkpoints at alternating layouts made ~1,600 groups and crawled), and `partition_group`
+returns the same group for the same partition of the ranks.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -59,21 +62,45 @@ def init_model_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int 
     if expert_parallel < 1 or data_parallel % expert_parallel:
         raise ValueError(f"policy.expert_model_parallel_size={expert_parallel} must divide the data-parallel size "
                          f"{data_parallel} (world size {world} / TP {tensor_parallel} / PP {pipeline_parallel})")
-    layout = (tensor_parallel, pipeline_parallel, expert_parallel)
-    if parallel_state.model_parallel_is_initialized():
-        current = (parallel_state.get_tensor_model_parallel_world_size(),
+    layout = (dist.group.WORLD, tensor_parallel, pipeline_parallel, expert_parallel)
+    if not parallel_state.model_parallel_is_initialized():
+        _LAYOUT_STATES.setdefault(None, _parallel_state(parallel_state))  # megatron-core's state before any layout
+    else:
+        current = (dist.group.WORLD, parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_world_size(),
                    parallel_state.get_expert_model_parallel_world_size())
-        if current != layout:
+        if current != layout and None in _LAYOUT_STATES:  # set aside, not destroyed: megatron-core's
+            _LAYOUT_STATES[current] = _parallel_state(parallel_state)  # destroy frees some groups for good
+            _set_parallel_state(parallel_state, _LAYOUT_STATES[None])
+        elif current != layout:  # made by someone else: its groups cannot be set aside safely
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
-            expert_model_parallel_size=expert_parallel,
-        )
+        if layout in _LAYOUT_STATES:
+            _set_parallel_state(parallel_state, _LAYOUT_STATES[layout])
+        else:
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
+                expert_model_parallel_size=expert_parallel,
+            )
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         mcore_tp.model_parallel_cuda_manual_seed(seed)
+
+
+# (world group, TP, PP, EP) -> megatron-core's parallel_state globals of that layout; None -> before any
+_LAYOUT_STATES: dict = {}
+
+
+def _parallel_state(module) -> dict:
+    """The module-level state of megatron-core's `parallel_state` (its groups, ranks and sizes: the
+    upper-case globals `destroy_model_parallel` resets), to restore a layout without new groups."""
+    return {name: copy.copy(value) if isinstance(value, (dict, list, set)) else value  # filled in place later
+            for name, value in vars(module).items() if name.startswith("_") and name.isupper() and not callable(value)}
+
+
+def _set_parallel_state(module, state: dict) -> None:
+    for name, value in state.items():
+        setattr(module, name, copy.copy(value) if isinstance(value, (dict, list, set)) else value)
 
 
 _PARTITION_GROUPS: dict = {}  # (world group, partition, backend) -> this rank's group
