@@ -56,9 +56,9 @@ from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import any_process, barrier, is_main_process
 from aligner_ext.errors import (CheckpointError, CorruptCheckpoint, UnsafeCheckpoint, UnverifiedCheckpoint,
                                  error_line)
-from aligner_ext.files import follow_umask
+from aligner_ext.files import attempt_write, follow_umask
 from aligner_ext.models import lora
-from aligner_ext.trainer.disk_space import attempt_write, save_failed
+from aligner_ext.trainer.disk_space import save_failed
 from aligner_ext.weights_file import load_weights, save_weights
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ Short of space it refuses in one line (`DiskSpaceError`, exit 2) naming both num
 change. Where the free space cannot be known (a network or FUSE filesystem, whose free space is
 shared with others or reported by a server; a failing statvfs) it says so once and the run goes on.
 
-A save or export that fails while writing (`failed_write`: disk full, quota, an I/O error, as
+A save or export that fails while writing (`files.failed_write`: disk full, quota, an I/O error, as
 Python, torch, safetensors or megatron-core report it) becomes `save_failed`'s one line naming the
 path, the bytes it needs and the bytes free; the checkpointer has removed its temporary directory
 and `latest` names the last good checkpoint. The run stops there (docs/reliability.md says why).
@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from aligner_ext.config import RunConfig
 from aligner_ext.distributed import is_main_process
@@ -40,9 +40,6 @@ logger = logging.getLogger(__name__)
 
 # Filesystems whose free space says little about what this run may write (shared, or a server's word)
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs")
-# How torch's writer, safetensors and megatron-core word a failed write that is not an OSError
-WRITE_FAILURE_WORDS = ("no space left", "os error 28", "storagefull", "disk quota", "file write failed",
-                       "unexpected pos", "iostream error", "input/output error")
 
 
 @dataclass
@@ -149,6 +146,10 @@ def check_free_space(cfg: RunConfig, run_dir: Path, estimate: WriteEstimate) -> 
                            human(estimate.checkpoint))
         return estimate
     if estimate.needed <= free:
+        if is_main_process():
+            logger.info("disk: up to %d checkpoint(s) of about %s and an export of %s need %s; %s free under %s",
+                        estimate.count, human(estimate.checkpoint), human(estimate.export), human(estimate.needed),
+                        human(free), run_dir)
         return estimate
     held = f", beside the {human(estimate.held)} of the checkpoints already there" if estimate.held else ""
     export = f" and the export (hf_model/, {human(estimate.export)})" if estimate.export else ""
@@ -159,40 +160,8 @@ def check_free_space(cfg: RunConfig, run_dir: Path, estimate: WriteEstimate) -> 
         "trainer.output_dir, or free or add disk space")
 
 
-def failed_write(err: BaseException) -> BaseException | None:
-    """The failed write `err` is or wraps (its cause, megatron-core's per-rank failures): an OSError, or
-    torch's, safetensors' or megatron-core's words for one; None when it is no failed write (a bug)."""
-    seen, pending = set(), [err]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        failures = getattr(current, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        if isinstance(failures, dict):
-            pending.extend(failure[0] if isinstance(failure, tuple) else failure for failure in failures.values())
-            continue
-        if isinstance(current, OSError) or any(word in str(current).lower() for word in WRITE_FAILURE_WORDS):
-            return current
-        pending.extend([current.__cause__, current.__context__])
-    return None
-
-
-def attempt_write(write: Callable[[], None]) -> BaseException | None:
-    """Run `write`; the failed write it raised (`failed_write`), or None. Anything else is raised as it
-    is: a bug keeps its traceback."""
-    try:
-        write()
-    except BaseException as err:  # megatron-core's CheckpointException derives from BaseException
-        failure = failed_write(err)
-        if failure is None:
-            raise
-        return failure
-    return None
-
-
 def save_failed(what: str, path: Path, needed: int, failure: BaseException, after: str) -> DiskSpaceError:
-    """The one line for a failed write of `what` at `path` (`failure`: `failed_write`'s; `needed`: the
+    """The one line for a failed write of `what` at `path` (`failure`: `files.failed_write`'s; `needed`: the
     estimated bytes; `after`: what stays and what to do), with the bytes free now."""
     free, _ = free_space(path)
     space = f"{human(free)} free" if free is not None else "free space unknown"

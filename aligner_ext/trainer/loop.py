@@ -20,13 +20,13 @@ from tqdm import tqdm
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.config import RunConfig, as_tree, changed_settings, settings, to_yaml
 from aligner_ext.distributed import init_from_env, is_main_process
-from aligner_ext.files import follow_umask
+from aligner_ext.files import attempt_write, follow_umask
 from aligner_ext.models.base import DivergedRun
 from aligner_ext.threads import compute_threads, usable_cores
 from aligner_ext.trackers import build_trackers
 from aligner_ext.trainer.build import Components, build_components
 from aligner_ext.trainer.checkpoint import Checkpointer, CorruptCheckpoint
-from aligner_ext.trainer.disk_space import attempt_write, check_free_space, estimate_writes, save_failed
+from aligner_ext.trainer.disk_space import check_free_space, estimate_writes, save_failed
 from aligner_ext.trainer.evaluate import Evaluator
 from aligner_ext.trainer.metrics import MetricsLogger, StageTimer, plot_history, read_history
 from aligner_ext.trainer.no_learning import NoLearningDetector, run_warnings

@@ -66,7 +66,9 @@ from megatron.core import parallel_state
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.distributed import any_process
 from aligner_ext.errors import CheckpointError, ConfigError
+from aligner_ext.files import attempt_write
 from aligner_ext.losses.base import Loss
 from aligner_ext.models import lora as base_lora
 from aligner_ext.models.base import NonFiniteGuard, Policy, record_applied, update_metrics, weights_norm
@@ -445,11 +447,15 @@ class MegatronPolicy(Policy):
             self.sync_weights()
             model = self.hf_copy
         adapters = lora.peft_state(self.adapters, self.hf_config) if self.adapters else None
-        if dist.get_rank() == 0:
+
+        def write() -> None:
             model.save_pretrained(directory, safe_serialization=True)
             if adapters is not None:
                 base_lora.save_peft(adapters, self.cfg.lora, self.base_path, Path(directory) / base_lora.ADAPTER_DIR)
-        dist.barrier()
+
+        failure = attempt_write(write) if dist.get_rank() == 0 else None
+        if any_process(failure is not None):  # every rank stops on rank 0's failed write (disk full)
+            raise failure if failure is not None else OSError(f"writing {directory} failed on rank 0")
 
 
 def recording(routers: Routers | None, **what) -> contextlib.AbstractContextManager:
