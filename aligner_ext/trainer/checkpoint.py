@@ -6,7 +6,9 @@ RNG states), and `manifest.json` (every file's size and SHA-256, written last); 
 adapters saves them alone (`adapters.safetensors`) with `base.json`, the path and checksum of the
 base model they belong to, and resuming them on another base is refused (models/lora.py). It is written under
 a temporary name and renamed into place only when complete, so every `step_<N>` directory is a
-complete checkpoint and a run killed mid-save keeps its previous one. `checkpoints/latest` (a
+complete checkpoint and a run killed mid-save keeps its previous one. A write that fails (disk full, an I/O
+error, on any process) removes the temporary directory and stops the run in one line naming the bytes needed
+and free (trainer/disk_space.py); the previous checkpoint stays `latest`. `checkpoints/latest` (a
 one-line file, itself replaced atomically) names the newest one, but it is only a hint: the newest
 complete checkpoint is found from the directories themselves, so a kill between a rename and the
 pointer's write loses nothing. On resume the manifest is checked first; a truncated, corrupt or
