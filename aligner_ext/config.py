@@ -112,7 +112,7 @@ class TrainerConfig:
     seed: int = number(0, ge=0)  # seeds torch, python and numpy RNGs and the per-step sampling
     cpu_threads: int = number(0, ge=0)  # torch compute threads of each trainer process; 0 = the cores free when the run starts (its CPU affinity less the cores another process keeps busy; under torchrun the usable cores split among the machine's processes), aligner_ext/threads.py
     save_every: int = number(0, ge=0)  # checkpoint every k steps; 0 = only at the end
-    keep_last: int = number(2, ge=0)  # checkpoints kept on disk (older ones are deleted); 0 keeps all
+    keep_last: int = number(2, ge=0)  # checkpoints kept on disk (older ones are deleted); 0 keeps all. keep_last + 1 of them and the export must fit in the output directory's free space, checked before step 1
     resume: bool = True  # continue from the run directory's latest checkpoint if there is one
     allow_unverified_checkpoint: bool = False  # resume from a checkpoint without manifest.json (written before manifests): its files go unchecked
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation

@@ -71,6 +71,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on any process (collective; `flag` itself in a world of one)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 @contextmanager
 def main_process_first() -> Iterator[None]:
     """The main process runs the block first; the others run it after it finished (and can read its files)."""

@@ -50,6 +50,11 @@ class CorruptCheckpoint(CheckpointError):
     back to the previous complete checkpoint."""
 
 
+class DiskSpaceError(UserError, OSError):
+    """The run's checkpoints cannot fit in the free space of trainer.output_dir's filesystem, or a save or
+    export failed to write there (disk full, an I/O error); the message names the path and the sizes."""
+
+
 def error_line(err: BaseException) -> str:
     """One line of `err`: for torch's weights-only refusal (paragraphs) the line naming the refused global."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]

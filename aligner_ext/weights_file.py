@@ -31,6 +31,12 @@ def save_state(state: dict[str, torch.Tensor], path: Path) -> None:
               str(path), metadata={"format": "pt"})
 
 
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes of the tensors `save_state` writes from `state` (a tied tensor once), headers left out."""
+    duplicates = {name for names in tied_groups(state) for name in names[1:]}
+    return sum(value.numel() * value.element_size() for name, value in state.items() if name not in duplicates)
+
+
 def load_weights(model: torch.nn.Module, path: Path) -> tuple[list[str], list[str]]:
     """Load safetensors weights into `model` in place; (missing, unexpected) names, a tied tensor
     counted as present when the file holds it under any of its names (files from `save_model` too)."""

@@ -183,3 +183,12 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def save_pretrained(self, directory: str) -> None:
         """Write the weights as an HF checkpoint directory (safetensors)."""
+
+    @abc.abstractmethod
+    def checkpoint_bytes(self) -> int:
+        """Estimated bytes of the weights and optimizer state one checkpoint holds, every process's
+        together (trainer/disk_space.py checks they fit before step 1). Collective for a sharded policy."""
+
+    @abc.abstractmethod
+    def export_bytes(self) -> int:
+        """Estimated bytes of the weights `save_pretrained` writes."""

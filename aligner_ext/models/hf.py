@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from aligner_ext.adapters import merged_state
+from aligner_ext.adapters import adapter_state, merged_state
 from aligner_ext.batch import ExperienceBatch, host_to_device
 from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
@@ -39,6 +39,7 @@ from aligner_ext.models.logprobs import fused_logprobs
 from aligner_ext.models.master_weights import MasterWeights
 from aligner_ext.models.packing import pack_end_to_end, token_micro_batches
 from aligner_ext.models.settings import OptimConfig, PolicyConfig
+from aligner_ext.weights_file import state_bytes
 
 PACK_PAD_ID = 0  # fills a packed row's tail; a sequence of its own, attended to by no real token
 
@@ -374,6 +375,18 @@ class HFPolicy(Policy):
             return
         self.model.save_pretrained(directory, state_dict=merged_state(self.model), safe_serialization=True)
         self.peft_model.save_pretrained(str(Path(directory) / lora.ADAPTER_DIR))
+
+    def checkpoint_bytes(self) -> int:
+        """The weights in their dtype (with LoRA the adapters alone), AdamW's two moments per value it
+        updates, in that value's dtype, and the float32 masters of low-precision weights."""
+        weights = state_bytes(adapter_state(self.model) if self.peft_model is not None else self.model.state_dict())
+        moments = 2 * sum(value.numel() * value.element_size() for value in self.trainable)
+        masters = sum(master.numel() * 4 for master in self.masters.state_dict()) if self.masters else 0  # float32
+        return weights + moments + masters
+
+    def export_bytes(self) -> int:
+        """Every weight in its dtype; with LoRA the merged weights and the adapters beside them."""
+        return state_bytes(self.model.state_dict())
 
     def frozen_reference(self) -> "FrozenReference":
         if self.peft_model is not None:

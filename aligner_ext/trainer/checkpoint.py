@@ -6,7 +6,9 @@ RNG states), and `manifest.json` (every file's size and SHA-256, written last); 
 adapters saves them alone (`adapters.safetensors`) with `base.json`, the path and checksum of the
 base model they belong to, and resuming them on another base is refused (models/lora.py). It is written under
 a temporary name and renamed into place only when complete, so every `step_<N>` directory is a
-complete checkpoint and a run killed mid-save keeps its previous one. `checkpoints/latest` (a
+complete checkpoint and a run killed mid-save keeps its previous one. A write that fails (disk full, an I/O
+error, on any process) removes the temporary directory and stops the run in one line naming the bytes needed
+and free (trainer/disk_space.py); the previous checkpoint stays `latest`. `checkpoints/latest` (a
 one-line file, itself replaced atomically) names the newest one, but it is only a hint: the newest
 complete checkpoint is found from the directories themselves, so a kill between a rename and the
 pointer's write loses nothing. On resume the manifest is checked first; a truncated, corrupt or
@@ -53,11 +55,12 @@ from safetensors.torch import load_file, save_file
 from aligner_ext.adapters import adapter_state, model_is_adapted
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow
-from aligner_ext.distributed import barrier, is_main_process
+from aligner_ext.distributed import any_process, barrier, is_main_process
 from aligner_ext.errors import (CheckpointError, CorruptCheckpoint, UnsafeCheckpoint, UnverifiedCheckpoint,
                                  error_line)
-from aligner_ext.files import follow_umask
+from aligner_ext.files import attempt_write, follow_umask
 from aligner_ext.models import lora
+from aligner_ext.trainer.disk_space import save_failed
 from aligner_ext.weights_file import load_weights, save_weights
 
 logger = logging.getLogger(__name__)
@@ -112,6 +115,21 @@ def _write_manifest(directory: Path, step: int) -> None:
     _write_text_atomically(directory / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
 
 
+def _write_files(tmp: Path, step: int, model: torch.nn.Module | None, adapters: dict[str, torch.Tensor] | None,
+                 tokenizer, state: dict[str, Any]) -> None:
+    """The main process's part of a checkpoint in `tmp`: the state, the weights (the adapters alone when
+    given), the tokenizer, and the manifest last."""
+    torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
+    if adapters is not None:
+        save_file({name: value.detach().contiguous() for name, value in adapters.items()}, str(tmp / ADAPTERS))
+        lora.write_base(model.name_or_path, tmp)
+    elif model is not None:
+        save_weights(model, tmp / WEIGHTS)
+    tokenizer.save_pretrained(str(tmp / "tokenizer"))
+    _write_manifest(tmp, step)
+    follow_umask(tmp)
+
+
 def _write_text_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
@@ -128,6 +146,7 @@ class Checkpointer:
         self.directory = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.allow_unverified = allow_unverified  # trainer.allow_unverified_checkpoint
+        self.expected_bytes = 0  # one checkpoint's estimated size (trainer/disk_space.py), named when a save fails
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None (`complete()` lists them all)."""
@@ -201,22 +220,31 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier()
-        if save_sharded is not None:
-            save_sharded(tmp)
+        failure = attempt_write(lambda: save_sharded(tmp)) if save_sharded is not None else None
         barrier()
+        if is_main_process() and failure is None:
+            failure = attempt_write(lambda: _write_files(tmp, step, model, saved if adapted else None, tokenizer, state))
+        if any_process(failure is not None):
+            self._give_up(tmp, final, failure)
         if is_main_process():
-            torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
-            if adapted:
-                save_file({name: value.detach().contiguous() for name, value in saved.items()}, str(tmp / ADAPTERS))
-                lora.write_base(model.name_or_path, tmp)
-            elif model is not None:
-                save_weights(model, tmp / WEIGHTS)
-            tokenizer.save_pretrained(str(tmp / "tokenizer"))
-            _write_manifest(tmp, step)
-            follow_umask(tmp)
             self._publish(tmp, final)
         barrier()
         return final
+
+    def _give_up(self, tmp: Path, final: Path, failure: BaseException | None) -> None:
+        """A write of the checkpoint failed on some process: remove what was written and stop in one line
+        (every process; `failure` is this process's, None where another one failed)."""
+        barrier()
+        if is_main_process():
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()
+        previous = self.latest()
+        kept = (f"{self.directory / LATEST} still names {previous.name}, which a rerun resumes from" if previous
+                else "no earlier checkpoint exists, a rerun starts afresh")
+        after = (f"{kept}. Free space, lower trainer.keep_last (now {self.keep_last}) or choose another "
+                 "trainer.output_dir")
+        raise save_failed("checkpoint", final, self.expected_bytes,
+                          failure if failure is not None else OSError("a write failed on another process"), after)
 
     def _publish(self, tmp: Path, final: Path) -> None:
         """Rename the complete `tmp` into place as `final` and point `latest` at it (main process)."""

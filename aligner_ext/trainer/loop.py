@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +20,13 @@ from tqdm import tqdm
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.config import RunConfig, as_tree, changed_settings, settings, to_yaml
 from aligner_ext.distributed import init_from_env, is_main_process
-from aligner_ext.files import follow_umask
+from aligner_ext.files import attempt_write, follow_umask
 from aligner_ext.models.base import DivergedRun
 from aligner_ext.threads import compute_threads, usable_cores
 from aligner_ext.trackers import build_trackers
 from aligner_ext.trainer.build import Components, build_components
 from aligner_ext.trainer.checkpoint import Checkpointer, CorruptCheckpoint
+from aligner_ext.trainer.disk_space import check_free_space, estimate_writes, save_failed
 from aligner_ext.trainer.evaluate import Evaluator
 from aligner_ext.trainer.metrics import MetricsLogger, StageTimer, plot_history, read_history
 from aligner_ext.trainer.no_learning import NoLearningDetector, run_warnings
@@ -74,6 +76,9 @@ def train(cfg: RunConfig) -> RunSummary:
         for line in startup_lines(cfg, parts, run_dir, start.describe):
             logger.info(line)
     start_step, before = resume(cfg, parts, checkpointer)
+    writes = check_free_space(cfg, run_dir, estimate_writes(cfg, parts.policy, parts.tokenizer,
+                                                            checkpointer.complete(), start_step))
+    checkpointer.expected_bytes = writes.checkpoint
     log = MetricsLogger(run_dir, cfg.trainer.tensorboard, start_step, trackers=lambda: build_trackers(
         cfg.trainer.wandb, cfg.trainer.mlflow, cfg.trainer.run_name, run_dir, as_tree(cfg), settings(cfg)))
     evaluator = Evaluator(cfg, parts)
@@ -118,10 +123,7 @@ def train(cfg: RunConfig) -> RunSummary:
         after = evaluator(start_step)
     save(cfg, parts, checkpointer, cfg.trainer.total_steps, before)
     if cfg.trainer.export_hf:
-        parts.policy.save_pretrained(str(run_dir / EXPORTED_MODEL))  # collective for sharded policies
-        if is_main_process():
-            parts.tokenizer.save_pretrained(str(run_dir / EXPORTED_MODEL))
-            follow_umask(run_dir / EXPORTED_MODEL)
+        export(parts, run_dir / EXPORTED_MODEL, writes.export)
     parts.rewards.close()
     if is_main_process():
         plot_history(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png", cfg.trainer.eval.describe())
@@ -223,6 +225,23 @@ def save(cfg: RunConfig, parts: Components, checkpointer: Checkpointer, step: in
         "config": to_yaml(cfg),
     }
     checkpointer.save(step, parts.policy.model, parts.tokenizer, state, parts.policy.save_sharded)
+
+
+def export(parts: Components, directory: Path, expected_bytes: int) -> None:
+    """The final policy as an HF checkpoint; a failed write (disk full) removes what it wrote and stops in
+    one line: the final checkpoint is saved, so the same command exports again."""
+    def write() -> None:
+        parts.policy.save_pretrained(str(directory))  # collective for sharded policies
+        if is_main_process():
+            parts.tokenizer.save_pretrained(str(directory))
+            follow_umask(directory)
+
+    failure = attempt_write(write)
+    if failure is not None:
+        if is_main_process():
+            shutil.rmtree(directory, ignore_errors=True)
+        raise save_failed("the export", directory, expected_bytes, failure, "the final checkpoint is saved: free "
+                          "space or choose another trainer.output_dir, and rerun the same command to export it")
 
 
 def resume(cfg: RunConfig, parts: Components, checkpointer: Checkpointer) -> tuple[int, dict[str, float]]:

@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
+import traceback
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -204,7 +205,30 @@ def save(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str
     if dist.get_rank() == 0:
         directory.mkdir()
     dist.barrier()
-    dist_checkpointing.save(sharded_state_dict(model, optimizer, is_loading=False, only=only), str(directory))
+    try:
+        dist_checkpointing.save(sharded_state_dict(model, optimizer, is_loading=False, only=only), str(directory))
+    except BaseException as err:
+        if dist.get_rank() == 0:
+            _release_waiting_ranks(err)
+        raise
+
+
+def _release_waiting_ranks(err: BaseException) -> None:
+    """Join the collectives the other ranks wait in when writing the metadata failed on rank 0 alone.
+
+    megatron-core 0.16 writes `.metadata` (`save_state_dict_async_finalize`) and `metadata.json`
+    (`metadata_finalize_fn`) on rank 0 while the other ranks already wait: in the broadcast of the
+    failure status after `.metadata`, in a barrier after `metadata.json`. A failed write there (a disk
+    that filled with the `.distcp` files) raises on rank 0 only, and every rank would hang in
+    mismatched collectives. Broadcasting the failure makes the other ranks raise megatron-core's
+    CheckpointException too; joining the barrier lets them return (the checkpointer then tells every
+    rank of rank 0's failure). Failures megatron-core reports itself arrive on every rank and need nothing."""
+    stages = {frame.name for frame in traceback.extract_tb(err.__traceback__)}
+    if "save_state_dict_async_finalize" in stages and not isinstance(err, CheckpointException):
+        failed = torch.tensor([1], dtype=torch.int, device=torch.cuda.current_device())
+        dist.broadcast(failed, src=0)
+    elif "metadata_finalize_fn" in stages:
+        dist.barrier()
 
 
 def load(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str], bool] | None = None) -> None:

@@ -66,7 +66,9 @@ from megatron.core import parallel_state
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from aligner_ext.batch import ExperienceBatch
+from aligner_ext.distributed import any_process
 from aligner_ext.errors import CheckpointError, ConfigError
+from aligner_ext.files import attempt_write
 from aligner_ext.losses.base import Loss
 from aligner_ext.models import lora as base_lora
 from aligner_ext.models.base import NonFiniteGuard, Policy, record_applied, update_metrics, weights_norm
@@ -75,6 +77,7 @@ from aligner_ext.models.megatron import convert, dist_checkpoint, lora
 from aligner_ext.models.megatron.forward import (
     Packed, filler_rows, forward_backward, forward_logprobs, pack, pack_sequences, pad_rows,
 )
+from aligner_ext.models.megatron.checkpoint_size import Copies, rank_share, sharded_checkpoint_bytes
 from aligner_ext.models.megatron.decoder import MegatronGenerationModel
 from aligner_ext.models.megatron.model import build_gpt_model, transformer_config
 from aligner_ext.models.megatron.moe import Routers
@@ -84,6 +87,7 @@ from aligner_ext.models.megatron.weights import refit_hf_model
 from aligner_ext.models.moe import check_aux_loss
 from aligner_ext.models.packing import token_micro_batches
 from aligner_ext.models.settings import PolicyConfig
+from aligner_ext.weights_file import state_bytes
 
 PACK_PAD_ID = 0  # fills the columns after each row's real tokens; never attended to by a real token
 
@@ -121,6 +125,7 @@ class MegatronPolicy(Policy):
         self.hf_config, self.generation_config = model.config, model.generation_config
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.hf_copy = cast_model(model, dtype=self.dtype)  # on the host until an engine samples it (generation_model)
+        self.hf_bytes = state_bytes(self.hf_copy.state_dict())  # the export's size, known after the copy is dropped
         self.base_path = str(model.name_or_path)  # what LoRA checkpoints point at
         self.generation: MegatronGenerationModel | None = None  # the rollout engine's model, once asked for
         self.core = self._core_from_hf()
@@ -412,6 +417,25 @@ class MegatronPolicy(Policy):
         """What the distributed checkpoint holds of the GPTModel: with LoRA the adapters alone."""
         return lora.is_adapter if self.adapters else None
 
+    def checkpoint_bytes(self) -> int:
+        """The distributed checkpoint (`checkpoint_size`: every rank's share of the saved values, summed
+        over the world; collective) and the HF copy's `model.safetensors` where the run keeps one."""
+        copies = Copies(parallel_state.get_data_parallel_world_size(),
+                        parallel_state.get_tensor_model_parallel_world_size(),
+                        parallel_state.get_expert_data_parallel_world_size(),
+                        parallel_state.get_expert_tensor_parallel_world_size())
+        only = self._saved()
+        saved = [param for name, param in self.core.named_parameters() if only is None or only(name)]
+        values = torch.tensor([rank_share(saved, copies)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(values)
+        hf_weights = state_bytes(self.model.state_dict()) if self.model is not None else 0
+        return sharded_checkpoint_bytes(round(values.item()), self.dtype) + hf_weights
+
+    def export_bytes(self) -> int:
+        """The HF model's weights in the training dtype (and, with LoRA, the adapters beside them: a
+        small share, left out)."""
+        return self.hf_bytes
+
     def save_pretrained(self, directory: str) -> None:
         """Write the current weights as an HF checkpoint (rank 0 writes; every rank waits). Without an
         HF copy the shards are gathered into a transient one on the host."""
@@ -423,11 +447,15 @@ class MegatronPolicy(Policy):
             self.sync_weights()
             model = self.hf_copy
         adapters = lora.peft_state(self.adapters, self.hf_config) if self.adapters else None
-        if dist.get_rank() == 0:
+
+        def write() -> None:
             model.save_pretrained(directory, safe_serialization=True)
             if adapters is not None:
                 base_lora.save_peft(adapters, self.cfg.lora, self.base_path, Path(directory) / base_lora.ADAPTER_DIR)
-        dist.barrier()
+
+        failure = attempt_write(write) if dist.get_rank() == 0 else None
+        if any_process(failure is not None):  # every rank stops on rank 0's failed write (disk full)
+            raise failure if failure is not None else OSError(f"writing {directory} failed on rank 0")
 
 
 def recording(routers: Routers | None, **what) -> contextlib.AbstractContextManager:
