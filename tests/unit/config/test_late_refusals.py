@@ -65,6 +65,8 @@ ELSEWHERE = {
     "or raise data.max_prompt_length": "the data rows' lengths",
     "cannot resume the prompt stream": "a checkpoint's saved state",
     "float32 master weights, this policy trains": "a checkpoint's saved state",
+    "checkpoint(s) of about": "the model's size and the output directory's free space",
+    "rerun the same command to export it": "a write to the output directory's disk",
     "the trained prompt is not the chat-template rendering": "a data row and the tokenizer",
     "the hinted prompt is not the original prompt's tokens": "a data row and the tokenizer",
     "raise dynamic_sampling.max_gen_batches": "how many groups the run's rewards keep",
