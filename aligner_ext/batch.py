@@ -20,6 +20,9 @@ from aligner_ext.data.types import PromptRow
 from aligner_ext.generation.base import NOT_RECORDED
 
 ANSWER_SEGMENT, CONFIDENCE_SEGMENT = 0, 1  # values of ExperienceBatch.segment_ids (MTPO's two rounds)
+# values of ExperienceBatch.token_roles (agent episodes, agents/tokens.py): what wrote each response token
+SAMPLED, TEMPLATE, OBSERVATION = 1, 2, 3
+TOKEN_ROLES = {"sampled": SAMPLED, "template": TEMPLATE, "observation": OBSERVATION}
 
 
 @dataclass
@@ -63,6 +66,10 @@ class ExperienceBatch:
     # none (the last generated token, a row generated from another prompt than the one it trains on)
     prompt_routing: torch.Tensor | None = None  # [B, P, layers, k], left-padded as prompt_ids
     response_routing: torch.Tensor | None = None  # [B, R, layers, k], right-padded as response_ids
+    # Agent episodes (experience/agent_episodes.py): per response token, who wrote it: SAMPLED (the
+    # engine), TEMPLATE (the chat template's boundary after a model turn) or OBSERVATION (tool results,
+    # feedback, the next generation prompt); 0 on padding. None: every response token was sampled.
+    token_roles: torch.Tensor | None = None  # [B, R] int8
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -71,6 +78,14 @@ class ExperienceBatch:
     def response_lengths(self) -> torch.Tensor:
         """[B] int64: generated tokens per sample (real response tokens, loss-masked or not)."""
         return self.response_valid.sum(dim=1)
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        """[B, R] bool: the response tokens the engine sampled (with a log-prob of its own); every
+        generated token unless `token_roles` says otherwise."""
+        if self.token_roles is None:
+            return self.response_valid
+        return self.token_roles == SAMPLED
 
     @property
     def input_ids(self) -> torch.Tensor:

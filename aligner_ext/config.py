@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from aligner_ext.agents.settings import AgentsConfig
 from aligner_ext.algorithms.settings import AdvantageConfig, CPOConfig, check_group_size
 from aligner_ext.data.settings import DataConfig, check_val_set_names
 from aligner_ext.experience.settings import (DynamicSamplingConfig, GradedPromptConfig, RolloutConfig, TwoRoundConfig,
@@ -181,6 +182,7 @@ class RunConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     mtpo: TwoRoundConfig = field(default_factory=TwoRoundConfig)
     cpo: CPOConfig = field(default_factory=CPOConfig)
+    agents: AgentsConfig = field(default_factory=AgentsConfig)  # agent episodes (algorithm.experience_maker=agent_episodes)
     loss: LossConfig = field(default_factory=LossConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -426,6 +428,9 @@ def check_across_sections(cfg: RunConfig, for_training: bool = True, given: dict
         if cfg.rollout.n != groups:
             raise ValueError(f"rollout.n={cfg.rollout.n}: two-round rollouts make mtpo.num_answer_generations x "
                              f"mtpo.num_confidence_generations = {groups} samples per prompt; set rollout.n={groups}")
+    if cfg.algorithm.experience_maker in ("agent_episodes", "agents") and cfg.policy.routing_replay:
+        raise ValueError("policy.routing_replay=true with algorithm.experience_maker=agent_episodes: the experts "
+                         "are not recorded over an episode's turns yet; leave routing replay off")
     if for_training:
         check_positions(cfg)
 
@@ -452,6 +457,11 @@ def check_positions(cfg: RunConfig) -> None:
     if cfg.algorithm.experience_maker in ("two_round", "mtpo"):
         response, response_keys = (cfg.mtpo.max_answer_length + cfg.mtpo.max_confidence_length,
                                    "mtpo.max_answer_length + mtpo.max_confidence_length")
+    elif cfg.algorithm.experience_maker in ("agent_episodes", "agents"):
+        if cfg.agents.limits.max_total_tokens > positions:
+            raise ValueError(f"agents.limits.max_total_tokens={cfg.agents.limits.max_total_tokens}: more than the "
+                             f"model's {positions} positions ({source})")
+        return
     else:
         response, response_keys = cfg.rollout.max_response_length, "rollout.max_response_length"
     if cfg.data.max_prompt_length + response > positions:

@@ -8,6 +8,7 @@ fails when it is stale): checking a configuration reads names here, so it import
 (nor torch)."""
 
 KINDS: dict[str, str] = {
+    "aligner_ext.agents.environment:ENVIRONMENTS": "environment",
     "aligner_ext.algorithms.advantages:ADVANTAGES": "advantage estimator",
     "aligner_ext.algorithms.cpo_wrappers:CPO_WRAPPERS": "cpo advantage wrapper",
     "aligner_ext.data.tasks.base:TASKS": "builtin task",
@@ -21,6 +22,7 @@ KINDS: dict[str, str] = {
 }
 
 BUILTIN_PLUGINS: dict[str, dict[str, str]] = {
+    "aligner_ext.agents.environment:ENVIRONMENTS": {},
     "aligner_ext.algorithms.advantages:ADVANTAGES": {
         "cpo": "aligner_ext.algorithms.cpo",
         "group_norm": "aligner_ext.algorithms.advantages",
@@ -77,6 +79,8 @@ BUILTIN_PLUGINS: dict[str, dict[str, str]] = {
         "short_qa": "aligner_ext.data.tasks.short_qa"
     },
     "aligner_ext.experience.base:EXPERIENCE_MAKERS": {
+        "agent_episodes": "aligner_ext.experience.agent_episodes",
+        "agents": "aligner_ext.experience.agent_episodes",
         "graded_prompt": "aligner_ext.experience.graded_prompt",
         "graded_system_prompt": "aligner_ext.experience.graded_prompt",
         "group_sampling": "aligner_ext.experience.base",
@@ -131,6 +135,7 @@ BUILTIN_PLUGINS: dict[str, dict[str, str]] = {
 }
 
 CANONICAL: dict[str, dict[str, str]] = {
+    "aligner_ext.agents.environment:ENVIRONMENTS": {},
     "aligner_ext.algorithms.advantages:ADVANTAGES": {
         "group_norm": "grpo",
         "mtpo": "mtpo_segments",
@@ -158,6 +163,7 @@ CANONICAL: dict[str, dict[str, str]] = {
     },
     "aligner_ext.data.tasks.base:TASKS": {},
     "aligner_ext.experience.base:EXPERIENCE_MAKERS": {
+        "agents": "agent_episodes",
         "graded_system_prompt": "graded_prompt",
         "grpo": "group_sampling",
         "mtpo": "two_round"
@@ -229,6 +235,8 @@ LOSS_RULES: dict[str, dict] = {
 }
 
 OWN_EVALUATION: dict[str, str] = {
+    "agent_episodes": "it plays one greedy episode per prompt",
+    "agents": "it plays one greedy episode per prompt",
     "mtpo": "it evaluates two greedy rounds, one answer and one confidence per prompt",
     "two_round": "it evaluates two greedy rounds, one answer and one confidence per prompt"
 }

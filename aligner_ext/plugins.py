@@ -9,6 +9,7 @@ import aligner_ext.algorithms.advantages  # noqa: F401
 import aligner_ext.algorithms.cpo  # noqa: F401
 import aligner_ext.algorithms.estimators  # noqa: F401
 import aligner_ext.algorithms.mtpo  # noqa: F401
+import aligner_ext.experience.agent_episodes  # noqa: F401
 import aligner_ext.experience.base  # noqa: F401
 import aligner_ext.experience.dynamic_sampling  # noqa: F401
 import aligner_ext.experience.graded_prompt  # noqa: F401

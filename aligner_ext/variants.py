@@ -72,6 +72,12 @@ SWITCH_REFUSALS: dict[tuple[str, str], str] = {
     ("algorithm.loss=gspo", "mtpo"): "GSPO clips one ratio per sequence, and a two-round sample holds two segments "
                                      "with advantages of their own (its answer masked out in all but one copy)",
     **{(f"loss.off_policy_correction={mode}", "graded_prompt"): _GRADED_LOGPROBS for mode in CORRECTIONS[1:]},
+    ("algorithm.experience_maker=agent_episodes", "mtpo"): "both set algorithm.experience_maker (agent_episodes, "
+                                                           "two_round); one would silently replace the other",
+    ("algorithm.experience_maker=agent_episodes", "graded_prompt"): "both set algorithm.experience_maker "
+                                                                    "(agent_episodes, graded_prompt)",
+    ("algorithm.experience_maker=agent_episodes", "cpo"): "CPO's hinted log-prob pass is not yet defined over an "
+                                                          "agent episode's observation tokens (docs/agents.md)",
     ("rollout.overlong_buffer_fraction>0", "mtpo"): _OWN_CAPS,
     ("rollout.overlong_filter=true", "mtpo"): _OWN_CAPS,
 }
@@ -99,6 +105,7 @@ READ_ONLY_UNDER: dict[str, tuple[str, ...]] = {
     "dynamic_sampling.": ("dynamic_sampling.enabled=true",),
     "rollout.overlong_penalty": ("rollout.overlong_buffer_fraction>0",),
     "mtpo.": ("algorithm.experience_maker=two_round",),
+    "agents.": ("algorithm.experience_maker=agent_episodes",),
     "policy.optim.master_weights": ("policy.backend=hf",),  # megatron-core's optimizer always keeps float32 masters
     "advantage.": tuple(f"algorithm.adv_estimator={name}" for name in  # RLOO divides by no std
                         ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "mtpo_segments", "cpo")),

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from aligner_ext.registry import Registry
+from aligner_ext.rewards.base import RewardResult
 
 ENVIRONMENTS = Registry("environment")
 ENVIRONMENT_SOURCES: dict[str, str] = {}
@@ -54,8 +55,9 @@ class StepResult:
     """What `step` gives after a model turn."""
 
     messages: list[Message] = field(default_factory=list)  # tool results (role "tool") or feedback (role "user")
-    reward: float | None = None  # a per-turn reward, or None
+    reward: float | None = None  # a per-turn reward, or None; the episode's reward adds them to its final one
     done: bool = False  # the episode ends here: the model does not answer `messages`
+    metrics: dict[str, float] = field(default_factory=dict)  # counts this step adds to the episode's (e.g. tool errors by reason), summed per step into agent/<name>
 
 
 class Environment:
@@ -79,8 +81,9 @@ class Environment:
         """Answer one model turn: `assistant_message` holds its text (`content`) and parsed `tool_calls`."""
         raise NotImplementedError(f"{type(self).__name__} must define step(assistant_message, state)")
 
-    async def score(self, state: Any) -> float | None:
-        """The episode's final reward; None leaves it to the reward registry over the transcript."""
+    async def score(self, state: Any) -> float | RewardResult | None:
+        """The episode's final reward (a RewardResult when the environment also says whether it was
+        correct); None leaves it to the reward registry, which scores the last model turn's text."""
         return None
 
 

@@ -1,15 +1,14 @@
-"""Limits of an agent episode, as data.
+"""The `agents` config section: which environment answers a row, and the limits of an episode.
 
-The dataclass of the future `agents.limits` config section, each field with its rule, free of torch as
-the other settings modules are. It is not in conf/ or the run configuration yet, and nothing enforces
-it yet: the episode loop that ends an episode at each limit (and counts it) is the next step
-(docs/agents.md)."""
+Free of torch, as the other settings modules are; read by the agent-episodes experience maker
+(experience/agent_episodes.py) and its episode loop (episodes.py), which ends an episode at each limit
+and counts it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from aligner_ext.rules import choice, number
+from aligner_ext.rules import choice, number, plugin
 
 TRUNCATION_SIDES = ("right", "left", "middle")
 
@@ -23,3 +22,12 @@ class EpisodeLimits:
     max_observation_tokens: int = number(512, ge=1)  # tokens of one new message's content (a tool result, feedback); longer content is cut and the cut tokens counted
     observation_truncation: str = choice("right", *TRUNCATION_SIDES)  # which part of a too-long content is cut: right (keep the start) | left (keep the end) | middle (keep both ends)
     max_episode_seconds: float = number(600.0, gt=0)  # wall-clock limit from reset to the last step; keep it under any sandbox's lifetime
+
+
+@dataclass
+class AgentsConfig:
+    """Agent episodes (algorithm.experience_maker=agent_episodes, docs/agents.md)."""
+
+    environment: str = plugin("auto", "aligner_ext.agents.environment:ENVIRONMENTS", "auto")  # the environment of every row; auto: the one registered for each row's data_source
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)  # when an episode ends
+    max_concurrent_episodes: int = number(256, ge=1)  # episodes in flight at once; each holds an engine slot (with the rollout engine, its KV cache) while its environment answers

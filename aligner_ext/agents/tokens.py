@@ -43,11 +43,17 @@ class Trajectory:
     ids: list[int] = field(default_factory=list)
     roles: list[str] = field(default_factory=list)  # one of ROLES per id
     text: str = ""  # the prompt's rendering + each sampled turn as decoded + the template's suffixes
+    logprobs: list[float] = field(default_factory=list)  # per id: the engine's log-prob of a sampled id, 0 elsewhere
 
-    def append(self, ids: list[int], role: str, text: str) -> None:
+    def append(self, ids: list[int], role: str, text: str, logprobs: list[float] | None = None) -> None:
         self.ids += ids
         self.roles += [role] * len(ids)
         self.text += text
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    def prompt_length(self) -> int:
+        """Ids of the row's prompt: everything before the first sampled id."""
+        return self.roles.index("sampled") if "sampled" in self.roles else len(self.roles)
 
     def sampled_mask(self) -> list[bool]:
         """True on the ids that carry a loss: the sampled ones."""
@@ -87,12 +93,16 @@ class ChatRenderer:
         trajectory.append(self.encode(text), "prompt", text)
         return trajectory
 
-    def add_turn(self, trajectory: Trajectory, sampled_ids: list[int], message: dict[str, Any]) -> None:
-        """Append a model turn: its ids as sampled, and `message`, the assistant message parsed from them."""
+    def add_turn(self, trajectory: Trajectory, sampled_ids: list[int], message: dict[str, Any],
+                 logprobs: list[float] | None = None) -> None:
+        """Append a model turn: its ids as sampled (with the engine's log-probs of them), and `message`,
+        the assistant message parsed from them."""
         if not sampled_ids:
             raise ValueError("a model turn has at least one sampled id")
+        if logprobs is not None and len(logprobs) != len(sampled_ids):
+            raise ValueError(f"a model turn of {len(sampled_ids)} ids came with {len(logprobs)} log-probs")
         text = self.tokenizer.decode(sampled_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        trajectory.append(list(sampled_ids), "sampled", text)
+        trajectory.append(list(sampled_ids), "sampled", text, logprobs)
         trajectory.messages.append(message)
 
     def add_messages(self, trajectory: Trajectory, new_messages: list[dict[str, Any]]) -> Extension:

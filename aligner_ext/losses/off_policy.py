@@ -31,8 +31,9 @@ Decisions (tests/unit/losses/test_off_policy.py pins them):
 - `importance_sampling_cap` > 0 with `off_policy_correction=none` selects token_tis, so a config that
   sets only the cap (docs/serving.md) keeps token-level TIS; a mode that reads no cap refuses one,
   and a truncating mode refuses a cap of 0.
-- The sequence ratio is over the generated tokens (`response_valid`), the whole sampled sequence,
-  even where a variant leaves some out of the loss. Log-ratios are clamped to +-log_ratio_clamp
+- The sequence ratio is over the sampled tokens (`ExperienceBatch.sampled`: every generated token, an
+  agent episode's tool results and template tokens aside), even where a variant leaves some out of
+  the loss. Log-ratios are clamped to +-log_ratio_clamp
   (per token, then the sequence's sum) before exp, so a wild sequence cannot overflow.
 """
 
@@ -84,7 +85,7 @@ class OffPolicyCorrection:
         """The weights of `batch`'s tokens, or None when the correction is off."""
         if self.mode == "none":
             return None
-        valid = batch.response_valid
+        valid = batch.sampled
         log_ratio = torch.where(valid, batch.old_logprobs - batch.generation_logprobs, 0.0)
         log_ratio = log_ratio.clamp(-self.clamp, self.clamp)
         if self.sequence_level:

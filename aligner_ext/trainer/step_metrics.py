@@ -14,7 +14,7 @@ ZERO_STD_EPS = 1e-6  # reward std at or below this counts as "all samples agree"
 def batch_metrics(batch: ExperienceBatch) -> dict[str, float]:
     """Reward, accuracy, lengths, zero-std groups, advantage range, entropy, finish reasons."""
     lengths = batch.response_lengths.float()
-    valid = batch.response_valid
+    valid, sampled = batch.response_valid, batch.sampled
     agree = groups_all_agree(batch.rewards, batch.group_ids, ZERO_STD_EPS)
     advantages = batch.advantages[batch.response_mask] if batch.advantages is not None else torch.zeros(1)
     finish = [sample.finish_reason for sample in batch.samples]
@@ -30,7 +30,7 @@ def batch_metrics(batch: ExperienceBatch) -> dict[str, float]:
         "response/stop_fraction": finish.count("stop") / len(finish),
         "advantage/min": float(advantages.min()) if advantages.numel() else 0.0,
         "advantage/max": float(advantages.max()) if advantages.numel() else 0.0,
-        "actor/entropy": float((batch.entropy * valid).sum() / valid.sum().clamp(min=1)),
+        "actor/entropy": float((batch.entropy * sampled).sum() / sampled.sum().clamp(min=1)),
         "batch/num_samples": float(len(batch)),
         "batch/num_groups": float(len(agree)),
     }
@@ -39,14 +39,13 @@ def batch_metrics(batch: ExperienceBatch) -> dict[str, float]:
 
 
 def logprob_mismatch(batch: ExperienceBatch) -> dict[str, float]:
-    """|engine log-prob - trainer log-prob| over the generated tokens, mean and max (when the engine
+    """|engine log-prob - trainer log-prob| over the sampled tokens, mean and max (when the engine
     returned its log-probs, `rollout.return_logprobs`). The two differ by the engine's and the
     trainer's numerics, by top-p / top-k (the engine reports the filtered distribution), and under
     the graded system prompt by design (the engine saw another prompt)."""
     if batch.generation_logprobs is None or batch.old_logprobs is None:
         return {}
-    valid = batch.response_valid
-    gap = (batch.generation_logprobs - batch.old_logprobs).abs()[valid]
+    gap = (batch.generation_logprobs - batch.old_logprobs).abs()[batch.sampled]
     if not gap.numel():
         return {}
     return {"rollout/logprob_diff_mean": float(gap.mean()), "rollout/logprob_diff_max": float(gap.max())}

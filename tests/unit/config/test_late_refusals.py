@@ -18,7 +18,7 @@ from aligner_ext.cli import main
 PACKAGE = Path(__file__).resolve().parents[3] / "aligner_ext"
 CONFIG_MODULES = {"config.py", "rules.py", "variants.py", "plugin_names.py", "from_verl.py", "cli.py", "settings.py"}
 SETTING = re.compile(r"\b(model|data|rollout|graded_prompt|generator|reward|algorithm|dynamic_sampling|advantage|"
-                     r"mtpo|cpo|loss|policy|trainer)\.[a-z_]")
+                     r"mtpo|cpo|agents|loss|policy|trainer)\.[a-z_]")
 
 # fragment of the late raise -> (overrides that ask for it, what `aligner-ext config` says)
 AT_LOAD = {
@@ -72,6 +72,8 @@ ELSEWHERE = {
     "raise dynamic_sampling.max_gen_batches": "how many groups the run's rewards keep",
     "needs reward functions that report": "what the reward functions return",
     "cannot render a system message": "the tokenizer's chat template",
+    "must be a subclass of": "the class a dotted path names, imported when the run builds",
+    "leaves no room for a turn": "a data row's messages as the environment and the chat template render them",
     "LoRA adapters on the attention and MLP projections only": "the model's module names",
     "needs a KV cache with batch_select_indices": "the model's cache class",
     "has no {path} endpoint": "the generation servers",

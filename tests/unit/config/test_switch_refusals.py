@@ -23,6 +23,8 @@ SWITCHES = {
     "loss.off_policy_correction=sequence_mask": ["loss.off_policy_correction=sequence_mask"],
     "rollout.overlong_buffer_fraction>0": ["rollout.overlong_buffer_fraction=0.2"],
     "rollout.overlong_filter=true": ["rollout.overlong_filter=true"],
+    "algorithm.experience_maker=agent_episodes": ["algorithm.experience_maker=agent_episodes",
+                                                  "agents.limits.max_total_tokens=512"],  # the embedded model's positions
 }
 
 

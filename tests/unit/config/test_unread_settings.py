@@ -23,6 +23,7 @@ CASES = {
     "dynamic_sampling.": ("dynamic_sampling.max_gen_batches=5", ["dynamic_sampling.enabled=true"]),
     "rollout.overlong_penalty": ("rollout.overlong_penalty=0.5", ["rollout.overlong_buffer_fraction=0.25"]),
     "mtpo.": ("mtpo.max_answer_length=32", ["+variant=mtpo"]),
+    "agents.": ("agents.limits.max_total_tokens=512", ["algorithm.experience_maker=agent_episodes"]),
     "advantage.": ("advantage.use_std=false", []),
     "policy.optim.master_weights": ("policy.optim.master_weights=false", []),
 }

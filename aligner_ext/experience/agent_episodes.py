@@ -1,0 +1,159 @@
+"""AgentEpisodes: GRPO over multi-turn agent episodes (algorithm.experience_maker=agent_episodes).
+
+A step draws `data.train_batch_size` prompts and plays `rollout.n` episodes of each against the row's
+environment (agents/episodes.py: tools, feedback, several turns, token-exact). Each episode's training
+row holds the prompt the template rendered and, as the response, everything after it: the sampled
+turns, the template's boundary tokens and the observations, each token's writer in
+`ExperienceBatch.token_roles`. Only sampled tokens are in `response_mask` (a loss on a tool's output
+would train the policy to predict the tool) and carry the engine's log-probs.
+
+Decisions (docs/agents.md; tests/unit/experience/test_agent_episodes.py pins them):
+- The episode's reward is the environment's final score (or, when it gives none, the reward
+  registry's score of the last model turn's text against the row) plus the sum of its per-turn
+  rewards; `correct` is the final score's. It sits on the last sampled token of the row.
+- An episode that became several rows (a template that rewrites history, tokens.py) gives each row
+  the episode's reward, in the draw's group; `agent/history_rewrites` counts them. An episode whose
+  environment failed at reset has no row (counted in `agent/end_environment_error`).
+- `rollout.max_response_length` caps each turn; `agents.limits.max_total_tokens` a whole row.
+- Validation plays one greedy episode per prompt (`own_evaluation`), with the metrics of the
+  single-round evaluation's names (accuracy, reward_mean, response_length, num_prompts) and the
+  episodes' own under `val/agent/`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Callable
+
+import torch
+
+from aligner_ext.agents.episodes import ENDS, EpisodeOutcome, EpisodeRunner
+from aligner_ext.agents.settings import AgentsConfig
+from aligner_ext.batch import TOKEN_ROLES, ExperienceBatch, SampleInfo
+from aligner_ext.context import BuildContext
+from aligner_ext.data.loader import PromptLoader
+from aligner_ext.data.templating import left_pad, right_pad
+from aligner_ext.errors import UserError
+from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, identical_samples
+from aligner_ext.experience.settings import RolloutConfig
+from aligner_ext.generation.base import GenerationEngine, SamplingParams
+from aligner_ext.rewards.base import RewardResult
+from aligner_ext.rewards.manager import RewardManager
+
+# counts an episode keeps (agents/episodes.py) reported per episode as agent/<name>
+PER_EPISODE = ("turns", "tool_calls", "malformed_calls", "observation_tokens", "truncated_observation_tokens",
+               "template_tokens", "environment_seconds", "history_rewrites")
+
+
+@EXPERIENCE_MAKERS.register("agent_episodes", "agents")
+class AgentEpisodes(GroupSampling):
+    """`rollout.n` agent episodes per prompt draw, one group each (module docstring)."""
+
+    own_evaluation = "it plays one greedy episode per prompt"
+    writes = (*GroupSampling.writes, "token_roles")
+    summary_metrics = ("agent/turns", "agent/tool_calls")
+
+    def __init__(self, agents: AgentsConfig, cfg: RolloutConfig, engine: GenerationEngine, rewards: RewardManager,
+                 tokenizer, seed: int = 0):
+        super().__init__(cfg, engine, rewards, tokenizer, seed)  # no routing asked: not recorded over turns yet
+        self.runner = EpisodeRunner(engine, tokenizer, agents)
+
+    @classmethod
+    def from_context(cls, ctx: BuildContext) -> "AgentEpisodes":
+        return cls(ctx.cfg.agents, ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed)
+
+    def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
+        draws = loader.next_batch()
+        outcomes, session = self.runner.run(draws, self.cfg.n, self.sampling_params(step))
+        batch = self.assemble_episodes(outcomes)
+        return batch, {**self.rewards.metrics(), **identical_samples(batch), **episode_metrics(outcomes, session)}
+
+    def scores(self, outcomes: list[EpisodeOutcome]) -> list[RewardResult]:
+        """Each episode's final score: the environment's, else the reward registry's of its last turn."""
+        unscored = [index for index, outcome in enumerate(outcomes) if outcome.score is None]
+        registry = self.rewards.score([outcomes[i].final_text for i in unscored], [outcomes[i].draw.row for i in unscored])
+        results = {index: result for index, result in zip(unscored, registry)}
+        return [results.get(index, outcome.score) for index, outcome in enumerate(outcomes)]
+
+    def assemble_episodes(self, outcomes: list[EpisodeOutcome]) -> ExperienceBatch:
+        """One batch row per training row of every episode (module docstring)."""
+        rows, infos, rewards, correct = [], [], [], []
+        for outcome, score in zip(outcomes, self.scores(outcomes)):
+            for trajectory in outcome.rows:
+                rows.append((outcome, trajectory))
+                rewards.append(score.score + outcome.turn_rewards)
+                correct.append(score.correct if score.correct is not None else math.nan)
+                infos.append({**score.info, "episode_end": outcome.end, "turns": outcome.counts["turns"]})
+        if not rows:
+            raise UserError("every episode of the step failed before its first turn (the environment's reset "
+                            "raised or timed out, see the log above): nothing to train on")
+        pad = self.tokenizer.pad_token_id or 0  # padding is masked: any id serves
+        starts = [trajectory.prompt_length() for _, trajectory in rows]
+        prompt_ids, prompt_mask = left_pad([t.ids[:start] for (_, t), start in zip(rows, starts)], pad)
+        response_ids, response_valid = right_pad([t.ids[start:] for (_, t), start in zip(rows, starts)], pad)
+        roles, _ = right_pad([[TOKEN_ROLES[role] for role in t.roles[start:]] for (_, t), start in zip(rows, starts)], 0)
+        roles = roles.to(torch.int8)
+        sampled = roles == TOKEN_ROLES["sampled"]
+        logprobs, _ = right_pad([t.logprobs[start:] for (_, t), start in zip(rows, starts)], 0.0, torch.float32)
+        batch = ExperienceBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_valid=response_valid,
+            response_mask=sampled.clone(), token_roles=roles,
+            group_ids=torch.tensor([outcome.draw.draw_id for outcome, _ in rows], dtype=torch.long),
+            samples=[SampleInfo(row=outcome.draw.row, response_text=outcome.final_text,
+                                finish_reason=outcome.last_finish, reward_info=info)
+                     for (outcome, _), info in zip(rows, infos)],
+            generation_logprobs=logprobs if self.cfg.return_logprobs else None,
+        )
+        batch.rewards = torch.tensor(rewards, dtype=torch.float32)
+        batch.correct = torch.tensor(correct, dtype=torch.float32)
+        batch.token_rewards = last_sampled_rewards(batch.rewards, sampled)
+        return batch
+
+    def evaluate(self, loader: PromptLoader,
+                 single_round: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
+        """One greedy episode per prompt: accuracy, mean reward and the episodes' counts."""
+        params = SamplingParams(max_new_tokens=self.cfg.max_response_length, temperature=0.0,
+                                stop=list(self.cfg.stop), seed=0)
+        outcomes, session = [], Counter()
+        for draws in loader.iterate_once():
+            found, counts = self.runner.run(draws, 1, params)
+            outcomes += found
+            session += counts
+        scores = self.scores(outcomes)
+        correct = [s.correct for s in scores if s.correct is not None]
+        metrics = {
+            "val/accuracy": sum(correct) / len(correct) if correct else math.nan,
+            "val/reward_mean": sum(s.score + o.turn_rewards for s, o in zip(scores, outcomes)) / max(1, len(outcomes)),
+            "val/response_length": sum(len(t.ids) - t.prompt_length() for o in outcomes for t in o.rows)
+            / max(1, sum(len(o.rows) for o in outcomes)),
+            "val/num_prompts": float(len(outcomes)),
+        }
+        metrics.update({key.replace("agent/", "val/agent/", 1): value
+                        for key, value in episode_metrics(outcomes, session).items()})
+        return metrics
+
+
+def last_sampled_rewards(rewards: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """[B, R] zeros with each row's reward on its last sampled token (none when it has none)."""
+    token_rewards = torch.zeros(sampled.shape, dtype=torch.float32)
+    positions = torch.arange(sampled.shape[1]).expand_as(sampled)
+    last = torch.where(sampled, positions, -1).max(dim=1).values
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    token_rewards[rows, last[rows]] = rewards[rows]
+    return token_rewards
+
+
+def episode_metrics(outcomes: list[EpisodeOutcome], session: Counter) -> dict[str, float]:
+    """agent/<count> per episode (mean), the share of episodes ended by each reason, the environment's
+    own counts per episode, and the engine's prefilled and reused tokens per turn."""
+    episodes = max(1, len(outcomes))
+    total = sum((outcome.counts for outcome in outcomes), Counter())
+    metrics = {f"agent/{name}": total[name] / episodes for name in (*PER_EPISODE, *sorted(set(total) - set(PER_EPISODE)))}
+    ends = Counter(outcome.end for outcome in outcomes)
+    metrics.update({f"agent/end_{reason}": ends[reason] / episodes for reason in ENDS})
+    turns = max(1, session.get("turns", total["turns"]))
+    for name in ("prefilled_tokens", "reused_tokens", "recomputed_tokens", "evictions"):
+        if name in session:
+            metrics[f"agent/{name}_per_turn"] = session[name] / turns
+    return metrics
