@@ -75,6 +75,8 @@ BUILTIN_PLUGINS: dict[str, dict[str, str]] = {
     },
     "aligner_ext.data.tasks.base:TASKS": {
         "arithmetic": "aligner_ext.data.tasks.arithmetic",
+        "calculator_arithmetic": "aligner_ext.data.tasks.calculator_arithmetic",
+        "guess_number": "aligner_ext.data.tasks.guess_number",
         "rubric_qa": "aligner_ext.data.tasks.rubric_qa",
         "short_qa": "aligner_ext.data.tasks.short_qa"
     },

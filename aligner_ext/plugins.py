@@ -5,6 +5,8 @@ name table that settings are checked against (`python scripts/gen_plugin_names.p
 no entry: registries import dotted paths on demand.
 """
 
+import aligner_ext.agents.calculator  # noqa: F401
+import aligner_ext.agents.guess_number  # noqa: F401
 import aligner_ext.algorithms.advantages  # noqa: F401
 import aligner_ext.algorithms.cpo  # noqa: F401
 import aligner_ext.algorithms.estimators  # noqa: F401

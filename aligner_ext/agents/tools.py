@@ -68,10 +68,12 @@ class ToolRunner:
 
     async def answer(self, turn: ParsedTurn) -> list[dict[str, Any]]:
         """One tool message per call attempt of the turn, in the order sampled; the calls run concurrently."""
-        results = await asyncio.gather(*(self.call(call) if isinstance(call, ToolCall) else self.malformed(call)
-                                         for call in turn.calls))
-        return [{"role": "tool", "name": getattr(call, "name", ""), "content": result.content}
-                for call, result in zip(turn.calls, results)]
+        return [tool_message(call, result) for call, result in zip(turn.calls, await self.run(turn))]
+
+    async def run(self, turn: ParsedTurn) -> list[ToolResult]:
+        """The result of every call attempt of the turn, in the order sampled; the calls run concurrently."""
+        return await asyncio.gather(*(self.call(call) if isinstance(call, ToolCall) else self.malformed(call)
+                                      for call in turn.calls))
 
     async def malformed(self, call: MalformedCall) -> ToolResult:
         return self._counted(ToolResult(f"Error: malformed tool call: {call.problem}", "malformed"))
@@ -122,6 +124,11 @@ class ToolRunner:
         if result.error:
             self.counts[result.error] += 1
         return result
+
+
+def tool_message(call: ToolCall | MalformedCall, result: ToolResult) -> dict[str, Any]:
+    """The tool message that answers one call attempt (a malformed call has no name)."""
+    return {"role": "tool", "name": getattr(call, "name", ""), "content": result.content}
 
 
 def _is_json_type(value: Any, kind: str) -> bool:

@@ -1,0 +1,132 @@
+"""ToolEnvironment: the row's prompt and the tools' schemas at reset, every call attempt of a turn answered
+(malformed ones and unknown tools included) and counted in the episode's own state, and a turn without
+a call ending the episode."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from aligner_ext.agents import tools
+from aligner_ext.agents.tool_environment import ToolEnvironment, ToolEpisode
+from aligner_ext.data.types import PromptRow
+
+
+def shout(text: str) -> str:
+    """Upper-case a text.
+
+    Args:
+        text: The text.
+    """
+    return text.upper()
+
+
+def halve(n: int) -> int:
+    """Half of an even number.
+
+    Args:
+        n: An even number.
+    """
+    if n % 2:
+        raise ValueError(f"{n} is odd")
+    return n // 2
+
+
+async def stall(n: int) -> int:
+    """Never answer.
+
+    Args:
+        n: Ignored.
+    """
+    await asyncio.Event().wait()
+
+
+class Shouting(ToolEnvironment):
+    TOOLS = (shout, halve, stall)
+
+
+ROW = PromptRow("t:0", [{"role": "system", "content": "Be loud."}, {"role": "user", "content": "Shout hi."}], "shouting")
+
+
+def assistant(content="", calls=(), malformed=()):
+    """An assistant message as the episode loop gives it: ParsedTurn.message() plus malformed attempts."""
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": arguments}}
+                                 for name, arguments in calls]
+    if malformed:
+        message["malformed_tool_calls"] = [{"text": text, "problem": problem} for text, problem in malformed]
+    return message
+
+
+def test_reset_gives_a_copy_of_the_prompt_the_schemas_and_a_fresh_state():
+    env = Shouting()
+    first, second = asyncio.run(env.reset(ROW)), asyncio.run(env.reset(ROW))
+    assert first.messages == ROW.messages and [tool["function"]["name"] for tool in first.tools] == [
+        "shout", "halve", "stall"]
+    first.messages[1]["content"] = "changed"  # the loop extends its episode's conversation, never the row
+    first.messages.append({"role": "assistant", "content": "HI"})
+    assert ROW.messages[1]["content"] == "Shout hi." and len(ROW.messages) == 2
+    assert first.state == ToolEpisode(ROW) and first.state.counts is not second.state.counts
+
+
+def test_every_call_attempt_is_answered_in_order_and_counted(monkeypatch):
+    ticks = iter([0.0, 1.0, 1.5, 2.25])  # the two calls that run start (concurrently), then end, in either order
+    monkeypatch.setattr(tools, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
+    env = Shouting()
+    state = asyncio.run(env.reset(ROW)).state
+    message = assistant("Let me try.", calls=[("shout", {"text": "hi"}), ("halve", {"n": 3}), ("mul", {"a": 1})],
+                        malformed=[('<tool_call>{"name": "shout"', "the <tool_call> is never closed with </tool_call>")])
+    result = asyncio.run(env.step(message, state))
+    assert result.messages == [
+        {"role": "tool", "name": "shout", "content": "HI"},
+        {"role": "tool", "name": "halve", "content": "Error: halve raised ValueError: 3 is odd"},
+        {"role": "tool", "name": "mul", "content": "Error: unknown tool 'mul'; the tools are halve, shout, stall"},
+        {"role": "tool", "name": "", "content": "Error: malformed tool call: the <tool_call> is never closed with "
+                                                "</tool_call>"}]
+    assert (result.done, result.reward) == (False, None)
+    assert state.counts == {"turns": 1, "calls": 4, "exception": 1, "unknown_tool": 1, "malformed": 1,
+                            "tool_seconds": 2.75}  # ends 1.5 + 2.25 minus starts 0.0 + 1.0; 2 calls never ran
+    assert state.answer == "Let me try."
+
+
+def test_a_turn_of_malformed_calls_alone_is_answered_not_final():
+    env = Shouting()
+    state = asyncio.run(env.reset(ROW)).state
+    result = asyncio.run(env.step(assistant("<tool_call>{", malformed=[("<tool_call>{", "not valid JSON")]), state))
+    assert result.messages == [{"role": "tool", "name": "", "content": "Error: malformed tool call: not valid JSON"}]
+    assert not result.done and state.counts == {"turns": 1, "calls": 1, "malformed": 1}
+
+
+def test_a_turn_without_a_call_ends_the_episode_and_the_registry_scores_it():
+    env = Shouting()
+    state = asyncio.run(env.reset(ROW)).state
+    asyncio.run(env.step(assistant(calls=[("shout", {"text": "hi"})]), state))
+    result = asyncio.run(env.step(assistant("HI!"), state))
+    assert (result.messages, result.done) == ([], True)
+    assert state.answer == "HI!" and state.counts["turns"] == 2 and state.counts["calls"] == 1
+    assert asyncio.run(env.score(state)) is None
+
+
+def test_concurrent_episodes_count_apart_and_a_stalled_tool_times_out():
+    env = Shouting(timeout_s=0.05)
+
+    async def two_episodes():
+        first, second = await env.reset(ROW), await env.reset(ROW)
+        stalled, _ = await asyncio.gather(
+            env.step(assistant(calls=[("stall", {"n": 1})]), first.state),
+            env.step(assistant(calls=[("shout", {"text": "a"}), ("halve", {"n": "2"})]), second.state))
+        return stalled.messages, first.state, second.state
+
+    stalled, first, second = asyncio.run(two_episodes())
+    assert stalled == [{"role": "tool", "name": "stall", "content": "Error: stall did not finish within 0.05 s"}]
+    assert first.counts["calls"] == 1 and first.counts["timeout"] == 1 and "bad_arguments" not in first.counts
+    assert second.counts["calls"] == 2 and second.counts["bad_arguments"] == 1 and "timeout" not in second.counts
+
+
+def test_an_environment_without_tools_is_refused():
+    class Empty(ToolEnvironment):
+        pass
+
+    with pytest.raises(TypeError, match="Empty lists no TOOLS"):
+        Empty()
