@@ -22,7 +22,10 @@ KINDS: dict[str, str] = {
 }
 
 BUILTIN_PLUGINS: dict[str, dict[str, str]] = {
-    "aligner_ext.agents.environment:ENVIRONMENTS": {},
+    "aligner_ext.agents.environment:ENVIRONMENTS": {
+        "calculator": "aligner_ext.agents.calculator",
+        "guess_number": "aligner_ext.agents.guess_number"
+    },
     "aligner_ext.algorithms.advantages:ADVANTAGES": {
         "cpo": "aligner_ext.algorithms.cpo",
         "group_norm": "aligner_ext.algorithms.advantages",

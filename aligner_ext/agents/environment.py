@@ -57,7 +57,7 @@ class StepResult:
     messages: list[Message] = field(default_factory=list)  # tool results (role "tool") or feedback (role "user")
     reward: float | None = None  # a per-turn reward, or None; the episode's reward adds them to its final one
     done: bool = False  # the episode ends here: the model does not answer `messages`
-    metrics: dict[str, float] = field(default_factory=dict)  # counts this step adds to the episode's (e.g. tool errors by reason), summed per step into agent/<name>
+    metrics: dict[str, float] = field(default_factory=dict)  # counts of this step (e.g. tool errors by reason): summed over the episode, reported per episode as agent/<name>
 
 
 class Environment:

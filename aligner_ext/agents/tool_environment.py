@@ -16,19 +16,18 @@ A subclass lists its tools and, when it owns the final reward, defines `score`:
 - A turn without any call attempt is the final answer: the episode ends (done, no new messages).
 - `score(state)`: None by default, so the reward registry scores the final answer (`state.answer`).
 
-Counting: each episode's `state.counts` is a `collections.Counter` the episode loop reads when the
-episode ends and sums over episodes (`total.update(state.counts)`) for the metrics, so counts stay
-per episode whichever thread or event loop runs it. Keys (`EPISODE_COUNTS`): `turns` (steps taken),
-`calls` (call attempts, malformed ones included), one key per error reason of `tools.ERRORS`
-(`unknown_tool`, `bad_arguments`, `exception`, `timeout`, `malformed`; their sum is the tool errors)
-and `tool_seconds` (the summed wall time of the calls that ran, a float; calls of one turn run
-concurrently, so the turn may have taken less). A key never counted is absent and reads 0.
+Counting: each step reports its tools' counts in `StepResult.metrics`, which the episode loop sums
+per episode and reports per episode as `agent/<key>` (the loop counts turns and call attempts itself).
+Keys (`STEP_COUNTS`): `tool_errors` (the step's failed attempts, malformed ones included), one
+`tool_errors_<reason>` per reason of `tools.ERRORS` that occurred (`unknown_tool`, `bad_arguments`,
+`exception`, `timeout`, `malformed`) and `tool_seconds` (the summed wall time of the calls that ran;
+calls of one turn run concurrently, so the turn may have taken less). A key never counted is absent.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from aligner_ext.agents.environment import Environment, Episode, Message, StepResult
@@ -36,7 +35,7 @@ from aligner_ext.agents.tool_calls import MalformedCall, ParsedTurn, ToolCall
 from aligner_ext.agents.tools import ERRORS, ToolRunner, tool_message
 from aligner_ext.data.types import PromptRow
 
-EPISODE_COUNTS = ("turns", "calls", *ERRORS, "tool_seconds")  # the keys of ToolEpisode.counts
+STEP_COUNTS = ("tool_errors", *(f"tool_errors_{reason}" for reason in ERRORS), "tool_seconds")  # StepResult.metrics keys
 
 
 @dataclass
@@ -45,7 +44,6 @@ class ToolEpisode:
 
     row: PromptRow
     answer: str | None = None  # the content of the latest assistant turn: the final answer once the episode is done
-    counts: Counter[str] = field(default_factory=Counter)  # EPISODE_COUNTS (module docstring)
 
 
 class ToolEnvironment(Environment):
@@ -67,17 +65,17 @@ class ToolEnvironment(Environment):
     async def step(self, assistant_message: Message, state: ToolEpisode) -> StepResult:
         turn = call_attempts(assistant_message)
         state.answer = turn.content
-        state.counts["turns"] += 1
         if not turn.calls:
             return StepResult(done=True)
         results = await self.runner.run(turn)
+        counts: Counter[str] = Counter()
         for result in results:
-            state.counts["calls"] += 1
             if result.error:
-                state.counts[result.error] += 1
+                counts["tool_errors"] += 1
+                counts[f"tool_errors_{result.error}"] += 1
             if result.seconds:
-                state.counts["tool_seconds"] += result.seconds
-        return StepResult([tool_message(call, result) for call, result in zip(turn.calls, results)])
+                counts["tool_seconds"] += result.seconds
+        return StepResult([tool_message(call, result) for call, result in zip(turn.calls, results)], metrics=dict(counts))
 
 
 def call_attempts(message: Message) -> ParsedTurn:

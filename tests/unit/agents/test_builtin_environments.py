@@ -73,7 +73,7 @@ def test_a_calculator_episode_is_scored_on_its_final_answer():
     ])
     assert results[0].messages == [{"role": "tool", "name": "calculator", "content": "1351114053"}]
     assert [result.done for result in results] == [False, True] and score == 1.0
-    assert state.counts["turns"] == 2 and state.counts["calls"] == 1
+    assert results[0].metrics == {"tool_seconds": results[0].metrics["tool_seconds"]}  # no error
 
 
 def test_a_wrong_or_missing_final_answer_scores_zero():
@@ -87,7 +87,7 @@ def test_a_raising_expression_is_the_models_observation():
         {"role": "tool", "name": "calculator", "content": "Error: calculator raised ZeroDivisionError: division by zero"},
         {"role": "tool", "name": "calculator",
          "content": "Error: calculator raised ValueError: '2 ** 3' is not arithmetic on integers"}]
-    assert state.counts["exception"] == 2 and not results[0].done
+    assert results[0].metrics["tool_errors_exception"] == 2 and not results[0].done
 
 
 def test_the_environments_are_found_by_name_and_data_source():
