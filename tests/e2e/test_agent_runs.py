@@ -1,11 +1,14 @@
 """Agent episodes end to end on the embedded model (algorithm.experience_maker=agent_episodes): a
-two-turn environment with feedback, through the loop, the trainer and the held-out evaluation."""
+two-turn environment with feedback, through the loop, the trainer and the held-out evaluation; a run
+stopped after a checkpoint resumes to the same weights and metrics."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from aligner_ext.config import load_config
 from aligner_ext.trainer.loop import train
@@ -15,16 +18,22 @@ pytestmark = pytest.mark.slow
 
 AGENT = ["algorithm.experience_maker=agent_episodes", "agents.environment=e2e_environments.Retry",
          "agents.limits.max_turns=2", "agents.limits.max_total_tokens=256", "rollout.max_response_length=24",
-         "trainer.tensorboard=false", "+reward.sources.arithmetic=e2e_rewards.digit_fraction"]
+         "trainer.tensorboard=false", "+reward.sources.arithmetic=e2e_rewards.digit_fraction",
+         "trainer.total_steps=3", "trainer.save_every=1"]
 
 
-def test_an_agent_run_trains_on_sampled_tokens_only_and_reports_its_episodes(tmp_path, monkeypatch):
+def records(path):
+    """metrics.jsonl without wall-clock values."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("timing/") and not k.endswith("_seconds")} for r in rows]
+
+
+def test_an_agent_run_trains_on_sampled_tokens_only_reports_its_episodes_and_resumes(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # e2e_environments, e2e_rewards (reward workers too)
-    run = [f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "trainer.total_steps=2"]
-    summary = train(load_config("base", SMALL_MODEL + AGENT + run))
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2]
-    step = records[1]
+    summary = train(load_config("base", SMALL_MODEL + AGENT + [f"trainer.output_dir={tmp_path}", "trainer.run_name=a"]))
+    metrics = records(tmp_path / "a" / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [0, 1, 2, 3]
+    step = metrics[1]
     # 4 prompts x 4 episodes of 1 or 2 turns; a wrong first answer is retried once
     assert step["batch/num_samples"] == 16
     assert 1 <= step["agent/turns"] <= 2 and step["agent/history_rewrites"] == 0
@@ -32,6 +41,19 @@ def test_an_agent_run_trains_on_sampled_tokens_only_and_reports_its_episodes(tmp
     assert step["agent/end_done"] + step["agent/end_max_turns"] + step["agent/end_max_total_tokens"] == 1
     # the engine's log-probs are compared on sampled tokens only: feedback tokens have none
     assert step["rollout/logprob_diff_max"] < 1e-4
-    for record in (records[0], records[2]):
+    for record in (metrics[0], metrics[3]):
         assert record["val/num_prompts"] == 8 and "val/agent/turns" in record
     assert "agent/turns" in summary.run_means
+
+    # the same run stopped after its step-2 checkpoint
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_3")
+    (tmp_path / "b" / "checkpoints" / "latest").write_text("step_2")
+    train(load_config("base", SMALL_MODEL + AGENT + [f"trainer.output_dir={tmp_path}", "trainer.run_name=b"]))
+    assert records(tmp_path / "b" / "metrics.jsonl") == metrics
+    weights_a = load_file(str(tmp_path / "a" / "checkpoints" / "step_3" / "model.safetensors"))
+    weights_b = load_file(str(tmp_path / "b" / "checkpoints" / "step_3" / "model.safetensors"))
+    for name in weights_a:
+        torch.testing.assert_close(weights_b[name], weights_a[name], rtol=0, atol=0)
+    before = load_file(str(tmp_path / "a" / "checkpoints" / "step_2" / "model.safetensors"))
+    assert any(not torch.equal(before[name], weights_a[name]) for name in before)  # step 3 moved the weights
