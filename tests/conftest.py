@@ -3,6 +3,7 @@ factory of minimal experience batches."""
 
 import os
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,31 @@ os.environ.setdefault("ALIGNER_EXT_CACHE", tempfile.mkdtemp(prefix="aligner_ext_
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow
 from aligner_ext.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+
+_vllm_build: threading.Thread | None = None
+
+
+def pytest_collection_finish(session):
+    """Build the real-vLLM environment (minutes of downloads and unpacking, tests/real_vllm.py) in the
+    background as soon as a test that needs it is collected, so that it overlaps the tests before it; the
+    tests' own call waits on the build's file lock, and raises whatever the build raised."""
+    global _vllm_build
+    if any(item.path.name == "test_real_vllm.py" for item in session.items):
+        from real_vllm import vllm_python
+
+        def build():
+            try:
+                vllm_python()
+            except Exception:  # noqa: BLE001 - the tests build it again and report the failure
+                pass
+
+        _vllm_build = threading.Thread(target=build, name="vllm-venv-build", daemon=True)
+        _vllm_build.start()
+
+
+def pytest_sessionfinish(session):
+    if _vllm_build is not None:
+        _vllm_build.join()  # never leave a half-built environment behind
 
 
 @pytest.fixture(scope="session")
