@@ -34,6 +34,7 @@ from aligner_ext.batch import TOKEN_ROLES, ExperienceBatch, SampleInfo
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import left_pad, right_pad
+from aligner_ext.distributed import world_size
 from aligner_ext.errors import UserError
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, identical_samples
 from aligner_ext.experience.settings import RolloutConfig
@@ -61,6 +62,9 @@ class AgentEpisodes(GroupSampling):
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "AgentEpisodes":
+        if world_size() > 1:
+            raise UserError(f"algorithm.experience_maker=agent_episodes runs in one process for now; this run has "
+                            f"{world_size()} (torchrun): episodes are not split across processes yet (docs/agents.md)")
         return cls(ctx.cfg.agents, ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed)
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
