@@ -20,6 +20,13 @@
   4. the host reads the sampled tokens, checks finishes for all slots at once (numpy), and frees
      the slot of a finished sequence; the next waiting request takes it at the next admission. A
      step launched before the host saw a sequence finish computes one token for it that is dropped.
+Steps 2-4 live in batching.py (`SlotBatcher`), which the call (`_Call`) shares with turn sessions.
+
+Turn sessions (`open_session`, turns.py) serve multi-turn episodes with the same machinery over one
+cache of fixed length: a turn of an episode continues in the slot its earlier turns left pinned (the
+slot holds the trajectory's K/V, so a turn prefills only its new tokens), turns of many episodes
+decode together, each turn's tokens are those of a `generate` call on its whole ids, and under memory
+pressure the least recently used idle episode's slot is evicted and its next turn recomputed.
 
 Sampling (sampler.py; on a GPU the default draw by the Triton race of sample_kernel.py) draws each
 request from its own stream, seeded by (call seed, request index),

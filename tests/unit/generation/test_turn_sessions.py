@@ -2,11 +2,13 @@
 log-probs of a fresh `generate` call on its whole ids, whatever turns share its steps, in whatever
 order they come and however few slots there are; a turn that extends what its episode's slot holds
 prefills only its new tokens; evictions take the least recently used idle slot and cost a
-recomputation; the settings a session does not serve are refused in one line."""
+recomputation; the settings a session does not serve are refused in one line. On a GPU (skipped
+elsewhere) the session's CUDA graphs give the eager engine's outputs."""
 
 import dataclasses
 
 import pytest
+import torch
 
 from aligner_ext.generation.base import SamplingParams
 from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
@@ -254,3 +256,41 @@ def test_refusals_name_what_to_change(tiny_tokenizer, model):
         engine.open_session(dataclasses.replace(SAMPLED, return_routing=True), 20, 2)
     # an engine without turn sessions says so; its caller generates each turn on the whole ids
     assert HFGenerationEngine(model, tiny_tokenizer, HFEngineConfig()).open_session(SAMPLED, 20, 2) is None
+
+
+def test_a_groups_first_turns_are_prefilled_once_and_continue_apart(tiny_tokenizer, model):
+    session = RolloutEngine(model, tiny_tokenizer, RolloutEngineConfig()).open_session(SAMPLED, 96, 4)
+    question = tiny_tokenizer.encode("What is 12+7?")
+    observation = tiny_tokenizer.encode(OBSERVATION)
+    for episode in range(4):  # one row's four episodes, each its own seed
+        session.submit(episode, question, 6, episode)
+    outputs = {}
+    while session.busy():
+        outputs.update(session.step())
+    assert session.stats["prefilled_tokens"] == len(question)
+    for episode in range(4):
+        assert_same(outputs[episode], fresh(model, tiny_tokenizer, question, SAMPLED, 6, episode))
+    # each second turn continues the slot that received the copied K/V
+    for episode in range(4):
+        ids = question + outputs[episode].token_ids + observation
+        before = session.stats["prefilled_tokens"]
+        assert_same(finish_turn(session, episode, ids, 5, 10 + episode),
+                    fresh(model, tiny_tokenizer, ids, SAMPLED, 5, 10 + episode))
+        assert session.stats["prefilled_tokens"] - before == len(observation) + 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs of the decode step need a GPU")
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, return_logprobs=True), SAMPLED])
+def test_on_a_gpu_the_graphed_session_gives_the_eager_fresh_calls_outputs(tiny_tokenizer, model, params):
+    model = model.cuda()
+    engine = RolloutEngine(model, tiny_tokenizer, RolloutEngineConfig(max_batch_size=2, compile=False))
+    session = engine.open_session(params, max_length=96, max_episodes=4)
+    episodes = Episodes(tiny_tokenizer, 4)
+    run_concurrently(session, episodes, [0, 1, 2, 3])
+    assert session.graphs.graphs and session.stats["evictions"] > 0
+    eager = RolloutEngine(model, tiny_tokenizer, RolloutEngineConfig(prefix_cache=False, cuda_graphs=False,
+                                                                     compile=False))
+    for _, ids, cap, seed, output in episodes.turns:
+        expected = eager.generate([ids], dataclasses.replace(params, max_new_tokens=cap, seed=seed))[0]
+        assert (output.token_ids, output.finish_reason) == (expected.token_ids, expected.finish_reason)
+        assert output.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
