@@ -46,8 +46,8 @@ from aligner_ext.generation.stopping import StopStringMatcher
 
 
 class TurnSession(SlotBatcher):
-    """Turns of up to `max_episodes` concurrent episodes, each at most `max_length` tokens, sampled with
-    `params` (its max_new_tokens and seed unused: each turn brings its own). Module docstring."""
+    """Turns of episodes sampled with `params` (its max_new_tokens and seed unused: each turn brings its
+    own) on at most `max_episodes` slots of `max_length` positions. Module docstring."""
 
     def __init__(self, engine, params: SamplingParams, max_length: int, max_episodes: int):
         if engine.decoder.exchange is not None:
