@@ -127,6 +127,7 @@ class SlotBatcher:
                  width: int, record_routing: bool = False):
         self.engine, self.params, self.matcher = engine, params, matcher
         self.decoder = engine.decoder
+        self.on_gpu = self.decoder.device.type == "cuda"
         self.record_routing = record_routing
         self.slot_total, self.length = slot_total, length
         self.eos = np.array(sorted(engine.eos_ids), dtype=np.int64)
@@ -145,17 +146,15 @@ class SlotBatcher:
     def _allocate(self) -> None:
         """The cache, the device state of its slots, the decode step's CUDA graphs (a GPU) and the
         pinned host buffers its tokens are read into."""
-        device = self.decoder.device
         cache = self.decoder.new_cache(self.slot_total, self.length, self.record_routing)
-        self.slots = _DeviceSlots(cache, self.slot_total, device)
-        on_gpu = device.type == "cuda"
+        self.slots = _DeviceSlots(cache, self.slot_total, self.decoder.device)
         self.graphs = None
-        if on_gpu and self.engine.cfg.cuda_graphs:
+        if self.on_gpu and self.engine.cfg.cuda_graphs:
             context = (self.slot_total, self.length, self.params.temperature, self.params.top_p, self.params.top_k,
                        self.record_routing)
             self.graphs = _DecodeGraphs(self._step, self.slots, self.slot_total, self.engine.warmed_steps, context)
-        self.buffers = [(torch.zeros(self.slot_total, dtype=torch.long, pin_memory=on_gpu),
-                         torch.zeros(self.slot_total, dtype=torch.float32, pin_memory=on_gpu))
+        self.buffers = [(torch.zeros(self.slot_total, dtype=torch.long, pin_memory=self.on_gpu),
+                         torch.zeros(self.slot_total, dtype=torch.float32, pin_memory=self.on_gpu))
                         for _ in range(LOOKAHEAD + 1)]
         self.in_flight: deque = deque()
 
@@ -180,12 +179,11 @@ class SlotBatcher:
             self._step(rows, attended)
         self.slots.host_positions[:rows] = np.minimum(self.slots.host_positions[:rows] + 1, self.length - 1)
         if read:
-            on_gpu = self.decoder.device.type == "cuda"
             host_tokens, host_logprobs = self.buffers[self.steps % len(self.buffers)]
             # before any admission rewrites ids
-            host_tokens[:rows].copy_(self.slots.ids[:rows], non_blocking=on_gpu)
-            host_logprobs[:rows].copy_(self.slots.logprobs[:rows], non_blocking=on_gpu)
-            done = torch.cuda.Event() if on_gpu else None
+            host_tokens[:rows].copy_(self.slots.ids[:rows], non_blocking=self.on_gpu)
+            host_logprobs[:rows].copy_(self.slots.logprobs[:rows], non_blocking=self.on_gpu)
+            done = torch.cuda.Event() if self.on_gpu else None
             if done is not None:
                 done.record()
             self.in_flight.append((done, host_tokens, host_logprobs, self.occupant[:rows].copy()))

@@ -286,7 +286,7 @@ class _Call(SlotBatcher):
             if rows:
                 self._decode(rows, last, read=busy)
             self._read_launched()
-        if self.decoder.device.type == "cuda":
+        if self.on_gpu:
             torch.cuda.synchronize(self.decoder.device)
         graphs = self.graphs
         self.engine.last_call = {"decode_steps": self.steps, "slots": self.slot_total,
