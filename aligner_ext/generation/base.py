@@ -75,6 +75,13 @@ class GenerationEngine(abc.ABC):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         """Continue every prompt once; output i belongs to prompt i."""
 
+    def open_session(self, params: SamplingParams, max_length: int, max_episodes: int):
+        """A turn session for multi-turn episodes: each episode's turns continue on the K/V its earlier
+        turns left in the engine's cache, episodes batched together (generation/turns.py has the rollout
+        engine's). None here: this engine has no turn sessions, and the caller generates each turn by
+        `generate` on the episode's whole ids."""
+        return None
+
     def release_memory(self) -> None:  # noqa: B027 - engines that free their caches per call do nothing
         """Free what the engine holds on the device before the policy trains (a colocated server sleeps);
         the next `update_weights` brings it back."""
