@@ -75,7 +75,7 @@ class SandboxLimits:
     """What one program may use; past each limit it is stopped (or its call fails) and the reason reported."""
 
     wall_seconds: float = number(10.0, gt=0)  # wall-clock time from start to end, launcher and interpreter start-up included
-    cpu_seconds: int = number(10, ge=1)  # CPU time per process, whole seconds (RLIMIT_CPU)
+    cpu_seconds: int = number(10, ge=1)  # CPU time per process, whole seconds (RLIMIT_CPU; PID 1 is killed a second later)
     memory_bytes: int = number(512 * 2**20, ge=64 * 2**20)  # address space per process (RLIMIT_AS); the interpreter itself needs ~30 MiB
     output_bytes: int = number(8192, ge=1)  # bytes kept of stdout and of stderr each; one more stops the program
     max_processes: int = number(16, ge=1)  # processes and threads at once, the first included (RLIMIT_NPROC)
@@ -174,7 +174,8 @@ class _Run:
 
     def __init__(self, launcher: asyncio.subprocess.Process, limits: SandboxLimits):
         self.launcher, self.limits = launcher, limits
-        self.limit: str | None = None  # the first limit the parent stopped the program for
+        self.limit: str | None = None  # the limit the parent stopped the program for
+        self.stopped = False
 
     async def until_done(self, spec: bytes) -> list[tuple[str, int]]:
         self.launcher.stdin.write(spec)
@@ -194,7 +195,9 @@ class _Run:
 
     def stop(self, limit: str | None) -> None:
         """Ask the launcher to kill the program and its PID namespace (it then reports and exits)."""
-        self.limit = self.limit or limit
+        if self.stopped:
+            return
+        self.limit, self.stopped = limit, True
         if self.launcher.returncode is None:  # os.kill: Popen.send_signal would poll, racing asyncio's reaper
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.launcher.pid, signal.SIGTERM)
@@ -240,12 +243,13 @@ def _own_uid():
 
 def _limit_of_exit(returncode: int, cpu_seconds: float, limits: SandboxLimits) -> str | None:
     """The limit a program ran into by itself: a MemoryError or failed fork the runner reports, or the
-    CPU limit's SIGXCPU (or its SIGKILL one second later, for a program that ignores SIGXCPU)."""
+    CPU limit. At the soft CPU limit the kernel sends SIGXCPU, which PID 1 of a namespace ignores, and
+    at the hard one (a second later) SIGKILL, after `cpu_seconds` for sure."""
     if returncode == MEMORY_EXIT:
         return "memory"
     if returncode == PROCESSES_EXIT:
         return "processes"
-    if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and cpu_seconds >= limits.cpu_seconds):
+    if returncode == -signal.SIGKILL and cpu_seconds >= limits.cpu_seconds:
         return "timeout"
     return None
 
@@ -292,9 +296,15 @@ def launch() -> None:
     if pid == 0:
         os.close(launcher_alive_write)
         _become_program(spec, status, launcher_alive)
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))  # the parent's stop
+
+    def stop_program(*_):  # the parent's stop
+        with contextlib.suppress(ProcessLookupError):  # ended already
+            os.kill(pid, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, stop_program)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     _, wait_status, usage = os.wait4(pid, 0)  # returns once every process of the PID namespace is gone
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # pid is no longer the program's
     status.write(json.dumps({"returncode": os.waitstatus_to_exitcode(wait_status),
                              "cpu_seconds": usage.ru_utime + usage.ru_stime}) + "\n")
 
@@ -308,7 +318,7 @@ def _become_program(spec: dict, status, launcher_alive: int) -> None:
         for limit, value in [(resource.RLIMIT_AS, spec["memory_bytes"]), (resource.RLIMIT_NPROC, spec["max_processes"]),
                              (resource.RLIMIT_CORE, 0)]:
             resource.setrlimit(limit, (value, value))
-        resource.setrlimit(resource.RLIMIT_CPU, (spec["cpu_seconds"], spec["cpu_seconds"] + 1))
+        resource.setrlimit(resource.RLIMIT_CPU, (spec["cpu_seconds"], spec["cpu_seconds"] + 1))  # _limit_of_exit
         os.setgroups([])
         os.setgid(spec["uid"])
         os.setuid(spec["uid"])
