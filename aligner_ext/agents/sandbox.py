@@ -314,7 +314,7 @@ def _become_program(spec: dict, status, launcher_alive: int) -> None:
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         _contain_files(spec["disk_bytes"])
-        Path("/tmp/main.py").write_text(spec["code"])
+        Path("/tmp/main.py").write_text(spec["code"], "utf-8", "surrogatepass")  # a lone surrogate: the program's error
         for limit, value in [(resource.RLIMIT_AS, spec["memory_bytes"]), (resource.RLIMIT_NPROC, spec["max_processes"]),
                              (resource.RLIMIT_CORE, 0)]:
             resource.setrlimit(limit, (value, value))
@@ -374,7 +374,7 @@ def _hide_homes() -> None:
 
 
 def _mounts() -> list[tuple[str, set[str]]]:
-    """(mount point, per-mount options) of this mount namespace, parents first."""
+    """(mount point, per-mount options) of each mount of this mount namespace."""
     mounts = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()
@@ -384,17 +384,17 @@ def _mounts() -> list[tuple[str, set[str]]]:
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    encode = lambda text: text.encode() if text is not None else None  # noqa: E731
-    _call(_libc.mount, f"mount {fstype or ''} on {target}".replace("  ", " "), encode(source), encode(target),
-          encode(fstype), flags, encode(data))
+    what = (f"remount {target}" if flags & MS_REMOUNT else f"mount {fstype} on {target}" if fstype
+            else f"move or bind {source} to {target}" if source else f"make the mounts under {target} private")
+    _call(_libc.mount, what, *(text.encode() if text else None for text in (source, target, fstype)), flags,
+          data.encode() if data else None)
 
 
 def _call(function, what: str, *args) -> None:
-    """A libc call; OSError naming the step when it fails."""
+    """A libc call; OSError (its errno's subclass) naming the step when it fails."""
     if function(*args) != 0:
         errno = ctypes.get_errno()
-        exception = FileNotFoundError if errno == 2 else OSError
-        raise exception(errno, f"{what}: {os.strerror(errno)}")
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
 if __name__ == "__main__":
