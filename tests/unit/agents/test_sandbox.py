@@ -207,6 +207,15 @@ def test_a_hung_sandbox_delays_only_itself_and_cancelling_it_stops_it():
     assert sandbox_processes() == []
 
 
+def test_a_tool_runner_time_out_stops_the_program():
+    """The runner's limit below the sandbox's: the runner cancels the call, and the cancelled call
+    stops the program."""
+    runner = ToolRunner([python_tool(SandboxLimits(wall_seconds=600, cpu_seconds=60))], timeout_s=0.5)
+    result = asyncio.run(runner.call(ToolCall("python", {"code": ESCAPED_SLEEPER + "import time\ntime.sleep(1000)\n"})))
+    assert (result.content, result.error) == ("Error: python did not finish within 0.5 s", "timeout")
+    assert sandbox_processes() == []
+
+
 def test_concurrent_sandboxes_get_uids_of_their_own():
     with sandbox._own_uid() as first, sandbox._own_uid() as second:
         assert first != second
