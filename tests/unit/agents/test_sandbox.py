@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import tracemalloc
 import uuid
 from pathlib import Path
@@ -32,18 +33,29 @@ def run(code: str, limits: SandboxLimits = GENEROUS):
     return asyncio.run(run_python(textwrap.dedent(code), limits))
 
 
-def sandbox_processes() -> list[int]:
-    """Pids of live processes running as one of this test process's sandbox uids."""
-    first = sandbox.UID_BASE + os.getpid() * sandbox.UIDS_PER_PROCESS
+def sandbox_processes(parent: int | None = None) -> list[int]:
+    """Pids of live processes running as one of the sandbox uids of `parent` (this test process)."""
+    first = sandbox.UID_BASE + (parent or os.getpid()) * sandbox.UIDS_PER_PROCESS
     found = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
-            uid = int(next(line for line in status.read_text().splitlines() if line.startswith("Uid:")).split()[1])
-        except (OSError, StopIteration):  # the process ended while being read
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+        except OSError:  # the process ended while being read
             continue
-        if first <= uid < first + sandbox.UIDS_PER_PROCESS:
+        uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
+        if first <= uid < first + sandbox.UIDS_PER_PROCESS and state != "Z":  # a zombie holds nothing
             found.append(int(status.parent.name))
     return found
+
+
+def wait_until(condition, seconds: float = 120) -> bool:
+    """Poll `condition` until it holds; False if it still does not after `seconds` (a generous bound)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 ESCAPED_SLEEPER = """
@@ -214,6 +226,21 @@ def test_a_tool_runner_time_out_stops_the_program():
     result = asyncio.run(runner.call(ToolCall("python", {"code": ESCAPED_SLEEPER + "import time\ntime.sleep(1000)\n"})))
     assert (result.content, result.error) == ("Error: python did not finish within 0.5 s", "timeout")
     assert sandbox_processes() == []
+
+
+def test_a_trainer_killed_with_sigkill_leaves_no_sandbox_behind():
+    """The launcher dies with its parent (PR_SET_PDEATHSIG), PID 1 with the launcher, and the rest of
+    the PID namespace (here a child in a session of its own) with PID 1."""
+    program = ESCAPED_SLEEPER + "import time\ntime.sleep(1000)\n"
+    script = ("import asyncio; from aligner_ext.agents.sandbox import SandboxLimits, run_python; "
+              f"asyncio.run(run_python({program!r}, SandboxLimits(wall_seconds=600)))")
+    trainer = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(REPOSITORY)})
+    try:
+        assert wait_until(lambda: len(sandbox_processes(trainer.pid)) == 2)  # the program and its escaped child
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert wait_until(lambda: sandbox_processes(trainer.pid) == [])
 
 
 def test_concurrent_sandboxes_get_uids_of_their_own():
