@@ -10,7 +10,8 @@ schema's JSON types, an exception in the tool, a call over the time limit, and a
 counted in `ToolRunner.counts` under its reason. The time limit stops waiting, not the work: a plain
 function keeps running in its worker thread after it times out (Python cannot stop a thread) and holds
 that worker, and the event loop's shutdown waits for it; code that may hang or must be contained
-belongs in a separate process (the sandbox, not built yet).
+belongs in a separate process: sandbox.py runs model-written Python so, and a time-out of its `python`
+tool stops the program.
 """
 
 from __future__ import annotations
