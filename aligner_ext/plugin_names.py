@@ -24,7 +24,8 @@ KINDS: dict[str, str] = {
 BUILTIN_PLUGINS: dict[str, dict[str, str]] = {
     "aligner_ext.agents.environment:ENVIRONMENTS": {
         "calculator": "aligner_ext.agents.calculator",
-        "guess_number": "aligner_ext.agents.guess_number"
+        "guess_number": "aligner_ext.agents.guess_number",
+        "python": "aligner_ext.agents.python_environment"
     },
     "aligner_ext.algorithms.advantages:ADVANTAGES": {
         "cpo": "aligner_ext.algorithms.cpo",
@@ -80,6 +81,7 @@ BUILTIN_PLUGINS: dict[str, dict[str, str]] = {
         "arithmetic": "aligner_ext.data.tasks.arithmetic",
         "calculator_arithmetic": "aligner_ext.data.tasks.calculator_arithmetic",
         "guess_number": "aligner_ext.data.tasks.guess_number",
+        "python_digits": "aligner_ext.data.tasks.python_digits",
         "rubric_qa": "aligner_ext.data.tasks.rubric_qa",
         "short_qa": "aligner_ext.data.tasks.short_qa"
     },

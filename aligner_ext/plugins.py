@@ -6,6 +6,7 @@ no entry: registries import dotted paths on demand.
 """
 
 import aligner_ext.agents.calculator  # noqa: F401
+import aligner_ext.agents.python_environment  # noqa: F401
 import aligner_ext.agents.guess_number  # noqa: F401
 import aligner_ext.algorithms.advantages  # noqa: F401
 import aligner_ext.algorithms.cpo  # noqa: F401

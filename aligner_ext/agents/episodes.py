@@ -22,7 +22,8 @@ reason in `EpisodeOutcome.end`: `max_turns`; `max_total_tokens` (a turn samples 
 of the row, and an observation that does not fit is dropped and ends the episode); the wall-clock
 `max_episode_seconds`, checked before each turn and bounding each environment call. An environment
 that raises ends its episode with `environment_error` (one logged line, counted; its reward 0), never
-the run. A row is the unit of training: several when the template rewrote history (tokens.py).
+the run, unless it raises a UserError (a setting, a machine that cannot run the environment), which
+stops the run with its one line. A row is the unit of training: several when the template rewrote history (tokens.py).
 
 Seeds: turn t of episode e of a call seeded s samples with request_seed(request_seed(s, e), t), so
 the same seeds give the same trajectories whatever order the environments answer in.
@@ -44,7 +45,7 @@ from aligner_ext.agents.settings import AgentsConfig, EpisodeLimits
 from aligner_ext.agents.tokens import ChatRenderer, Trajectory
 from aligner_ext.agents.tool_calls import ParsedTurn, ToolCallFormat, tool_call_format
 from aligner_ext.data.types import PromptDraw
-from aligner_ext.errors import DataError
+from aligner_ext.errors import DataError, UserError
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.sampler import request_seed
 from aligner_ext.rewards.base import RewardResult
@@ -247,7 +248,10 @@ class _Episode:
 
     def _failed(self, err: BaseException, method: str, counts: Counter,
                 outcome: EpisodeOutcome | None = None) -> EpisodeOutcome:
-        """An environment call raised or ran past the episode's time: the episode ends, rewarded 0."""
+        """An environment call raised or ran past the episode's time: the episode ends, rewarded 0. A
+        UserError (a setting, a machine that cannot run the environment) stops the run instead."""
+        if isinstance(err, UserError):
+            raise err
         timed_out = isinstance(err, asyncio.TimeoutError)
         end = "max_episode_seconds" if timed_out else "environment_error"
         if not timed_out:
