@@ -1,6 +1,7 @@
-"""Agent episodes end to end on the embedded model (algorithm.experience_maker=agent_episodes): a
-two-turn environment with feedback, through the loop, the trainer and the held-out evaluation; a run
-stopped after a checkpoint resumes to the same weights and metrics."""
+"""Agent episodes end to end on the embedded model (algorithm.experience_maker=agent_episodes), training
+LoRA adapters: a two-turn environment with feedback, through the loop, the trainer and the held-out
+evaluation; a run stopped after a checkpoint resumes to the same weights and metrics. (Full-parameter
+training of agent episodes: tests/megatron/test_megatron_agent_episodes.py.)"""
 
 import json
 import shutil
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.slow
 AGENT = ["algorithm.experience_maker=agent_episodes", "agents.environment=e2e_environments.Retry",
          "agents.limits.max_turns=2", "agents.limits.max_total_tokens=256", "rollout.max_response_length=24",
          "trainer.tensorboard=false", "+reward.sources.arithmetic=e2e_rewards.digit_fraction",
-         "trainer.total_steps=3", "trainer.save_every=1"]
+         "trainer.total_steps=3", "trainer.save_every=1",
+         "policy.lora.rank=4", "policy.lora.alpha=8", "policy.optim.lr=1e-3"]
 
 
 def records(path):
@@ -51,9 +53,9 @@ def test_an_agent_run_trains_on_sampled_tokens_only_reports_its_episodes_and_res
     (tmp_path / "b" / "checkpoints" / "latest").write_text("step_2")
     train(load_config("base", SMALL_MODEL + AGENT + [f"trainer.output_dir={tmp_path}", "trainer.run_name=b"]))
     assert records(tmp_path / "b" / "metrics.jsonl") == metrics
-    weights_a = load_file(str(tmp_path / "a" / "checkpoints" / "step_3" / "model.safetensors"))
-    weights_b = load_file(str(tmp_path / "b" / "checkpoints" / "step_3" / "model.safetensors"))
+    weights_a = load_file(str(tmp_path / "a" / "checkpoints" / "step_3" / "adapters.safetensors"))
+    weights_b = load_file(str(tmp_path / "b" / "checkpoints" / "step_3" / "adapters.safetensors"))
     for name in weights_a:
         torch.testing.assert_close(weights_b[name], weights_a[name], rtol=0, atol=0)
-    before = load_file(str(tmp_path / "a" / "checkpoints" / "step_2" / "model.safetensors"))
+    before = load_file(str(tmp_path / "a" / "checkpoints" / "step_2" / "adapters.safetensors"))
     assert any(not torch.equal(before[name], weights_a[name]) for name in before)  # step 3 moved the weights
