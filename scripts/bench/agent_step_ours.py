@@ -215,6 +215,12 @@ def main() -> None:
     clock = PhaseClock(preset.device)
     clock_loop_phases(clock, parts, (runner, "run"))  # generation: the episodes, every turn and tool call
     steps = []
+
+    def report() -> None:  # after every step: a worker stopped at its time limit keeps the steps it finished
+        write_json(args.out, {"system": args.system, "startup_s": startup_s, "warmup_steps": args.warmup,
+                              "steps": steps, "settings": {"overrides": settings, "mode": args.mode, "policy_dtype":
+                                                           str(next(parts.generation_model.parameters()).dtype)}})
+
     for step in range(args.warmup + args.steps):
         batch, metrics = parts.maker.make_experience(parts.train_loader, step)
         metrics.update(update_policy(parts, batch, StageTimer(), cfg.rollout.temperature))
@@ -224,13 +230,11 @@ def main() -> None:
         record["metrics"] = {key: float(value) for key, value in metrics.items()
                              if key.startswith("agent/") and isinstance(value, (int, float))}
         steps.append(record)
+        report()
         print(f"[{args.system}] step {step}: {record['step_s']:.2f} s, engine {record['engine_s']:.2f} s, "
               f"{record['turns']} turns, prefilled {record['prefilled']} (later turns {record['later_prefilled']} "
               f"against {record['later_new']} new) " + " ".join(f"{k}={v:.2f}" for k, v in sorted(record["phases_s"].items())),
               flush=True)
-    write_json(args.out, {"system": args.system, "startup_s": startup_s, "warmup_steps": args.warmup, "steps": steps,
-                          "settings": {"overrides": settings, "mode": args.mode,
-                                       "policy_dtype": str(next(parts.generation_model.parameters()).dtype)}})
     parts.rewards.close()
 
 
