@@ -48,8 +48,8 @@ sys.path.insert(0, str(HERE))
 
 from agent_step_lib import PRESETS, TOOL_LATENCY_S, write_workspace  # noqa: E402
 from common import steps_line  # noqa: E402
+import grpo_step  # noqa: E402
 from grpo_step import PHASES, median_range, run_worker  # noqa: E402
-from grpo_step_lib import write_json  # noqa: E402
 
 SYSTEMS = {"ours": ("agent_step_ours.py", ["--mode", "sessions"]),
            "ours_turn_by_turn": ("agent_step_ours.py", ["--mode", "turn_by_turn"]),
@@ -126,12 +126,7 @@ def render(report: dict) -> str:
 
 
 def write_report(report: dict, out: Path, started: float) -> str:
-    """agent_step.json and agent_step.md as they stand; returns the markdown."""
-    report["wall_s"] = time.perf_counter() - started
-    write_json(out / "agent_step.json", report)
-    table = render(report)
-    (out / "agent_step.md").write_text(table + "\n")
-    return table
+    return grpo_step.write_report(report, out, started, "agent_step", render)
 
 
 def main(argv: list[str] | None = None) -> None:
