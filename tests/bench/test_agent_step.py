@@ -16,6 +16,7 @@ sys.path.insert(0, str(BENCH))
 from agent_step_lib import PRESETS  # noqa: E402
 from agent_step_ours import EngineLedger, TurnByTurn, new_tokens  # noqa: E402
 from agent_step_trl import TOOL_CALL, ForcedToolCalls  # noqa: E402
+from run import headline  # noqa: E402
 
 from aligner_ext.agents.tokens import Trajectory  # noqa: E402
 from aligner_ext.generation.base import GenerationOutput, SamplingParams  # noqa: E402
@@ -93,7 +94,8 @@ def test_our_two_systems_on_the_cpu(tmp_path):
     command = [sys.executable, str(BENCH / "run.py"), "agents", "--preset", "tiny", "--systems",
                "ours,ours_turn_by_turn", "--warmup", "0", "--steps", "1", "--out", str(tmp_path)]
     subprocess.run(command, check=True, capture_output=True, timeout=900)
-    report = json.loads((tmp_path / "result.json").read_text())["report"]
+    result = json.loads((tmp_path / "result.json").read_text())
+    report = result["report"]
     assert report["failures"] == {} and set(report["systems"]) == {"ours", "ours_turn_by_turn"}
     ours, turn_by_turn = report["systems"]["ours"], report["systems"]["ours_turn_by_turn"]
     # equal work: the turns the rows fix, every turn of turn_tokens tokens
@@ -113,3 +115,5 @@ def test_our_two_systems_on_the_cpu(tmp_path):
             assert sum(step["phases_s"].values()) == pytest.approx(step["step_s"])
             assert 0 < step["engine_s"] <= step["phases_s"]["generation"]
     assert "| ours_turn_by_turn | " in (tmp_path / "agent_step.md").read_text()
+    rows = headline(result)  # docs/benchmarks.md's opening table: a row per system
+    assert [what.split(", ")[1] for what, _ in rows] == ["ours", "ours_turn_by_turn"] and "x ours)" in rows[1][1]
