@@ -65,8 +65,8 @@ class EngineLedger:
 
 class TurnByTurn:
     """A turn session without overlap: it holds the submitted turns until every episode still running
-    has submitted one, then runs them all as one `generate` call (so each turn waits for the slowest
-    tool of the one before). The loop's interface (agents/sessions.py); stats as the engine reports
+    has submitted one, then runs them all as one `generate` call (`step`; so each turn waits for the
+    slowest tool of the one before). The loop's interface (agents/sessions.py); stats as the engine reports
     its calls (prefilled, and reused from the prefix cache the last call kept)."""
 
     def __init__(self, engine, params, episodes: int, ledger: EngineLedger):
@@ -81,21 +81,24 @@ class TurnByTurn:
         return bool(self.waiting) and len(self.waiting) == self.running
 
     def step(self) -> list:
+        """Every waiting turn: one call per turn cap (one call unless a turn is capped by what is left of
+        its row's max_total_tokens, which the workload leaves room for)."""
         turns, self.waiting = self.waiting, []
-        caps = {cap for _, _, cap, _ in turns}
-        if len(caps) != 1:
-            raise RuntimeError(f"turns of one call with different caps {sorted(caps)}: the workload's "
-                               "max_total_tokens must leave every turn its full length")
-        params = dataclasses.replace(self.params, max_new_tokens=caps.pop(), seed=turns[0][3])
-        started = time.perf_counter()
-        outputs = self.engine.generate([ids for _, ids, _, _ in turns], params)
-        self.ledger.engine_s += time.perf_counter() - started
-        call = self.engine.last_call
+        done, prefilled = [], 0
+        for cap in sorted({cap for _, _, cap, _ in turns}, reverse=True):
+            group = [turn for turn in turns if turn[2] == cap]
+            params = dataclasses.replace(self.params, max_new_tokens=cap, seed=group[0][3])
+            started = time.perf_counter()
+            outputs = self.engine.generate([ids for _, ids, _, _ in group], params)
+            self.ledger.engine_s += time.perf_counter() - started
+            call = self.engine.last_call
+            prefilled += call["prefilled_tokens"]
+            self.stats.update(turns=len(group), prefilled_tokens=call["prefilled_tokens"],
+                              reused_tokens=call["prefix_reused_tokens"])
+            done += [(key, output) for (key, _, _, _), output in zip(group, outputs)]
         if self.ledger.first_turn_prefilled is None:
-            self.ledger.first_turn_prefilled = call["prefilled_tokens"]
-        self.stats.update(turns=len(turns), prefilled_tokens=call["prefilled_tokens"],
-                          reused_tokens=call["prefix_reused_tokens"])
-        return [(key, output) for (key, _, _, _), output in zip(turns, outputs)]
+            self.ledger.first_turn_prefilled = prefilled
+        return done
 
     def release(self, key) -> None:
         self.running -= 1

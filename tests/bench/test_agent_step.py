@@ -68,9 +68,10 @@ def test_turn_by_turn_runs_a_turn_once_every_running_episode_has_submitted_it():
     session.release("c")  # c ended: the next turn waits for a and b only
     session.submit("b", [1, 2, 0, 0], 2, seed=1)
     assert not session.busy()
-    session.submit("a", [1, 0, 0], 2, seed=0)
-    assert [key for key, _ in session.step()] == ["b", "a"]
-    assert session.stats == {"turns": 5, "prefilled_tokens": 4 + 7, "reused_tokens": 2}
+    session.submit("a", [1, 0, 0], 1, seed=0)  # capped by its row's room: a call of its own
+    assert [(key, len(output.token_ids)) for key, output in session.step()] == [("b", 2), ("a", 1)]
+    assert engine.calls[1:] == [[[1, 2, 0, 0]], [[1, 0, 0]]]
+    assert session.stats == {"turns": 5, "prefilled_tokens": 4 + 4 + 3, "reused_tokens": 3}
     assert ledger.first_turn_prefilled == 4  # the first call's
 
 
