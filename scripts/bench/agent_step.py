@@ -1,7 +1,7 @@
 """The GRPO step on multi-turn agent episodes with a 50 ms tool: ours on the rollout engine's turn
 sessions, against the same engine turn by turn without overlap and TRL's GRPOTrainer with its tool loop.
 
-    python scripts/bench/run.py agents --preset qwen1_5b --budget 570     # one GPU
+    python scripts/bench/run.py agents --preset qwen1_5b --budget 540     # one GPU
     python scripts/bench/run.py agents --preset tiny                      # the 2-core CPU
 
 The workload (agent_step_lib.py), the same for every system: G prompts x n episodes per step, each
