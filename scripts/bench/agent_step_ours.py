@@ -173,7 +173,7 @@ def episode_counts(outcomes: list, session: Counter, first_turn_prefilled: int |
         "later_new": sum(sum(counts[1:]) for counts in per_episode),
         "later_prefilled": prefilled - (first_turn_prefilled or 0), "prefilled": prefilled,
         "reused": session.get("reused_tokens", 0), "recomputed": session.get("recomputed_tokens", 0),
-        "evictions": session.get("evictions", 0),
+        "evictions": session.get("evictions", 0), "decode_steps": session.get("decode_steps"),  # turn sessions'
     }
 
 
