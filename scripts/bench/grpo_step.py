@@ -427,12 +427,12 @@ def main(argv: list[str] | None = None) -> None:
     print(write_report(report, args.out, started))
 
 
-def write_report(report: dict, out: Path, started: float) -> str:
-    """grpo_step.json and grpo_step.md as they stand; returns the markdown."""
+def write_report(report: dict, out: Path, started: float, name: str = "grpo_step", markdown=None) -> str:
+    """<name>.json and <name>.md (`markdown(report)`, default `render`) as they stand; returns the markdown."""
     report["wall_s"] = time.perf_counter() - started
-    write_json(out / "grpo_step.json", report)
-    table = render(report)
-    (out / "grpo_step.md").write_text(table + "\n")
+    write_json(out / f"{name}.json", report)
+    table = (markdown or render)(report)
+    (out / f"{name}.md").write_text(table + "\n")
     return table
 
 

@@ -271,6 +271,17 @@ class PhaseClock:
         return record
 
 
+def clock_loop_phases(clock: PhaseClock, parts, generation: tuple) -> None:
+    """Time our loop's phases on `clock`: `generation` (owner, method), the rewards, the log-prob pass,
+    training and the weight sync, as `parts` (trainer.build's components) run them."""
+    clock.wrap(*generation, "generation")
+    clock.wrap(parts.rewards, "score", "rewards")
+    clock.wrap(parts.policy, "logprobs", "logprobs")
+    clock.wrap(parts.policy, "train", "train")
+    clock.wrap(parts.policy, "sync_weights", "weight_sync")
+    clock.wrap(parts.engine, "update_weights", "weight_sync")
+
+
 # Kinds of device kernels by name (the first pattern that matches): where a step's device time goes.
 KERNEL_KINDS = (
     ("attention", r"flash|fmha|attn|attention|_split_kernel"),

@@ -20,7 +20,7 @@ import pstats  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from grpo_step_lib import DATA_SOURCE, PhaseClock, Preset, profiled_step, write_json  # noqa: E402
+from grpo_step_lib import DATA_SOURCE, PhaseClock, Preset, clock_loop_phases, profiled_step, write_json  # noqa: E402
 
 VARIANT_OVERRIDES = {  # what each variant overlay needs beyond the shared workload
     "none": [],
@@ -144,12 +144,7 @@ def main() -> None:
     startup_s = time.perf_counter() - STARTED
 
     clock = PhaseClock(preset.device)
-    clock.wrap(parts.engine, "generate", "generation")
-    clock.wrap(parts.rewards, "score", "rewards")
-    clock.wrap(parts.policy, "logprobs", "logprobs")
-    clock.wrap(parts.policy, "train", "train")
-    clock.wrap(parts.policy, "sync_weights", "weight_sync")
-    clock.wrap(parts.engine, "update_weights", "weight_sync")
+    clock_loop_phases(clock, parts, (parts.engine, "generate"))
     steps = []
     for step in range(args.warmup + args.steps):
         profiler = cProfile.Profile() if args.profile_first_step and step == 0 else None

@@ -6,7 +6,7 @@
 Subcommands (SUBCOMMANDS below): the GRPO step against TRL's GRPOTrainer, the first step on empty
 compile caches, the rollout engine alone, the Megatron backend's training step per family, every
 family's table (engine, decode, MFU, GRPO step, memory), sliding windows that bite, the log-prob
-head, serving, the GRPO step with LoRA. Each writes its report (markdown and JSON) under --out (default bench_out/<subcommand>)
+head, serving, the GRPO step with LoRA, the GRPO step on multi-turn agent episodes. Each writes its report (markdown and JSON) under --out (default bench_out/<subcommand>)
 and result.json there: the report with the date, machine, GPU, commit and command it was measured
 with. Every step's time is in the report, a step above 1.3x the median of its series starred with
 what happened in it (compilations, garbage collections, the allocator, new Triton kernels:
@@ -48,6 +48,7 @@ SUBCOMMANDS = {
     "lora": ("shape_step", "shape_step.json", "the GRPO step with LoRA at the Llama-3.1-8B shape, ours against TRL"),
     "moe": ("shape_step", "shape_step.json", "the GRPO step of a mixture of experts scaled to one GPU, ours against TRL"),
     "moe-experts": ("moe_experts", "moe_experts.json", "one MoE layer's forward and backward per experts implementation"),
+    "agents": ("agent_step", "agent_step.json", "the GRPO step on agent episodes with a 50 ms tool: ours, turn by turn, TRL"),
 }
 
 
@@ -129,6 +130,18 @@ def headline(result: dict) -> list[tuple[str, str]]:
                              f"{s['train_s'][0]:.3f} s [{s['train_s'][1]:.3f}, {s['train_s'][2]:.3f}], MFU "
                              f"{100 * s['train_mfu']:.1f}%{ratio}; peak {s['peak_gib']:.1f} GiB"))
         return rows
+    if result["subcommand"] == "agents":
+        preset = report["preset"]
+        shape = (f"{preset['name']}: {preset['prompts']} x {preset['n']} episodes of {preset['min_turns']}-"
+                 f"{preset['max_turns']} turns of {preset['turn_tokens']} tokens, 50 ms tool")
+        ours = report["systems"].get("ours")
+        return [(f"GRPO step on agent episodes, {name}, {shape}",
+                 f"{s['step_s'][0]:.2f} s [{s['step_s'][1]:.2f}, {s['step_s'][2]:.2f}]"
+                 + (f" ({s['step_s'][0] / ours['step_s'][0]:.2f}x ours)" if ours and s is not ours else "")
+                 + f"; generation {s['phases_s']['generation']:.2f} s (engine {s['engine_s']:.2f} s); prefilled "
+                 f"{s['prefill']['later_prefilled_per_turn']:.1f} tokens per later turn for "
+                 f"{s['prefill']['later_new_per_turn']:.1f} new")
+                for name, s in report["systems"].items()]
     if result["subcommand"] == "moe-experts":
         shape = report["shape"]
         return [(f"MoE layer forward + backward, {name}, {tokens} tokens (hidden {shape['hidden']}, {shape['experts']} "
