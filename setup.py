@@ -34,7 +34,7 @@ setup(
         "wandb": ["wandb>=0.17"],  # trainer.wandb.enabled (aligner_ext/trackers.py)
         "mlflow": ["mlflow>=2.10"],  # trainer.mlflow.enabled
         "liger": ["liger-kernel>=0.8.5"],  # policy.kernels=liger (CUDA)
-        "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6"],  # the suite runs on two workers (README)
         "bench": ["trl==1.16.0", "datasets>=4.7"],  # scripts/bench/grpo_step.py's TRL side
     },
     entry_points={"console_scripts": ["aligner-ext=aligner_ext.cli:main"]},

@@ -52,6 +52,9 @@ AT_LOAD = {
     "policy.optim.max_nonfinite_in_a_row must be >= 1": (["policy.optim.max_nonfinite_in_a_row=0"],
                                                          "policy.optim.max_nonfinite_in_a_row=0: must be a finite number >= 1"),
     "policy.dtype must be auto": (["policy.dtype=half"], "policy.dtype='half': must be one of"),
+    "turn sessions do not run under expert parallelism": (
+        ["algorithm.experience_maker=agent_episodes", "agents.limits.max_total_tokens=512", "policy.backend=megatron",
+         "policy.expert_model_parallel_size=2"], "policy.expert_model_parallel_size=2 with algorithm.experience_maker"),
     "raise ConfigError(problem)": (["+variant=mtpo", "trainer.eval.k=4", "trainer.eval.temperature=1"],
                                    "with experience maker two_round (algorithm.experience_maker): it evaluates"),
 }
