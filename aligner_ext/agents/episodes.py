@@ -119,8 +119,9 @@ class _Episode:
     def __init__(self, runner: EpisodeRunner, draw: PromptDraw, seed: int, params: SamplingParams):
         self.runner, self.draw, self.seed, self.params = runner, draw, seed, params
         self.limits: EpisodeLimits = runner.cfg.limits
-        self.session: Any = None
-        self.turn: asyncio.Future | None = None
+        self.session: Any = None  # the turn session and the driver's wake-up event, set when the episode starts (`_drive`)
+        self.wake: asyncio.Event | None = None
+        self.turn: asyncio.Future | None = None  # the turn it waits for
 
     async def sample(self, ids: list[int], turn: int) -> GenerationOutput:
         """Submit a turn continuing `ids` and wait for the engine to finish it."""
