@@ -72,13 +72,13 @@ def test_a_calculator_episode_is_scored_on_its_final_answer():
         assistant("The sum is \\boxed{1351114053}."),
     ])
     assert results[0].messages == [{"role": "tool", "name": "calculator", "content": "1351114053"}]
-    assert [result.done for result in results] == [False, True] and score == 1.0
+    assert [result.done for result in results] == [False, True] and (score.score, score.correct) == (1.0, 1.0)
     assert results[0].metrics == {"tool_seconds": results[0].metrics["tool_seconds"]}  # no error
 
 
 def test_a_wrong_or_missing_final_answer_scores_zero():
-    assert play(CalculatorEnvironment(), CALC_ROW, [assistant("\\boxed{1351114054}")])[1] == 0.0
-    assert play(CalculatorEnvironment(), CALC_ROW, [assistant("1351114053")])[1] == 0.0  # not marked as the answer
+    assert play(CalculatorEnvironment(), CALC_ROW, [assistant("\\boxed{1351114054}")])[1].correct == 0.0
+    assert play(CalculatorEnvironment(), CALC_ROW, [assistant("1351114053")])[1].score == 0.0  # not marked as the answer
 
 
 def test_a_raising_expression_is_the_models_observation():
