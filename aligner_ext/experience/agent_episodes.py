@@ -73,16 +73,18 @@ class AgentEpisodes(GroupSampling):
         the episode renders it (module docstring); (prompt, gold solution) for a row without one."""
         transcribed = [row for row in rows if row.extra_info.get("gold_transcript")]
         name = None if cfg.agents.environment == "auto" else cfg.agents.environment
-        environments: dict[type, Environment] = {}
-        for row in transcribed:
+        environments: dict[type, Environment] = {}  # one of each, as the episode runner keeps them
+
+        def environment_for(row: PromptRow) -> Environment:
             environment_type = environment_class(name, row.data_source)
-            environments.setdefault(environment_type, environment_type())
+            if environment_type not in environments:
+                environments[environment_type] = environment_type()
+            return environments[environment_type]
 
-        async def reset_all() -> list[Episode]:
-            return await asyncio.gather(*(environments[environment_class(name, row.data_source)].reset(row)
-                                          for row in transcribed))
+        async def first_episodes() -> list[Episode]:
+            return await asyncio.gather(*(environment_for(row).reset(row) for row in transcribed))
 
-        episodes = dict(zip((row.row_id for row in transcribed), asyncio.run(reset_all()) if transcribed else []))
+        episodes = dict(zip((row.row_id for row in transcribed), asyncio.run(first_episodes()) if transcribed else []))
         examples = []
         for row in rows:
             if row.row_id not in episodes:
