@@ -66,13 +66,12 @@ CALCULATOR_NOTE = (
     "Sums and products of 6- to 9-digit numbers (`calculator_arithmetic`) at the agents demo's sizes "
     "(conf/demo_agents.yaml: a 300-step warm-up of batch 32, 10 steps of 4 prompts x 8): single-turn GRPO without the "
     "tool, against agent episodes with the `calculator` tool, whose warm-up learns each row's gold transcript (the "
-    "call, the result, the boxed answer). Measured by hand before this comparison ran, one seed, on the lent "
-    "machine's CPU at two threads a run (2026-11-29; docs/agents.md, \"Demo\"): the tiny model learns neither. "
-    "Without the tool (300 warm-up steps, final loss 1.30; 30 steps of 8 x 8 at lr 5e-5 and at 1e-4) it got no "
-    "sum or product right, 0 % held out before and after. With it, warm-ups of 150, 300 and 600 steps ended at a "
-    "loss of 0.53, 0.53 and 0.48 per target token, too high to write the call: its `<tool_call>` JSON came out "
-    "garbled, no episode was rewarded (held-out mean reward 0.000 before RL and after 10 steps of 8 x 8 at lr 5e-5 "
-    "and 1e-4 and of 4 x 16; every training reward 0), so RL had nothing to learn from.")
+    "call, the result, the boxed answer). Measured by hand before this comparison ran, one seed (2026-11-29; "
+    "docs/agents.md, \"Demo\"): the tiny model learns neither. Without the tool: 0 % held out before and after "
+    "(warm-up loss 1.29). With it: 0 % before and after; after the warm-up (loss 0.52) greedy episodes make one "
+    "well-formed call each but do not copy the question's numbers into it, and no training episode earned a reward "
+    "in 10 steps, so RL had no signal. On the lent machine's CPU, warm-ups of 150, 300 and 600 steps (losses 0.53, "
+    "0.53, 0.48) and RL at lr 5e-5 and 1e-4, n 8 and 16, gave no reward either.")
 COMPARISONS = (  # the two-method comparisons first: they finish sooner
     Comparison("mtpo_qa", (
         Method("GRPO", ("+variant=mtpo", "mtpo.rewards.calibration_weight=0")),
