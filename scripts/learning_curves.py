@@ -59,6 +59,19 @@ class Comparison:
 
 
 GRPO = Method("GRPO", ())
+CALCULATOR_SIZES = ("data.builtin_task=calculator_arithmetic", "data.train_batch_size=4", "data.builtin_val_size=50",
+                    "rollout.max_response_length=112", "model.warmup.steps=300", "model.warmup.batch_size=32",
+                    "trainer.total_steps=10")
+CALCULATOR_NOTE = (
+    "Sums and products of 6- to 9-digit numbers (`calculator_arithmetic`) at the agents demo's sizes "
+    "(conf/demo_agents.yaml: a 300-step warm-up of batch 32, 10 steps of 4 prompts x 8): single-turn GRPO without the "
+    "tool, against agent episodes with the `calculator` tool, whose warm-up learns each row's gold transcript (the "
+    "call, the result, the boxed answer). Measured by hand before this comparison ran, one seed (2026-11-29; "
+    "docs/agents.md, \"Demo\"): the tiny model learns neither. Without the tool: 0 % held out before and after "
+    "(warm-up loss 1.29). With it: 0 % before and after; after the warm-up (loss 0.52) greedy episodes make one "
+    "well-formed call each but do not copy the question's numbers into it, and no training episode earned a reward "
+    "in 10 steps, so RL had no signal. On the lent machine's CPU, warm-ups of 150, 300 and 600 steps (losses 0.53, "
+    "0.53, 0.48) and RL at lr 5e-5 and 1e-4, n 8 and 16, gave no reward either.")
 COMPARISONS = (  # the two-method comparisons first: they finish sooner
     Comparison("mtpo_qa", (
         Method("GRPO", ("+variant=mtpo", "mtpo.rewards.calibration_weight=0")),
@@ -129,6 +142,13 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
        note="The demo's run (lr 5e-5) in float32 and in bf16 on the CPU, with the float32 master weights and "
             "optimizer state of bf16 training (`policy.optim.master_weights`, the default) and without them "
             "(AdamW on the bf16 weights). The float32 runs are the baseline."),
+    # the calculator tool against the same task without it, each from its own warm-up (conf/demo_agents.yaml's sizes)
+    Comparison("calculator_arithmetic", (
+        Method("without the tool", CALCULATOR_SIZES),
+        Method("calculator", (*CALCULATOR_SIZES, "algorithm.experience_maker=agent_episodes", "agents.limits.max_turns=2",
+                              "agents.limits.max_total_tokens=384"), "the agent learns to call the tool"),
+    ), name="calculator", diagnostics=("reward/mean", "agent/tool_calls", "agent/malformed_calls", "agent/turns"),
+       note=CALCULATOR_NOTE),
     # LoRA at ten times full training's learning rate (the usual finding for LoRA in RL), alpha 32 at both ranks
     Comparison("arithmetic", (
         Method("GRPO", ()),
@@ -307,8 +327,8 @@ def render(results: dict[str, dict[str, list[dict]]], seeds: list[int], steps: i
         title = comparison.title
         if title not in results:
             names = ", ".join(method.name for method in comparison.methods)
-            lines += [f"## {title}", "", f"Not run yet ({names}): `python scripts/learning_curves.py --only "
-                      f"{title}` adds it.", ""]
+            lines += [f"## {title}", "", *([comparison.note, ""] if comparison.note else []),
+                      f"Not run yet ({names}): `python scripts/learning_curves.py --only {title}` adds it.", ""]
             continue
         curves = results[title]
         lines += [f"## {title}", "", f"![{title}](learning/{title}.png)", "",

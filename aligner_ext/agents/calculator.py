@@ -21,6 +21,7 @@ from fractions import Fraction
 
 from aligner_ext.agents.environment import register_environment
 from aligner_ext.agents.tool_environment import ToolEnvironment, ToolEpisode
+from aligner_ext.rewards.base import RewardResult
 from aligner_ext.rewards.math_answer import math_verify_reward
 
 MAX_EXPRESSION_CHARS = 200  # longer expressions are refused: the result's size stays bounded by the input's
@@ -66,5 +67,6 @@ class CalculatorEnvironment(ToolEnvironment):
 
     TOOLS = (calculator,)
 
-    def score(self, state: ToolEpisode) -> float:
-        return math_verify_reward(state.answer or "", state.row).score
+    def score(self, state: ToolEpisode) -> RewardResult:
+        """The reward with whether it was correct, so held-out accuracy is defined."""
+        return math_verify_reward(state.answer or "", state.row)

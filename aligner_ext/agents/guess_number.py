@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from aligner_ext.agents.environment import Environment, Episode, Message, StepResult, register_environment
 from aligner_ext.data.types import PromptRow
+from aligner_ext.rewards.base import RewardResult
 
 DISCOUNT = 0.9  # the score's factor per guess after the first
 INTEGER = re.compile(r"-?\d+")
@@ -62,5 +63,6 @@ class GuessNumberEnvironment(Environment):
             feedback = "higher" if int(numbers[-1]) < state.secret else "lower"
         return StepResult([{"role": "user", "content": feedback}])
 
-    async def score(self, state: GuessState) -> float:
-        return DISCOUNT ** (state.guesses - 1) if state.found else 0.0
+    async def score(self, state: GuessState) -> RewardResult:
+        """The reward with whether the secret was found, so held-out accuracy is defined."""
+        return RewardResult(DISCOUNT ** (state.guesses - 1) if state.found else 0.0, correct=float(state.found))

@@ -16,6 +16,7 @@ from aligner_ext.agents.environment import Episode, register_environment
 from aligner_ext.agents.sandbox import SandboxLimits, check_sandbox, python_tool
 from aligner_ext.agents.tool_environment import ToolEnvironment, ToolEpisode
 from aligner_ext.data.types import PromptRow
+from aligner_ext.rewards.base import RewardResult
 from aligner_ext.rewards.math_answer import math_verify_reward
 
 LIMITS = SandboxLimits()  # sandbox.py's defaults: 10 s, 512 MiB, 8 KiB of output per stream
@@ -37,5 +38,6 @@ class PythonEnvironment(ToolEnvironment):
             self.sandbox_checked = True
         return await super().reset(row)
 
-    def score(self, state: ToolEpisode) -> float:
-        return math_verify_reward(state.answer or "", state.row).score
+    def score(self, state: ToolEpisode) -> RewardResult:
+        """The reward with whether it was correct, so held-out accuracy is defined."""
+        return math_verify_reward(state.answer or "", state.row)

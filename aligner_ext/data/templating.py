@@ -16,15 +16,16 @@ import torch
 from aligner_ext.errors import ConfigError
 
 
-def encode_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` under the tokenizer's chat template, ending with the generation prompt."""
+def encode_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `messages` (offered `tools`, JSON schemas, when given) under the tokenizer's chat
+    template, ending with the generation prompt."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
             f"tokenizer {type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')!r}) has no chat "
             "template; use a chat/instruct checkpoint as model.path, "
             "or add a chat template to its tokenizer"
         )
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

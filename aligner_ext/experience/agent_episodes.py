@@ -15,6 +15,11 @@ Decisions (docs/agents.md; tests/unit/experience/test_agent_episodes.py pins the
   the episode's reward, in the draw's group; `agent/history_rewrites` counts them. An episode whose
   environment failed at reset has no row (counted in `agent/end_environment_error`).
 - `rollout.max_response_length` caps each turn; `agents.limits.max_total_tokens` a whole row.
+- The embedded model's supervised warm-up (`warmup_examples`) learns each row's gold transcript
+  (`extra_info.gold_transcript`, the messages after the prompt of a correct episode) turn by turn:
+  every assistant message of it is a target, after the episode's first messages and tools (as
+  `reset` gives them) and the transcript before it. A row without one is warmed up on its gold
+  solution, as in a single-round run.
 - Validation plays one greedy episode per prompt (`own_evaluation`), with the metrics of the
   single-round evaluation's names (accuracy, reward_mean, response_length, num_prompts) and the
   episodes' own under `val/agent/`.
@@ -22,18 +27,21 @@ Decisions (docs/agents.md; tests/unit/experience/test_agent_episodes.py pins the
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import Counter
 from typing import Callable
 
 import torch
 
+from aligner_ext.agents.environment import Environment, Episode, environment_class
 from aligner_ext.agents.episodes import ENDS, EpisodeOutcome, EpisodeRunner
 from aligner_ext.agents.settings import AgentsConfig
 from aligner_ext.batch import TOKEN_ROLES, ExperienceBatch, SampleInfo
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import left_pad, right_pad
+from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import world_size
 from aligner_ext.errors import UserError
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, identical_samples
@@ -59,6 +67,37 @@ class AgentEpisodes(GroupSampling):
                  tokenizer, seed: int = 0):
         super().__init__(cfg, engine, rewards, tokenizer, seed)  # no routing asked: not recorded over turns yet
         self.runner = EpisodeRunner(engine, tokenizer, agents)
+
+    @classmethod
+    def warmup_examples(cls, cfg, rows: list[PromptRow]) -> list[tuple]:
+        """(messages, assistant message, tools) for each model turn of each row's gold transcript, as
+        the episode renders it (module docstring); (prompt, gold solution) for a row without one."""
+        transcribed = [row for row in rows if row.extra_info.get("gold_transcript")]
+        name = None if cfg.agents.environment == "auto" else cfg.agents.environment
+        environments: dict[type, Environment] = {}  # one of each, as the episode runner keeps them
+
+        def environment_for(row: PromptRow) -> Environment:
+            environment_type = environment_class(name, row.data_source)
+            if environment_type not in environments:
+                environments[environment_type] = environment_type()
+            return environments[environment_type]
+
+        async def first_episodes() -> list[Episode]:
+            return await asyncio.gather(*(environment_for(row).reset(row) for row in transcribed))
+
+        episodes = dict(zip((row.row_id for row in transcribed), asyncio.run(first_episodes()) if transcribed else []))
+        examples = []
+        for row in rows:
+            if row.row_id not in episodes:
+                examples += super().warmup_examples(cfg, [row])
+                continue
+            episode = episodes[row.row_id]
+            messages = list(episode.messages)
+            for message in row.extra_info["gold_transcript"]:
+                if message["role"] == "assistant":
+                    examples.append((list(messages), message, episode.tools))
+                messages.append(message)
+        return examples
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "AgentEpisodes":

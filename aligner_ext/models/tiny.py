@@ -22,10 +22,27 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 UNK_TOKEN = "<|unk|>"
 
-# ChatML, as Qwen models use it; rendered by the tokenizer like any HF chat template.
+# ChatML, as Qwen models use it; rendered by the tokenizer like any HF chat template. A conversation
+# without tools renders as plain ChatML. With `tools`, one short system turn names them (the model has
+# 512 positions: no JSON schemas), and assistant `tool_calls` are written in the hermes syntax that
+# agents/tool_calls.py reads, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, spelled in
+# characters (no new tokens); a `tool` message is a turn of its own (docs/agents.md, "Demo").
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nTools: ' }}"
+    "{% for tool in tools %}{% set tool = tool.function if tool.function is defined else tool %}"
+    "{{ (', ' if not loop.first else '') + tool.name + '(' + (tool.parameters.properties | list | join(', ')"
+    " if tool.parameters is defined and tool.parameters.properties is defined else '') + ')' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if message.tool_calls %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] + '\n' if message['content'] else '') }}"
+    "{% for call in message.tool_calls %}{% set call = call.function if call.function is defined else call %}"
+    "{{ ('\n' if not loop.first else '') + '<tool_call>\n{\"name\": ' + call.name | tojson + ', \"arguments\": ' }}"
+    "{{ call.arguments if call.arguments is string else call.arguments | tojson }}{{ '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>' + '\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -3,6 +3,12 @@
 A randomly initialised model never samples a correct answer, so GRPO would have no signal. A short
 supervised phase brings it to partial accuracy; it stops early on purpose, to leave RL room to
 improve the model.
+
+An example is `(messages, target)` or `(messages, target, tools)` (the experience maker's
+`warmup_examples` makes them): `target` is the assistant turn to learn, either its content (a string,
+followed by the end token) or a whole assistant message (a dict, e.g. with `tool_calls`), which the
+chat template renders as the model is to write it, through its end token; `tools` are the schemas the
+prompt is rendered with, as an agent episode renders it.
 """
 
 from __future__ import annotations
@@ -29,13 +35,16 @@ def uses_bfloat16(device: torch.device, setting: str) -> bool:
     return setting == "bfloat16" or (setting == "auto" and device.type == "cuda")
 
 
-def supervised_warmup(model, tokenizer, pairs: list[tuple[list[dict[str, str]], str]], cfg: WarmupConfig,
-                      progress: bool = True) -> float:
-    """Train `model` on (chat messages, target + end token) pairs; loss only on target tokens. Returns the last loss."""
+def supervised_warmup(model, tokenizer, pairs: list[tuple], cfg: WarmupConfig, progress: bool = True) -> float:
+    """Train `model` on (chat messages, target[, tools]) examples (module docstring); loss only on the
+    target's tokens. Returns the last loss."""
     examples = []
-    for messages, target in pairs:
-        prompt = encode_prompt(tokenizer, messages)
-        answer = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for messages, target, *tools in pairs:
+        prompt = encode_prompt(tokenizer, messages, *tools)
+        if isinstance(target, str):
+            answer = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        else:
+            answer = rendered_turn(tokenizer, messages, target, *tools)
         examples.append((prompt, answer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     order = random.Random(cfg.seed)
@@ -54,6 +63,21 @@ def supervised_warmup(model, tokenizer, pairs: list[tuple[list[dict[str, str]], 
         loss_value = loss.item()
     logger.info("warm-up: %d steps, final loss %.4f", cfg.steps, loss_value)
     return loss_value
+
+
+def rendered_turn(tokenizer, messages: list[dict], turn: dict, tools: list[dict] | None = None) -> list[int]:
+    """The ids of assistant message `turn` as the chat template writes it after `messages` and the
+    generation prompt, through its end token (what the template adds after that is not the model's)."""
+    before = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    after = tokenizer.apply_chat_template([*messages, turn], tools=tools, add_generation_prompt=False, tokenize=False)
+    if not after.startswith(before):
+        raise ValueError("the chat template renders the conversation differently once the warm-up's target turn "
+                         "is added: its generation prompt does not start the turn")
+    text = after[len(before):]
+    end = text.rfind(tokenizer.eos_token)
+    if end < 0:
+        raise ValueError(f"the chat template writes no end token ({tokenizer.eos_token}) after an assistant turn")
+    return list(tokenizer(text[: end + len(tokenizer.eos_token)], add_special_tokens=False)["input_ids"])
 
 
 def _right_padded(batch: list[tuple[list[int], list[int]]], pad_id: int):

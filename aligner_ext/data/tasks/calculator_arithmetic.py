@@ -7,7 +7,10 @@ reliably digit by digit, so its accuracy shows whether it learned to call the `c
 the rows are scored by `math_verify` as `arithmetic` is, the same task without the tool.
 
 The gold solution is the boxed answer alone, "\\boxed{242127410371518}": the tool call that leads
-to it is written in the model family's own syntax, which a task does not know.
+to it is written in the model family's own syntax, which a task does not know. The whole correct
+episode is in `extra_info.gold_transcript` as OpenAI messages (the call, the tool's result, the boxed
+answer), which the chat template renders in the family's syntax: the supervised warm-up of agent
+episodes teaches it (experience/agent_episodes.py).
 
 The problem space is large, so rows are drawn at random and kept only if their prompt text belongs
 to the split (`base.in_split`).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import operator
 import random
+from typing import Any
 
 from aligner_ext.data.tasks.base import TASKS, in_split, make_rows, record, split_rng
 from aligner_ext.data.types import PromptRow
@@ -34,6 +38,14 @@ def question(a: int, symbol: str, b: int) -> str:
     return f"Compute {a}{symbol}{b} with the calculator; answer in \\boxed{{}}."
 
 
+def gold_transcript(expression: str, answer: str) -> list[dict[str, Any]]:
+    """A correct episode after the prompt: one calculator call, its result, the boxed answer."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": answer},
+            {"role": "assistant", "content": f"\\boxed{{{answer}}}"}]
+
+
 @TASKS.register("calculator_arithmetic")
 def calculator_arithmetic(split: str, size: int, seed: int) -> list[PromptRow]:
     """`size` sums and products of `split`, each operation with probability 1/2."""
@@ -44,5 +56,6 @@ def calculator_arithmetic(split: str, size: int, seed: int) -> list[PromptRow]:
         user = question(a, symbol, b)
         if in_split(user, split):
             answer = str(OPERATIONS[symbol](a, b))
-            records.append(record("calculator_arithmetic", user, answer, f"\\boxed{{{answer}}}"))
+            records.append(record("calculator_arithmetic", user, answer, f"\\boxed{{{answer}}}",
+                                  gold_transcript=gold_transcript(f"{a}{symbol}{b}", answer)))
     return make_rows("calculator_arithmetic", split, records)

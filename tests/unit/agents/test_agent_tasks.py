@@ -47,8 +47,8 @@ def test_the_gold_answer_scores_one_in_the_calculator_environment():
         await env.step({"role": "assistant", "content": text}, state)
         return await env.score(state)
 
-    assert asyncio.run(answer(sft_target(row))) == 1.0
-    assert asyncio.run(answer(f"\\boxed{{{int(row.ground_truth) + 1}}}")) == 0.0
+    assert asyncio.run(answer(sft_target(row))).correct == 1.0
+    assert asyncio.run(answer(f"\\boxed{{{int(row.ground_truth) + 1}}}")).score == 0.0
     assert DATA_SOURCES["calculator_arithmetic"] == "math_verify"  # without the tool: a single-turn math task
 
 
@@ -86,7 +86,7 @@ def test_bisection_wins_every_game_within_the_guesses():
             guess = (low + high) // 2
             result = await env.step({"role": "assistant", "content": str(guess)}, state)
             if result.done:
-                return await env.score(state)
+                return (await env.score(state)).score
             low, high = (guess + 1, high) if result.messages[0]["content"] == "higher" else (low, guess - 1)
 
     row = builtin_rows("guess_number", "train", 1, seed=0)[0]

@@ -72,13 +72,13 @@ def test_a_calculator_episode_is_scored_on_its_final_answer():
         assistant("The sum is \\boxed{1351114053}."),
     ])
     assert results[0].messages == [{"role": "tool", "name": "calculator", "content": "1351114053"}]
-    assert [result.done for result in results] == [False, True] and score == 1.0
+    assert [result.done for result in results] == [False, True] and (score.score, score.correct) == (1.0, 1.0)
     assert results[0].metrics == {"tool_seconds": results[0].metrics["tool_seconds"]}  # no error
 
 
 def test_a_wrong_or_missing_final_answer_scores_zero():
-    assert play(CalculatorEnvironment(), CALC_ROW, [assistant("\\boxed{1351114054}")])[1] == 0.0
-    assert play(CalculatorEnvironment(), CALC_ROW, [assistant("1351114053")])[1] == 0.0  # not marked as the answer
+    assert play(CalculatorEnvironment(), CALC_ROW, [assistant("\\boxed{1351114054}")])[1].correct == 0.0
+    assert play(CalculatorEnvironment(), CALC_ROW, [assistant("1351114053")])[1].score == 0.0  # not marked as the answer
 
 
 def test_a_raising_expression_is_the_models_observation():
@@ -111,7 +111,7 @@ def test_the_game_answers_higher_or_lower_until_found():
         [{"role": "user", "content": "Answer with one number from 1 to 100."}],
         [{"role": "user", "content": "higher"}], []]
     assert [result.done for result in results] == [False, False, False, False, True]
-    assert score == pytest.approx(0.9 ** 4)  # found on the fifth guess
+    assert score.score == pytest.approx(0.9 ** 4) and score.correct == 1.0  # found on the fifth guess
     assert all(result.reward is None for result in results)
 
 
@@ -119,7 +119,7 @@ def test_the_game_ends_after_its_guesses_and_scores_zero():
     results, score, _ = play(GuessNumberEnvironment(), game(37, max_guesses=3),
                              [assistant("50"), assistant("40"), assistant("38"), assistant("37")])
     assert [result.done for result in results] == [False, False, True] and results[-1].messages == []
-    assert score == 0.0
+    assert (score.score, score.correct) == (0.0, 0.0)
 
 
 def test_a_first_guess_scores_one_and_games_run_concurrently():
@@ -131,7 +131,7 @@ def test_a_first_guess_scores_one_and_games_run_concurrently():
         return [result.messages[0]["content"] for result in results]
 
     assert asyncio.run(two_games()) == ["higher", "lower"]
-    assert play(env, game(50), [assistant("50")])[1] == 1.0
+    assert play(env, game(50), [assistant("50")])[1].score == 1.0
 
 
 def test_a_row_without_the_game_is_refused_with_what_is_missing():

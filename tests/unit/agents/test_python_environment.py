@@ -35,7 +35,7 @@ def test_an_episode_runs_its_program_in_the_sandbox_and_is_scored_on_its_answer(
     ran, done, score = asyncio.run(episode())
     # 2**100 = 1267650600228229401496703205376, whose digits sum to 115
     assert ran.messages[0]["role"] == "tool" and "115" in ran.messages[0]["content"] and not ran.done
-    assert done.done and score == 1.0
+    assert done.done and (score.score, score.correct) == (1.0, 1.0)
 
 
 def test_the_tasks_ground_truth_is_the_digit_sum_and_the_splits_are_apart():

@@ -15,8 +15,12 @@ def test_the_format_is_read_from_the_chat_template(qwen25_tokenizer, qwen3_token
     assert tool_call_format(qwen25_tokenizer).name == "hermes"
     assert tool_call_format(qwen3_tokenizer).name == "hermes"
     assert tool_call_format(llama31_tokenizer).name == "llama3_json"
+    assert tool_call_format(build_char_tokenizer()).name == "hermes"  # the embedded model's template
+    plain = build_char_tokenizer()
+    plain.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+                           "{% endfor %}")
     with pytest.raises(ConfigError, match="defines no tool-call format this library reads"):
-        tool_call_format(build_char_tokenizer())  # the embedded model's plain ChatML template renders no calls
+        tool_call_format(plain)  # plain ChatML renders no calls
 
 
 def test_hermes_reads_several_calls_and_the_text_around_them():
