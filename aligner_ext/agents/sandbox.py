@@ -64,6 +64,9 @@ def _run_main_py():
         sys.exit({MEMORY_EXIT} if isinstance(error, MemoryError) else {PROCESSES_EXIT} if isinstance(error, BlockingIOError) else 1)
 _run_main_py()
 """  # what the program's interpreter runs: main.py as a script, with a distinct exit status for two limits
+# The program's interpreter: the base installation, not the trainer's virtual environment, which may live
+# under /tmp (a clone there), hidden by the program's own /tmp; the program has the standard library.
+PROGRAM_PYTHON = getattr(sys, "_base_executable", None) or sys.executable
 
 
 class SandboxUnavailable(UserError, RuntimeError):
@@ -328,7 +331,7 @@ def _become_program(spec: dict, status, launcher_alive: int) -> None:
             os._exit(1)
         os.chdir("/tmp")
         os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
-        os.execve(sys.executable, [sys.executable, "-s", "-B", "-c", RUNNER], PROGRAM_ENV)
+        os.execve(PROGRAM_PYTHON, [PROGRAM_PYTHON, "-s", "-B", "-c", RUNNER], PROGRAM_ENV)
     except BaseException as err:
         status.write(json.dumps({"error": str(err)}) + "\n")
         status.flush()
