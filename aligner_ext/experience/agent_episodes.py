@@ -43,7 +43,7 @@ from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import left_pad, right_pad
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import world_size
-from aligner_ext.errors import UserError
+from aligner_ext.errors import ConfigError, UserError
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, identical_samples
 from aligner_ext.experience.settings import RolloutConfig
 from aligner_ext.generation.base import GenerationEngine, SamplingParams
@@ -105,6 +105,21 @@ class AgentEpisodes(GroupSampling):
             raise UserError(f"algorithm.experience_maker=agent_episodes runs in one process for now; this run has "
                             f"{world_size()} (torchrun): episodes are not split across processes yet (docs/agents.md)")
         return cls(ctx.cfg.agents, ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed)
+
+    @classmethod
+    def rows_scored_by_rewards(cls, cfg, rows: list[PromptRow]) -> list[PromptRow]:
+        """The rows whose environment leaves the score to the reward registry (does not define `score`); a
+        row without an environment is refused here, before the model loads."""
+        name = None if cfg.agents.environment == "auto" else cfg.agents.environment
+        kept = []
+        for row in rows:
+            try:
+                environment = environment_class(name, row.data_source)
+            except (KeyError, ImportError, AttributeError, TypeError) as err:
+                raise ConfigError(f"row {row.row_id}: {err.args[0] if err.args else err}") from err
+            if environment.score is Environment.score:
+                kept.append(row)
+        return kept
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         draws = loader.next_batch()

@@ -10,6 +10,8 @@ group id. Variants override one of its named steps instead of copying the flow:
 - `evaluate(loader, single_round)` (on every maker): held-out metrics; the default is the run's
   single-round evaluation (trainer/evaluate.py: greedy, or k samples per prompt); two-round rollouts
   evaluate both rounds, and say so in `own_evaluation`;
+- `rows_scored_by_rewards(cfg, rows)` (a class method): the rows the reward registry scores, checked
+  for a reward function before the model loads (agent episodes leave out those their environment scores);
 - `warmup_examples(cfg, rows)` (a class method): the (messages, target) pairs the embedded model's
   supervised warm-up trains on; the default is each row's prompt and gold solution (the graded
   system prompt also shows its system messages, so the tiny model learns to read them).
@@ -84,6 +86,13 @@ class ExperienceMaker(abc.ABC):
         maker whose generator sees other prompts than the rows' overrides this to show them.
         """
         return [(row.messages, sft_target(row)) for row in rows]
+
+    @classmethod
+    def rows_scored_by_rewards(cls, cfg, rows: list[PromptRow]) -> list[PromptRow]:
+        """The rows whose responses the reward registry scores, whose reward functions the build checks
+        before the model loads (`cfg` is the RunConfig); every row by default, fewer for a maker whose
+        environments score their own episodes."""
+        return rows
 
     def check_rows(self, rows: list[PromptRow]) -> None:  # noqa: B027 - most makers take any row
         """Override point: raise a UserError (aligner_ext/errors.py) for a training row this maker would

@@ -168,7 +168,8 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
     val_loaders = build_val_loaders(cfg.data, tokenizer, cfg.trainer.eval.sets)
     rewards = RewardManager(cfg.reward)
     try:
-        rewards.check(train_loader.rows + [row for loader in val_loaders.values() for row in loader.rows])
+        rows = train_loader.rows + [row for loader in val_loaders.values() for row in loader.rows]
+        rewards.check(EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker).rows_scored_by_rewards(cfg, rows))
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         backend = cfg.policy.backend
         policy = construct(cfg, "policy backend", "policy.backend", backend, POLICIES.get(backend),

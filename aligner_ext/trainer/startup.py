@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from aligner_ext.config import RunConfig
+from aligner_ext.experience.base import EXPERIENCE_MAKERS
 from aligner_ext.trainer.build import Components
 
 
@@ -35,11 +36,15 @@ def startup_lines(cfg: RunConfig, parts: Components, run_dir: Path, start: str) 
     if not parts.val_loaders:
         lines.append("validation: no validation set (no held-out evaluation)")
     val_rows = [row for loader in parts.val_loaders.values() for row in loader.rows]
-    rewards = ", ".join(f"{source} -> {name}" for source, name in
-                        sorted(parts.rewards.reward_names(parts.train_loader.rows + val_rows).items()))
-    lines.append(f"rewards by data_source: {rewards}")
+    rows = parts.train_loader.rows + val_rows
+    scored = EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker).rows_scored_by_rewards(cfg, rows)
+    names = parts.rewards.reward_names(scored)
+    names.update({row.data_source: "its environment's score" for row in rows if row.data_source not in names})
+    lines.append(f"rewards by data_source: {', '.join(f'{source} -> {name}' for source, name in sorted(names.items()))}")
     k = cfg.trainer.eval.k
-    unvoted = sorted({row.data_source for row in val_rows if not parts.rewards.extracts_answer(row)}) if k > 1 else []
+    voting = {id(row) for row in scored}  # rows an environment scores have no reward function to ask
+    unvoted = sorted({row.data_source for row in val_rows if id(row) in voting and not parts.rewards.extracts_answer(row)}
+                     ) if k > 1 else []
     if unvoted:
         lines.append(f"maj@{k} is not reported for data_source {', '.join(unvoted)}: its reward extracts no answer "
                      "(RewardResult.answer, docs/rewards.md)")

@@ -5,9 +5,10 @@ the reward registry's of the last turn, plus the per-turn rewards) on the last s
 
 from dataclasses import replace
 
+import pytest
 import torch
 
-from aligner_ext.agents.environment import register_environment
+from aligner_ext.agents.environment import Environment, Episode, StepResult, register_environment
 from aligner_ext.agents.settings import AgentsConfig
 from aligner_ext.batch import OBSERVATION, SAMPLED, TEMPLATE
 from aligner_ext.data.types import PromptDraw, PromptRow
@@ -73,3 +74,30 @@ def test_without_an_environment_score_the_reward_registry_scores_the_last_turn(q
     batch = agents.assemble_episodes(outcomes)
     assert batch.rewards.tolist() == [1.25, 0.25]  # exact match of "5" (1 or 0) + the tool turn's 0.25
     assert batch.correct.tolist() == [1.0, 0.0]
+
+
+class Unowned(Environment):
+    """Defines no `score`: the reward registry scores its episodes."""
+
+    async def reset(self, row):
+        return Episode(list(row.messages))
+
+    async def step(self, message, state):
+        return StepResult(done=True)
+
+
+def test_the_build_checks_reward_functions_only_for_rows_no_environment_scores():
+    import aligner_ext.plugins  # noqa: F401 - the built-in environments, as a run registers them
+    from aligner_ext.config import load_config
+    from aligner_ext.errors import ConfigError
+
+    cfg = load_config("base", ["algorithm.experience_maker=agent_episodes", "agents.limits.max_total_tokens=512"])
+    guess = PromptRow("g", [], "guess_number")  # guess_number scores its own episodes
+    calculator = PromptRow("c", [], "calculator_arithmetic")  # so does the calculator
+    registry = PromptRow("u", [], "test")  # Unowned leaves it to the reward registry
+    assert AgentEpisodes.rows_scored_by_rewards(cfg, [guess, calculator]) == []
+    named = load_config("base", ["algorithm.experience_maker=agent_episodes", "agents.limits.max_total_tokens=512",
+                                 "agents.environment=tests.unit.agents.test_agent_episodes:Unowned"])
+    assert AgentEpisodes.rows_scored_by_rewards(named, [registry]) == [registry]
+    with pytest.raises(ConfigError, match="row u: no environment is named and none is registered for data_source 'test'"):
+        AgentEpisodes.rows_scored_by_rewards(cfg, [registry])
