@@ -3,13 +3,16 @@ engine (rollout.py, whose module docstring walks through it) and a turn session 
 requests admitted into free slots and prefilled (each from the position its slot already holds, with
 identical prompts of one admission prefilled once), the decode step over the busy slots (on a GPU
 replayed from CUDA graphs and read LOOKAHEAD steps after its launch), and the host's bookkeeping of
-each step's tokens and finishes (EOS, stop ids and strings, each request's token cap)."""
+each step's tokens and finishes (EOS, stop ids and strings, each request's token cap).
+
+The work runs under torch.inference_mode only: the decoder computes from the weights, never through
+the modules' forward, so the policy's train/eval mode is left alone (switching it walks every module,
+milliseconds at 28 layers: too much for each step of a turn session)."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -99,18 +102,6 @@ def weights_fingerprint(model) -> tuple:
     """Changes whenever a parameter is updated in place (its version counter) or replaced: a kept
     KV cache is valid only for the weights that computed it."""
     return tuple((param.data_ptr(), param._version) for param in model.parameters())
-
-
-@contextmanager
-def inference(model):
-    """The engine's work runs in eval mode without autograd; the model's mode is restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            yield
-    finally:
-        model.train(was_training)
 
 
 class SlotBatcher:

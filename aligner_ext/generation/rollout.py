@@ -76,7 +76,7 @@ import torch
 
 from aligner_ext.generation import sample_kernel
 from aligner_ext.generation.base import ENGINES, NOT_RECORDED, GenerationEngine, GenerationOutput, SamplingParams
-from aligner_ext.generation.batching import SlotBatcher, inference, weights_fingerprint
+from aligner_ext.generation.batching import SlotBatcher, weights_fingerprint
 from aligner_ext.generation.decoder import HFDecoder, SlotKVCache
 from aligner_ext.generation.hf import check_request, eos_ids_of
 from aligner_ext.generation.sampler import request_seed, sample
@@ -177,7 +177,7 @@ class RolloutEngine(GenerationEngine):
         record_routing = params.return_routing and self.decoder.records_routing
         if kept is not None and record_routing and kept.cache.routing is None:
             kept = None  # its prefixes' experts were not recorded
-        with inference(self.model):
+        with torch.inference_mode():
             return _Call(self, prompts, params, call_seed, matcher, kept, weights, record_routing).run(should_stop)
 
     def open_session(self, params: SamplingParams, max_length: int, max_episodes: int) -> TurnSession:

@@ -37,9 +37,10 @@ from collections import deque
 from collections.abc import Hashable
 
 import numpy as np
+import torch
 
 from aligner_ext.generation.base import GenerationOutput, SamplingParams
-from aligner_ext.generation.batching import SlotBatcher, inference, weights_fingerprint
+from aligner_ext.generation.batching import SlotBatcher, weights_fingerprint
 from aligner_ext.generation.hf import check_request
 from aligner_ext.generation.sampler import request_seed
 from aligner_ext.generation.stopping import StopStringMatcher
@@ -84,7 +85,7 @@ class TurnSession(SlotBatcher):
         self.counts = {"recomputed_tokens": 0, "evictions": 0, "turns": 0}
         self.done: list[tuple[Hashable, GenerationOutput]] = []
         self.next_turn = 0
-        with inference(engine.model):
+        with torch.inference_mode():
             self._allocate()
 
     @property
@@ -122,7 +123,7 @@ class TurnSession(SlotBatcher):
         """Admit the waiting turns that get a slot, launch one decode step, read the step launched
         LOOKAHEAD before it; the turns that finished, with their outputs."""
         self._check_open()
-        with inference(self.engine.model):
+        with torch.inference_mode():
             if self.waiting:
                 self._admit_waiting()
             rows, last = self._busy_shape()

@@ -24,6 +24,13 @@ another (`--warmup` steps, then `--steps` measured):
 then writes `agent_step.md` and `agent_step.json` under --out (after every worker, so a call's time
 limit loses no finished result).
 
+Before / after in one call: with `--prev COMMIT` (or a folder holding its tree), a system written
+`prev:ours` or `prev:ours_turn_by_turn` runs this harness's worker with that tree's library, and the
+report adds the ratios of each system to its `prev:` counterpart. `--profile` runs one more step of
+this tree's `ours` with its episodes under cProfile (ours.profile.txt: the episode loop's and the
+engine's host time), `--torch-profile generation` one more under torch.profiler (the device's busy
+time against the wall time).
+
 Per system, medians over the measured steps: the step; generation, the episodes' wall time (every turn
 and tool call); engine, the host time in the engine's calls (each waits for the device work it
 reads), so generation - engine is the time the episodes spent outside the engine (on the tools, and
@@ -47,7 +54,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
 from agent_step_lib import PRESETS, TOOL_LATENCY_S, write_workspace  # noqa: E402
-from common import steps_line  # noqa: E402
+from common import prev_tree, steps_line  # noqa: E402
 import grpo_step  # noqa: E402
 from grpo_step import PHASES, median_range, run_worker  # noqa: E402
 
@@ -55,19 +62,22 @@ SYSTEMS = {"ours": ("agent_step_ours.py", ["--mode", "sessions"]),
            "ours_turn_by_turn": ("agent_step_ours.py", ["--mode", "turn_by_turn"]),
            "trl_fast": ("agent_step_trl.py", ["--mode", "fast"]), "trl_cb": ("agent_step_trl.py", ["--mode", "cb"])}
 COUNTS = ("episodes", "turns", "sampled_tokens", "first_turn_new", "first_turn_prefilled", "later_turns", "later_new",
-          "later_prefilled", "prefilled", "reused", "recomputed", "evictions")
+          "later_prefilled", "prefilled", "reused", "recomputed", "evictions", "decode_steps")
+PREV_PREFIX = "prev:"  # a system run with the library of --prev (module docstring)
 
 
 def summarise(result: dict) -> dict:
     """Medians of the measured steps' times; the token counts summed over them, per turn or per episode."""
     measured = result["steps"][result["warmup_steps"]:]
-    total = {key: sum(step.get(key, 0) for step in measured) for key in COUNTS}
+    total = {key: sum(step.get(key) or 0 for step in measured) for key in COUNTS}
     phases = {phase: statistics.median(step["phases_s"].get(phase, 0.0) for step in measured) for phase in PHASES}
     engine_s = statistics.median(step["engine_s"] for step in measured)
     later = max(total["later_turns"], 1)
     first = result["steps"][0]
     return {
         "step_s": median_range([step["step_s"] for step in measured]), "phases_s": phases, "engine_s": engine_s,
+        "engine_ms_per_decode_step": 1000 * sum(step["engine_s"] for step in measured) / total["decode_steps"]
+        if total["decode_steps"] else None,
         "outside_engine_s": phases["generation"] - engine_s,
         "peak_gib": {phase: max(step["peak_gib"].get(phase, 0.0) for step in measured) for phase in PHASES},
         "turns_per_step": [step["turns"] for step in measured],
@@ -120,9 +130,29 @@ def render(report: dict) -> str:
                           f"{s['prefill']['history_rewrites']}" for name, s in systems.items()) + ".",
               "", "Every measured step, seconds (* above 1.3x the median, with what happened in it):", ""]
     lines += [f"- {steps_line(name, s['steps'])}" for name, s in systems.items()]
+    per_step = [f"{name} {s['engine_ms_per_decode_step']:.2f}" for name, s in systems.items()
+                if s.get("engine_ms_per_decode_step")]
+    if per_step:
+        lines += ["", "Engine host time per decode step of a turn session, ms: " + "; ".join(per_step) + "."]
+    lines += after_before(systems)
     for name, error in report["failures"].items():
         lines.append(f"\n{name} did not finish: {error}")
     return "\n".join(lines)
+
+
+def after_before(systems: dict) -> list[str]:
+    """This tree over --prev's, per system run from both (medians; below 1 is faster)."""
+    pairs = [(name, systems[PREV_PREFIX + name]) for name in systems if PREV_PREFIX + name in systems]
+    if not pairs:
+        return []
+    lines = ["", "After / before (this tree over `--prev`'s, medians; below 1 is faster):", "",
+             "| system | step | generation | engine | train |", "| --- | --- | --- | --- | --- |"]
+    for name, prev in pairs:
+        now = systems[name]
+        lines.append(f"| {name} | {now['step_s'][0] / prev['step_s'][0]:.3f} "
+                     f"| {now['phases_s']['generation'] / prev['phases_s']['generation']:.3f} "
+                     f"| {now['engine_s'] / prev['engine_s']:.3f} | {now['phases_s']['train'] / prev['phases_s']['train']:.3f} |")
+    return lines
 
 
 def write_report(report: dict, out: Path, started: float) -> str:
@@ -141,9 +171,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=float("inf"),
                         help="seconds for the whole call: a worker gets at most what is left")
     parser.add_argument("--out", type=Path, default=None, help="default: bench_out/agent_step_<preset>")
+    parser.add_argument("--prev", type=prev_tree, default=None,
+                        help="an earlier commit or its tree: systems written prev:NAME run with its library")
+    parser.add_argument("--profile", action="store_true", help="one more step of ours under cProfile")
+    parser.add_argument("--torch-profile", default="", help="phases of one more step of ours under torch.profiler")
     args = parser.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
-    unknown = sorted(set(systems) - set(SYSTEMS))
+    unknown = sorted({system.removeprefix(PREV_PREFIX) for system in systems} - set(SYSTEMS))
     if unknown:
         sys.exit(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     preset = PRESETS[args.preset]
@@ -156,12 +190,20 @@ def main(argv: list[str] | None = None) -> None:
               "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv[1:] if argv is None else argv)}
     common = ["--workspace", str(out / "work"), "--warmup", str(args.warmup), "--steps", str(args.steps),
               "--lr", str(args.lr)]
+    if any(system.startswith(PREV_PREFIX) for system in systems) and args.prev is None:
+        sys.exit("--systems: name the earlier tree of the prev: systems with --prev")
     for system in systems:
-        script, extra = SYSTEMS[system]
+        base = system.removeprefix(PREV_PREFIX)
+        script, extra = SYSTEMS[base]
         extra = [*extra, "--system", system] if script == "agent_step_ours.py" else extra
+        if system == "ours":
+            extra += ["--profile"] if args.profile else []
+            extra += ["--torch-profile", args.torch_profile] if args.torch_profile else []
+        stem = system.replace(":", "_")  # file names without the colon
         left = min(args.timeout, args.budget - (time.perf_counter() - started) - 15)
-        result, why = run_worker(system, [sys.executable, str(HERE / script), *common, *extra,
-                                          "--out", str(out / f"{system}.json")], out, left)
+        result, why = run_worker(stem, [sys.executable, str(HERE / script), *common, *extra,
+                                        "--out", str(out / f"{stem}.json")], out, left,
+                                 args.prev if base != system else ROOT)
         if result is not None and len(result["steps"]) <= result["warmup_steps"]:
             result, why = None, f"{why or 'stopped'}: no measured step finished"
         if result is None:

@@ -9,9 +9,14 @@
                        (`TurnByTurn` below stands in for the turn session); a call reuses what the
                        engine's prefix cache kept from the last one
 
+  --profile            one more step after the measured ones, its episodes under cProfile: where the host
+                       time of the episode loop and the engine went, in <out>.profile.txt
+  --torch-profile P    one more step with the phases P (e.g. generation) under torch.profiler: the device's
+                       busy time against the wall time, in <out>.torch_profile.txt
+
 Called by scripts/bench/agent_step.py; writes one JSON file.
 
-    python scripts/bench/agent_step_ours.py --workspace DIR --mode sessions --out FILE [--steps 3]
+    python scripts/bench/agent_step_ours.py --workspace DIR --mode sessions --out FILE [--steps 3] [--profile]
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import time
 STARTED = time.perf_counter()
 
 import argparse  # noqa: E402
+import cProfile  # noqa: E402
 import dataclasses  # noqa: E402
 from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from agent_step_lib import DATA_SOURCE, AgentPreset, read_workspace  # noqa: E402
-from grpo_step_lib import PhaseClock, clock_loop_phases, write_json  # noqa: E402
+from grpo_step_lib import PhaseClock, clock_loop_phases, profiled_step, write_json, write_profile  # noqa: E402
 
 
 def overrides(preset: AgentPreset, lengths: dict, workspace: Path, lr: float, name: str) -> list[str]:
@@ -186,6 +192,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--profile", action="store_true", help="one more step's episodes under cProfile")
+    parser.add_argument("--torch-profile", default="", help="phases of one more step under torch.profiler")
     args = parser.parse_args()
 
     import torch
@@ -196,7 +204,7 @@ def main() -> None:
     from aligner_ext.trainer.metrics import StageTimer
 
     preset, lengths = read_workspace(args.workspace)
-    settings = overrides(preset, lengths, args.workspace, args.lr, args.system)
+    settings = overrides(preset, lengths, args.workspace, args.lr, args.system.replace(":", "_"))
     cfg = load_config("base", settings)
     torch.manual_seed(cfg.trainer.seed)
     parts = build_components(cfg, args.workspace / "runs" / cfg.trainer.run_name)
@@ -234,6 +242,30 @@ def main() -> None:
                              if key.startswith("agent/") and isinstance(value, (int, float))}
         steps.append(record)
         report()
+    extra_step = args.warmup + args.steps  # the profiled steps come after the measured ones (report() wrote those)
+    if args.profile:
+        profiler = cProfile.Profile()
+        run_traced = runner.run
+
+        def profiled(*run_args):
+            profiler.enable()
+            try:
+                return run_traced(*run_args)
+            finally:
+                profiler.disable()
+
+        runner.run = profiled
+        parts.maker.make_experience(parts.train_loader, extra_step)
+        runner.run = run_traced
+        write_profile(profiler, args.out.with_suffix(".profile.txt"))
+        clock.take_step()
+        ledger.take()
+        extra_step += 1
+    if args.torch_profile:
+        record = profiled_step(clock, args.torch_profile,
+                               lambda: parts.maker.make_experience(parts.train_loader, extra_step),
+                               args.out.with_suffix(".torch_profile.txt"))
+        print(f"[{args.system}] profiled step: {record['step_s']:.2f} s", flush=True)
         print(f"[{args.system}] step {step}: {record['step_s']:.2f} s, engine {record['engine_s']:.2f} s, "
               f"{record['turns']} turns, prefilled {record['prefilled']} (later turns {record['later_prefilled']} "
               f"against {record['later_new']} new) " + " ".join(f"{k}={v:.2f}" for k, v in sorted(record["phases_s"].items())),

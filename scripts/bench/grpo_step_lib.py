@@ -7,7 +7,9 @@ See scripts/bench/grpo_step.py for the benchmark itself.
 
 from __future__ import annotations
 
+import cProfile
 import json
+import pstats
 import random
 import re
 import string
@@ -373,6 +375,15 @@ def render_summary(title: str, summary: dict) -> str:
             lines.append(f"  {label}:")
             lines += [f"    {seconds:9.4f} s {100 * seconds / busy:5.1f}%  {name}" for name, seconds in summary[key].items()]
     return "\n".join(lines)
+
+
+def write_profile(profiler: cProfile.Profile, path: Path) -> None:
+    """The calls that took the most host time, with and without what they called (a first step: where
+    its compilation, graph capture and first allocations went)."""
+    with open(path, "w") as out:
+        stats = pstats.Stats(profiler, stream=out)
+        stats.sort_stats("cumulative").print_stats(120)
+        stats.sort_stats("tottime").print_stats(40)
 
 
 def write_json(path: Path, payload: dict) -> None:

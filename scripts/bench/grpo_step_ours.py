@@ -16,11 +16,11 @@ STARTED = time.perf_counter()
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
 import json  # noqa: E402
-import pstats  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from grpo_step_lib import DATA_SOURCE, PhaseClock, Preset, clock_loop_phases, profiled_step, write_json  # noqa: E402
+from grpo_step_lib import (DATA_SOURCE, PhaseClock, Preset, clock_loop_phases, profiled_step, write_json,  # noqa: E402
+                           write_profile)
 
 VARIANT_OVERRIDES = {  # what each variant overlay needs beyond the shared workload
     "none": [],
@@ -98,15 +98,6 @@ class GenerationLedger:
     def take(self) -> list[dict]:
         calls, self.calls = self.calls, []
         return calls
-
-
-def write_profile(profiler: cProfile.Profile, path: Path) -> None:
-    """The calls that took the most time, with and without what they called (the first step: where
-    its compilation, graph capture and first allocations went)."""
-    with open(path, "w") as out:
-        stats = pstats.Stats(profiler, stream=out)
-        stats.sort_stats("cumulative").print_stats(120)
-        stats.sort_stats("tottime").print_stats(40)
 
 
 def main() -> None:
