@@ -17,6 +17,9 @@ rollout engine's KV cache, each episode continuing in the slot that holds its tr
   else evicts the slot of the episode not generating whose last turn finished longest ago (counted);
   that episode's next turn prefills its whole ids again (recomputed). While every slot generates, a
   turn waits.
+- Narrow steps. The decode step runs over slots [0, highest busy slot], so a turn whose episode holds
+  a slot above a free one moves down with its K/V (a copy of the positions it holds, counted in
+  `moves`): as a GRPO step's short episodes end, the long ones' steps narrow to the episodes left.
 - Continuous batching across turns: a turn submitted between steps is admitted at the next `step`
   among the turns of other episodes still decoding, so a slow tool delays only its own episode.
 - Exactness. A turn samples from the stream request_seed(seed, 0), the one `generate([ids], params with
@@ -82,7 +85,7 @@ class TurnSession(SlotBatcher):
         self.episode_in: list[Hashable | None] = [None] * slot_total
         self.held: list[list[int] | None] = [None] * slot_total
         self.finished_at = np.zeros(slot_total, dtype=np.int64)
-        self.counts = {"recomputed_tokens": 0, "evictions": 0, "turns": 0}
+        self.counts = {"recomputed_tokens": 0, "evictions": 0, "moves": 0, "turns": 0}
         self.done: list[tuple[Hashable, GenerationOutput]] = []
         self.next_turn = 0
         with torch.inference_mode():
@@ -91,7 +94,8 @@ class TurnSession(SlotBatcher):
     @property
     def stats(self) -> dict:
         """Tokens prefilled (recomputed ones included), continued from a slot, prefilled again after an
-        eviction or a turn that did not extend its slot; evictions, turns finished, decode steps."""
+        eviction or a turn that did not extend its slot; evictions, episodes moved to a lower slot, turns
+        finished, decode steps."""
         return {"prefilled_tokens": self.prefilled_tokens, "reused_tokens": self.reused_tokens, **self.counts,
                 "decode_steps": self.steps}
 
@@ -171,7 +175,10 @@ class TurnSession(SlotBatcher):
                 slot = self._vacant_slot(taken)
                 if slot is None:
                     continue
-                taken.add(slot)
+            else:
+                taken.discard(slot)
+                slot = self._moved_down(key, slot, taken)
+            taken.add(slot)
             self.starts[turn] = self._held_prefix(key, turn, slot)
             admitted.append((turn, slot))
         if admitted:
@@ -179,6 +186,23 @@ class TurnSession(SlotBatcher):
             self.waiting = deque(turn for turn in self.waiting if turn not in started)
             self._admit(admitted)
             self.starts.clear()
+
+    def _moved_down(self, key: Hashable, slot: int, taken: set[int]) -> int:
+        """The episode's slot, or the lowest free slot below it, given its K/V: the decode step runs over
+        slots [0, highest busy slot], so episodes that outlive others move down into the slots those
+        freed rather than keep the step as wide as the episodes that started with them."""
+        free = next((lower for lower in range(slot) if lower not in taken and self.episode_in[lower] is None
+                     and self.occupant[lower] < 0), None)
+        if free is None:
+            return slot
+        held = self.held[slot]
+        if held:
+            self.slots.cache.copy_from(self.slots.cache, [slot], [free], len(held))
+        self.episode_in[free], self.held[free], self.finished_at[free] = key, held, self.finished_at[slot]
+        self.episode_in[slot] = self.held[slot] = None
+        self.slot_of[key] = free
+        self.counts["moves"] += 1
+        return free
 
     def _vacant_slot(self, taken: set[int]) -> int | None:
         """The lowest slot of no episode, else the slot evicted from the episode not generating whose

@@ -111,7 +111,7 @@ def test_concurrent_turns_continue_their_slots_as_fresh_calls_would(tiny_tokeniz
     continued_turns = 6
     assert session.stats == {"prefilled_tokens": questions + continued_turns * (len(episodes.observation) + 1),
                              "reused_tokens": reused, "recomputed_tokens": 0, "evictions": 0, "turns": 9,
-                             "decode_steps": session.stats["decode_steps"]}
+                             "moves": session.stats["moves"], "decode_steps": session.stats["decode_steps"]}
     session.close()
 
 
@@ -178,6 +178,33 @@ def test_a_full_session_evicts_the_least_recently_used_idle_slot(tiny_tokenizer,
     assert session.stats["prefilled_tokens"] - before["prefilled_tokens"] == len(next_ids["a"])
     assert session.stats["recomputed_tokens"] == len(next_ids["a"])
     assert session.stats["evictions"] == 2
+
+
+def test_an_episode_above_freed_slots_moves_down_with_its_kv_and_continues_exactly(tiny_tokenizer, model):
+    session = RolloutEngine(model, tiny_tokenizer, RolloutEngineConfig()).open_session(SAMPLED, 96, 3)
+    observation = tiny_tokenizer.encode(OBSERVATION)
+    ids = {key: tiny_tokenizer.encode(text) for key, text in zip("abc", ("What is 12+7?", "Name a colour.", "hi"))}
+    for seed, key in enumerate("abc"):
+        session.submit(key, ids[key], 5, seed)
+    finished = []
+    while session.busy():
+        finished += session.step()
+    assert sorted(key for key, _ in finished) == ["a", "b", "c"]
+    session.release("a")
+    session.release("b")  # slots 0 and 1 free; c holds slot 2
+    c_ids = ids["c"] + dict(finished)["c"].token_ids + observation
+    before = session.stats
+    session.submit("c", c_ids, 6, 7)
+    session.step()
+    assert (session.occupant >= 0).nonzero()[0].tolist() == [0]  # the decode step is one slot wide, not three
+    rest = []
+    while session.busy():
+        rest += session.step()
+    assert_same(dict(rest)["c"], fresh(model, tiny_tokenizer, c_ids, SAMPLED, 6, 7))
+    assert session.stats["moves"] == 1
+    # its K/V moved with it: only the last sampled token and the observation are prefilled
+    assert session.stats["prefilled_tokens"] - before["prefilled_tokens"] == len(observation) + 1
+    assert session.stats["recomputed_tokens"] == 0
 
 
 def test_fewer_slots_than_episodes_still_give_the_fresh_calls_outputs(tiny_tokenizer, model):
