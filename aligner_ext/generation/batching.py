@@ -41,6 +41,7 @@ class _DeviceSlots:
         self.seeds = torch.zeros(slots, **long)  # the slot's request's sampling stream
         self.counters = torch.zeros(slots, **long)  # tokens its request has sampled so far
         self.logprobs = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.active = torch.zeros(slots, **long)  # 1 while a request generates in the slot (decode's `seen`)
         self.host_positions = np.zeros(slots, dtype=np.int64)
 
     def small_state(self) -> list[torch.Tensor]:
@@ -188,7 +189,8 @@ class SlotBatcher:
     def _step(self, rows: int, attended: int) -> None:
         """Decode, sample and advance slots [0, rows) on the device (what the CUDA graphs capture)."""
         slots, params = self.slots, self.params
-        logits = self.decoder.decode(slots.ids[:rows], slots.positions[:rows], slots.cache, attended)
+        logits = self.decoder.decode(slots.ids[:rows], slots.positions[:rows], slots.cache, attended,
+                                     slots.positions[:rows] * slots.active[:rows])
         tokens, logprobs = self.engine.sample(logits, params.temperature, params.top_p, params.top_k,
                                               slots.seeds[:rows], slots.counters[:rows])
         slots.logprobs[:rows].copy_(logprobs)
@@ -219,6 +221,7 @@ class SlotBatcher:
         slots.positions[slot_ids] = torch.tensor([len(self.prompts[index]) for index in indices], device=device)
         slots.seeds[slot_ids] = seeds
         slots.counters[slot_ids] = 1
+        slots.active[slot_ids] = 1
         for index, slot in admitted:
             self.occupant[slot] = self.holder[slot] = index
             self.generated[slot] = 0
@@ -280,11 +283,20 @@ class SlotBatcher:
             for i in np.flatnonzero(~eos & ~stop & self.matcher.may_complete(tokens)):
                 stop[i] = self.matcher.completed_by_last_token(self.tokens[slots[i], : count[i]].tolist())
         length = count >= self.caps[slots]
-        for i in np.flatnonzero(eos | stop | length):
+        finished = np.flatnonzero(eos | stop | length)
+        if len(finished):
+            self._idle(slots[finished])
+        for i in finished:
             slot = int(slots[i])
             index = int(self.occupant[slot])
             self.occupant[slot] = -1
             self._finish(index, slot, "eos" if eos[i] else "stop" if stop[i] else "length")
+
+    def _idle(self, slots: np.ndarray) -> None:
+        """No request generates in `slots` any more: their decode rows attend to one position (the
+        steps already launched still read them whole)."""
+        with torch.inference_mode():  # the slots' tensors are inference tensors; `release` comes from outside
+            self.slots.active[torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.decoder.device)] = 0
 
     def _output(self, slot: int, finish_reason: str) -> GenerationOutput:
         """What the slot's latest request generated."""

@@ -819,12 +819,16 @@ class Decoder:
         tokens = self.exchange.agree([0])[0]
         self.exchange.idle(self.layers, self.shape, tokens)
 
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache, attended: int) -> torch.Tensor:
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache, attended: int,
+               seen: torch.Tensor | None = None) -> torch.Tensor:
         """One token per slot of [0, b): `ids`, `positions` [b], every position < `attended`; logits
         [b, V] of the next token in the model's dtype (the sampler reads them in float32: a float32
-        copy of a 152k vocabulary would cost a write and a read per step)."""
+        copy of a 152k vocabulary would cost a write and a read per step). `seen` [b], where given: the
+        last position each row attends to (its position; 0 for a row whose output nobody reads, so an
+        idle slot of a long cache costs one position's reads, not its whole length)."""
         rows = len(ids)
-        masks = {window: self.attention.mask_of(positions, attended, self.dtype, window) for window in self.windows}
+        seen = positions if seen is None else seen
+        masks = {window: self.attention.mask_of(seen, attended, self.dtype, window) for window in self.windows}
         hidden, rotary = self._inputs(ids[:, None], positions[:, None])
         mlp = torch.zeros_like(hidden)  # the first layer's input has no second term
         # The norm the second term passes through: the previous layer's post-MLP norm; the first

@@ -143,7 +143,10 @@ class TurnSession(SlotBatcher):
         turn = self.turn_of.pop(key, None)
         if turn is not None:
             self.waiting = deque(waiting for waiting in self.waiting if waiting != turn)
-            self.occupant[self.occupant == turn] = -1  # a step launched for it is read for nobody
+            generating = np.flatnonzero(self.occupant == turn)
+            self.occupant[generating] = -1  # a step launched for it is read for nobody
+            if len(generating):
+                self._idle(generating)
             for per_turn in (self.prompts, self.seeds, self.max_new_tokens, self.episodes):
                 del per_turn[turn]
         slot = self.slot_of.pop(key, None)

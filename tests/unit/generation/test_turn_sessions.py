@@ -197,6 +197,7 @@ def test_an_episode_above_freed_slots_moves_down_with_its_kv_and_continues_exact
     session.submit("c", c_ids, 6, 7)
     session.step()
     assert (session.occupant >= 0).nonzero()[0].tolist() == [0]  # the decode step is one slot wide, not three
+    assert session.slots.active.tolist() == [1, 0, 0]  # the idle slots' rows attend to one position
     rest = []
     while session.busy():
         rest += session.step()
