@@ -170,7 +170,7 @@ class TurnSession(SlotBatcher):
             raise RuntimeError("the policy's weights changed while a turn session was open (its K/V belong to the "
                                "old weights); close it and open another")
         taken = {self.slot_of[self.episodes[turn]] for turn in self.waiting if self.episodes[turn] in self.slot_of}
-        admitted = []
+        admitted, moves = [], []
         for turn in self.waiting:
             key = self.episodes[turn]
             slot = self.slot_of.get(key)
@@ -180,27 +180,31 @@ class TurnSession(SlotBatcher):
                     continue
             else:
                 taken.discard(slot)
-                slot = self._moved_down(key, slot, taken)
+                slot = self._moved_down(key, slot, taken, moves)
             taken.add(slot)
             self.starts[turn] = self._held_prefix(key, turn, slot)
             admitted.append((turn, slot))
+        if moves:  # one copy for all (it reads every source before it writes a target), before any prefill
+            sources, targets, lengths = zip(*moves)
+            self.slots.cache.copy_from(self.slots.cache, list(sources), list(targets), max(lengths))
         if admitted:
             started = {turn for turn, _ in admitted}
             self.waiting = deque(turn for turn in self.waiting if turn not in started)
             self._admit(admitted)
             self.starts.clear()
 
-    def _moved_down(self, key: Hashable, slot: int, taken: set[int]) -> int:
-        """The episode's slot, or the lowest free slot below it, given its K/V: the decode step runs over
-        slots [0, highest busy slot], so episodes that outlive others move down into the slots those
-        freed rather than keep the step as wide as the episodes that started with them."""
+    def _moved_down(self, key: Hashable, slot: int, taken: set[int], moves: list[tuple[int, int, int]]) -> int:
+        """The episode's slot, or the lowest free slot below it, its K/V to be copied there (`moves`:
+        source, target, positions): the decode step runs over slots [0, highest busy slot], so episodes
+        that outlive others move down into the slots those freed rather than keep the step as wide as
+        the episodes that started with them."""
         free = next((lower for lower in range(slot) if lower not in taken and self.episode_in[lower] is None
                      and self.occupant[lower] < 0), None)
         if free is None:
             return slot
         held = self.held[slot]
         if held:
-            self.slots.cache.copy_from(self.slots.cache, [slot], [free], len(held))
+            moves.append((slot, free, len(held)))
         self.episode_in[free], self.held[free], self.finished_at[free] = key, held, self.finished_at[slot]
         self.episode_in[slot] = self.held[slot] = None
         self.slot_of[key] = free

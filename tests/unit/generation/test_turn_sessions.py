@@ -208,6 +208,33 @@ def test_an_episode_above_freed_slots_moves_down_with_its_kv_and_continues_exact
     assert session.stats["recomputed_tokens"] == 0
 
 
+@pytest.mark.parametrize("released,moves_to", [("ab", {"c": 0, "d": 1}), ("a", {"b": 1, "c": 0, "d": 2})])
+def test_moves_admitted_together_copy_every_kv_before_any_is_overwritten(tiny_tokenizer, model, released, moves_to):
+    """c and d move down in one admission; with only a released, d moves into the slot c just left
+    (its K/V copied out in the same copy that brings d's in)."""
+    session = RolloutEngine(model, tiny_tokenizer, RolloutEngineConfig()).open_session(SAMPLED, 96, 4)
+    observation = tiny_tokenizer.encode(OBSERVATION)
+    texts = ("What is 12+7?", "Name a colour.", "hi", "Q: a city?")
+    ids = {key: tiny_tokenizer.encode(text) for key, text in zip("abcd", texts)}
+    for seed, key in enumerate("abcd"):
+        session.submit(key, ids[key], 5, seed)
+    first = {}
+    while session.busy():
+        first.update(session.step())
+    for key in released:
+        session.release(key)
+    next_ids = {key: ids[key] + first[key].token_ids + observation for key in "cd"}
+    for seed, key in enumerate("cd", start=10):
+        session.submit(key, next_ids[key], 6, seed)
+    finished = {}
+    while session.busy():
+        finished.update(session.step())
+    assert session.slot_of == moves_to and session.stats["moves"] == 2
+    for seed, key in enumerate("cd", start=10):
+        assert_same(finished[key], fresh(model, tiny_tokenizer, next_ids[key], SAMPLED, 6, seed))
+    assert session.stats["recomputed_tokens"] == 0
+
+
 def test_fewer_slots_than_episodes_still_give_the_fresh_calls_outputs(tiny_tokenizer, model):
     engine = RolloutEngine(model, tiny_tokenizer, RolloutEngineConfig(max_batch_size=2))
     session = engine.open_session(SAMPLED, max_length=96, max_episodes=4)
