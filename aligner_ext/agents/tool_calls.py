@@ -262,6 +262,12 @@ NO_CALLS = (
                   "turn's calls only as its content"),
 )
 
+# Templates that render calls in a syntax not read yet, by a string that syntax holds.
+UNREAD = (
+    ("[ARGS]", "Mistral's newer `[TOOL_CALLS]name[ARGS]{...}` calls (Mistral Small 3.2, Magistral, Devstral) are not "
+               "read yet"),
+)
+
 
 def _read_call(body: str, arguments_key: str) -> ToolCall | MalformedCall:
     """A call from its JSON text: an object with a string `name` and an object under `arguments_key`."""
@@ -315,6 +321,10 @@ def tool_call_format(tokenizer: Any) -> ToolCallFormat:
             + (f" ({family})" if family else "")
             + ", so an agent's tool calls cannot be read or trained on here; use a model whose chat template renders "
               "tool_calls (Qwen2.5/3/3.5, Llama 3.1/3.2, Mistral v0.3; docs/agents.md, \"Tool-call formats\")")
+    for marker, reason in UNREAD:
+        if marker in template:
+            raise ConfigError(f"the chat template of tokenizer {name!r} renders tool calls in a syntax this library "
+                              f"does not read: {reason}; docs/agents.md, \"Tool-call formats\", lists the formats read")
     for candidate in FORMATS:
         if all(marker in template for marker in candidate.markers):
             return candidate

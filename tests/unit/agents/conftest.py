@@ -59,6 +59,11 @@ def mistral_tokenizer():
     return chat_tokenizer("mistral.jinja", MISTRAL_SPECIAL, [], eos="</s>", bos="<s>")
 
 
+@pytest.fixture(scope="session")
+def mistral_tekken_tokenizer():
+    return chat_tokenizer("mistral_tekken.jinja", MISTRAL_SPECIAL, [], eos="</s>", bos="<s>")
+
+
 def add(a: int, b: int = 2) -> int:
     """Add two integers.
 

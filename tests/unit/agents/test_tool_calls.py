@@ -109,6 +109,14 @@ def test_templates_that_render_no_tool_calls_are_refused_naming_the_family(templ
     assert "renders no assistant tool_calls" in str(refusal.value) and family in str(refusal.value)
 
 
+def test_mistrals_newer_name_args_calls_are_refused_not_misread(mistral_tokenizer):
+    newer = chat_tokenizer("mistral.jinja", [], [], eos="</s>")
+    newer.chat_template = mistral_tokenizer.chat_template.replace(
+        "{{- \"[TOOL_CALLS] [\" }}", "{{- \"[TOOL_CALLS]\" + message.tool_calls[0].function.name + \"[ARGS]\" }}")
+    with pytest.raises(ConfigError, match=r"Mistral's newer `\[TOOL_CALLS\]name\[ARGS\]\{...\}` calls .* are not read yet"):
+        tool_call_format(newer)
+
+
 def test_llama_several_calls_in_one_turn_are_one_malformed_attempt(llama31_tokenizer, arithmetic):
     """Llama 3.1's template raises on an assistant message with two tool_calls: the turn stays text."""
     for separator in ("; ", "\n"):
@@ -123,6 +131,18 @@ def test_llama_several_calls_in_one_turn_are_one_malformed_attempt(llama31_token
     renderer.add_turn(trajectory, sampled, turn.message())
     extension = renderer.add_messages(trajectory, [{"role": "tool", "content": "Error: malformed tool call"}])
     assert not extension.rewrites_history  # the text re-renders as sampled; the template does not raise
+
+
+def test_a_llama_call_after_the_python_tag_is_read_and_its_re_rendering_reported(llama31_tokenizer, arithmetic):
+    """Without built-in tools Llama 3.1's template writes a call as the bare JSON: the tag is not re-rendered."""
+    renderer = ChatRenderer(llama31_tokenizer, ToolRunner([arithmetic["add"]]).schemas)
+    trajectory = renderer.start([{"role": "user", "content": "What is 1+2?"}])
+    text = '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}<|eom_id|>'
+    turn = Llama3JsonFormat().parse(text)
+    assert turn.calls == [ToolCall("add", {"a": 1, "b": 2})]
+    renderer.add_turn(trajectory, llama31_tokenizer(text, add_special_tokens=False)["input_ids"], turn.message())
+    extension = renderer.add_messages(trajectory, [{"role": "tool", "content": "3"}])
+    assert extension.rewrites_history and "<|python_tag|>{" in extension.reason
 
 
 QWEN35_CALLS = ("<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n"
@@ -236,13 +256,20 @@ def test_mistral_malformed_calls_get_an_id_the_template_accepts(body, problem, c
     assert turn.malformed[0].id == call_id and turn.content == f"[TOOL_CALLS] {body}"
 
 
-def test_a_mistral_episode_re_renders_its_calls_and_answers_each_id(mistral_tokenizer, arithmetic):
-    tokenizer, runner = mistral_tokenizer, ToolRunner([arithmetic["add"]])
+# v0.3's template writes a space after [INST], [TOOL_CALLS], [TOOL_RESULTS] and before an answer; the tekken one none
+MISTRAL_TEMPLATES = [("mistral_tokenizer", " "), ("mistral_tekken_tokenizer", "")]
+
+
+@pytest.mark.parametrize("tokenizer_fixture, space", MISTRAL_TEMPLATES)
+def test_a_mistral_episode_re_renders_its_calls_and_answers_each_id(tokenizer_fixture, space, request, arithmetic):
+    tokenizer, runner = request.getfixturevalue(tokenizer_fixture), ToolRunner([arithmetic["add"]])
+    assert tool_call_format(tokenizer).name == "mistral"
     renderer = ChatRenderer(tokenizer, runner.schemas)
     trajectory = renderer.start([{"role": "user", "content": "What is 1+2?"}])
-    assert trajectory.text.startswith("<s>[AVAILABLE_TOOLS] [{\"type\": \"function\", \"function\": {\"name\": \"add\"")
-    assert trajectory.text.endswith("[/AVAILABLE_TOOLS][INST] What is 1+2?[/INST]")
-    sampled = tokenizer(ADD_CALLS + "</s>", add_special_tokens=False)["input_ids"]
+    assert trajectory.text.startswith(f'<s>[AVAILABLE_TOOLS]{space}[{{"type": "function", "function": {{"name": "add"')
+    assert trajectory.text.endswith(f"[/AVAILABLE_TOOLS][INST]{space}What is 1+2?[/INST]")
+    calls = f'[TOOL_CALLS]{space}[{{"name": "add", "arguments": {{"a": 1, "b": 2}}, "id": "call00001"}}]</s>'
+    sampled = tokenizer(calls, add_special_tokens=False)["input_ids"]
     turn = tool_call_format(tokenizer).parse(tokenizer.decode(sampled, skip_special_tokens=False))
     renderer.add_turn(trajectory, sampled, turn.message())
     tool_messages = asyncio.run(runner.answer(turn))
@@ -250,8 +277,9 @@ def test_a_mistral_episode_re_renders_its_calls_and_answers_each_id(mistral_toke
     extension = renderer.add_messages(trajectory, tool_messages)
     # the template writes no generation prompt: the model continues after the results
     assert not extension.rewrites_history and extension.template_ids == []
-    assert tokenizer.decode(extension.observation_ids) == '[TOOL_RESULTS] {"content": 3, "call_id": "call00001"}[/TOOL_RESULTS]'
-    answer = tokenizer(" It is 3.</s>", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(extension.observation_ids) == (
+        f'[TOOL_RESULTS]{space}{{"content": 3, "call_id": "call00001"}}[/TOOL_RESULTS]')
+    answer = tokenizer(f"{space}It is 3.</s>", add_special_tokens=False)["input_ids"]
     renderer.add_turn(trajectory, answer, MistralFormat().parse(tokenizer.decode(answer)).message())
     assert tokenizer.decode(trajectory.ids) == renderer.render(trajectory.messages, add_generation_prompt=True)
     # a new user message moves [AVAILABLE_TOOLS] before it: the earlier conversation renders otherwise
@@ -259,18 +287,23 @@ def test_a_mistral_episode_re_renders_its_calls_and_answers_each_id(mistral_toke
     assert rewrite.rewrites_history and "[AVAILABLE_TOOLS]" in rewrite.reason
 
 
-def test_a_malformed_mistral_call_is_answered_without_the_template_raising(mistral_tokenizer, arithmetic):
-    tokenizer, runner = mistral_tokenizer, ToolRunner([arithmetic["add"]])
+@pytest.mark.parametrize("tokenizer_fixture, space", MISTRAL_TEMPLATES)
+def test_a_malformed_mistral_call_is_answered_without_the_template_raising(tokenizer_fixture, space, request,
+                                                                            arithmetic):
+    tokenizer, runner = request.getfixturevalue(tokenizer_fixture), ToolRunner([arithmetic["add"]])
     renderer = ChatRenderer(tokenizer, runner.schemas)
     trajectory = renderer.start([{"role": "user", "content": "What is 1+2?"}])
-    text = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}]'
+    text = f'[TOOL_CALLS]{space}[{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}]'
     turn = MistralFormat().parse(text + "</s>")
     renderer.add_turn(trajectory, tokenizer(text + "</s>", add_special_tokens=False)["input_ids"], turn.message())
     tool_messages = asyncio.run(runner.answer(turn))
     assert tool_messages[0]["tool_call_id"] == "invalid00" and tool_messages[0]["content"].startswith("Error: malformed")
-    # the template writes a turn without tool_calls as " " + its text: reported, and the next row renders
+    # a turn without tool_calls renders as its text: as sampled on the tekken template; v0.3's puts a space
+    # before it, which is reported, and the next row renders the whole conversation
     extension = renderer.add_messages(trajectory, tool_messages)
-    assert extension.rewrites_history and "[/INST] [TOOL_CALLS]" in extension.reason
-    next_row = renderer.start(trajectory.messages + tool_messages)
-    assert next_row.text.endswith(f"[/INST] {text}</s>[TOOL_RESULTS] {{\"content\": {tool_messages[0]['content']}, "
-                                  "\"call_id\": \"invalid00\"}[/TOOL_RESULTS]")
+    assert extension.rewrites_history == bool(space)
+    if space:
+        assert "[/INST] [TOOL_CALLS]" in extension.reason
+    whole = renderer.start(trajectory.messages + (tool_messages if space else []))
+    assert whole.text.endswith(f"[/INST]{space}{text}</s>[TOOL_RESULTS]{space}{{\"content\": "
+                               f"{tool_messages[0]['content']}, \"call_id\": \"invalid00\"}}[/TOOL_RESULTS]")
