@@ -140,8 +140,8 @@ class _Episode:
             episode = await asyncio.wait_for(environment.reset(self.draw.row), self.limits.max_episode_seconds)
         except Exception as err:  # noqa: BLE001 - an environment's failure ends its episode, never the run
             return self._failed(err, "reset", counts)
-        renderer = ChatRenderer(self.runner.tokenizer, episode.tools)
         call_format = self.runner.call_format() if episode.tools else None
+        renderer = ChatRenderer(self.runner.tokenizer, episode.tools, call_format)
         rows = [renderer.start(episode.messages)]
         if len(rows[0].ids) >= self.limits.max_total_tokens:
             raise DataError(f"row {self.draw.row.row_id}: its first messages take {len(rows[0].ids)} tokens, "

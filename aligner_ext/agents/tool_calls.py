@@ -8,8 +8,11 @@ template holds):
   `<tool_call>\\n<function=add>\\n<parameter=a>\\n1\\n</parameter>\\n</function>\\n</tool_call>`
   blocks. The template writes a string argument bare, so a value is read
   as JSON unless the tool's schema types its parameter as a string;
-- `hermes` (Qwen2.5, Qwen3, Hermes; the template contains `<tool_call>`): any number of
-  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks in one turn;
+- `smollm3` (the template contains `xml_tools` and `<tool_call>`): Hermes blocks, but the template takes
+  the tools from `xml_tools` and renders an assistant turn as its content alone, so the calls stay in
+  the content as sampled;
+- `hermes` (Qwen2.5, Qwen3, Hermes; the template contains `<tool_call>` and renders `tool_calls`): any
+  number of `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks in one turn;
 - `mistral` (Mistral 7B Instruct v0.3; the template contains `[TOOL_CALLS]`): the turn ends with
   `[TOOL_CALLS] [{"name": ..., "arguments": {...}, "id": "a1b2c3d4e"}, ...]`, each call with an id of 9
   letters or digits that its tool message quotes back (`tool_call_id`; the template refuses others);
@@ -18,9 +21,10 @@ template holds):
   `<|python_tag|>`. A turn that starts with neither `{` nor the tag is a plain answer; several calls in
   one turn are one malformed attempt, as the template renders one call per turn and raises on more.
 
-A template that renders no assistant `tool_calls` at all is refused (`tool_call_format`), naming the
-family where it is recognised: Gemma 3 renders no tools; Phi-4-mini, OLMo 3 and SmolLM3 take tools and
-calls through fields of their own (docs/agents.md, "Tool-call formats").
+Any other template that renders no assistant `tool_calls` is refused (`tool_call_format`), naming the
+family where it is recognised: Gemma 3 renders no tools; Phi-4-mini and OLMo 3 take tools, calls and
+results through message fields of their own (docs/agents.md, "Tool-call formats"). A format also says
+which template argument takes the tools (`template_tools`), which the renderer (tokens.py) uses.
 
 A malformed call (bad JSON, no name, arguments that are not an object, a block never closed, a
 Mistral id the template refuses) is kept as a `MalformedCall` in sampling order, with the problem
@@ -92,7 +96,7 @@ class ToolCallFormat:
     turn (stripped before parsing), and `parse`."""
 
     name: str
-    markers: tuple[str, ...]  # strings the chat template contains, all of them
+    markers: tuple[str, ...]  # strings the chat template contains, all of them (`tool_calls`: it renders the calls)
     end_of_turn: tuple[str, ...]
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
@@ -107,12 +111,16 @@ class ToolCallFormat:
     def parse_body(self, text: str, schemas: dict[str, dict[str, Any]]) -> ParsedTurn:
         raise NotImplementedError
 
+    def template_tools(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chat template's argument holding the episode's tools (OpenAI schemas)."""
+        return {"tools": tools}
+
 
 class HermesFormat(ToolCallFormat):
     """Qwen2.5 / Qwen3 / Hermes: `<tool_call>` blocks of JSON with "arguments", any number per turn."""
 
     name = "hermes"
-    markers = ("<tool_call>",)
+    markers = ("<tool_call>", "tool_calls")
     end_of_turn = ("<|im_end|>", "<|endoftext|>")
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
@@ -144,7 +152,7 @@ class Qwen3XmlFormat(HermesFormat):
     one `<parameter=key>` block per argument, its value on the lines between."""
 
     name = "qwen3_xml"
-    markers = ("<tool_call>", "<function=", "<parameter=")
+    markers = ("<tool_call>", "<function=", "<parameter=", "tool_calls")
     FUNCTION = re.compile(r"\s*<function=([^>\n]*)>\n(.*)</function>\s*\Z", re.DOTALL)
     PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n(.*?)\n</parameter>\n", re.DOTALL)
     PYTHON_LITERALS = {"True": True, "False": False, "None": None}  # how Qwen3.5's `string` filter writes them
@@ -183,11 +191,28 @@ class Qwen3XmlFormat(HermesFormat):
             return text
 
 
+class SmolLM3Format(HermesFormat):
+    """SmolLM3: Hermes's `<tool_call>` JSON blocks, but its template takes the tools from `xml_tools` and
+    renders an assistant turn as its content alone, never `tool_calls`: the calls stay in the content as
+    sampled, and `tool_calls` lists them for the environment."""
+
+    name = "smollm3"
+    markers = ("xml_tools", "<tool_call>")
+
+    def parse_body(self, text: str, schemas: dict[str, dict[str, Any]]) -> ParsedTurn:
+        return ParsedTurn(text, super().parse_body(text, schemas).calls)
+
+    def template_tools(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
+        """Each tool's function object, as SmolLM3's model card passes them (the template writes each
+        with Jinja's `string` filter)."""
+        return {"xml_tools": [tool["function"] for tool in tools]}
+
+
 class MistralFormat(ToolCallFormat):
     """Mistral 7B Instruct v0.3: `[TOOL_CALLS]` then a JSON list of calls, each with a 9-character id."""
 
     name = "mistral"
-    markers = ("[TOOL_CALLS]",)
+    markers = ("[TOOL_CALLS]", "tool_calls")
     end_of_turn = ("</s>",)
     TOKEN = "[TOOL_CALLS]"
     ID = re.compile(r"[A-Za-z0-9]{9}\Z")
@@ -232,7 +257,7 @@ class Llama3JsonFormat(ToolCallFormat):
     """Llama 3.1 / 3.2: the whole turn is one JSON call with "parameters", maybe after <|python_tag|>."""
 
     name = "llama3_json"
-    markers = ('"parameters"', "<|eot_id|>")
+    markers = ('"parameters"', "<|eot_id|>", "tool_calls")
     end_of_turn = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
     PYTHON_TAG = "<|python_tag|>"
 
@@ -249,17 +274,17 @@ class Llama3JsonFormat(ToolCallFormat):
         return ParsedTurn("", [call]) if isinstance(call, ToolCall) else ParsedTurn(text, [MalformedCall(text, call.problem)])
 
 
-FORMATS: tuple[ToolCallFormat, ...] = (Qwen3XmlFormat(), HermesFormat(), MistralFormat(), Llama3JsonFormat())
+FORMATS: tuple[ToolCallFormat, ...] = (SmolLM3Format(), Qwen3XmlFormat(), HermesFormat(), MistralFormat(),
+                                        Llama3JsonFormat())
 
-# Templates that render no assistant `tool_calls`, by a string only that family's template holds: what each reads instead.
+# Templates that render no assistant `tool_calls`, by a string only that family's template holds:
+# what each reads instead.
 NO_CALLS = (
     ("<start_of_turn>", "Gemma 3's template renders no tools and no tool calls"),
     ("message['tools']", "Phi-4-mini's template reads tools as a JSON string in a system message's \"tools\" field "
                          "and writes an assistant turn's calls only as its content"),
     ("function_calls", "OLMo 3's template reads tools as a string in a message's \"functions\" field, calls as a "
                        "string in \"function_calls\" and results in \"environment\" messages"),
-    ("xml_tools", "SmolLM3's template reads tools from an `xml_tools` argument, not `tools`, and writes an assistant "
-                  "turn's calls only as its content"),
 )
 
 # Templates that render calls in a syntax not read yet, by a string that syntax holds.
@@ -314,13 +339,6 @@ def tool_call_format(tokenizer: Any) -> ToolCallFormat:
     if isinstance(template, dict):  # named templates (e.g. "default", "tool_use"): any of them may define calls
         template = "\n".join(template.values())
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-    if "tool_calls" not in template:
-        family = next((reason for marker, reason in NO_CALLS if marker in template), "")
-        raise ConfigError(
-            f"the chat template of tokenizer {name!r} renders no assistant tool_calls"
-            + (f" ({family})" if family else "")
-            + ", so an agent's tool calls cannot be read or trained on here; use a model whose chat template renders "
-              "tool_calls (Qwen2.5/3/3.5, Llama 3.1/3.2, Mistral v0.3; docs/agents.md, \"Tool-call formats\")")
     for marker, reason in UNREAD:
         if marker in template:
             raise ConfigError(f"the chat template of tokenizer {name!r} renders tool calls in a syntax this library "
@@ -328,6 +346,13 @@ def tool_call_format(tokenizer: Any) -> ToolCallFormat:
     for candidate in FORMATS:
         if all(marker in template for marker in candidate.markers):
             return candidate
+    if "tool_calls" not in template:
+        family = next((reason for marker, reason in NO_CALLS if marker in template), "")
+        raise ConfigError(
+            f"the chat template of tokenizer {name!r} renders no assistant tool_calls"
+            + (f" ({family})" if family else "")
+            + ", so an agent's tool calls cannot be read or trained on here; use a model whose chat template renders "
+              "them (docs/agents.md, \"Tool-call formats\", lists the families read)")
     raise ConfigError(
         f"the chat template of tokenizer {name!r} renders tool calls in no format this library reads: it contains "
         "neither <tool_call> (Qwen, Hermes), [TOOL_CALLS] (Mistral) nor Llama 3.1/3.2's JSON calls (\"parameters\" with "

@@ -100,7 +100,6 @@ def test_the_newer_formats_are_read_from_their_templates(qwen35_tokenizer, mistr
     ("gemma3.jinja", "Gemma 3's template renders no tools and no tool calls"),
     ("phi4_mini.jinja", "Phi-4-mini's template reads tools as a JSON string in a system message's \"tools\" field"),
     ("olmo3.jinja", "OLMo 3's template reads tools as a string in a message's \"functions\" field"),
-    ("smollm3.jinja", "SmolLM3's template reads tools from an `xml_tools` argument"),  # it holds <tool_call>, in prose
 ])
 def test_templates_that_render_no_tool_calls_are_refused_naming_the_family(template, family):
     tokenizer = chat_tokenizer(template, GEMMA_SPECIAL + QWEN_SPECIAL, [], eos="<eos>")
@@ -109,11 +108,40 @@ def test_templates_that_render_no_tool_calls_are_refused_naming_the_family(templ
     assert "renders no assistant tool_calls" in str(refusal.value) and family in str(refusal.value)
 
 
+SMOLLM3_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+def test_a_smollm3_turn_keeps_its_calls_in_the_content_and_its_tools_reach_the_prompt(arithmetic):
+    """SmolLM3's template takes tools from `xml_tools` (its `tools=` is ignored) and renders an assistant
+    turn as its content alone: the turn re-renders as sampled only with the calls kept in the content."""
+    tokenizer = chat_tokenizer("smollm3.jinja", QWEN_SPECIAL, ["<tool_call>", "</tool_call>", "<think>", "</think>"],
+                               eos="<|im_end|>")
+    runner = ToolRunner([arithmetic["add"]])
+    assert tool_call_format(tokenizer).name == "smollm3"
+    renderer = ChatRenderer(tokenizer, runner.schemas, enable_thinking=False)
+    trajectory = renderer.start([{"role": "user", "content": "What is 1+2?"}])
+    # the function object written with Jinja's `string` filter, i.e. Python's repr
+    assert "<tools>\n{'name': 'add', 'description': 'Add two integers.', 'parameters': {'type': 'object'" in (
+        trajectory.text)
+    assert trajectory.text.endswith(
+        "<|im_start|>user\nWhat is 1+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n")
+    text = f"Let me add.\n{SMOLLM3_CALL}<|im_end|>"
+    turn = tool_call_format(tokenizer).parse(text, runner.schemas)
+    assert turn.calls == [ToolCall("add", {"a": 1, "b": 2})] and turn.content == f"Let me add.\n{SMOLLM3_CALL}"
+    renderer.add_turn(trajectory, tokenizer(text, add_special_tokens=False)["input_ids"], turn.message())
+    extension = renderer.add_messages(trajectory, asyncio.run(runner.answer(turn)))
+    assert not extension.rewrites_history and extension.template_ids == [tokenizer.convert_tokens_to_ids("\n")]
+    # a tool result is rendered as a user message
+    assert tokenizer.decode(extension.observation_ids) == (
+        "<|im_start|>user\n3<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n")
+    assert tokenizer.decode(trajectory.ids) == renderer.render(trajectory.messages, add_generation_prompt=True)
+
+
 def test_mistrals_newer_name_args_calls_are_refused_not_misread(mistral_tokenizer):
     newer = chat_tokenizer("mistral.jinja", [], [], eos="</s>")
     newer.chat_template = mistral_tokenizer.chat_template.replace(
         "{{- \"[TOOL_CALLS] [\" }}", "{{- \"[TOOL_CALLS]\" + message.tool_calls[0].function.name + \"[ARGS]\" }}")
-    with pytest.raises(ConfigError, match=r"Mistral's newer `\[TOOL_CALLS\]name\[ARGS\]\{...\}` calls .* are not read yet"):
+    with pytest.raises(ConfigError, match=r"Mistral's newer `\[TOOL_CALLS\]name\[ARGS\]\{...\}` calls .* not read yet"):
         tool_call_format(newer)
 
 
