@@ -352,7 +352,7 @@ def tool_call_format(tokenizer: Any) -> ToolCallFormat:
             f"the chat template of tokenizer {name!r} renders no assistant tool_calls"
             + (f" ({family})" if family else "")
             + ", so an agent's tool calls cannot be read or trained on here; use a model whose chat template renders "
-              "them (docs/agents.md, \"Tool-call formats\", lists the families read)")
+              "them (docs/agents.md, \"Tool-call formats\", lists the formats read)")
     raise ConfigError(
         f"the chat template of tokenizer {name!r} renders tool calls in no format this library reads: it contains "
         "neither <tool_call> (Qwen, Hermes), [TOOL_CALLS] (Mistral) nor Llama 3.1/3.2's JSON calls (\"parameters\" with "
