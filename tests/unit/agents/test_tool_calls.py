@@ -242,6 +242,24 @@ def test_a_qwen35_turn_of_xml_calls_re_renders_to_its_sampled_text(qwen35_tokeni
     assert tokenizer.decode(trajectory.ids) == renderer.render(trajectory.messages, add_generation_prompt=True)
 
 
+def test_a_qwen3_coder_turn_of_xml_calls_re_renders_to_its_sampled_text(arithmetic):
+    """Qwen3-Coder's template: the same calls as Qwen3.5's, no thinking block, tool results each closed by a newline."""
+    tokenizer = chat_tokenizer("qwen3_coder.jinja", QWEN_SPECIAL, ["<tool_call>", "</tool_call>"], eos="<|im_end|>")
+    runner = ToolRunner([arithmetic["add"], repeat])
+    assert tool_call_format(tokenizer).name == "qwen3_xml"
+    renderer = ChatRenderer(tokenizer, runner.schemas)
+    trajectory = renderer.start([{"role": "user", "content": "Add 1 and 2, and repeat 12 twice."}])
+    assert "<function>\n<name>repeat</name>" in trajectory.text and trajectory.text.endswith("<|im_start|>assistant\n")
+    text = f"I will call both.\n\n{QWEN35_CALLS}<|im_end|>"
+    turn = tool_call_format(tokenizer).parse(text, runner.schemas)
+    renderer.add_turn(trajectory, tokenizer(text, add_special_tokens=False)["input_ids"], turn.message())
+    extension = renderer.add_messages(trajectory, asyncio.run(runner.answer(turn)))
+    assert not extension.rewrites_history and extension.template_ids == [tokenizer.convert_tokens_to_ids("\n")]
+    assert tokenizer.decode(extension.observation_ids) == (
+        "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n1212\n</tool_response>\n<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
 def test_qwen35_writes_booleans_as_python_so_a_sampled_true_is_reported_as_a_rewrite(qwen35_tokenizer):
     """Qwen3.5's template writes a non-string argument through `string`: True, not the JSON true."""
     tokenizer, schemas = qwen35_tokenizer, ToolRunner([flag]).schemas
