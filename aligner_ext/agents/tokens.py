@@ -73,15 +73,13 @@ class Extension:
 
 
 class ChatRenderer:
-    """Renders one episode's conversation with the tokenizer's chat template and the episode's tools."""
+    """Renders one episode's conversation with the tokenizer's chat template and the episode's tools,
+    passed as the template's tool-call format names (`tools`; SmolLM3's `xml_tools`; tool_calls.py)."""
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None,
                  call_format: ToolCallFormat | None = None, **template_kwargs: Any):
         self.tokenizer = tokenizer
-        self.tools = tools or None
-        # the argument the template reads the tools from (`tools`; SmolLM3's `xml_tools`), by its tool-call format
-        self.tool_arguments = ((call_format or tool_call_format(tokenizer)).template_tools(self.tools) if self.tools
-                               else {})
+        self.tool_arguments = (call_format or tool_call_format(tokenizer)).template_tools(tools) if tools else {}
         self.template_kwargs = template_kwargs  # e.g. enable_thinking for Qwen3
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:

@@ -328,9 +328,11 @@ def _json_values(text: str) -> int:
 
 
 def _parameter_schemas(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
-    """Tool name -> parameter name -> its JSON schema, from OpenAI tool schemas."""
-    return {tool["function"]["name"]: tool["function"].get("parameters", {}).get("properties", {})
-            for tool in tools or () if "function" in tool}
+    """Tool name -> parameter name -> its JSON schema, from OpenAI tool schemas (a schema without them
+    types nothing)."""
+    functions = [tool.get("function") or {} for tool in tools or ()]
+    return {function["name"]: (function.get("parameters") or {}).get("properties") or {}
+            for function in functions if "name" in function}
 
 
 def tool_call_format(tokenizer: Any) -> ToolCallFormat:
