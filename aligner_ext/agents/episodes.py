@@ -140,8 +140,8 @@ class _Episode:
             episode = await asyncio.wait_for(environment.reset(self.draw.row), self.limits.max_episode_seconds)
         except Exception as err:  # noqa: BLE001 - an environment's failure ends its episode, never the run
             return self._failed(err, "reset", counts)
-        renderer = ChatRenderer(self.runner.tokenizer, episode.tools)
         call_format = self.runner.call_format() if episode.tools else None
+        renderer = ChatRenderer(self.runner.tokenizer, episode.tools, call_format)
         rows = [renderer.start(episode.messages)]
         if len(rows[0].ids) >= self.limits.max_total_tokens:
             raise DataError(f"row {self.draw.row.row_id}: its first messages take {len(rows[0].ids)} tokens, "
@@ -154,7 +154,8 @@ class _Episode:
                 break
             output = await self.sample(trajectory.ids, turn)
             counts["turns"] += 1
-            parsed = call_format.parse(self._decode(output.token_ids)) if call_format else self._plain(output)
+            parsed = (call_format.parse(self._decode(output.token_ids), episode.tools) if call_format
+                      else self._plain(output))
             counts["tool_calls"] += len(parsed.calls)
             counts["malformed_calls"] += len(parsed.malformed)
             renderer.add_turn(trajectory, output.token_ids, parsed.message(), output.logprobs)
@@ -164,7 +165,8 @@ class _Episode:
                 break
             message = parsed.message()
             if parsed.malformed:
-                message["malformed_tool_calls"] = [{"text": call.text, "problem": call.problem} for call in parsed.malformed]
+                message["malformed_tool_calls"] = [{"text": call.text, "problem": call.problem,
+                                                    **({"id": call.id} if call.id else {})} for call in parsed.malformed]
             step_started = time.monotonic()
             try:
                 result = await asyncio.wait_for(environment.step(message, episode.state),

@@ -31,6 +31,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from aligner_ext.agents.tool_calls import ToolCallFormat, tool_call_format
+
 ROLES = ("prompt", "sampled", "template", "observation")
 
 
@@ -71,16 +73,18 @@ class Extension:
 
 
 class ChatRenderer:
-    """Renders one episode's conversation with the tokenizer's chat template and the episode's tools."""
+    """Renders one episode's conversation with the tokenizer's chat template and the episode's tools,
+    passed as the template's tool-call format names (`tools`; SmolLM3's `xml_tools`; tool_calls.py)."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None, **template_kwargs: Any):
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None,
+                 call_format: ToolCallFormat | None = None, **template_kwargs: Any):
         self.tokenizer = tokenizer
-        self.tools = tools or None
+        self.tool_arguments = (call_format or tool_call_format(tokenizer)).template_tools(tools) if tools else {}
         self.template_kwargs = template_kwargs  # e.g. enable_thinking for Qwen3
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, **self.template_kwargs)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                  **self.tool_arguments, **self.template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         """Text the template wrote, encoded once; the template wrote its special tokens itself."""

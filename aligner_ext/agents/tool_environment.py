@@ -10,7 +10,8 @@ A subclass lists its tools and, when it owns the final reward, defines `score`:
 - `step(message, state)`: the turn's call attempts run through one `ToolRunner` (tools.py), which
   answers each with a `tool` message, an error observation for an unknown tool, bad arguments, an
   exception or a time-out. The attempts are the message's well-formed `tool_calls`, in order, then its
-  `malformed_tool_calls` (the `{"text", "problem"}` the episode loop attaches when the turn had any),
+  `malformed_tool_calls` (the `{"text", "problem"}`, with Mistral's `"id"`, that the episode loop
+  attaches when the turn had any),
   each answered with its problem: the assistant message has lost their order among the good calls,
   and the template renders a turn's text, malformed attempts included, before its calls.
 - A turn without any call attempt is the final answer: the episode ends (done, no new messages).
@@ -80,7 +81,8 @@ class ToolEnvironment(Environment):
 
 def call_attempts(message: Message) -> ParsedTurn:
     """The turn an assistant message holds: its content, its `tool_calls`, then its `malformed_tool_calls`."""
-    calls: list[ToolCall | MalformedCall] = [ToolCall(call["function"]["name"], call["function"]["arguments"])
-                                             for call in message.get("tool_calls") or ()]
-    calls += [MalformedCall(attempt["text"], attempt["problem"]) for attempt in message.get("malformed_tool_calls") or ()]
+    calls: list[ToolCall | MalformedCall] = [ToolCall(call["function"]["name"], call["function"]["arguments"],
+                                                      call.get("id", "")) for call in message.get("tool_calls") or ()]
+    calls += [MalformedCall(attempt["text"], attempt["problem"], attempt.get("id", ""))
+              for attempt in message.get("malformed_tool_calls") or ()]
     return ParsedTurn(message.get("content") or "", calls)

@@ -128,8 +128,12 @@ class ToolRunner:
 
 
 def tool_message(call: ToolCall | MalformedCall, result: ToolResult) -> dict[str, Any]:
-    """The tool message that answers one call attempt (a malformed call has no name)."""
-    return {"role": "tool", "name": getattr(call, "name", ""), "content": result.content}
+    """The tool message that answers one call attempt (a malformed call has no name), quoting the call's
+    id where the format has ids (Mistral's template requires them)."""
+    message = {"role": "tool", "name": getattr(call, "name", ""), "content": result.content}
+    if call.id:
+        message["tool_call_id"] = call.id
+    return message
 
 
 def _is_json_type(value: Any, kind: str) -> bool:

@@ -13,6 +13,9 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "chat_templates"
 CHARS = sorted(set(string.printable) - set("\r\x0b\x0c"))
 QWEN_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 QWEN_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+MISTRAL_SPECIAL = ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                   "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+GEMMA_SPECIAL = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
 LLAMA_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                  "<|eom_id|>", "<|python_tag|>"]
 
@@ -44,6 +47,21 @@ def qwen3_tokenizer():
 @pytest.fixture(scope="session")
 def llama31_tokenizer():
     return chat_tokenizer("llama3_1.jinja", LLAMA_SPECIAL, [], eos="<|eot_id|>", bos="<|begin_of_text|>")
+
+
+@pytest.fixture(scope="session")
+def qwen35_tokenizer():
+    return chat_tokenizer("qwen3_5.jinja", QWEN_SPECIAL, QWEN_ADDED, eos="<|im_end|>")
+
+
+@pytest.fixture(scope="session")
+def mistral_tokenizer():
+    return chat_tokenizer("mistral.jinja", MISTRAL_SPECIAL, [], eos="</s>", bos="<s>")
+
+
+@pytest.fixture(scope="session")
+def mistral_tekken_tokenizer():
+    return chat_tokenizer("mistral_tekken.jinja", MISTRAL_SPECIAL, [], eos="</s>", bos="<s>")
 
 
 def add(a: int, b: int = 2) -> int:

@@ -16,12 +16,13 @@ CALL = '<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</t
 
 
 class ScriptedPolicy(GenerationEngine):
-    """Replies `reply(prompt text, seed)` followed by <|im_end|>, cut at max_new_tokens; log-prob of
-    the i-th token -(i + 1) / 100. Records every call's prompt ids and settings."""
+    """Replies `reply(prompt text, seed)` followed by the end of turn (`eos`, Qwen's <|im_end|> unless
+    given), cut at max_new_tokens; log-prob of the i-th token -(i + 1) / 100. Records every call's
+    prompt ids and settings."""
 
-    def __init__(self, tokenizer, reply):
+    def __init__(self, tokenizer, reply, eos="<|im_end|>"):
         self.tokenizer, self.reply = tokenizer, reply
-        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.eos = tokenizer.convert_tokens_to_ids(eos)
         self.calls = []
 
     def generate(self, prompts, params):

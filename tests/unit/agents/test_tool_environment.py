@@ -1,6 +1,7 @@
 """ToolEnvironment: the row's prompt and the tools' schemas at reset, every call attempt of a turn answered
-(malformed ones and unknown tools included) and counted in the episode's own state, and a turn without
-a call ending the episode."""
+(malformed ones and unknown tools included) and counted in the episode's own state, each answer quoting
+its call's id where the format has ids (Mistral's, through the episode loop), and a turn without a call
+ending the episode."""
 
 import asyncio
 from types import SimpleNamespace
@@ -8,8 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from aligner_ext.agents import tools
+from aligner_ext.agents.environment import register_environment
 from aligner_ext.agents.tool_environment import ToolEnvironment, ToolEpisode
 from aligner_ext.data.types import PromptRow
+
+from tests.unit.agents.conftest import add
+from tests.unit.agents.scripted import ScriptedPolicy, draws, run
 
 
 def shout(text: str) -> str:
@@ -96,6 +101,46 @@ def test_a_turn_of_malformed_calls_alone_is_answered_not_final():
     result = asyncio.run(env.step(assistant("<tool_call>{", malformed=[("<tool_call>{", "not valid JSON")]), state))
     assert result.messages == [{"role": "tool", "name": "", "content": "Error: malformed tool call: not valid JSON"}]
     assert not result.done and result.metrics == {"tool_errors": 1, "tool_errors_malformed": 1}
+
+
+def test_mistral_ids_come_back_on_each_answer():
+    """Mistral's template needs every tool message to quote its call's id, a malformed attempt's included."""
+    env = Shouting()
+    state = asyncio.run(env.reset(ROW)).state
+    message = {"role": "assistant", "content": "",
+               "tool_calls": [{"type": "function", "id": "call00001",
+                               "function": {"name": "shout", "arguments": {"text": "hi"}}}],
+               "malformed_tool_calls": [{"text": '{"name": "shout"}', "problem": "no arguments", "id": "invalid01"}]}
+    result = asyncio.run(env.step(message, state))
+    assert result.messages == [
+        {"role": "tool", "name": "shout", "content": "HI", "tool_call_id": "call00001"},
+        {"role": "tool", "name": "", "content": "Error: malformed tool call: no arguments", "tool_call_id": "invalid01"}]
+
+
+@register_environment("test_mistral_adder")
+class MistralAdder(ToolEnvironment):
+    TOOLS = (add,)
+
+
+def test_a_mistral_episode_answers_each_attempt_under_its_id(mistral_tokenizer):
+    """On Mistral v0.3's template, through the episode loop: a turn with a call and an attempt without an id
+    is answered (the attempt under its stand-in id), the template renders both answers without raising,
+    and the call's text re-rendered without the attempt starts a new training row."""
+    def reply(text, seed):
+        if "[TOOL_RESULTS]" not in text:
+            return ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, '
+                    '{"name": "add", "arguments": {"a": 1, "b": 2}, "id": "call00001"}]')
+        return " It is 3."
+
+    engine = ScriptedPolicy(mistral_tokenizer, reply, eos="</s>")
+    (outcome,), _ = run(engine, mistral_tokenizer, draws((1, 2), source="adder"), environment="test_mistral_adder",
+                        max_new_tokens=200)
+    assert outcome.end == "done" and outcome.counts["tool_calls"] == 2 and outcome.counts["malformed_calls"] == 1
+    assert outcome.counts["history_rewrites"] == 1 and len(outcome.rows) == 2
+    assert outcome.rows[1].text.endswith(
+        '[TOOL_RESULTS] {"content": 3, "call_id": "call00001"}[/TOOL_RESULTS][TOOL_RESULTS] {"content": Error: '
+        'malformed tool call: the tool call\'s "id" must be 9 letters or digits, "call_id": "invalid00"}'
+        '[/TOOL_RESULTS] It is 3.</s>')
 
 
 def test_a_turn_without_a_call_ends_the_episode_and_the_registry_scores_it():

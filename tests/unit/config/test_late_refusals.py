@@ -63,6 +63,7 @@ AT_LOAD = {
 ELSEWHERE = {
     "the model's linear": "the model's module names",
     "has no chat": "the tokenizer's chat template",
+    "lists the formats read": "the tokenizer's chat template",
     "no prompts left": "the data rows' lengths",
     "no data row carries data_source": "the data rows (checked once they load, before the model)",
     "or raise data.max_prompt_length": "the data rows' lengths",
