@@ -35,11 +35,10 @@ from pathlib import Path
 import torch
 from anyio import to_thread
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from safetensors import SafetensorError, safe_open
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from aligner_ext.api_errors import ApiError, answer_errors_as_openai, error_response, shown
 from aligner_ext.config import ServeConfig
 from aligner_ext.errors import ConfigError
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
@@ -53,26 +52,6 @@ from aligner_ext.weights_file import load_weights
 logger = logging.getLogger(__name__)
 
 CHARS_PER_POSITION = 32  # serve.max_prompt_chars unset: this many characters per position of the model
-
-
-class ApiError(HTTPException):
-    """An HTTP error with OpenAI's `code` (e.g. "model_not_found"; default: the status) and `param`."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(status, message)
-        self.code, self.param = code, param
-
-
-def error_response(status: int, message: str, code: str | int | None = None, param: str | None = None) -> JSONResponse:
-    """OpenAI's error shape (vLLM's too: `code` is the status unless a named code says more)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status if code is None else code}}, status_code=status)
-
-
-def _shown(text: str, limit: int = 200) -> str:
-    """`text` as an error message quotes it: at most `limit` characters."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def resolved_weights_root(cfg: ServeConfig) -> Path | None:
@@ -161,7 +140,7 @@ class GenerationServer:
     def check_model(self, name: str | None) -> None:
         """OpenAI's 404 for a model this server does not serve (no name: the served one)."""
         if name is not None and name != self.cfg.model_name:
-            raise ApiError(404, f"The model `{_shown(name)}` does not exist; this server serves "
+            raise ApiError(404, f"The model `{shown(name)}` does not exist; this server serves "
                                 f"`{self.cfg.model_name}`", code="model_not_found", param="model")
 
     def check_chars(self, sizes: list[int]) -> None:
@@ -211,18 +190,18 @@ class GenerationServer:
         if self.weights_root is None:
             raise HTTPException(403, "updates from disk are off: start the server with serve.weights_root=<a "
                                      "directory> to load weight directories under it")
-        shown = _shown(model_path)
+        quoted = shown(model_path)
         try:
             path = Path(model_path).resolve()
             file = (path / "model.safetensors").resolve()
         except (OSError, RuntimeError, ValueError) as err:  # a null byte, a name too long, a symlink loop
-            raise HTTPException(400, f"model_path {shown!r} is not a usable path: {err}") from err
+            raise HTTPException(400, f"model_path {quoted!r} is not a usable path: {err}") from err
         if not (path.is_relative_to(self.weights_root) and file.is_relative_to(self.weights_root)):
-            raise HTTPException(403, f"model_path {shown!r} is outside serve.weights_root={self.weights_root}")
+            raise HTTPException(403, f"model_path {quoted!r} is outside serve.weights_root={self.weights_root}")
         if not path.is_dir():
-            raise HTTPException(400, f"model_path {shown!r} is not a directory: give the directory holding model.safetensors")
+            raise HTTPException(400, f"model_path {quoted!r} is not a directory: give the directory holding model.safetensors")
         if not file.is_file():
-            raise HTTPException(400, f"model_path {shown!r} holds no model.safetensors")
+            raise HTTPException(400, f"model_path {quoted!r} holds no model.safetensors")
         return file
 
     def load_from_disk(self, model_path: str) -> None:
@@ -259,7 +238,7 @@ class GenerationServer:
             raise HTTPException(400, str(err)) from err
         for name, dtype, shape in tensors:  # before anything is received: a bad entry would break the broadcast
             if dtype not in DTYPES or any(size < 0 for size in shape):
-                raise HTTPException(400, f"tensor {_shown(name)!r}: dtype {_shown(dtype)!r} (one of {sorted(DTYPES)}) "
+                raise HTTPException(400, f"tensor {shown(name)!r}: dtype {shown(dtype)!r} (one of {sorted(DTYPES)}) "
                                          f"and shape {shape[:8]} (sizes >= 0) cannot be received")
         params = dict(self.model.named_parameters())
         device = next(self.model.parameters()).device
@@ -366,17 +345,7 @@ def build_app(server: GenerationServer) -> FastAPI:
 
     app.add_middleware(_BoundedBody, server=server)
 
-    @app.exception_handler(StarletteHTTPException)  # ours and the router's (unknown path, wrong method)
-    async def openai_error(request: Request, err: StarletteHTTPException):
-        return error_response(err.status_code, str(err.detail), getattr(err, "code", None), getattr(err, "param", None))
-
-    @app.exception_handler(RequestValidationError)  # a body that is not JSON or not the endpoint's fields
-    async def invalid_body(request: Request, err: RequestValidationError):
-        problems = [(".".join(str(part) for part in problem["loc"] if part != "body"), problem["msg"])
-                    for problem in err.errors()]
-        said = "; ".join(f"{where}: {what}" if where else what for where, what in problems[:3])
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        return error_response(400, _shown(f"invalid request body: {said}{more}".replace("\n", " "), 500))
+    answer_errors_as_openai(app)
 
     keyed = [Depends(authorised)]
 
