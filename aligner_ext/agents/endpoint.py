@@ -83,7 +83,7 @@ class AgentSession:
     renderer: ChatRenderer | None = None
     tools: list[dict[str, Any]] | None = None
     known: list[dict[str, Any]] = field(default_factory=list)  # normalised: the last request's messages and our answer
-    counts: Counter = field(default_factory=lambda: Counter(edited_history=0))
+    counts: Counter = field(default_factory=Counter)  # turns, tool_calls, edited_history, ... as an episode counts them
     last_finish: str = ""
     final_text: str = ""  # the last turn's content, readable
     end: str | None = None  # the limit a turn was refused for

@@ -111,11 +111,11 @@ class AgentEpisodes(GroupSampling):
     @classmethod
     def rows_scored_by_rewards(cls, cfg, rows: list[PromptRow]) -> list[PromptRow]:
         """The rows whose environment leaves the score to the reward registry (does not define `score`); a
-        row without an environment is refused here, before the model loads. With agents.agent, none: the
-        function's return value decides (it is checked here, before the model loads)."""
+        row without an environment is refused here, before the model loads. With agents.agent, every row (the
+        function may return None or a transcript for any), and the function is checked here too."""
         if cfg.agents.agent:
             agent_function(cfg.agents.agent)
-            return []
+            return list(rows)
         name = None if cfg.agents.environment == "auto" else cfg.agents.environment
         kept = []
         for row in rows:
