@@ -177,7 +177,7 @@ async def serving(endpoint: SessionEndpoint):
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
-    server = _QuietServer(uvicorn.Config(app, log_level="error", lifespan="off"))
+    server = _QuietServer(uvicorn.Config(app, log_level="error", lifespan="off", timeout_graceful_shutdown=10))
     task = asyncio.ensure_future(server.serve(sockets=[listener]))
     try:
         while not server.started:

@@ -71,6 +71,7 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = 1
     stream: bool = False
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # seeds a session its first request opens (serve)
 
 
 @dataclass
@@ -97,11 +98,11 @@ class SessionEndpoint:
 
     def __init__(self, tokenizer: Any, open_turns: Callable[[], Any], limits: EpisodeLimits, model_name: str,
                  max_new_tokens: int, run_step: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
-                 open_on_request: bool = False, max_sessions: int | None = None):
+                 open_on_request: bool = False, max_sessions: int | None = None, max_chars: int | None = None):
         self.tokenizer, self.open_turns, self.limits = tokenizer, open_turns, limits
         self.model_name, self.max_new_tokens = model_name, max_new_tokens
         self.run_step = run_step or _on_the_loop
-        self.open_on_request, self.max_sessions = open_on_request, max_sessions
+        self.open_on_request, self.max_sessions, self.max_chars = open_on_request, max_sessions, max_chars
         self.sessions: dict[str, AgentSession] = {}
         self.waiting: dict[str, asyncio.Future] = {}  # session -> its turn's output
         self.queue: list[tuple[str, str, tuple]] = []  # ("submit" | "release", session, (ids, budget, seed)) for the next step
@@ -136,7 +137,7 @@ class SessionEndpoint:
         if self.max_sessions is not None and len(self.sessions) >= self.max_sessions:
             raise ApiError(429, f"{len(self.sessions)} sessions are open, the most this server keeps; DELETE "
                                 "finished ones (/sessions/<session>)", code="too_many_sessions")
-        return self.open(key, request_seed(int(time.time_ns()), len(self.sessions)))
+        return self.open(key, request.seed if request.seed is not None else time.time_ns())
 
     def weights_changed(self) -> None:
         """The policy's weights changed: the kept caches belong to the old ones (turns in progress restart)."""
@@ -152,6 +153,10 @@ class SessionEndpoint:
         if request.stream or request.n != 1:
             raise ApiError(400, "a session samples one turn at a time: ask with n=1 and without streaming",
                            param="stream" if request.stream else "n")
+        characters = len(json.dumps(request.messages)) + len(json.dumps(request.tools or []))
+        if self.max_chars is not None and characters > self.max_chars:  # before the loop renders and encodes them
+            raise ApiError(400, f"the messages and tools take {characters} characters of JSON, more than this "
+                                f"endpoint's {self.max_chars}", code="context_length_exceeded", param="messages")
         session = self.session(key, request)
         async with session.lock:  # one turn at a time per session
             messages = [normalised(message, index) for index, message in enumerate(request.messages)]

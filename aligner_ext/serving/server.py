@@ -38,6 +38,9 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import PlainTextResponse
 from safetensors import SafetensorError, safe_open
 
+from aligner_ext.agents.endpoint import SessionEndpoint, session_routes
+from aligner_ext.agents.sessions import open_turns
+from aligner_ext.agents.settings import EpisodeLimits
 from aligner_ext.api_errors import ApiError, answer_errors_as_openai, error_response, shown
 from aligner_ext.config import ServeConfig
 from aligner_ext.errors import ConfigError
@@ -52,6 +55,7 @@ from aligner_ext.weights_file import load_weights
 logger = logging.getLogger(__name__)
 
 CHARS_PER_POSITION = 32  # serve.max_prompt_chars unset: this many characters per position of the model
+MAX_SESSIONS = 1024  # agent sessions open at once (/sessions/<session>/v1/chat/completions); DELETE frees one
 
 
 def resolved_weights_root(cfg: ServeConfig) -> Path | None:
@@ -96,6 +100,24 @@ class GenerationServer:
         self.max_prompt_chars = cfg.max_prompt_chars or (CHARS_PER_POSITION * self.positions if self.positions else None)
         # engines that can stop mid-call (hf, rollout) take `should_stop`; others run their call to the end
         self.cancellable = "should_stop" in inspect.signature(engine.generate).parameters
+        self.sessions = self.session_endpoint()
+
+    def session_endpoint(self) -> SessionEndpoint:
+        """Agent sessions (agents/endpoint.py) on the engine's turn session, sampling from the policy's own
+        distribution; a session's row may fill the model's positions, each turn at most serve.max_tokens."""
+        length = self.positions or self.cfg.max_tokens
+        params = SamplingParams(max_new_tokens=self.cfg.max_tokens, return_logprobs=True)
+
+        async def locked_step(step):
+            def run():
+                with self.engine_lock:
+                    return step()
+            return await to_thread.run_sync(run)
+
+        return SessionEndpoint(self.tokenizer, lambda: open_turns(self.engine, params, length, MAX_SESSIONS),
+                               EpisodeLimits(max_turns=2**31, max_total_tokens=length, max_observation_tokens=length),
+                               self.cfg.model_name, self.cfg.max_tokens, run_step=locked_step, open_on_request=True,
+                               max_sessions=MAX_SESSIONS, max_chars=self.max_prompt_chars)
 
     def run_engine(self, prompts: list[list[int]], params: SamplingParams, n: int,
                    cancelled: threading.Event) -> list[GenerationOutput]:
@@ -257,6 +279,7 @@ class GenerationServer:
 
     def weights_changed(self) -> None:
         self.engine.update_weights(self.model)
+        self.sessions.weights_changed()
         self.weight_version += 1
         self.counters.add(weight_updates_total=1)
 
@@ -391,6 +414,8 @@ def build_app(server: GenerationServer) -> FastAPI:
             return server.generate(request, [list(prompt)], request.logprobs, chat_choice, cancelled)
 
         return {"object": "chat.completion", **await _until_disconnected(raw, work)}
+
+    app.include_router(session_routes(server.sessions, keyed))
 
     @app.post("/update_weights_from_disk", dependencies=keyed)
     def update_weights_from_disk(request: DiskWeightsRequest) -> dict:

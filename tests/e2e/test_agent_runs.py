@@ -67,7 +67,7 @@ def test_an_openai_sdk_agent_with_a_tool_trains_two_steps_on_its_sessions(tmp_pa
     overrides = ["algorithm.experience_maker=agent_episodes", "agents.agent=e2e_agents:calculator_agent",
                  "agents.limits.max_turns=2", "agents.limits.max_total_tokens=320", "rollout.max_response_length=24",
                  "trainer.tensorboard=false", "+reward.sources.arithmetic=e2e_rewards.digit_fraction",
-                 "trainer.total_steps=2", "policy.optim.lr=1e-3"]
+                 "trainer.total_steps=2", "policy.optim.lr=1e-3", "generator.engine=rollout"]
     train(load_config("base", SMALL_MODEL + overrides + [f"trainer.output_dir={tmp_path}", "trainer.run_name=a"]))
     metrics = records(tmp_path / "a" / "metrics.jsonl")
     assert [r["step"] for r in metrics] == [0, 1, 2]
@@ -77,4 +77,6 @@ def test_an_openai_sdk_agent_with_a_tool_trains_two_steps_on_its_sessions(tmp_pa
         assert step["agent/observation_tokens"] > 0
         # the trainer's log-probs of the rows' sampled tokens are the engine's: the rows are what it sampled
         assert step["rollout/logprob_diff_max"] < 1e-4
+        # the rollout engine continued each second turn on the KV cache its first left
+        assert step["agent/reused_tokens_per_turn"] > 0 and step["agent/recomputed_tokens_per_turn"] == 0
     assert metrics[2]["val/num_prompts"] == 8 and metrics[2]["val/agent/turns"] == 2

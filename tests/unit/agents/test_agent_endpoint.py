@@ -11,12 +11,13 @@ import logging
 import openai
 import pytest
 
-from aligner_ext.agents.agent_functions import AgentFunctionRunner, serving
+from aligner_ext.agents.agent_functions import AgentFunctionRunner, agent_function, serving
 from aligner_ext.agents.endpoint import SessionEndpoint
 from aligner_ext.agents.sessions import GenerateEachTurn
 from aligner_ext.agents.settings import AgentsConfig, EpisodeLimits
 from aligner_ext.agents.tools import tool_schema
 from aligner_ext.data.types import PromptDraw, PromptRow
+from aligner_ext.errors import ConfigError
 from aligner_ext.generation.base import SamplingParams
 
 from tests.unit.agents.conftest import add
@@ -193,3 +194,11 @@ def test_the_endpoints_errors_are_openai_shaped(qwen25_tokenizer):
     assert found["two_samples"][0] == 400 and found["two_samples"][1]["param"] == "n"
     assert found["too_long"][0] == 400 and found["too_long"][1]["code"] == "context_length_exceeded"
     assert found["unknown_session"][0] == 404 and found["unknown_session"][1]["code"] == "session_not_found"
+
+
+def test_what_is_not_an_async_agent_function_is_refused_in_one_line_naming_the_setting():
+    with pytest.raises(ConfigError, match=rf"^agents.agent={__name__}:draw is <function draw .*>; it must be an "
+                                          r"`async def agent\(client, row\)`"):
+        agent_function(f"{__name__}:draw")
+    with pytest.raises(ConfigError, match="^agents.agent=no_such_module:agent: cannot import module 'no_such_module'"):
+        agent_function("no_such_module:agent")
