@@ -106,6 +106,8 @@ class AgentFunctionRunner:
                                                   for position, (draw, seed) in enumerate(episodes)))
         finally:
             stats = await endpoint.stop()
+        if endpoint.failure is not None:  # the engine, not an agent: the run stops as it would without agents
+            raise endpoint.failure
         return list(outcomes), stats
 
     async def _episode(self, endpoint: SessionEndpoint, url: str, key: str, draw: PromptDraw, seed: int

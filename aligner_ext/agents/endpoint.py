@@ -112,7 +112,8 @@ class SessionEndpoint:
         # touched by steps only
         self.turns: Any = None  # opened by the first step
         self.submitted: dict[str, tuple[list[int], int, int]] = {}  # session -> its turn in progress (resubmitted on reopen)
-        self.stale = False  # the weights changed: reopen the turn session before the next step
+        self.stale = False  # the weights changed, or a step failed: reopen the turn session before the next step
+        self.failure: BaseException | None = None  # the last step that raised
         self.stats: Counter = Counter()  # the turn sessions' counts, summed
 
     # sessions
@@ -250,13 +251,24 @@ class SessionEndpoint:
 
     async def drive(self) -> None:
         """Run engine steps while turns wait or decode; hand each finished turn to its request. Runs
-        until cancelled."""
+        until cancelled. A step that raises fails the turns waiting (500) and is kept in `failure`; the
+        turn session is opened again for the next turns."""
         busy = False
         while True:
             if not (busy or self.queue):
                 self.wake.clear()
                 await self.wake.wait()
-            finished, busy = await self.run_step(self._step)
+            try:
+                finished, busy = await self.run_step(self._step)
+            except Exception as err:  # noqa: BLE001 - the requests answer it; the trainer raises `failure`
+                self.failure, self.stale, busy, finished = err, True, False, []
+                self.submitted.clear()
+                with self.mutex:  # the turns submitted meanwhile fail too
+                    self.queue = [entry for entry in self.queue if entry[0] == "release"]
+                waiting, self.waiting = self.waiting, {}
+                for future in waiting.values():
+                    if not future.done():
+                        future.set_exception(ApiError(500, f"the engine failed: {type(err).__name__}: {err}"))
             for key, output in finished:
                 future = self.waiting.pop(key, None)
                 if future is not None and not future.done():

@@ -7,6 +7,7 @@ import urllib.error
 import urllib.request
 
 import openai
+import torch
 import pytest
 
 from aligner_ext.generation.rollout import RolloutEngine, RolloutEngineConfig
@@ -50,3 +51,25 @@ def test_a_session_continues_on_its_kept_cache_and_its_row_is_what_was_sampled(t
     assert stats["reused_tokens"] == len(prompt1) + len(sampled1) - 1
     assert stats["prefilled_tokens"] == len(prompt1) + len(prompt2) - stats["reused_tokens"]
     assert deleted == 200 and gone == 404 and body["error"]["code"] == 404
+
+
+def test_after_a_weight_push_a_session_goes_on_from_its_ids_on_a_fresh_cache(tiny_tokenizer):
+    tok = tiny_tokenizer
+    shape = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=3)
+    model = build_tiny_model(tok, shape).eval()
+    server = serving(RolloutEngine(model, tok, RolloutEngineConfig(max_batch_size=4)), model, tok)
+    with serve_in_thread(server) as url:
+        client = openai.OpenAI(base_url=f"{url}/sessions/s/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "1+2="}]
+        first = client.chat.completions.create(model="aligner-ext", messages=messages, max_tokens=6, seed=5)
+        with torch.no_grad():  # what a push does: other weights, then the engine told
+            next(model.parameters()).add_(0.01)
+        server.weights_changed()
+        messages += [first.choices[0].message, {"role": "user", "content": "again"}]
+        second = client.chat.completions.create(model="aligner-ext", messages=messages, max_tokens=6)
+        fresh = dict(server.sessions.turns.stats)
+        _, recorded = ask(f"{url}/sessions/s")
+    prompt2, sampled2 = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
+    assert recorded["rows"][0]["ids"] == prompt2 + sampled2  # still one row: the conversation extends it
+    # the old weights' K/V were dropped with the old turn session: the whole conversation is prefilled again
+    assert fresh["prefilled_tokens"] == len(prompt2) and fresh["reused_tokens"] == 0 and fresh["turns"] == 1
