@@ -3,6 +3,7 @@ an openai-SDK conversation of two turns is one row, its second turn continued on
 prefilled only its new ids), the session's rows readable and deletable over HTTP."""
 
 import json
+from contextlib import contextmanager
 import urllib.error
 import urllib.request
 
@@ -26,17 +27,29 @@ def ask(url: str, method: str = "GET") -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def test_a_session_continues_on_its_kept_cache_and_its_row_is_what_was_sampled(tiny_tokenizer):
-    tok = tiny_tokenizer
+@contextmanager
+def served_tiny(tokenizer):
+    """(URL, server, model): a tiny model served with the rollout engine (which keeps sessions' caches)."""
     shape = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=3)
-    model = build_tiny_model(tok, shape).eval()
-    server = serving(RolloutEngine(model, tok, RolloutEngineConfig(max_batch_size=4)), model, tok)
+    model = build_tiny_model(tokenizer, shape).eval()
+    server = serving(RolloutEngine(model, tokenizer, RolloutEngineConfig(max_batch_size=4)), model, tokenizer)
     with serve_in_thread(server) as url:
-        client = openai.OpenAI(base_url=f"{url}/sessions/game-1/v1", api_key="none", max_retries=0)
-        messages = [{"role": "user", "content": "1+2="}]
-        first = client.chat.completions.create(model="aligner-ext", messages=messages, max_tokens=6)
-        messages += [first.choices[0].message, {"role": "user", "content": "again"}]
-        second = client.chat.completions.create(model="aligner-ext", messages=messages, max_tokens=6)
+        yield url, server, model
+
+
+def two_turns(url: str, session: str, between=lambda: None):
+    """A conversation of two turns through the openai client; `between` runs after the first."""
+    client = openai.OpenAI(base_url=f"{url}/sessions/{session}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "1+2="}]
+    first = client.chat.completions.create(model="aligner-ext", messages=messages, max_tokens=6, seed=5)
+    between()
+    messages += [first.choices[0].message, {"role": "user", "content": "again"}]
+    return first, client.chat.completions.create(model="aligner-ext", messages=messages, max_tokens=6)
+
+
+def test_a_session_continues_on_its_kept_cache_and_its_row_is_what_was_sampled(tiny_tokenizer):
+    with served_tiny(tiny_tokenizer) as (url, server, _):
+        first, second = two_turns(url, "game-1")
         prompt1, sampled1 = first.model_extra["prompt_token_ids"], first.choices[0].model_extra["token_ids"]
         prompt2, sampled2 = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
         stats = dict(server.sessions.turns.stats)
@@ -54,19 +67,13 @@ def test_a_session_continues_on_its_kept_cache_and_its_row_is_what_was_sampled(t
 
 
 def test_after_a_weight_push_a_session_goes_on_from_its_ids_on_a_fresh_cache(tiny_tokenizer):
-    tok = tiny_tokenizer
-    shape = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=3)
-    model = build_tiny_model(tok, shape).eval()
-    server = serving(RolloutEngine(model, tok, RolloutEngineConfig(max_batch_size=4)), model, tok)
-    with serve_in_thread(server) as url:
-        client = openai.OpenAI(base_url=f"{url}/sessions/s/v1", api_key="none", max_retries=0)
-        messages = [{"role": "user", "content": "1+2="}]
-        first = client.chat.completions.create(model="aligner-ext", messages=messages, max_tokens=6, seed=5)
-        with torch.no_grad():  # what a push does: other weights, then the engine told
-            next(model.parameters()).add_(0.01)
-        server.weights_changed()
-        messages += [first.choices[0].message, {"role": "user", "content": "again"}]
-        second = client.chat.completions.create(model="aligner-ext", messages=messages, max_tokens=6)
+    with served_tiny(tiny_tokenizer) as (url, server, model):
+        def push():  # what a push does: other weights, then the engine told
+            with torch.no_grad():
+                next(model.parameters()).add_(0.01)
+            server.weights_changed()
+
+        _, second = two_turns(url, "s", push)
         fresh = dict(server.sessions.turns.stats)
         _, recorded = ask(f"{url}/sessions/s")
     prompt2, sampled2 = second.model_extra["prompt_token_ids"], second.choices[0].model_extra["token_ids"]
