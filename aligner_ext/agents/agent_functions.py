@@ -96,7 +96,7 @@ class AgentFunctionRunner:
             limits, MODEL_NAME, params.max_new_tokens)
         limit = asyncio.Semaphore(self.cfg.max_concurrent_episodes)
 
-        http = openai.DefaultAsyncHttpxClient()  # the episodes' clients share one pool (a client of its own takes ~80 ms to make)
+        http = openai.DefaultAsyncHttpxClient()  # one pool for every episode's client: one each took ~80 ms to make
 
         async def play(position: int, draw: PromptDraw, seed: int) -> EpisodeOutcome:
             async with limit:

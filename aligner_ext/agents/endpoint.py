@@ -211,7 +211,7 @@ class SessionEndpoint:
         turn = session.counts["turns"]
         session.counts.update(turns=1, tool_calls=len(parsed.calls), malformed_calls=len(parsed.malformed))
         session.last_finish, session.final_text = output.finish_reason, readable(self.tokenizer, parsed.content)
-        message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content or (None if parsed.tool_calls else "")}
         if parsed.tool_calls:
             message["tool_calls"] = [{"id": f"call_{turn}_{index}", "type": "function",
                                       "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}

@@ -5,6 +5,7 @@ Two turns every episode: the tool's results after a turn that calls it, else a u
 again, so every row holds an observation between two sampled turns. It returns None: the reward registry
 scores the last turn."""
 
+import json
 from fractions import Fraction
 
 CALCULATOR = {"type": "function", "function": {
@@ -14,8 +15,7 @@ CALCULATOR = {"type": "function", "function": {
 
 
 def evaluate(arguments: str) -> str:
-    import json
-
+    """A sum of the call's `expression`, or the error the agent answers with."""
     try:
         expression = json.loads(arguments)["expression"]
         return str(sum(Fraction(term) for term in str(expression).split("+")))
