@@ -17,7 +17,9 @@ from aligner_ext.agents.sessions import GenerateEachTurn
 from aligner_ext.agents.settings import AgentsConfig, EpisodeLimits
 from aligner_ext.agents.tools import tool_schema
 from aligner_ext.data.types import PromptDraw, PromptRow
+from aligner_ext.config import load_config
 from aligner_ext.errors import ConfigError
+from aligner_ext.experience.agent_episodes import AgentEpisodes
 from aligner_ext.generation.base import SamplingParams
 
 from tests.unit.agents.conftest import add
@@ -202,3 +204,15 @@ def test_what_is_not_an_async_agent_function_is_refused_in_one_line_naming_the_s
         agent_function(f"{__name__}:draw")
     with pytest.raises(ConfigError, match="^agents.agent=no_such_module:agent: cannot import module 'no_such_module'"):
         agent_function("no_such_module:agent")
+
+
+def test_an_agent_function_beside_a_named_environment_is_refused_before_the_model_loads():
+    rows = [draw("sum").row]
+    agent = ["algorithm.experience_maker=agent_episodes", f"agents.agent={__name__}:tool_agent",
+             "agents.limits.max_total_tokens=256"]
+    cfg = load_config("base", agent)
+    assert AgentEpisodes.rows_scored_by_rewards(cfg, rows) == rows  # the registry may score any of them
+    cfg = load_config("base", agent + ["agents.environment=test_adder"])
+    with pytest.raises(ConfigError, match=rf"^agents.agent={__name__}:tool_agent and agents.environment=test_adder "
+                                          "both say how episodes run: set one of them"):
+        AgentEpisodes.rows_scored_by_rewards(cfg, rows)
