@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from aligner_ext.agents.episodes import extend_row, read_turn, readable, truncated
 from aligner_ext.agents.settings import EpisodeLimits
 from aligner_ext.agents.tokens import ChatRenderer, Trajectory
-from aligner_ext.agents.tool_calls import tool_call_format
+from aligner_ext.agents.tool_calls import ToolCallFormat, tool_call_format
 from aligner_ext.api_errors import ApiError, shown
 from aligner_ext.errors import ConfigError
 from aligner_ext.generation.base import GenerationOutput
@@ -174,9 +174,13 @@ class SessionEndpoint:
                 session.end = "max_total_tokens"
                 raise ApiError(400, f"the session's conversation fills agents.limits.max_total_tokens="
                                     f"{self.limits.max_total_tokens} tokens", code="context_length_exceeded")
+            try:  # before sampling: a template that renders no tool calls cannot answer `tools`
+                call_format = tool_call_format(self.tokenizer) if session.tools else None
+            except ConfigError as err:
+                raise ApiError(400, str(err), param="tools") from err
             prompt_ids = list(trajectory.ids)
             output = await self._sample(key, prompt_ids, budget, request_seed(session.seed, turn))
-            return self._answer(session, trajectory, messages, prompt_ids, output)
+            return self._answer(session, trajectory, messages, prompt_ids, output, call_format)
 
     def _row_for(self, session: AgentSession, messages: list[dict], tools: list[dict] | None) -> Trajectory | None:
         """The row the turn continues: the last one extended by the new messages, or a new one; None when
@@ -200,12 +204,8 @@ class SessionEndpoint:
         return row
 
     def _answer(self, session: AgentSession, trajectory: Trajectory, messages: list[dict], prompt_ids: list[int],
-                output: GenerationOutput) -> dict[str, Any]:
+                output: GenerationOutput, call_format: ToolCallFormat | None) -> dict[str, Any]:
         """Record the turn on the row and answer it in OpenAI's shape."""
-        try:
-            call_format = tool_call_format(self.tokenizer) if session.tools else None
-        except ConfigError as err:
-            raise ApiError(400, str(err), param="tools") from err
         parsed = read_turn(self.tokenizer, call_format, output)
         session.renderer.add_turn(trajectory, output.token_ids, parsed.message(), output.logprobs)
         turn = session.counts["turns"]
