@@ -75,6 +75,7 @@ def test_an_openai_sdk_agent_with_a_tool_trains_two_steps_on_its_sessions(tmp_pa
         assert step["batch/num_samples"] == 16  # 4 prompts x 4 episodes, one row each
         assert step["agent/turns"] == 2 and step["agent/end_done"] == 1 and "agent/edited_history" not in step  # absent until counted
         assert step["agent/observation_tokens"] > 0
+        assert step["actor/grad_norm"] > 0  # the rows' rewards differ within groups: the step trains
         # the trainer's log-probs of the rows' sampled tokens are the engine's: the rows are what it sampled
         assert step["rollout/logprob_diff_max"] < 1e-4
         # the rollout engine continued each second turn on the KV cache its first left
