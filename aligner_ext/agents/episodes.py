@@ -154,12 +154,11 @@ class _Episode:
                 break
             output = await self.sample(trajectory.ids, turn)
             counts["turns"] += 1
-            parsed = (call_format.parse(self._decode(output.token_ids), episode.tools) if call_format
-                      else self._plain(output))
+            parsed = read_turn(self.runner.tokenizer, call_format, output, episode.tools)
             counts["tool_calls"] += len(parsed.calls)
             counts["malformed_calls"] += len(parsed.malformed)
             renderer.add_turn(trajectory, output.token_ids, parsed.message(), output.logprobs)
-            outcome.last_finish, outcome.final_text = output.finish_reason, self._readable(parsed.content)
+            outcome.last_finish, outcome.final_text = output.finish_reason, readable(self.runner.tokenizer, parsed.content)
             if len(trajectory.ids) >= self.limits.max_total_tokens:
                 outcome.end = "max_total_tokens"
                 break
@@ -181,8 +180,9 @@ class _Episode:
                 break
             if turn == self.limits.max_turns - 1:
                 break  # the last turn's observation is never answered, so never trained on
-            messages = [self._truncated(message, counts) for message in result.messages]
-            trajectory = self._extend(renderer, rows, messages, counts)
+            messages = [truncated(self.runner.tokenizer, self.limits, message, counts) for message in result.messages]
+            trajectory = extend_row(renderer, rows, messages, counts, self.limits.max_total_tokens,
+                                    f"episode of row {self.draw.row.row_id}")
             if trajectory is None:
                 outcome.end = "max_total_tokens"
                 break
@@ -192,62 +192,6 @@ class _Episode:
             return self._failed(err, "score", counts, outcome)
         outcome.score = RewardResult(float(score)) if isinstance(score, (int, float)) else score
         return outcome
-
-    def _extend(self, renderer: ChatRenderer, rows: list[Trajectory], messages: list[dict], counts: Counter
-                ) -> Trajectory | None:
-        """Append the observation to the last row (or start a new row where the template rewrote
-        history); None when it does not fit in max_total_tokens (the row is left as it was)."""
-        trajectory = rows[-1]
-        kept = (len(trajectory.ids), len(trajectory.text), len(trajectory.messages))
-        extension = renderer.add_messages(trajectory, messages)
-        if extension.rewrites_history:
-            counts["history_rewrites"] += 1
-            logger.debug("episode of row %s: a new training row (%s)", self.draw.row.row_id, extension.reason)
-            trajectory = renderer.start(trajectory.messages + messages)
-            if len(trajectory.ids) >= self.limits.max_total_tokens:
-                return None
-            rows.append(trajectory)
-            return trajectory
-        if len(trajectory.ids) >= self.limits.max_total_tokens:
-            ids, text, message_count = kept
-            for values in (trajectory.ids, trajectory.roles, trajectory.logprobs):
-                del values[ids:]
-            trajectory.text, trajectory.messages = trajectory.text[:text], trajectory.messages[:message_count]
-            return None
-        counts["observation_tokens"] += len(extension.observation_ids)
-        counts["template_tokens"] += len(extension.template_ids)
-        return trajectory
-
-    def _truncated(self, message: dict, counts: Counter) -> dict:
-        """The message with its content cut to max_observation_tokens tokens (the cut ones counted)."""
-        content = message.get("content")
-        if not isinstance(content, str):
-            return message
-        tokenizer, limit = self.runner.tokenizer, self.limits.max_observation_tokens
-        ids = tokenizer(content, add_special_tokens=False)["input_ids"]
-        if len(ids) <= limit:
-            return message
-        counts["truncated_observation_tokens"] += len(ids) - limit
-        side = self.limits.observation_truncation
-        kept = ids[:limit] if side == "right" else ids[len(ids) - limit:] if side == "left" else \
-            ids[: (limit + 1) // 2] + ids[len(ids) - limit // 2:]
-        return {**message, "content": tokenizer.decode(kept, skip_special_tokens=True)}
-
-    def _decode(self, ids: list[int]) -> str:
-        """Sampled ids as text, special tokens included: what the chat template re-renders a turn from."""
-        return self.runner.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def _plain(self, output: GenerationOutput) -> ParsedTurn:
-        """A turn of an episode without tools: its text as sampled, less the end-of-sequence id that ended
-        it (the template writes its own), so that the conversation re-renders to the sampled ids."""
-        ids = output.token_ids[:-1] if output.finish_reason == "eos" else output.token_ids
-        return ParsedTurn(self._decode(ids))
-
-    def _readable(self, content: str) -> str:
-        """A turn's content without special tokens: what the reward registry reads."""
-        tokenizer = self.runner.tokenizer
-        return tokenizer.decode(tokenizer(content, add_special_tokens=False)["input_ids"], skip_special_tokens=True,
-                                clean_up_tokenization_spaces=False)
 
     def _failed(self, err: BaseException, method: str, counts: Counter,
                 outcome: EpisodeOutcome | None = None) -> EpisodeOutcome:
@@ -264,6 +208,71 @@ class _Episode:
             return EpisodeOutcome(self.draw, [], end, "", "", score=RewardResult(0.0, 0.0), counts=counts)
         outcome.end, outcome.score, outcome.turn_rewards = end, RewardResult(0.0, 0.0), 0.0
         return outcome
+
+
+def read_turn(tokenizer: Any, call_format: ToolCallFormat | None, output: GenerationOutput,
+              tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
+    """A model turn as a parsed message: its calls read in the template's format when the episode has
+    tools (their schemas type the arguments of formats that write them untyped); else its text as
+    sampled, less the end-of-sequence id that ended it (the template writes its own), so that the
+    conversation re-renders to the sampled ids."""
+    if call_format is not None:
+        return call_format.parse(decoded(tokenizer, output.token_ids), tools)
+    ids = output.token_ids[:-1] if output.finish_reason == "eos" else output.token_ids
+    return ParsedTurn(decoded(tokenizer, ids))
+
+
+def decoded(tokenizer: Any, ids: list[int]) -> str:
+    """Sampled ids as text, special tokens included: what the chat template re-renders a turn from."""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def readable(tokenizer: Any, content: str) -> str:
+    """A turn's content without special tokens: what the reward registry reads."""
+    return tokenizer.decode(tokenizer(content, add_special_tokens=False)["input_ids"], skip_special_tokens=True,
+                            clean_up_tokenization_spaces=False)
+
+
+def truncated(tokenizer: Any, limits: EpisodeLimits, message: dict, counts: Counter) -> dict:
+    """The message with its content cut to max_observation_tokens tokens (the cut ones counted)."""
+    content = message.get("content")
+    if not isinstance(content, str):
+        return message
+    limit = limits.max_observation_tokens
+    ids = tokenizer(content, add_special_tokens=False)["input_ids"]
+    if len(ids) <= limit:
+        return message
+    counts["truncated_observation_tokens"] += len(ids) - limit
+    side = limits.observation_truncation
+    kept = ids[:limit] if side == "right" else ids[len(ids) - limit:] if side == "left" else \
+        ids[: (limit + 1) // 2] + ids[len(ids) - limit // 2:]
+    return {**message, "content": tokenizer.decode(kept, skip_special_tokens=True)}
+
+
+def extend_row(renderer: ChatRenderer, rows: list[Trajectory], messages: list[dict], counts: Counter,
+               max_total_tokens: int, label: str) -> Trajectory | None:
+    """Append the observation to the last row (or start a new row where the template rewrote history,
+    counted); None when it does not fit in max_total_tokens (the row is left as it was)."""
+    trajectory = rows[-1]
+    kept = (len(trajectory.ids), len(trajectory.text), len(trajectory.messages))
+    extension = renderer.add_messages(trajectory, messages)
+    if extension.rewrites_history:
+        counts["history_rewrites"] += 1
+        logger.debug("%s: a new training row (%s)", label, extension.reason)
+        trajectory = renderer.start(trajectory.messages + messages)
+        if len(trajectory.ids) >= max_total_tokens:
+            return None
+        rows.append(trajectory)
+        return trajectory
+    if len(trajectory.ids) >= max_total_tokens:
+        ids, text, message_count = kept
+        for values in (trajectory.ids, trajectory.roles, trajectory.logprobs):
+            del values[ids:]
+        trajectory.text, trajectory.messages = trajectory.text[:text], trajectory.messages[:message_count]
+        return None
+    counts["observation_tokens"] += len(extension.observation_ids)
+    counts["template_tokens"] += len(extension.template_ids)
+    return trajectory
 
 
 async def _drive(session: Any, episodes: list[_Episode], concurrency: int) -> list[EpisodeOutcome]:

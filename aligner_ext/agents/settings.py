@@ -29,5 +29,6 @@ class AgentsConfig:
     """Agent episodes (algorithm.experience_maker=agent_episodes, docs/agents.md)."""
 
     environment: str = plugin("auto", "aligner_ext.agents.environment:ENVIRONMENTS", "auto")  # the environment of every row; auto: the one registered for each row's data_source
+    agent: str | None = None  # agent code as the rollout: `pkg.module:agent`, an `async def agent(client, row)` whose openai client talks to the trainer's session endpoint (docs/agents.md); unset: environment episodes
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)  # when an episode ends
     max_concurrent_episodes: int = number(256, ge=1)  # episodes in flight at once; each holds an engine slot (with the rollout engine, its KV cache) while its environment answers

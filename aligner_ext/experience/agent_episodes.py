@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from aligner_ext.agents.agent_functions import AgentFunctionRunner, agent_function
 from aligner_ext.agents.environment import Environment, Episode, environment_class
 from aligner_ext.agents.episodes import ENDS, EpisodeOutcome, EpisodeRunner
 from aligner_ext.agents.settings import AgentsConfig
@@ -66,13 +67,14 @@ class AgentEpisodes(GroupSampling):
     def __init__(self, agents: AgentsConfig, cfg: RolloutConfig, engine: GenerationEngine, rewards: RewardManager,
                  tokenizer, seed: int = 0):
         super().__init__(cfg, engine, rewards, tokenizer, seed)  # no routing asked: not recorded over turns yet
-        self.runner = EpisodeRunner(engine, tokenizer, agents)
+        self.runner = AgentFunctionRunner(engine, tokenizer, agents) if agents.agent else \
+            EpisodeRunner(engine, tokenizer, agents)
 
     @classmethod
     def warmup_examples(cls, cfg, rows: list[PromptRow]) -> list[tuple]:
         """(messages, assistant message, tools) for each model turn of each row's gold transcript, as
         the episode renders it (module docstring); (prompt, gold solution) for a row without one."""
-        transcribed = [row for row in rows if row.extra_info.get("gold_transcript")]
+        transcribed = [row for row in rows if row.extra_info.get("gold_transcript") and not cfg.agents.agent]
         name = None if cfg.agents.environment == "auto" else cfg.agents.environment
         environments: dict[type, Environment] = {}  # one of each, as the episode runner keeps them
 
@@ -109,7 +111,14 @@ class AgentEpisodes(GroupSampling):
     @classmethod
     def rows_scored_by_rewards(cls, cfg, rows: list[PromptRow]) -> list[PromptRow]:
         """The rows whose environment leaves the score to the reward registry (does not define `score`); a
-        row without an environment is refused here, before the model loads."""
+        row without an environment is refused here, before the model loads. With agents.agent, every row (the
+        function may return None or a transcript for any), and the function is checked here too."""
+        if cfg.agents.agent:
+            if cfg.agents.environment != "auto":
+                raise ConfigError(f"agents.agent={cfg.agents.agent} and agents.environment={cfg.agents.environment} "
+                                  "both say how episodes run: set one of them")
+            agent_function(cfg.agents.agent)
+            return list(rows)
         name = None if cfg.agents.environment == "auto" else cfg.agents.environment
         kept = []
         for row in rows:

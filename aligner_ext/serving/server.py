@@ -35,11 +35,13 @@ from pathlib import Path
 import torch
 from anyio import to_thread
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from safetensors import SafetensorError, safe_open
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from aligner_ext.agents.endpoint import SessionEndpoint, session_routes
+from aligner_ext.agents.sessions import open_turns
+from aligner_ext.agents.settings import EpisodeLimits
+from aligner_ext.api_errors import ApiError, answer_errors_as_openai, error_response, shown
 from aligner_ext.config import ServeConfig
 from aligner_ext.errors import ConfigError
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
@@ -53,26 +55,7 @@ from aligner_ext.weights_file import load_weights
 logger = logging.getLogger(__name__)
 
 CHARS_PER_POSITION = 32  # serve.max_prompt_chars unset: this many characters per position of the model
-
-
-class ApiError(HTTPException):
-    """An HTTP error with OpenAI's `code` (e.g. "model_not_found"; default: the status) and `param`."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(status, message)
-        self.code, self.param = code, param
-
-
-def error_response(status: int, message: str, code: str | int | None = None, param: str | None = None) -> JSONResponse:
-    """OpenAI's error shape (vLLM's too: `code` is the status unless a named code says more)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status if code is None else code}}, status_code=status)
-
-
-def _shown(text: str, limit: int = 200) -> str:
-    """`text` as an error message quotes it: at most `limit` characters."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+MAX_SESSIONS = 1024  # agent sessions open at once (/sessions/<session>/v1/chat/completions); DELETE frees one
 
 
 def resolved_weights_root(cfg: ServeConfig) -> Path | None:
@@ -117,6 +100,24 @@ class GenerationServer:
         self.max_prompt_chars = cfg.max_prompt_chars or (CHARS_PER_POSITION * self.positions if self.positions else None)
         # engines that can stop mid-call (hf, rollout) take `should_stop`; others run their call to the end
         self.cancellable = "should_stop" in inspect.signature(engine.generate).parameters
+        self.sessions = self.session_endpoint()
+
+    def session_endpoint(self) -> SessionEndpoint:
+        """Agent sessions (agents/endpoint.py) on the engine's turn session, sampling from the policy's own
+        distribution; a session's row may fill the model's positions, each turn at most serve.max_tokens."""
+        length = self.positions or self.cfg.max_tokens
+        params = SamplingParams(max_new_tokens=self.cfg.max_tokens, return_logprobs=True)
+
+        async def locked_step(step):
+            def run():
+                with self.engine_lock:
+                    return step()
+            return await to_thread.run_sync(run)
+
+        return SessionEndpoint(self.tokenizer, lambda: open_turns(self.engine, params, length, MAX_SESSIONS),
+                               EpisodeLimits(max_turns=2**31, max_total_tokens=length, max_observation_tokens=length),
+                               self.cfg.model_name, self.cfg.max_tokens, run_step=locked_step, open_on_request=True,
+                               max_sessions=MAX_SESSIONS, max_chars=self.max_prompt_chars)
 
     def run_engine(self, prompts: list[list[int]], params: SamplingParams, n: int,
                    cancelled: threading.Event) -> list[GenerationOutput]:
@@ -161,7 +162,7 @@ class GenerationServer:
     def check_model(self, name: str | None) -> None:
         """OpenAI's 404 for a model this server does not serve (no name: the served one)."""
         if name is not None and name != self.cfg.model_name:
-            raise ApiError(404, f"The model `{_shown(name)}` does not exist; this server serves "
+            raise ApiError(404, f"The model `{shown(name)}` does not exist; this server serves "
                                 f"`{self.cfg.model_name}`", code="model_not_found", param="model")
 
     def check_chars(self, sizes: list[int]) -> None:
@@ -211,18 +212,18 @@ class GenerationServer:
         if self.weights_root is None:
             raise HTTPException(403, "updates from disk are off: start the server with serve.weights_root=<a "
                                      "directory> to load weight directories under it")
-        shown = _shown(model_path)
+        quoted = shown(model_path)
         try:
             path = Path(model_path).resolve()
             file = (path / "model.safetensors").resolve()
         except (OSError, RuntimeError, ValueError) as err:  # a null byte, a name too long, a symlink loop
-            raise HTTPException(400, f"model_path {shown!r} is not a usable path: {err}") from err
+            raise HTTPException(400, f"model_path {quoted!r} is not a usable path: {err}") from err
         if not (path.is_relative_to(self.weights_root) and file.is_relative_to(self.weights_root)):
-            raise HTTPException(403, f"model_path {shown!r} is outside serve.weights_root={self.weights_root}")
+            raise HTTPException(403, f"model_path {quoted!r} is outside serve.weights_root={self.weights_root}")
         if not path.is_dir():
-            raise HTTPException(400, f"model_path {shown!r} is not a directory: give the directory holding model.safetensors")
+            raise HTTPException(400, f"model_path {quoted!r} is not a directory: give the directory holding model.safetensors")
         if not file.is_file():
-            raise HTTPException(400, f"model_path {shown!r} holds no model.safetensors")
+            raise HTTPException(400, f"model_path {quoted!r} holds no model.safetensors")
         return file
 
     def load_from_disk(self, model_path: str) -> None:
@@ -259,7 +260,7 @@ class GenerationServer:
             raise HTTPException(400, str(err)) from err
         for name, dtype, shape in tensors:  # before anything is received: a bad entry would break the broadcast
             if dtype not in DTYPES or any(size < 0 for size in shape):
-                raise HTTPException(400, f"tensor {_shown(name)!r}: dtype {_shown(dtype)!r} (one of {sorted(DTYPES)}) "
+                raise HTTPException(400, f"tensor {shown(name)!r}: dtype {shown(dtype)!r} (one of {sorted(DTYPES)}) "
                                          f"and shape {shape[:8]} (sizes >= 0) cannot be received")
         params = dict(self.model.named_parameters())
         device = next(self.model.parameters()).device
@@ -278,6 +279,7 @@ class GenerationServer:
 
     def weights_changed(self) -> None:
         self.engine.update_weights(self.model)
+        self.sessions.weights_changed()
         self.weight_version += 1
         self.counters.add(weight_updates_total=1)
 
@@ -366,17 +368,7 @@ def build_app(server: GenerationServer) -> FastAPI:
 
     app.add_middleware(_BoundedBody, server=server)
 
-    @app.exception_handler(StarletteHTTPException)  # ours and the router's (unknown path, wrong method)
-    async def openai_error(request: Request, err: StarletteHTTPException):
-        return error_response(err.status_code, str(err.detail), getattr(err, "code", None), getattr(err, "param", None))
-
-    @app.exception_handler(RequestValidationError)  # a body that is not JSON or not the endpoint's fields
-    async def invalid_body(request: Request, err: RequestValidationError):
-        problems = [(".".join(str(part) for part in problem["loc"] if part != "body"), problem["msg"])
-                    for problem in err.errors()]
-        said = "; ".join(f"{where}: {what}" if where else what for where, what in problems[:3])
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        return error_response(400, _shown(f"invalid request body: {said}{more}".replace("\n", " "), 500))
+    answer_errors_as_openai(app)
 
     keyed = [Depends(authorised)]
 
@@ -422,6 +414,8 @@ def build_app(server: GenerationServer) -> FastAPI:
             return server.generate(request, [list(prompt)], request.logprobs, chat_choice, cancelled)
 
         return {"object": "chat.completion", **await _until_disconnected(raw, work)}
+
+    app.include_router(session_routes(server.sessions, keyed))
 
     @app.post("/update_weights_from_disk", dependencies=keyed)
     def update_weights_from_disk(request: DiskWeightsRequest) -> dict:

@@ -59,3 +59,25 @@ def test_an_agent_run_trains_on_sampled_tokens_only_reports_its_episodes_and_res
         torch.testing.assert_close(weights_b[name], weights_a[name], rtol=0, atol=0)
     before = load_file(str(tmp_path / "a" / "checkpoints" / "step_2" / "adapters.safetensors"))
     assert any(not torch.equal(before[name], weights_a[name]) for name in before)  # step 3 moved the weights
+
+
+def test_an_openai_sdk_agent_with_a_tool_trains_two_steps_on_its_sessions(tmp_path, monkeypatch):
+    # agent code as the rollout (agents.agent): every episode two requests through the openai client
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # e2e_agents, e2e_rewards (reward workers too)
+    overrides = ["algorithm.experience_maker=agent_episodes", "agents.agent=e2e_agents:calculator_agent",
+                 "agents.limits.max_turns=2", "agents.limits.max_total_tokens=320", "rollout.max_response_length=24",
+                 "trainer.tensorboard=false", "+reward.sources.arithmetic=e2e_rewards.digit_fraction",
+                 "trainer.total_steps=2", "policy.optim.lr=1e-3", "generator.engine=rollout"]
+    train(load_config("base", SMALL_MODEL + overrides + [f"trainer.output_dir={tmp_path}", "trainer.run_name=a"]))
+    metrics = records(tmp_path / "a" / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [0, 1, 2]
+    for step in metrics[1:]:
+        assert step["batch/num_samples"] == 16  # 4 prompts x 4 episodes, one row each
+        assert step["agent/turns"] == 2 and step["agent/end_done"] == 1 and "agent/edited_history" not in step  # absent until counted
+        assert step["agent/observation_tokens"] > 0
+        assert step["actor/grad_norm"] > 0  # the rows' rewards differ within groups: the step trains
+        # the trainer's log-probs of the rows' sampled tokens are the engine's: the rows are what it sampled
+        assert step["rollout/logprob_diff_max"] < 1e-4
+        # the rollout engine continued each second turn on the KV cache its first left
+        assert step["agent/reused_tokens_per_turn"] > 0 and step["agent/recomputed_tokens_per_turn"] == 0
+    assert metrics[2]["val/num_prompts"] == 8 and metrics[2]["val/agent/turns"] == 2
