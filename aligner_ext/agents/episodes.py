@@ -157,7 +157,7 @@ class _Episode:
             parsed = call_format.parse(self._decode(output.token_ids)) if call_format else self._plain(output)
             counts["tool_calls"] += len(parsed.calls)
             counts["malformed_calls"] += len(parsed.malformed)
-            renderer.add_turn(trajectory, output.token_ids, parsed.message(), output.logprobs)
+            renderer.add_turn(trajectory, output.token_ids, parsed.message(), output.logprobs, output.routing)
             outcome.last_finish, outcome.final_text = output.finish_reason, self._readable(parsed.content)
             if len(trajectory.ids) >= self.limits.max_total_tokens:
                 outcome.end = "max_total_tokens"

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from aligner_ext.generation.base import GenerationOutput, SamplingParams
+from aligner_ext.generation.base import NOT_RECORDED, GenerationOutput, SamplingParams
 from aligner_ext.generation.decoder import SlotKVCache
 from aligner_ext.generation.sampler import sample
 from aligner_ext.generation.stopping import StopStringMatcher
@@ -99,6 +99,18 @@ def weights_fingerprint(model) -> tuple:
     """Changes whenever a parameter is updated in place (its version counter) or replaced: a kept
     KV cache is valid only for the weights that computed it."""
     return tuple((param.data_ptr(), param._version) for param in model.parameters())
+
+
+def routing_on_host(records: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Requests' experts per fed token (device copies, `SlotBatcher._routing_of`) as
+    `GenerationOutput.routing`: int16 on the CPU (one copy for all), with NOT_RECORDED for the last
+    generated token, which is sampled and never fed back."""
+    if not records:
+        return []
+    lengths = [len(record) for record in records]
+    on_host = torch.cat(records).to(device="cpu", dtype=torch.int16).split(lengths)
+    last = torch.full((1, *on_host[0].shape[1:]), NOT_RECORDED, dtype=torch.int16)
+    return [torch.cat([record, last]) for record in on_host]
 
 
 @contextmanager
@@ -294,6 +306,12 @@ class SlotBatcher:
             index = int(self.occupant[slot])
             self.occupant[slot] = -1
             self._finish(index, slot, "eos" if eos[i] else "stop" if stop[i] else "length")
+
+    def _routing_of(self, slot: int, fed: int) -> torch.Tensor:
+        """A copy, on the device, of the experts of the first `fed` tokens `slot` holds (a finished
+        request's prompt and generated tokens but the last): every step that computed them has been
+        launched, and the slot's next request writes its positions only after this copy."""
+        return self.slots.cache.routing.history[slot, :fed].clone()
 
     def _output(self, slot: int, finish_reason: str) -> GenerationOutput:
         """What the slot's latest request generated."""
