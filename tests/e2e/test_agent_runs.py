@@ -44,7 +44,8 @@ def records(path):
     return [{k: v for k, v in r.items() if not k.startswith("timing/") and not k.endswith("_seconds")} for r in rows]
 
 
-def test_an_agent_run_trains_on_sampled_tokens_only_reports_its_episodes_and_resumes_after_a_sigkill(tmp_path, monkeypatch):
+def test_an_agent_run_trains_on_sampled_tokens_only_reports_its_episodes_and_resumes_after_a_sigkill(tmp_path,
+                                                                                                     monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # e2e_environments, e2e_rewards (reward workers too)
     summary = train(load_config("base", SMALL_MODEL + AGENT + [f"trainer.output_dir={tmp_path}", "trainer.run_name=a"]))
     metrics = records(tmp_path / "a" / "metrics.jsonl")
@@ -54,7 +55,7 @@ def test_an_agent_run_trains_on_sampled_tokens_only_reports_its_episodes_and_res
     assert step["batch/num_samples"] == 16
     assert 1 <= step["agent/turns"] <= 2 and step["agent/history_rewrites"] == 0
     assert step["agent/retries"] + step["agent/end_done"] == pytest.approx(step["agent/turns"])  # each turn: wrong, or done
-    assert step["agent/checks"] == step["agent/retries"] > 0 and "agent/tool_errors" not in step  # a tool call per retry
+    assert step["agent/checks"] == step["agent/retries"] > 0 and "agent/tool_errors" not in step  # a call per retry
     assert step["agent/end_done"] + step["agent/end_max_turns"] + step["agent/end_max_total_tokens"] == 1
     # the engine's log-probs are compared on sampled tokens only: feedback tokens have none
     assert step["rollout/logprob_diff_max"] < 1e-4
