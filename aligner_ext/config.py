@@ -434,9 +434,6 @@ def check_across_sections(cfg: RunConfig, for_training: bool = True, given: dict
         key, value = next(iter(split.items()))
         raise ValueError(f"policy.{key}={value} with algorithm.experience_maker=agent_episodes: agent episodes run "
                          "in one process for now (the model split across processes is not served turn by turn yet)")
-    if cfg.algorithm.experience_maker in ("agent_episodes", "agents") and cfg.policy.routing_replay:
-        raise ValueError("policy.routing_replay=true with algorithm.experience_maker=agent_episodes: the experts "
-                         "are not recorded over an episode's turns yet; leave routing replay off")
     if for_training:
         check_positions(cfg)
 

@@ -157,7 +157,7 @@ class _Episode:
             parsed = read_turn(self.runner.tokenizer, call_format, output, episode.tools)
             counts["tool_calls"] += len(parsed.calls)
             counts["malformed_calls"] += len(parsed.malformed)
-            renderer.add_turn(trajectory, output.token_ids, parsed.message(), output.logprobs)
+            renderer.add_turn(trajectory, output.token_ids, parsed.message(), output.logprobs, output.routing)
             outcome.last_finish, outcome.final_text = output.finish_reason, readable(self.runner.tokenizer, parsed.content)
             if len(trajectory.ids) >= self.limits.max_total_tokens:
                 outcome.end = "max_total_tokens"

@@ -9,7 +9,9 @@ turn as a generate call of its own, prefilling the whole trajectory every turn.
 
 Both give a turn the tokens `engine.generate([ids], params with max_new_tokens and seed)[0]` gives: a
 turn's sampling stream depends on its seed alone, never on which turns share a batch or in which order
-episodes submit, so episodes are reproducible whatever order their tools finish in.
+episodes submit, so episodes are reproducible whatever order their tools finish in. With
+`params.return_routing`, an engine that records a mixture of experts' routing (the rollout engine)
+returns it with each turn for the whole trajectory, in either session.
 """
 
 from __future__ import annotations

@@ -46,6 +46,9 @@ class Trajectory:
     roles: list[str] = field(default_factory=list)  # one of ROLES per id
     text: str = ""  # the prompt's rendering + each sampled turn as decoded + the template's suffixes
     logprobs: list[float] = field(default_factory=list)  # per id: the engine's log-prob of a sampled id, 0 elsewhere
+    # A mixture of experts' routing as the engine recorded it for the ids up to the end of the latest model
+    # turn ([ids, layers, k], `GenerationOutput.routing`); None when the engine recorded none.
+    routing: Any = None
 
     def append(self, ids: list[int], role: str, text: str, logprobs: list[float] | None = None) -> None:
         self.ids += ids
@@ -98,13 +101,18 @@ class ChatRenderer:
         return trajectory
 
     def add_turn(self, trajectory: Trajectory, sampled_ids: list[int], message: dict[str, Any],
-                 logprobs: list[float] | None = None) -> None:
+                 logprobs: list[float] | None = None, routing: Any = None) -> None:
         """Append a model turn: its ids as sampled (with the engine's log-probs of them), and `message`,
-        the assistant message parsed from them."""
+        the assistant message parsed from them; `routing`, the experts the engine recorded for the
+        trajectory's ids and the turn's, replaces the trajectory's."""
         if not sampled_ids:
             raise ValueError("a model turn has at least one sampled id")
         if logprobs is not None and len(logprobs) != len(sampled_ids):
             raise ValueError(f"a model turn of {len(sampled_ids)} ids came with {len(logprobs)} log-probs")
+        if routing is not None and len(routing) != len(trajectory.ids) + len(sampled_ids):
+            raise ValueError(f"a model turn's routing covers {len(routing)} tokens, the trajectory and the turn "
+                             f"hold {len(trajectory.ids) + len(sampled_ids)}")
+        trajectory.routing = routing
         text = self.tokenizer.decode(sampled_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         trajectory.append(list(sampled_ids), "sampled", text, logprobs)
         trajectory.messages.append(message)

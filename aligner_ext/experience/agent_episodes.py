@@ -15,6 +15,12 @@ Decisions (docs/agents.md; tests/unit/experience/test_agent_episodes.py pins the
   the episode's reward, in the draw's group; `agent/history_rewrites` counts them. An episode whose
   environment failed at reset has no row (counted in `agent/end_environment_error`).
 - `rollout.max_response_length` caps each turn; `agents.limits.max_total_tokens` a whole row.
+- A mixture of experts whose policy reads the engine's experts (`Policy.reads_routing`: the routing
+  mismatch, `policy.routing_replay`) asks the engine for them at every turn; a row carries those its
+  last turn returned, which cover every id up to that turn's last sampled token (the turn session's
+  kept positions were recorded by the earlier turns that fed them), in `prompt_routing` and
+  `response_routing`; ids after the last turn (an episode that ran out of time before answering an
+  observation) are NOT_RECORDED, and the trainer's routers choose for them.
 - The embedded model's supervised warm-up (`warmup_examples`) learns each row's gold transcript
   (`extra_info.gold_transcript`, the messages after the prompt of a correct episode) turn by turn:
   every assistant message of it is a target, after the episode's first messages and tools (as
@@ -38,7 +44,7 @@ from aligner_ext.agents.agent_functions import AgentFunctionRunner, agent_functi
 from aligner_ext.agents.environment import Environment, Episode, environment_class
 from aligner_ext.agents.episodes import ENDS, EpisodeOutcome, EpisodeRunner
 from aligner_ext.agents.settings import AgentsConfig
-from aligner_ext.batch import TOKEN_ROLES, ExperienceBatch, SampleInfo
+from aligner_ext.batch import TOKEN_ROLES, ExperienceBatch, SampleInfo, routing_fields
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import left_pad, right_pad
@@ -65,8 +71,8 @@ class AgentEpisodes(GroupSampling):
     summary_metrics = ("agent/turns", "agent/tool_calls")
 
     def __init__(self, agents: AgentsConfig, cfg: RolloutConfig, engine: GenerationEngine, rewards: RewardManager,
-                 tokenizer, seed: int = 0):
-        super().__init__(cfg, engine, rewards, tokenizer, seed)  # no routing asked: not recorded over turns yet
+                 tokenizer, seed: int = 0, return_routing: bool = False):
+        super().__init__(cfg, engine, rewards, tokenizer, seed, return_routing)
         self.runner = AgentFunctionRunner(engine, tokenizer, agents) if agents.agent else \
             EpisodeRunner(engine, tokenizer, agents)
 
@@ -106,7 +112,8 @@ class AgentEpisodes(GroupSampling):
         if world_size() > 1:
             raise UserError(f"algorithm.experience_maker=agent_episodes runs in one process for now; this run has "
                             f"{world_size()} (torchrun): episodes are not split across processes yet (docs/agents.md)")
-        return cls(ctx.cfg.agents, ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed)
+        return cls(ctx.cfg.agents, ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed,
+                   return_routing=ctx.policy.reads_routing)
 
     @classmethod
     def rows_scored_by_rewards(cls, cfg, rows: list[PromptRow]) -> list[PromptRow]:
@@ -163,6 +170,11 @@ class AgentEpisodes(GroupSampling):
         roles = roles.to(torch.int8)
         sampled = roles == TOKEN_ROLES["sampled"]
         logprobs, _ = right_pad([t.logprobs[start:] for (_, t), start in zip(rows, starts)], 0.0, torch.float32)
+        prompt_routing = response_routing = None
+        recorded = [t.routing for _, t in rows if t.routing is not None]
+        if recorded:
+            prompt_routing, response_routing = routing_fields([t.routing for _, t in rows], starts, prompt_ids.shape[1],
+                                                              response_ids.shape[1], recorded[0].shape[1:])
         batch = ExperienceBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_valid=response_valid,
             response_mask=sampled.clone(), token_roles=roles,
@@ -170,7 +182,8 @@ class AgentEpisodes(GroupSampling):
             samples=[SampleInfo(row=outcome.draw.row, response_text=outcome.final_text,
                                 finish_reason=outcome.last_finish, reward_info=info)
                      for (outcome, _), info in zip(rows, infos)],
-            generation_logprobs=logprobs if self.cfg.return_logprobs else None,
+            generation_logprobs=logprobs if self.cfg.return_logprobs else None, prompt_routing=prompt_routing,
+            response_routing=response_routing,
         )
         batch.rewards = torch.tensor(rewards, dtype=torch.float32)
         batch.correct = torch.tensor(correct, dtype=torch.float32)

@@ -17,7 +17,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from aligner_ext.generation.base import GenerationOutput, SamplingParams
+from aligner_ext.generation.base import NOT_RECORDED, GenerationOutput, SamplingParams
 from aligner_ext.generation.decoder import SlotKVCache
 from aligner_ext.generation.sampler import sample
 from aligner_ext.generation.stopping import StopStringMatcher
@@ -103,6 +103,18 @@ def weights_fingerprint(model) -> tuple:
     """Changes whenever a parameter is updated in place (its version counter) or replaced: a kept
     KV cache is valid only for the weights that computed it."""
     return tuple((param.data_ptr(), param._version) for param in model.parameters())
+
+
+def routing_on_host(records: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Requests' experts per fed token (device copies, `SlotBatcher._routing_of`) as
+    `GenerationOutput.routing`: int16 on the CPU (one copy for all), with NOT_RECORDED for the last
+    generated token, which is sampled and never fed back."""
+    if not records:
+        return []
+    lengths = [len(record) for record in records]
+    on_host = torch.cat(records).to(device="cpu", dtype=torch.int16).split(lengths)
+    last = torch.full((1, *on_host[0].shape[1:]), NOT_RECORDED, dtype=torch.int16)
+    return [torch.cat([record, last]) for record in on_host]
 
 
 class SlotBatcher:
@@ -297,6 +309,12 @@ class SlotBatcher:
         steps already launched still read them whole)."""
         with torch.inference_mode():  # the slots' tensors are inference tensors; `release` comes from outside
             self.slots.active[torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.decoder.device)] = 0
+
+    def _routing_of(self, slot: int, fed: int) -> torch.Tensor:
+        """A copy, on the device, of the experts of the first `fed` tokens `slot` holds (a finished
+        request's prompt and generated tokens but the last): every step that computed them has been
+        launched, and the slot's next request writes its positions only after this copy."""
+        return self.slots.cache.routing.history[slot, :fed].clone()
 
     def _output(self, slot: int, finish_reason: str) -> GenerationOutput:
         """What the slot's latest request generated."""

@@ -75,8 +75,8 @@ import numpy as np
 import torch
 
 from aligner_ext.generation import sample_kernel
-from aligner_ext.generation.base import ENGINES, NOT_RECORDED, GenerationEngine, GenerationOutput, SamplingParams
-from aligner_ext.generation.batching import SlotBatcher, weights_fingerprint
+from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.batching import SlotBatcher, routing_on_host, weights_fingerprint
 from aligner_ext.generation.decoder import HFDecoder, SlotKVCache
 from aligner_ext.generation.hf import check_request, eos_ids_of
 from aligner_ext.generation.sampler import request_seed, sample
@@ -299,7 +299,7 @@ class _Call(SlotBatcher):
                 slot: self.prompts[index] + self.tokens[slot, : self.generated[slot] - 1].tolist()
                 for slot, index in enumerate(self.holder) if index >= 0}, self.weights)
         if self.record_routing and not stopped:
-            for output, routing in zip(self.outputs, self._routing_outputs()):
+            for output, routing in zip(self.outputs, routing_on_host(self.routing)):
                 output.routing = routing
         never_admitted = GenerationOutput(token_ids=[], finish_reason="length",
                                           logprobs=[] if self.params.return_logprobs else None)
@@ -331,23 +331,6 @@ class _Call(SlotBatcher):
 
     def _finish(self, index: int, slot: int, finish_reason: str) -> None:
         if self.record_routing:
-            self._take_routing(index, slot)
+            self.routing[index] = self._routing_of(slot, len(self.prompts[index]) + int(self.generated[slot]) - 1)
         self.outputs[index] = self._output(slot, finish_reason)
         heapq.heappush(self.free, slot)
-
-    def _take_routing(self, index: int, slot: int) -> None:
-        """Copy, on the device, the experts of request `index`'s fed tokens (its prompt and every generated
-        token but the last) out of `slot`: every step that computed them has been launched, and the next
-        request to take the slot is prefilled after this copy."""
-        fed = len(self.prompts[index]) + int(self.generated[slot]) - 1
-        self.routing[index] = self.slots.cache.routing.history[slot, :fed].clone()
-
-    def _routing_outputs(self) -> list[torch.Tensor]:
-        """Each request's experts per token, int16 on the CPU (one copy for all), NOT_RECORDED on its last
-        generated token (`GenerationOutput.routing`)."""
-        if not self.routing:
-            return []
-        lengths = [len(record) for record in self.routing]
-        records = torch.cat(self.routing).to(device="cpu", dtype=torch.int16).split(lengths)
-        last = torch.full((1, *records[0].shape[1:]), NOT_RECORDED, dtype=torch.int16)
-        return [torch.cat([record, last]) for record in records]

@@ -31,7 +31,15 @@ rollout engine's KV cache, each episode continuing in the slot that holds its tr
 The machinery is the `generate` call's (batching.py: prefill from the positions a slot holds, identical
 ids admitted together prefilled once, the decode step in CUDA graphs per rows bucket on a GPU, read
 LOOKAHEAD steps late); the session's cache length is fixed, so its graphs are captured once per rows
-bucket. Not supported: expert parallelism and return_routing (refused when the session opens).
+bucket. Not supported: expert parallelism (refused when the session opens).
+
+A mixture of experts asked with `return_routing` records the experts of every token the session feeds
+(`decoder.RoutingRecord`, beside the KV cache, as in a `generate` call): a turn's prefilled tokens
+write theirs, whether the whole ids or only the new tokens on the slot's kept positions, whose experts
+its earlier turns recorded (a shared first prompt's are copied with its K/V), and each decode step
+its own. A finished turn's output carries the experts of all its ids and sampled tokens but the last
+(`GenerationOutput.routing`), the same as a `generate` call on its whole ids would return; the copies
+reach the host once per `step` in which turns finished.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import numpy as np
 import torch
 
 from aligner_ext.generation.base import GenerationOutput, SamplingParams
-from aligner_ext.generation.batching import SlotBatcher, weights_fingerprint
+from aligner_ext.generation.batching import SlotBatcher, routing_on_host, weights_fingerprint
 from aligner_ext.generation.hf import check_request
 from aligner_ext.generation.sampler import request_seed
 from aligner_ext.generation.stopping import StopStringMatcher
@@ -57,8 +65,6 @@ class TurnSession(SlotBatcher):
         if engine.decoder.exchange is not None:
             raise NotImplementedError("turn sessions do not run under expert parallelism "
                                       "(policy.expert_model_parallel_size > 1)")
-        if params.return_routing:
-            raise NotImplementedError("turn sessions do not record routing (SamplingParams.return_routing)")
         check_request([], params)
         if max_length < 2 or max_episodes < 1:
             raise ValueError(f"open_session needs max_length >= 2 and max_episodes >= 1, got {max_length} and "
@@ -66,8 +72,9 @@ class TurnSession(SlotBatcher):
         engine.release_memory()  # the last generate call's kept cache: the session keeps its own
         engine.decoder.refresh()
         matcher = StopStringMatcher(params.stop, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True))
-        slot_total = engine.slot_count(max_episodes, max_length)
-        super().__init__(engine, params, matcher, slot_total, max_length, max_length)
+        record_routing = params.return_routing and engine.decoder.records_routing
+        slot_total = engine.slot_count(max_episodes, max_length, record_routing)
+        super().__init__(engine, params, matcher, slot_total, max_length, max_length, record_routing)
         self.weights = weights_fingerprint(engine.model)
         # Per turn waiting or generating (an index never reused): its ids, sampling stream, cap, episode,
         # and, once admitted, the positions of its ids its slot already holds.
@@ -87,6 +94,7 @@ class TurnSession(SlotBatcher):
         self.finished_at = np.zeros(slot_total, dtype=np.int64)
         self.counts = {"recomputed_tokens": 0, "evictions": 0, "moves": 0, "turns": 0}
         self.done: list[tuple[Hashable, GenerationOutput]] = []
+        self.routing: list[torch.Tensor] = []  # with record_routing: the experts of each turn in `done`, on the device
         self.next_turn = 0
         with torch.inference_mode():
             self._allocate()
@@ -135,6 +143,9 @@ class TurnSession(SlotBatcher):
                 self._decode(rows, last)
             self._read_launched()
         done, self.done = self.done, []
+        for (_, output), routing in zip(done, routing_on_host(self.routing)):
+            output.routing = routing
+        self.routing = []
         return done
 
     def release(self, key: Hashable) -> None:
@@ -244,6 +255,8 @@ class TurnSession(SlotBatcher):
         return [self.starts[turn] for turn, _ in runs]
 
     def _finish(self, turn: int, slot: int, finish_reason: str) -> None:
+        if self.record_routing:
+            self.routing.append(self._routing_of(slot, len(self.prompts[turn]) + int(self.generated[slot]) - 1))
         key = self.episodes.pop(turn)
         self.held[slot] = self.prompts.pop(turn) + self.tokens[slot, : self.generated[slot] - 1].tolist()
         del self.seeds[turn], self.max_new_tokens[turn], self.turn_of[key]

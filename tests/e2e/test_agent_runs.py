@@ -1,10 +1,11 @@
 """Agent episodes end to end on the embedded model (algorithm.experience_maker=agent_episodes), training
-LoRA adapters: a two-turn environment with feedback, through the loop, the trainer and the held-out
-evaluation; a run stopped after a checkpoint resumes to the same weights and metrics. (Full-parameter
+LoRA adapters: a two-turn environment with a tool and feedback, through the loop, the trainer and the
+held-out evaluation; the same run killed with SIGKILL in the middle of step 3's episodes (at a tool call,
+once the step-2 checkpoint is in place) resumes to the same weights and metrics. (Full-parameter
 training of agent episodes: tests/megatron/test_megatron_agent_episodes.py.)"""
 
 import json
-import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -13,15 +14,28 @@ from safetensors.torch import load_file
 
 from aligner_ext.config import load_config
 from aligner_ext.trainer.loop import train
-from tests.e2e.small_run import SMALL_MODEL
+from tests.e2e.small_run import SMALL_MODEL, train_in_child
 
 pytestmark = pytest.mark.slow
 
-AGENT = ["algorithm.experience_maker=agent_episodes", "agents.environment=e2e_environments.Retry",
+AGENT = ["algorithm.experience_maker=agent_episodes", "agents.environment=e2e_environments.CheckedRetry",
          "agents.limits.max_turns=2", "agents.limits.max_total_tokens=256", "rollout.max_response_length=24",
          "trainer.tensorboard=false", "+reward.sources.arithmetic=e2e_rewards.digit_fraction",
          "trainer.total_steps=3", "trainer.save_every=1",
          "policy.lora.rank=4", "policy.lora.alpha=8", "policy.optim.lr=1e-3"]
+
+
+def killed_at_a_tool_call_in_step_3(latest: Path) -> str:
+    """A patch for the child: it kills itself at the first tool call once its step-2 checkpoint is in place
+    (`latest` names it), in step 3, while other episodes wait on the engine or on their own tools."""
+    return ("import aligner_ext.agents.tools as tools\n"
+            "real = tools.ToolRunner.run\n"
+            f"LATEST = {str(latest)!r}\n"
+            "async def run(self, turn):\n"
+            "    if os.path.exists(LATEST) and open(LATEST).read() == 'step_2':\n"
+            "        kill()\n"
+            "    return await real(self, turn)\n"
+            "tools.ToolRunner.run = run\n")
 
 
 def records(path):
@@ -30,7 +44,8 @@ def records(path):
     return [{k: v for k, v in r.items() if not k.startswith("timing/") and not k.endswith("_seconds")} for r in rows]
 
 
-def test_an_agent_run_trains_on_sampled_tokens_only_reports_its_episodes_and_resumes(tmp_path, monkeypatch):
+def test_an_agent_run_trains_on_sampled_tokens_only_reports_its_episodes_and_resumes_after_a_sigkill(tmp_path,
+                                                                                                     monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # e2e_environments, e2e_rewards (reward workers too)
     summary = train(load_config("base", SMALL_MODEL + AGENT + [f"trainer.output_dir={tmp_path}", "trainer.run_name=a"]))
     metrics = records(tmp_path / "a" / "metrics.jsonl")
@@ -40,6 +55,7 @@ def test_an_agent_run_trains_on_sampled_tokens_only_reports_its_episodes_and_res
     assert step["batch/num_samples"] == 16
     assert 1 <= step["agent/turns"] <= 2 and step["agent/history_rewrites"] == 0
     assert step["agent/retries"] + step["agent/end_done"] == pytest.approx(step["agent/turns"])  # each turn: wrong, or done
+    assert step["agent/checks"] == step["agent/retries"] > 0 and "agent/tool_errors" not in step  # a call per retry
     assert step["agent/end_done"] + step["agent/end_max_turns"] + step["agent/end_max_total_tokens"] == 1
     # the engine's log-probs are compared on sampled tokens only: feedback tokens have none
     assert step["rollout/logprob_diff_max"] < 1e-4
@@ -47,11 +63,14 @@ def test_an_agent_run_trains_on_sampled_tokens_only_reports_its_episodes_and_res
         assert record["val/num_prompts"] == 8 and "val/agent/turns" in record
     assert "agent/turns" in summary.run_means
 
-    # the same run stopped after its step-2 checkpoint
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_3")
-    (tmp_path / "b" / "checkpoints" / "latest").write_text("step_2")
-    train(load_config("base", SMALL_MODEL + AGENT + [f"trainer.output_dir={tmp_path}", "trainer.run_name=b"]))
+    # the same run in a child process, killed with SIGKILL in step 3, then run again
+    run_b = [*SMALL_MODEL, *AGENT, f"trainer.output_dir={tmp_path}", "trainer.run_name=b"]
+    killed = train_in_child(run_b, killed_at_a_tool_call_in_step_3(tmp_path / "b" / "checkpoints" / "latest"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [r["step"] for r in records(tmp_path / "b" / "metrics.jsonl")] == [0, 1, 2]
+    resumed = train_in_child(run_b)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stderr and "step_2 (step 2)" in resumed.stderr
     assert records(tmp_path / "b" / "metrics.jsonl") == metrics
     weights_a = load_file(str(tmp_path / "a" / "checkpoints" / "step_3" / "adapters.safetensors"))
     weights_b = load_file(str(tmp_path / "b" / "checkpoints" / "step_3" / "adapters.safetensors"))

@@ -128,12 +128,16 @@ def test_routing_replay_trains_a_mixture_of_experts_on_the_engines_experts(tmp_p
 
 
 # Each variant with a mixture of experts, its routing replayed where the variant trains on what the engine
-# generated (the graded prompt trains its graded rows on another prompt: replay refused, the mismatch kept)
+# generated (the graded prompt trains its graded rows on another prompt: replay refused, the mismatch kept);
+# agent episodes replay the routing of every turn over the observations between them
 MOE_VARIANTS = {
     "dapo": ["+variant=dapo", "+reward.sources.arithmetic=e2e_rewards.character_parity", "policy.routing_replay=true"],
     "graded_prompt": ["+variant=graded_prompt"],
     "mtpo": ["+variant=mtpo", "mtpo.num_confidence_generations=2", "policy.routing_replay=true"],
     "cpo": ["+variant=cpo", "policy.routing_replay=true"],
+    "agent_episodes": ["algorithm.experience_maker=agent_episodes", "agents.environment=e2e_environments.Retry",
+                       "agents.limits.max_turns=2", "agents.limits.max_total_tokens=256",
+                       "+reward.sources.arithmetic=e2e_rewards.digit_fraction", "policy.routing_replay=true"],
 }
 
 

@@ -5,23 +5,20 @@ weights and the same metrics for every step.
 
 Nothing here waits on time: the patched save kills its own process when the run reaches that point,
 however slow the machine, and every run starts one compute thread (small_run.py), so the runs compared
-sum their floats in the same order whatever the load when each started."""
+sum their floats in the same order whatever the load when each started. An agent run killed in the middle
+of a step's episodes: tests/e2e/test_agent_runs.py (beside the uninterrupted run it is compared with)."""
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from small_run import SMALL_MODEL
+from small_run import SMALL_MODEL, train_in_child
 
 pytestmark = pytest.mark.slow
-
-HERE = Path(__file__).parent
 OVERRIDES = SMALL_MODEL + ["rollout.max_response_length=12", "trainer.total_steps=4", "trainer.save_every=2",
                            "trainer.tensorboard=false", "+reward.sources.arithmetic=e2e_rewards.digit_fraction"]
 
@@ -47,15 +44,7 @@ KILL_POINTS = {
 
 
 def run(output_dir: Path, name: str, patch: str = "") -> subprocess.CompletedProcess:
-    script = ("import os, signal, sys\n"
-              "def kill():\n"
-              "    os.kill(os.getpid(), signal.SIGKILL)\n"
-              f"{patch}"
-              "from aligner_ext.cli import main\n"
-              "sys.exit(main(sys.argv[1:]))\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", script, "train", *OVERRIDES, f"trainer.output_dir={output_dir}",
-                           f"trainer.run_name={name}"], env=env, capture_output=True, text=True, timeout=600)
+    return train_in_child([*OVERRIDES, f"trainer.output_dir={output_dir}", f"trainer.run_name={name}"], patch)
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -3,15 +3,20 @@
 token is the top k transformers' routers take in a padded forward of the batch (prompts left-padded,
 responses right-padded, the trainer's layout), in float64 on a tiny Qwen3-MoE; NOT_RECORDED on pads and
 each row's last token. MTPO joins round 1's routing of the prompt and answer to round 2's of the rest;
+an agent episode's row carries, over its prompt, sampled turns and observations, what its turns fed
+through the engine (kept-cache continuations, recomputations after evictions, shared first prompts);
 rows generated from another prompt than the trained one (the graded system prompt) and the hinted
 sequences of CPO's pass, which no engine ran, carry none."""
 
 import pytest
 import torch
 
+from aligner_ext.agents.environment import Environment, Episode, StepResult, register_environment
+from aligner_ext.agents.settings import AgentsConfig, EpisodeLimits
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.data.loader import DataConfig, PromptLoader
-from aligner_ext.data.types import PromptRow
+from aligner_ext.data.types import PromptDraw, PromptRow
+from aligner_ext.experience.agent_episodes import AgentEpisodes
 from aligner_ext.experience.base import GroupSampling, RolloutConfig, SampleRequest
 from aligner_ext.experience.hint_logprobs import hinted_batch
 from aligner_ext.experience.two_round import TwoRoundSample, TwoRoundSampling, _joined
@@ -121,6 +126,40 @@ def test_joined_routing_takes_round_one_up_to_the_answers_last_token():
     assert joined.routing.flatten().tolist() == [1, 1, 1, 1, 2, 2, NOT_RECORDED]
     unclosed = _joined(TwoRoundSample(draw=None, answer_id=0, copy=0, answer=answer, confidence=None))
     assert unclosed.routing is answer.routing
+
+
+@register_environment("test_routing_feedback")
+class Feedback(Environment):
+    """Answers every turn with the same feedback; the episode runs to max_turns, scored 0."""
+
+    async def reset(self, row):
+        return Episode(list(row.messages))
+
+    async def step(self, message, state):
+        return StepResult([{"role": "user", "content": "no, again"}])
+
+    async def score(self, state):
+        return 0.0
+
+
+@pytest.mark.parametrize("turns", ["session", "one_call_per_turn"])
+def test_agent_episodes_rows_carry_the_routing_their_turns_fed_through_the_engine(tiny_tokenizer, moe_model,
+                                                                                 rewards, monkeypatch, turns):
+    """Three slots for four episodes of three turns: a group's first prompt prefilled once, later turns
+    prefilling only their new ids on the kept cache, turns recomputed after their slot was evicted; or,
+    without the engine's turn sessions, one generate call per turn (prefixes from its kept cache)."""
+    engine = RolloutEngine(moe_model, tiny_tokenizer, RolloutEngineConfig(max_batch_size=3))
+    if turns == "one_call_per_turn":
+        monkeypatch.setattr(engine, "open_session", lambda *args: None)
+    cfg = AgentsConfig(environment="test_routing_feedback", limits=EpisodeLimits(max_turns=3, max_total_tokens=200))
+    maker = AgentEpisodes(cfg, RolloutConfig(n=2, max_response_length=12), engine, rewards, tiny_tokenizer, seed=5,
+                          return_routing=True)
+    draws = [PromptDraw(question(i, text), [], i) for i, text in enumerate(["Name a fruit.", "Which colour?"])]
+    outcomes, session = maker.runner.run(draws, 2, maker.sampling_params(step=0))
+    assert all(outcome.counts["turns"] == 3 and outcome.counts["observation_tokens"] for outcome in outcomes)
+    if turns == "session":
+        assert session["reused_tokens"] and session["recomputed_tokens"] and session["evictions"]
+    check_batch_routing(moe_model, maker.assemble_episodes(outcomes))
 
 
 def test_a_row_generated_from_another_prompt_carries_no_routing(tiny_tokenizer, moe_model, rewards):

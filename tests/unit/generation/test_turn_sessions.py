@@ -307,8 +307,6 @@ def test_refusals_name_what_to_change(tiny_tokenizer, model):
     session.submit("a", list(range(1, 16)), 5, 0)
     with pytest.raises(ValueError, match="already has a turn in progress"):
         session.submit("a", list(range(1, 16)), 5, 0)
-    with pytest.raises(NotImplementedError, match="return_routing"):
-        engine.open_session(dataclasses.replace(SAMPLED, return_routing=True), 20, 2)
     with torch.no_grad():  # an optimizer step, in place: the slots' K/V belong to the old weights
         next(model.parameters()).mul_(0.5)
     with pytest.raises(RuntimeError, match="weights changed while a turn session was open"):
