@@ -32,3 +32,8 @@ class AgentsConfig:
     agent: str | None = None  # agent code as the rollout: `pkg.module:agent`, an `async def agent(client, row)` whose openai client talks to the trainer's session endpoint (docs/agents.md); unset: environment episodes
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)  # when an episode ends
     max_concurrent_episodes: int = number(256, ge=1)  # episodes in flight at once; each holds an engine slot (with the rollout engine, its KV cache) while its environment answers
+
+    def __post_init__(self) -> None:
+        if self.agent and self.environment != "auto":
+            raise ValueError(f"agents.agent={self.agent} and agents.environment={self.environment} both say how "
+                             "episodes run: set one of them")

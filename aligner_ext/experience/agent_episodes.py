@@ -121,9 +121,6 @@ class AgentEpisodes(GroupSampling):
         row without an environment is refused here, before the model loads. With agents.agent, every row (the
         function may return None or a transcript for any), and the function is checked here too."""
         if cfg.agents.agent:
-            if cfg.agents.environment != "auto":
-                raise ConfigError(f"agents.agent={cfg.agents.agent} and agents.environment={cfg.agents.environment} "
-                                  "both say how episodes run: set one of them")
             agent_function(cfg.agents.agent)
             return list(rows)
         name = None if cfg.agents.environment == "auto" else cfg.agents.environment

@@ -206,13 +206,12 @@ def test_what_is_not_an_async_agent_function_is_refused_in_one_line_naming_the_s
         agent_function("no_such_module:agent")
 
 
-def test_an_agent_function_beside_a_named_environment_is_refused_before_the_model_loads():
+def test_an_agent_function_beside_a_named_environment_is_refused_at_load():
     rows = [draw("sum").row]
     agent = ["algorithm.experience_maker=agent_episodes", f"agents.agent={__name__}:tool_agent",
              "agents.limits.max_total_tokens=256"]
     cfg = load_config("base", agent)
     assert AgentEpisodes.rows_scored_by_rewards(cfg, rows) == rows  # the registry may score any of them
-    cfg = load_config("base", agent + ["agents.environment=test_adder"])
-    with pytest.raises(ConfigError, match=rf"^agents.agent={__name__}:tool_agent and agents.environment=test_adder "
+    with pytest.raises(ValueError, match=rf"agents.agent={__name__}:tool_agent and agents.environment=test_adder "
                                           "both say how episodes run: set one of them"):
-        AgentEpisodes.rows_scored_by_rewards(cfg, rows)
+        load_config("base", agent + ["agents.environment=test_adder"])
