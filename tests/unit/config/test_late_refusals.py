@@ -75,7 +75,6 @@ ELSEWHERE = {
     "raise dynamic_sampling.max_gen_batches": "how many groups the run's rewards keep",
     "needs reward functions that report": "what the reward functions return",
     "cannot render a system message": "the tokenizer's chat template",
-    "runs in one process for now": "the number of processes the launcher started",
     "must be a subclass of": "the class a dotted path names, imported when the run builds",
     "leaves no room for a turn": "a data row's messages as the environment and the chat template render them",
     "LoRA adapters on the attention and MLP projections only": "the model's module names",
