@@ -27,7 +27,7 @@ from aligner_ext.generation.base import SamplingParams
 from aligner_ext.generation.sharded import RankSplitEngine
 
 from tests.unit.agents.conftest import QWEN_ADDED, QWEN_SPECIAL, chat_tokenizer
-from tests.spawned import init_rank, save_rank, spawn_ranks
+from tests.processes import init_rank, save_rank, spawn_ranks
 from tests.unit.agents.scripted import Adder, ScriptedPolicy, calls_then_answers, draws
 
 PARAMS = SamplingParams(max_new_tokens=64, seed=11, return_logprobs=True)

@@ -18,7 +18,7 @@ from aligner_ext.distributed import share
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.sharded import rank_seed, split_across_ranks
 from aligner_ext.rewards.manager import RewardConfig, RewardManager
-from tests.spawned import init_rank, save_rank, spawn_ranks
+from tests.processes import init_rank, save_rank, spawn_ranks
 
 REWARD_HELPERS = Path(__file__).resolve().parent.parent / "rewards"  # reward_helper_fns.py
 SAMPLED = SamplingParams(max_new_tokens=4, temperature=1.0, seed=7)
