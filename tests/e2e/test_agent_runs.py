@@ -97,5 +97,5 @@ def test_two_processes_play_the_one_process_episodes_once_each_and_report_the_sa
     _, (rank0, rank1) = played(tmp_path, "a", monkeypatch, processes=2)
     # every model turn of the 3 steps' and the held-out evaluations' episodes, once, on one rank or the other
     assert sorted(rank0 + rank1) == sorted(alone)
-    assert rank0 and rank1 and not set(rank0) & set(rank1)
+    assert rank0 and rank1
     assert records(tmp_path / "a" / "metrics.jsonl") == records(directory / "a" / "metrics.jsonl")
