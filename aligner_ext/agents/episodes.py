@@ -109,7 +109,10 @@ class EpisodeRunner:
         return split_play(lambda share: self._play(share, params), episodes, self.split.group)
 
     def _play(self, episodes: list[tuple[PromptDraw, int]], params: SamplingParams) -> tuple[list[EpisodeOutcome], Counter]:
-        """These (draw, seed) episodes on this rank's engine, in lockstep with the ranks that decode with it."""
+        """These (draw, seed) episodes on this rank's engine, in lockstep with the ranks that decode with it
+        (which have the same share: none opens a session for an empty one)."""
+        if not episodes:
+            return [], Counter()
         played = [_Episode(self, draw, seed, params) for draw, seed in episodes]
         session = open_turns(self.engine, params, self.cfg.limits.max_total_tokens, self.cfg.max_concurrent_episodes)
         return in_lockstep(session, lambda turns: self._run_loop(turns, played))
