@@ -108,7 +108,8 @@ class EpisodeRunner:
             return self._play(episodes, params)
         return split_play(lambda share: self._play(share, params), episodes, self.split.group)
 
-    def _play(self, episodes: list[tuple[PromptDraw, int]], params: SamplingParams) -> tuple[list[EpisodeOutcome], Counter]:
+    def _play(self, episodes: list[tuple[PromptDraw, int]], params: SamplingParams
+              ) -> tuple[list[EpisodeOutcome], Counter]:
         """These (draw, seed) episodes on this rank's engine, in lockstep with the ranks that decode with it
         (which have the same share: none opens a session for an empty one)."""
         if not episodes:

@@ -115,12 +115,14 @@ def play(engine, tokenizer, environment="test_counted_adder"):
 def dynamic_batch(engine, tokenizer) -> tuple:
     """One step of dynamic sampling around agent episodes (2 per draw, 3 draws a step): the batch's groups,
     responses and rewards, and the step's metrics."""
-    rows = [PromptRow(f"row{i}", [{"role": "user", "content": "-"}], "test", ground_truth=(i, 2 * i)) for i in range(12)]
+    rows = [PromptRow(f"row{i}", [{"role": "user", "content": "-"}], "test", ground_truth=(i, 2 * i))
+            for i in range(12)]
     rewards = RewardManager(RewardConfig(sources={"test": "exact_match"}, num_workers=1))
     maker = AgentEpisodes(AgentsConfig(environment="test_adder"), RolloutConfig(n=2, max_response_length=64), engine,
                           rewards, tokenizer, seed=3)
     wrapped = DynamicSampling(maker, DynamicSamplingConfig(max_gen_batches=6), pad_token_id=0)
-    batch, metrics = wrapped.make_experience(PromptLoader(rows, tokenizer, DataConfig(), batch_size=3, shuffle=False), 1)
+    loader = PromptLoader(rows, tokenizer, DataConfig(), batch_size=3, shuffle=False)
+    batch, metrics = wrapped.make_experience(loader, 1)
     responses = [ids[valid].tolist() for ids, valid in zip(batch.response_ids, batch.response_valid)]
     return (batch.group_ids.tolist(), responses, batch.rewards.tolist()), metrics
 
@@ -189,7 +191,8 @@ def test_dynamic_sampling_around_split_episodes_gives_every_rank_the_one_process
 def test_lockstep_rank_0_plays_and_rank_1_repeats_its_session_calls(ranks, alone):
     first, second = ranks
     assert first["lockstep"] == second["lockstep"] == alone[0]
-    assert first["lockstep_counts"] == second["lockstep_counts"] == {"turns": 12, "prefilled_tokens": alone[1]["prefilled_tokens"]}
+    expected_counts = {"turns": 12, "prefilled_tokens": alone[1]["prefilled_tokens"]}
+    assert first["lockstep_counts"] == second["lockstep_counts"] == expected_counts
     assert second["lockstep_calls"] == first["lockstep_calls"]
     assert [call[0] for call in first["lockstep_calls"]].count("submit") == 12
     assert second["lockstep_prompts"] == first["lockstep_prompts"]  # the same turns sampled, in the same order
