@@ -428,12 +428,10 @@ def check_across_sections(cfg: RunConfig, for_training: bool = True, given: dict
         if cfg.rollout.n != groups:
             raise ValueError(f"rollout.n={cfg.rollout.n}: two-round rollouts make mtpo.num_answer_generations x "
                              f"mtpo.num_confidence_generations = {groups} samples per prompt; set rollout.n={groups}")
-    split = {key: getattr(cfg.policy, key) for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                                        "expert_model_parallel_size") if getattr(cfg.policy, key) > 1}
-    if cfg.algorithm.experience_maker in ("agent_episodes", "agents") and split:
-        key, value = next(iter(split.items()))
-        raise ValueError(f"policy.{key}={value} with algorithm.experience_maker=agent_episodes: agent episodes run "
-                         "in one process for now (the model split across processes is not served turn by turn yet)")
+    if cfg.algorithm.experience_maker in ("agent_episodes", "agents") and cfg.policy.expert_model_parallel_size > 1:
+        raise ValueError(f"policy.expert_model_parallel_size={cfg.policy.expert_model_parallel_size} with "
+                         "algorithm.experience_maker=agent_episodes: turn sessions do not run under expert "
+                         "parallelism yet; leave it at 1")
     if for_training:
         check_positions(cfg)
 

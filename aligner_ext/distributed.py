@@ -81,6 +81,13 @@ def any_process(flag: bool) -> bool:
     return bool(value.item())
 
 
+def fewest(value: int, group) -> int:
+    """The smallest `value` of the ranks of `group`, a gloo group (collective)."""
+    smallest = torch.tensor([value])
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=group)
+    return int(smallest.item())
+
+
 @contextmanager
 def main_process_first() -> Iterator[None]:
     """The main process runs the block first; the others run it after it finished (and can read its files)."""

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aligner_ext.agents.environment import Environment, environment_class
+from aligner_ext.agents.ranks import in_lockstep, split_play
 from aligner_ext.agents.sessions import open_turns
 from aligner_ext.agents.settings import AgentsConfig, EpisodeLimits
 from aligner_ext.agents.tokens import ChatRenderer, Trajectory
@@ -48,6 +49,7 @@ from aligner_ext.data.types import PromptDraw
 from aligner_ext.errors import DataError, UserError
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.sampler import request_seed
+from aligner_ext.generation.sharded import RankSplitEngine
 from aligner_ext.rewards.base import RewardResult
 
 logger = logging.getLogger(__name__)
@@ -73,7 +75,10 @@ class EpisodeRunner:
     """Runs episodes on a generation engine; one instance per experience maker (it keeps the environments)."""
 
     def __init__(self, engine: GenerationEngine, tokenizer: Any, cfg: AgentsConfig):
-        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        # a rank split engine (torchrun): its inner engine plays this rank's share of the episodes (ranks.py)
+        self.split = engine if isinstance(engine, RankSplitEngine) else None
+        self.engine = engine.inner if self.split is not None else engine
+        self.tokenizer, self.cfg = tokenizer, cfg
         self.environments: dict[str, Environment] = {}
         self._format: ToolCallFormat | None = None
 
@@ -94,11 +99,26 @@ class EpisodeRunner:
 
     def run(self, draws: list[PromptDraw], n: int, params: SamplingParams) -> tuple[list[EpisodeOutcome], Counter]:
         """n episodes per draw, in (draw, copy) order, and the session's counts (prefilled and reused
-        tokens). `params.seed` seeds them (module docstring); `params.max_new_tokens` caps each turn."""
+        tokens). `params.seed` seeds them (module docstring); `params.max_new_tokens` caps each turn.
+        Under torchrun with a split engine, this rank plays its share and every rank returns them all (ranks.py)."""
         seed = params.seed if params.seed is not None else 0
-        episodes = [_Episode(self, draw, request_seed(seed, position), params)
+        episodes = [(draw, request_seed(seed, position))
                     for position, draw in enumerate(draw for draw in draws for _ in range(n))]
+        if self.split is None:
+            return self._play(episodes, params)
+        return split_play(lambda share: self._play(share, params), episodes, self.split.group)
+
+    def _play(self, episodes: list[tuple[PromptDraw, int]], params: SamplingParams
+              ) -> tuple[list[EpisodeOutcome], Counter]:
+        """These (draw, seed) episodes on this rank's engine, in lockstep with the ranks that decode with it
+        (which have the same share: none opens a session for an empty one)."""
+        if not episodes:
+            return [], Counter()
+        played = [_Episode(self, draw, seed, params) for draw, seed in episodes]
         session = open_turns(self.engine, params, self.cfg.limits.max_total_tokens, self.cfg.max_concurrent_episodes)
+        return in_lockstep(session, lambda turns: self._run_loop(turns, played))
+
+    def _run_loop(self, session: Any, episodes: list[_Episode]) -> tuple[list[EpisodeOutcome], Counter]:
         # Our own loop and worker threads: a plain environment method that hangs keeps its thread, and
         # asyncio.run would wait for it at shutdown; here the run goes on without it (docs/agents.md).
         loop = asyncio.new_event_loop()

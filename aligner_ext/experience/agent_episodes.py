@@ -29,6 +29,9 @@ Decisions (docs/agents.md; tests/unit/experience/test_agent_episodes.py pins the
 - Validation plays one greedy episode per prompt (`own_evaluation`), with the metrics of the
   single-round evaluation's names (accuracy, reward_mean, response_length, num_prompts) and the
   episodes' own under `val/agent/`.
+- Under torchrun each rank plays its share of a call's episodes, seeded as one process seeds them, and
+  every rank assembles the whole batch (agents/ranks.py), so rewards, metrics and the held-out
+  evaluation are those of all episodes on every rank, as for single-turn rollouts.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import left_pad, right_pad
 from aligner_ext.data.types import PromptRow
-from aligner_ext.distributed import world_size
 from aligner_ext.errors import ConfigError, UserError
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, identical_samples
 from aligner_ext.experience.settings import RolloutConfig
@@ -109,9 +111,6 @@ class AgentEpisodes(GroupSampling):
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "AgentEpisodes":
-        if world_size() > 1:
-            raise UserError(f"algorithm.experience_maker=agent_episodes runs in one process for now; this run has "
-                            f"{world_size()} (torchrun): episodes are not split across processes yet (docs/agents.md)")
         return cls(ctx.cfg.agents, ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed,
                    return_routing=ctx.policy.reads_routing)
 

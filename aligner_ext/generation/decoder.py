@@ -675,6 +675,9 @@ class Decoder:
     architecture: Architecture
     reduce: Callable[[torch.Tensor], None] | None = None
     exchange: ExpertExchange | None = None
+    # a gloo group of the ranks whose shards decode the same requests together (tensor parallelism):
+    # a turn session's calls must be the same on each, in the same order (agents/ranks.py); None: alone
+    lockstep_group = None
 
     def __init__(self, hf_config, compile: bool, attention: str):
         self.num_layers = len(self.layers)

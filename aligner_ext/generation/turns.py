@@ -31,7 +31,10 @@ rollout engine's KV cache, each episode continuing in the slot that holds its tr
 The machinery is the `generate` call's (batching.py: prefill from the positions a slot holds, identical
 ids admitted together prefilled once, the decode step in CUDA graphs per rows bucket on a GPU, read
 LOOKAHEAD steps late); the session's cache length is fixed, so its graphs are captured once per rows
-bucket. Not supported: expert parallelism (refused when the session opens).
+bucket. Under tensor parallelism every rank of the decoder's `lockstep_group` must make the same calls
+in the same order (the episode loop has one rank play and the others repeat: agents/ranks.py), and
+their sessions take the fewest slots any of them fits. Not supported: expert parallelism (refused when
+the session opens).
 
 A mixture of experts asked with `return_routing` records the experts of every token the session feeds
 (`decoder.RoutingRecord`, beside the KV cache, as in a `generate` call): a turn's prefilled tokens
@@ -50,6 +53,7 @@ from collections.abc import Hashable
 import numpy as np
 import torch
 
+from aligner_ext.distributed import fewest
 from aligner_ext.generation.base import GenerationOutput, SamplingParams
 from aligner_ext.generation.batching import SlotBatcher, routing_on_host, weights_fingerprint
 from aligner_ext.generation.hf import check_request
@@ -74,6 +78,9 @@ class TurnSession(SlotBatcher):
         matcher = StopStringMatcher(params.stop, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True))
         record_routing = params.return_routing and engine.decoder.records_routing
         slot_total = engine.slot_count(max_episodes, max_length, record_routing)
+        self.lockstep_group = engine.decoder.lockstep_group  # the ranks that must make this session's calls too
+        if self.lockstep_group is not None:  # they admit alike only on as many slots (free GPU memory may differ)
+            slot_total = fewest(slot_total, self.lockstep_group)
         super().__init__(engine, params, matcher, slot_total, max_length, max_length, record_routing)
         self.weights = weights_fingerprint(engine.model)
         # Per turn waiting or generating (an index never reused): its ids, sampling stream, cap, episode,

@@ -54,3 +54,4 @@ class CheckedRetry(Retry):
         call = ToolCall("check", {"answer": assistant_message["content"]})
         [checked] = await self.runner.run(ParsedTurn(assistant_message["content"], [call]))
         return StepResult([tool_message(call, checked), *result.messages], metrics={**result.metrics, "checks": 1})
+

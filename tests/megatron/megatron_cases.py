@@ -2,15 +2,11 @@
 the torchrun launch, shared by the Megatron tests. Norm weights and biases are perturbed away from
 their initialisation so a mis-mapped norm or bias changes the results."""
 
-import os
-import signal
-import subprocess
-import sys
-
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
 from aligner_ext.models.family_configs import family_config, random_model
+from tests.processes import torchrun  # noqa: F401 - the Megatron tests launch through it
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=64, max_position_embeddings=64)
@@ -69,25 +65,3 @@ def batch_tensors(vocab_size: int) -> dict:
     prompt_ids = torch.randint(1, vocab_size, (3, 5), generator=generator) * prompt_mask
     response_ids = torch.randint(1, vocab_size, (3, 4), generator=generator) * response_valid
     return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_valid=response_valid)
-
-
-def torchrun(args: list[str], processes: int = 2, timeout: int = 300, pythonpath: tuple[str, ...] = ()) -> None:
-    """`python -m torch.distributed.run --nproc_per_node=<processes> <args>` on a free port, one OpenMP
-    thread per process; fails the test with the end of its output if it exits non-zero. Past `timeout`
-    the launcher and its workers are killed together (their own process group), so a timed-out launch
-    leaves no worker behind to slow the tests after it."""
-    from aligner_ext.models.megatron.parallel import free_port  # imports megatron-core: tests skip without it
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-               f"--master_port={free_port()}", *args]
-    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-    try:
-        stdout, stderr = launcher.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        stdout, stderr = launcher.communicate()
-        raise AssertionError(f"torchrun {args} ran past {timeout} s:\n{stdout[-3000:]}{stderr[-6000:]}") from None
-    assert launcher.returncode == 0, stdout[-3000:] + stderr[-6000:]

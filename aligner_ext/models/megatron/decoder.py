@@ -272,6 +272,7 @@ class MegatronDecoder(Decoder):
         self.vocab_size = model.config.vocab_size
         if tp > 1:
             self.reduce = self._sum_over_group
+            self.lockstep_group = _host_group(self.group)
         if self.architecture.experts is not None and parallel_state.get_expert_model_parallel_world_size() > 1:
             group = parallel_state.get_expert_model_parallel_group()
             self.exchange = ExpertExchange(group, _host_group(group), self.architecture.experts.count)

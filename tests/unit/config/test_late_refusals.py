@@ -76,7 +76,6 @@ ELSEWHERE = {
     "raise dynamic_sampling.max_gen_batches": "how many groups the run's rewards keep",
     "needs reward functions that report": "what the reward functions return",
     "cannot render a system message": "the tokenizer's chat template",
-    "runs in one process for now": "the number of processes the launcher started",
     "must be a subclass of": "the class a dotted path names, imported when the run builds",
     "it must be an `async def agent(client, row)`": "the function a dotted path names, imported when the run builds",
     'ConfigError(f"agents.agent={path}: {err}")': "the module a dotted path names, imported when the run builds",

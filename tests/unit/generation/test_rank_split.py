@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import share
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.sharded import rank_seed, split_across_ranks
 from aligner_ext.rewards.manager import RewardConfig, RewardManager
+from tests.processes import init_rank, save_rank, spawn_ranks
 
 REWARD_HELPERS = Path(__file__).resolve().parent.parent / "rewards"  # reward_helper_fns.py
 SAMPLED = SamplingParams(max_new_tokens=4, temperature=1.0, seed=7)
@@ -63,7 +63,7 @@ def error_of(call) -> str:
 
 def worker(rank: int, directory: str) -> None:
     sys.path.insert(0, str(REWARD_HELPERS))
-    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
+    init_rank(rank, directory)
     torch.manual_seed(0)  # the same global RNG state on both ranks
     inner = EchoEngine()
     engine = split_across_ranks(inner, True)
@@ -87,15 +87,12 @@ def worker(rank: int, directory: str) -> None:
         got["reward_metrics"] = rewards.metrics()
         got["one_score"] = [r.score for r in rewards.score(["\\boxed{3}"], rows[:1])]
         got["reward_share_sizes"] = rewards.share_sizes
-    torch.save(got, Path(directory) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    save_rank(got, rank, directory)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("rank_split")
-    mp.spawn(worker, args=(str(directory),), nprocs=2, join=True)
-    return [torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(worker, tmp_path_factory.mktemp("rank_split"))
 
 
 def test_share_gives_the_first_ranks_one_more_and_leaves_late_ranks_empty():
