@@ -11,7 +11,7 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install --quiet torch==2.13.0
 fi
-.venv/bin/pip install --quiet --disable-pip-version-check -c docker/constraints.txt -e '.[dev,megatron]'
+.venv/bin/pip install --quiet --disable-pip-version-check -c docker/constraints.txt -e '.[dev,megatron,openenv]'
 # The CPU build of torch comes without Triton; the tests run the rollout engine's Triton kernels in
 # Triton's interpreter (tests/conftest.py). CUDA builds of torch bring their own Triton.
 if ! .venv/bin/python -c "import triton" 2>/dev/null; then
