@@ -18,7 +18,9 @@ interception server, and that is where our episode loop takes each turn:
   `subprocess` runtime, and its interception is one `server` whose model client is ours.
 - Rows (decision): the taskset's tasks become our rows (`rows(split, size, seed)`, a built-in task
   function): the task's prompt as messages, `data_source` `verifiers/<ENV_ID>`, the task's key in
-  `extra_info.verifiers_task`; a task belongs to the val split by the hash of its key (data/tasks/base.py).
+  `extra_info.verifiers_task` (and its data's `answer`, when it has one, as `extra_info.gold_solution`,
+  for the embedded model's warm-up); a task belongs to the val split by the hash of its key
+  (data/tasks/base.py).
 - `reset(row)`: `env.run_episode(task, ...)` starts; its first model request's messages and tools are
   the episode's first messages and tools.
 - `step(message)`: our turn is the model's response to that request; the episode waits for the next
@@ -119,8 +121,7 @@ class VerifiersEnvironment(Environment):
         if not pool:
             raise DataError(f"verifiers taskset {cls.ENV_ID!r} has no task in the {split} split")
         source = f"verifiers/{cls.ENV_ID}"
-        return [PromptRow(f"{source}/{split}:{index}", task_messages(task.data), source,
-                          extra_info={"verifiers_task": task.key})
+        return [PromptRow(f"{source}/{split}:{index}", task_messages(task.data), source, extra_info=task_info(task))
                 for index, task in enumerate(draw_from_pool(pool, size, split_rng(source, split, seed)))]
 
     def __init__(self) -> None:
@@ -258,6 +259,13 @@ def wire_message(message: dict) -> Message:
         ours["tool_calls"] = [{**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"] or "{}")}}
                               for call in ours["tool_calls"]]
     return ours
+
+
+def task_info(task: Any) -> dict[str, Any]:
+    """A row's extra_info: the task's key, and its data's `answer` (verifiers' examples name the reference
+    so) as the gold solution the embedded model's supervised warm-up learns."""
+    answer = getattr(task.data, "answer", None)
+    return {"verifiers_task": task.key, **({"gold_solution": answer} if isinstance(answer, str) and answer else {})}
 
 
 def task_messages(data: Any) -> list[Message]:
