@@ -42,6 +42,7 @@ Single-agent environments only: a second agent's trace in one episode is refused
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib
 import json
 import sys
@@ -135,6 +136,13 @@ class VerifiersEnvironment(Environment):
         threading.Thread(target=self.loop.run_forever, name=f"verifiers-{self.ENV_ID}", daemon=True).start()
         self.serving = AsyncExitStack()
         asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Release verifiers' serving resources (at exit: its loop's thread is a daemon)."""
+        if not self.loop.is_closed():
+            asyncio.run_coroutine_threadsafe(self.serving.aclose(), self.loop).result(timeout=30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
     async def _serve(self) -> None:
         """Hold the environment's serving resources (its interception server) for our lifetime; the

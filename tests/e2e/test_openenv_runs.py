@@ -118,11 +118,12 @@ def test_two_grpo_steps_train_on_the_echo_servers_episodes(echo, tmp_path):
     overrides = ["algorithm.experience_maker=agent_episodes", f"agents.environment={echo}",
                  "agents.limits.max_turns=3", "agents.limits.max_total_tokens=256", "rollout.max_response_length=16",
                  "trainer.tensorboard=false", "trainer.total_steps=2", "trainer.eval.every=0", "data.builtin_val_size=0",
+                 "data.train_batch_size=2",
                  f"trainer.output_dir={tmp_path}", "trainer.run_name=echo"]
     train(load_config("base", SMALL_MODEL + overrides))
     steps = [json.loads(line) for line in (tmp_path / "echo" / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in steps if r["step"] == 1)
-    assert step["batch/num_samples"] == 16 and step["agent/end_done"] == 1.0  # the server ends every episode
+    assert step["batch/num_samples"] == 8 and step["agent/end_done"] == 1.0  # the server ends every episode
     assert step["agent/turns"] == 2.0  # at its second step
     assert step["rollout/logprob_diff_max"] < 1e-4  # the trainer scored the ids the engine sampled
 
