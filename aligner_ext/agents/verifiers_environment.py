@@ -174,7 +174,7 @@ class VerifiersEnvironment(Environment):
 
     async def score(self, state: VerifiersEpisode) -> RewardResult:
         episode = await self._in_loop(state.rollout, state)
-        errors = [*episode.errors, *(error for trace in episode.traces for error in trace.errors)]
+        errors = recorded_errors(episode)
         if errors:
             raise RuntimeError(f"verifiers recorded {errors[0].type}: {errors[0].message}")
         (trace,) = episode.traces
@@ -196,12 +196,16 @@ class VerifiersEnvironment(Environment):
             state.trace_ids.append(trace.id)
             self.client.episodes[trace.id] = state
 
+        def ended(_: asyncio.Task) -> None:
+            for trace_id in state.trace_ids:
+                self.client.episodes.pop(trace_id, None)
+            state.events.put_nowait(None)
+
         state.rollout = asyncio.ensure_future(self.env.run_episode(task, self.context, on_trace=minted))
-        state.rollout.add_done_callback(lambda _: state.events.put_nowait(None))
+        state.rollout.add_done_callback(ended)
         body = await self._next_request(state)
         if body is None:
-            episode = state.rollout.result()
-            errors = [*episode.errors, *(error for trace in episode.traces for error in trace.errors)]
+            errors = recorded_errors(state.rollout.result())
             raise RuntimeError("the verifiers rollout ended before its first model call"
                                + (f": {errors[0].type}: {errors[0].message}" if errors else ""))
         state.sent = body["messages"]
@@ -216,8 +220,6 @@ class VerifiersEnvironment(Environment):
         """The next model request of the rollout, or None when it has ended."""
         event = await state.events.get()
         if event is None:
-            for trace_id in state.trace_ids:
-                self.client.episodes.pop(trace_id, None)
             return None
         if len(state.trace_ids) > 1:
             raise RuntimeError(f"verifiers environment {self.ENV_ID!r} runs several agents in one episode; "
@@ -267,6 +269,11 @@ def wire_message(message: dict) -> Message:
         ours["tool_calls"] = [{**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"] or "{}")}}
                               for call in ours["tool_calls"]]
     return ours
+
+
+def recorded_errors(episode: Any) -> list[Any]:
+    """The errors verifiers recorded on a finished episode and on its traces."""
+    return [*episode.errors, *(error for trace in episode.traces for error in trace.errors)]
 
 
 def task_info(task: Any) -> dict[str, Any]:
