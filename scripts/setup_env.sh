@@ -14,7 +14,8 @@ fi
 # verifiers 0.4.0 (extra aligner_ext[verifiers]) asks for openai<3, while the constraints pin openai 3.57.0, with which
 # its environments pass the tests: it is installed without its resolver, and its other requirements
 # (docker/verifiers-requirements.txt) are resolved with the rest, under the constraints, in one call: apart, the
-# openenv extra's fastmcp and verifiers' mcp==2.0.0 do not fit.
+# openenv extra's fastmcp and verifiers' mcp==2.0.0 do not fit. pip then reports verifiers' openai requirement as a
+# conflict (expected; nothing fails).
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps verifiers==0.4.0
 .venv/bin/pip install --quiet --disable-pip-version-check -c docker/constraints.txt -e '.[dev,megatron,openenv]' \
   -r docker/verifiers-requirements.txt
