@@ -36,6 +36,8 @@ setup(
         "liger": ["liger-kernel>=0.8.5"],  # policy.kernels=liger (CUDA)
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6"],  # the suite runs on two workers (README)
         "bench": ["trl==1.16.0", "datasets>=4.7"],  # scripts/bench/grpo_step.py's TRL side
+        "openenv": ["openenv-core>=0.3,<0.4"],  # OpenEnv environment servers (agents/openenv_environment.py)
+        "verifiers": ["verifiers==0.4.0"],  # verifiers environments (agents/verifiers_environment.py); asks for openai<3
     },
     entry_points={"console_scripts": ["aligner-ext=aligner_ext.cli:main"]},
 )

@@ -11,7 +11,14 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install --quiet torch==2.13.0
 fi
-.venv/bin/pip install --quiet --disable-pip-version-check -c docker/constraints.txt -e '.[dev,megatron]'
+# verifiers 0.4.0 (extra aligner_ext[verifiers]) asks for openai<3, while the constraints pin openai 3.57.0, with which
+# its environments pass the tests: it is installed without its resolver, and its other requirements
+# (docker/verifiers-requirements.txt) are resolved with the rest, under the constraints, in one call: apart, the
+# openenv extra's fastmcp and verifiers' mcp==2.0.0 do not fit. pip then reports verifiers' openai requirement as a
+# conflict (expected; nothing fails).
+.venv/bin/pip install --quiet --disable-pip-version-check --no-deps verifiers==0.4.0
+.venv/bin/pip install --quiet --disable-pip-version-check -c docker/constraints.txt -e '.[dev,megatron,openenv]' \
+  -r docker/verifiers-requirements.txt
 # The CPU build of torch comes without Triton; the tests run the rollout engine's Triton kernels in
 # Triton's interpreter (tests/conftest.py). CUDA builds of torch bring their own Triton.
 if ! .venv/bin/python -c "import triton" 2>/dev/null; then

@@ -12,9 +12,10 @@ wraps each one so that it runs in a worker thread and is awaited like the rest, 
 delays only its own episode. A plain method must then be safe to call from several threads at once;
 everything an episode changes belongs in its `state`, not on the environment object.
 
-The shape fits the environments of other frameworks (docs/agents.md says how each maps): verifiers'
-`MultiTurnEnv` (`setup_state` -> reset, `env_response` / `is_completed` -> step, its rubric ->
-score) and OpenEnv's client (`reset()` / `step(action)` returning observation, reward and done).
+The shape fits the environments of other frameworks (docs/agents.md, "Bringing environments"): a
+verifiers rollout, whose model requests are our turns (verifiers_environment.py), and an OpenEnv
+server's session (`reset()` / `step(action)` returning observation, reward and done;
+openenv_environment.py).
 
 Two tables, as for rewards (rewards/base.py):
 - `ENVIRONMENTS`: environment name -> class; a name that is not registered but contains a dot is

@@ -20,7 +20,8 @@ its tool runs; its next turn prefills the new ids only.
 Limits (settings.py, `agents.limits`) end an episode deterministically, each counted under its
 reason in `EpisodeOutcome.end`: `max_turns`; `max_total_tokens` (a turn samples at most what is left
 of the row, and an observation that does not fit is dropped and ends the episode); the wall-clock
-`max_episode_seconds`, checked before each turn and bounding each environment call. An environment
+`max_episode_seconds`, checked before each turn and bounding each environment call (a call it cuts short
+is logged in one line). An environment
 that raises ends its episode with `environment_error` (one logged line, counted; its reward 0), never
 the run, unless it raises a UserError (a setting, a machine that cannot run the environment), which
 stops the run with its one line. A row is the unit of training: several when the template rewrote history (tokens.py).
@@ -221,7 +222,10 @@ class _Episode:
             raise err
         timed_out = isinstance(err, asyncio.TimeoutError)
         end = "max_episode_seconds" if timed_out else "environment_error"
-        if not timed_out:
+        if timed_out:
+            logger.warning("episode of row %s: the environment's %s ran past agents.limits.max_episode_seconds=%g; "
+                           "the episode ends with reward 0", self.draw.row.row_id, method, self.limits.max_episode_seconds)
+        else:
             logger.warning("episode of row %s: the environment's %s raised %s: %s; the episode ends with reward 0",
                            self.draw.row.row_id, method, type(err).__name__, err)
         if outcome is None:
