@@ -9,9 +9,15 @@ of its own, so the environment makes one for it: each wrong answer goes to the `
 `ToolRunner` (a worker thread, its time limit and counts), and the episode reads the tool's result as a
 `tool` message before the feedback. The tool is offered in the prompt (the template's `Tools:` line),
 so the episode also reads any call the model does write.
+
+`Recorded`: `Retry` that also writes every model turn it reads, with its row, to a file of the process
+that played it (tests/megatron/test_megatron_agent_episodes.py compares the ranks' episodes).
 """
 
+import json
+import os
 import re
+from pathlib import Path
 
 from aligner_ext.agents.environment import Environment, Episode, StepResult
 from aligner_ext.agents.tool_calls import ParsedTurn, ToolCall
@@ -55,3 +61,18 @@ class CheckedRetry(Retry):
         [checked] = await self.runner.run(ParsedTurn(assistant_message["content"], [call]))
         return StepResult([tool_message(call, checked), *result.messages], metrics={**result.metrics, "checks": 1})
 
+
+class Recorded(Retry):
+    """Retry that appends {"row", "turn"} for each model turn to `$E2E_EPISODE_LOG/rank<R>.jsonl` (R: the
+    torchrun rank, 0 without torchrun)."""
+
+    async def reset(self, row):
+        episode = await super().reset(row)
+        episode.state["row"] = row.row_id
+        return episode
+
+    async def step(self, assistant_message, state):
+        path = Path(os.environ["E2E_EPISODE_LOG"]) / f"rank{os.environ.get('RANK', '0')}.jsonl"
+        with path.open("a") as log:  # in the event loop's thread: one write at a time
+            log.write(json.dumps({"row": state["row"], "turn": assistant_message["content"]}) + "\n")
+        return await super().step(assistant_message, state)

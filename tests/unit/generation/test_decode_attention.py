@@ -88,8 +88,6 @@ def test_the_engine_with_triton_attention_gives_the_hf_engine_greedy_tokens(inte
     tok = tiny_tokenizer
     model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                                                   intermediate_size=128, seed=1)).eval()
-    if torch.cuda.is_available():  # there the kernel is compiled, not interpreted: it reads device memory only
-        model = model.cuda()
     prompts = [tok.encode(text) for text in ("hello there", "a", "what is 2+2?", "hello there")]
     params = SamplingParams(max_new_tokens=10, temperature=0.0, return_logprobs=True)
     expected = HFGenerationEngine(model, tok, HFEngineConfig()).generate(prompts, params)
