@@ -77,7 +77,10 @@ CALCULATOR_NOTE = (
     "whatever the question (`666+666`) and box one number whatever the tool answered. Both losses, and the 0.52 "
     "above, are the floor of a model that writes the format exactly and guesses every digit: the model copies no "
     "digits at these warm-ups, neither the question's into the call nor the tool's result into the answer, and any "
-    "task whose answer passes through the tool needs that copying (docs/agents.md, \"Demo\").")
+    "task whose answer passes through the tool needs that copying. Taught copying alone (300 x 32 pairs boxing a 3- "
+    "to 6-digit number written ~20 or ~120 positions before), the model boxes 21 and 22 of 50 new numbers exactly: "
+    "in the transcripts the digits are a tenth of the targets, behind the call's fixed text (docs/agents.md, "
+    "\"Demo\").")
 COMPARISONS = (  # the two-method comparisons first: they finish sooner
     Comparison("mtpo_qa", (
         Method("GRPO", ("+variant=mtpo", "mtpo.rewards.calibration_weight=0")),
