@@ -79,8 +79,9 @@ CALCULATOR_NOTE = (
     "digits at these warm-ups, neither the question's into the call nor the tool's result into the answer, and any "
     "task whose answer passes through the tool needs that copying. Taught copying alone (300 x 32 pairs boxing a 3- "
     "to 6-digit number written ~20 or ~120 positions before), the model boxes 21 and 22 of 50 new numbers exactly: "
-    "in the transcripts the digits are a tenth of the targets, behind the call's fixed text (docs/agents.md, "
-    "\"Demo\").")
+    "in the transcripts the digits are a tenth of the targets, behind the call's fixed text. After such a copying "
+    "stage, 300 x 32 steps of 3-digit transcripts reach a loss of 0.026 and greedy episodes copy every operand: 13 "
+    "of 20 right, the rest with the wrong operator, before any RL (docs/agents.md, \"Demo\"; not yet in the demo).")
 COMPARISONS = (  # the two-method comparisons first: they finish sooner
     Comparison("mtpo_qa", (
         Method("GRPO", ("+variant=mtpo", "mtpo.rewards.calibration_weight=0")),
