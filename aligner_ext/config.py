@@ -432,6 +432,9 @@ def check_across_sections(cfg: RunConfig, for_training: bool = True, given: dict
         raise ValueError(f"policy.expert_model_parallel_size={cfg.policy.expert_model_parallel_size} with "
                          "algorithm.experience_maker=agent_episodes: turn sessions do not run under expert "
                          "parallelism yet; leave it at 1")
+    if cfg.algorithm.experience_maker in ("agent_episodes", "agents") and cfg.agents.agent and cfg.policy.routing_replay:
+        raise ValueError(f"policy.routing_replay=true with agents.agent={cfg.agents.agent}: the agent endpoint does not "
+                         "record the experts; leave routing replay off, or play the episodes with an environment")
     if for_training:
         check_positions(cfg)
 

@@ -215,3 +215,10 @@ def test_an_agent_function_beside_a_named_environment_is_refused_at_load():
     with pytest.raises(ValueError, match=rf"agents.agent={__name__}:tool_agent and agents.environment=test_adder "
                                           "both say how episodes run: set one of them"):
         load_config("base", agent + ["agents.environment=test_adder"])
+
+
+def test_routing_replay_beside_an_agent_function_is_refused_at_load():
+    with pytest.raises(ValueError, match=rf"^policy.routing_replay=true with agents.agent={__name__}:tool_agent: the "
+                                         "agent endpoint does not record the experts"):
+        load_config("base", ["algorithm.experience_maker=agent_episodes", f"agents.agent={__name__}:tool_agent",
+                             "policy.routing_replay=true"])
