@@ -118,3 +118,19 @@ def test_our_two_systems_on_the_cpu(tmp_path):
     assert "| ours_turn_by_turn | " in (tmp_path / "agent_step.md").read_text()
     rows = headline(result)  # docs/benchmarks.md's opening table: a row per system
     assert [what.split(", ")[1] for what, _ in rows] == ["ours", "ours_turn_by_turn"] and "x ours)" in rows[1][1]
+
+
+def test_the_report_divides_each_system_by_its_prev_counterpart():
+    from agent_step import after_before
+
+    def system(step, generation, engine, train):
+        return {"step_s": [step, step, step], "phases_s": {"generation": generation, "train": train},
+                "engine_s": engine}
+
+    systems = {"ours": system(6.0, 3.0, 2.0, 3.0), "prev:ours": system(8.0, 4.0, 2.5, 3.0),
+               "ours_turn_by_turn": system(5.0, 2.0, 1.5, 3.0)}
+    lines = after_before(systems)
+    # this tree over the earlier one's: 6 / 8, 3 / 4, 2 / 2.5, 3 / 3; a system with no prev: twin has no row
+    assert lines[-1] == "| ours | 0.750 | 0.750 | 0.800 | 1.000 |"
+    assert not any(line.startswith("| ours_turn_by_turn") for line in lines)
+    assert after_before({"ours": systems["ours"]}) == []

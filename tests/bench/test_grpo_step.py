@@ -71,7 +71,7 @@ def test_phase_clock_charges_each_interval_to_the_innermost_phase():
 def test_our_side_on_the_cpu(tmp_path):
     preset = PRESETS["tiny"]
     command = [sys.executable, str(BENCH / "run.py"), "grpo", "--preset", "tiny", "--systems", "prev:ours,ours",
-               "--variants", "mtpo", "--steps", "1", "--variant-steps", "1", "--profile-first-step", "--torch-profile", "generation,train",
+               "--variants", "mtpo", "--steps", "1", "--variant-steps", "1", "--profile-first-step", "--torch-profile", "train",
                "--prev", str(BENCH.parents[1]), "--out", str(tmp_path)]
     subprocess.run(command, check=True, capture_output=True, timeout=900)
     result = json.loads((tmp_path / "result.json").read_text())
@@ -82,7 +82,7 @@ def test_our_side_on_the_cpu(tmp_path):
     # and this tree's side profiled one more step
     assert set(report["systems"]) == {"prev:ours", "ours"}
     assert "| ours | " in (tmp_path / "grpo_step.md").read_text().split("After / before")[1]
-    assert (tmp_path / "ours.torch_profile.txt").read_text().startswith("generation (call 0")
+    assert (tmp_path / "ours.torch_profile.txt").read_text().startswith("train (call 0")
     assert not (tmp_path / "prev_ours.torch_profile.txt").exists()
     ours = report["systems"]["ours"]
     # every response ran to R tokens (EOS ignored) and the trainer saw P + R per sequence

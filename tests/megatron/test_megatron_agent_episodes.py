@@ -30,7 +30,7 @@ def runs(tmp_path_factory) -> dict[int, tuple[list[dict], dict[str, list[str]]]]
     """Each layout's metrics records and the model turns each rank's environment read (by rank), by TP size."""
     root = tmp_path_factory.mktemp("megatron_agents")
     found = {}
-    for tp, pp in ((1, 1), (2, 2)):
+    for tp, pp in ((1, 1), (2, 1)):
         log = root / f"tp{tp}_episodes"
         log.mkdir()
         with pytest.MonkeyPatch.context() as monkeypatch:
@@ -53,7 +53,7 @@ def test_episodes_continue_on_the_megatron_decoders_kept_cache(runs, tp):
         assert step["rollout/logprob_diff_max"] < 1e-4  # sampled tokens only; the feedback has no engine log-prob
 
 
-def test_tensor_and_pipeline_parallel_ranks_play_the_one_process_episodes_once(runs):
+def test_tensor_parallel_ranks_play_the_one_process_episodes_once(runs):
     def episodes(record: dict) -> dict:
         """The episodes' counts and rewards; not wall times, nor the prefilled tokens, which depend on which
         first turns (their environments' resets run in threads) are admitted together, sharing a prefill."""
@@ -65,6 +65,6 @@ def test_tensor_and_pipeline_parallel_ranks_play_the_one_process_episodes_once(r
     for record, record_tp2 in zip(metrics[:2], metrics_tp2[:2]):
         assert episodes(record_tp2) == episodes(record)
     assert "val/agent/turns" in metrics[0] and "agent/turns" in metrics[1]
-    # ranks 1 and 3 ran no environment: they repeated their TP group's first rank's session calls
-    assert list(log_tp2) == ["rank0", "rank2"] and log_tp2["rank0"] and log_tp2["rank2"]
-    assert sorted(log_tp2["rank0"] + log_tp2["rank2"]) == sorted(log["rank0"])
+    # rank 1 ran no environment: it repeated rank 0's session calls
+    assert list(log_tp2) == ["rank0"]
+    assert sorted(log_tp2["rank0"]) == sorted(log["rank0"])
