@@ -324,5 +324,19 @@ async def _drive(session: Any, episodes: list[_Episode], concurrency: int) -> li
             woken = asyncio.ensure_future(wake.wait())
             await asyncio.wait(pending | {woken}, return_when=asyncio.FIRST_COMPLETED)
             woken.cancel()
+        await _stop_at_a_failure(tasks)
         pending = {task for task in pending if not task.done()}
     return [task.result() for task in tasks]
+
+
+async def _stop_at_a_failure(tasks: list[asyncio.Task]) -> None:
+    """An episode that raised (a UserError: `_Episode._failed`) stops the run now, not once every other
+    episode has ended (one may be waiting on a tool for minutes); the others are cancelled and their
+    ends collected, so asyncio reports none of them as never retrieved."""
+    failed = next((task for task in tasks if task.done() and not task.cancelled() and task.exception()), None)
+    if failed is None:
+        return
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    raise failed.exception()

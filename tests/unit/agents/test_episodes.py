@@ -1,14 +1,16 @@
 """The episode loop (aligner_ext/agents/episodes.py) with scripted environments and a scripted policy on
 a real chat template (Qwen2.5's, conftest.py): every turn continues the trajectory's own ids, only sampled
 ids carry a loss, each limit ends an episode as documented, a hung or raising environment holds back
-only its own episode, and the seeds alone decide the trajectories."""
+only its own episode, a UserError stops the run at once, and the seeds alone decide the trajectories."""
 
 import asyncio
+import gc
 import random
 
 import pytest
 
 from aligner_ext.agents.environment import StepResult, register_environment
+from aligner_ext.errors import UserError
 
 from tests.unit.agents.scripted import CALL, Adder, ScriptedPolicy, calls_then_answers, draws, run
 
@@ -182,3 +184,27 @@ def test_a_history_rewriting_template_starts_a_new_row(qwen3_tokenizer):
     assert outcome.counts["history_rewrites"] == 1 and len(outcome.rows) == 2
     assert engine.calls[1][0] == outcome.rows[1].ids[: len(engine.calls[1][0])]
     assert "hm" not in qwen3_tokenizer.decode(outcome.rows[1].ids[: outcome.rows[1].prompt_length()])
+
+
+def test_a_user_error_stops_the_run_without_waiting_for_the_other_episodes(qwen25_tokenizer, caplog):
+    """Row 1's environment cannot run here (a UserError) while row 0's tool waits for an event no one
+    sets: the run stops at the error, and asyncio reports no task's exception as never retrieved."""
+    never = asyncio.Event()
+
+    class CannotRunOnRowOne(Adder):
+        async def reset(self, row):
+            episode = await super().reset(row)
+            episode.state["row"] = row.row_id
+            return episode
+
+        async def step(self, message, state):
+            if state["row"] == "row0":
+                await never.wait()
+            raise UserError("agents.environment=test_cannot_run needs a sandbox this machine lacks")
+
+    register_environment("test_cannot_run")(CannotRunOnRowOne)
+    with pytest.raises(UserError, match="needs a sandbox"):
+        run(ScriptedPolicy(qwen25_tokenizer, calls_then_answers), qwen25_tokenizer, draws((1, 2), (3, 4), (5, 6)),
+            environment="test_cannot_run")
+    gc.collect()  # asyncio reports an unretrieved task exception when the task is collected
+    assert "never retrieved" not in caplog.text
