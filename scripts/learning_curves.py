@@ -60,8 +60,8 @@ class Comparison:
 
 GRPO = Method("GRPO", ())
 CALCULATOR_SIZES = ("data.builtin_task=calculator_arithmetic", "data.train_batch_size=4", "data.builtin_val_size=50",
-                    "rollout.max_response_length=112", "model.warmup.steps=300", "model.warmup.batch_size=32",
-                    "trainer.total_steps=10")
+                    "rollout.max_response_length=96", "model.warmup.drill_steps=300", "model.warmup.steps=300",
+                    "model.warmup.batch_size=32", "trainer.total_steps=10")
 CALCULATOR_NOTE = (
     "Sums and products of 6- to 9-digit numbers (`calculator_arithmetic`) at the agents demo's sizes "
     "(conf/demo_agents.yaml: a 300-step warm-up of batch 32, 10 steps of 4 prompts x 8): single-turn GRPO without the "
@@ -156,7 +156,7 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
     Comparison("calculator_arithmetic", (
         Method("without the tool", CALCULATOR_SIZES),
         Method("calculator", (*CALCULATOR_SIZES, "algorithm.experience_maker=agent_episodes", "agents.limits.max_turns=2",
-                              "agents.limits.max_total_tokens=384"), "the agent learns to call the tool"),
+                              "agents.limits.max_total_tokens=320"), "the agent learns to call the tool"),
     ), name="calculator", diagnostics=("reward/mean", "agent/tool_calls", "agent/malformed_calls", "agent/turns"),
        note=CALCULATOR_NOTE),
     # LoRA at ten times full training's learning rate (the usual finding for LoRA in RL), alpha 32 at both ranks

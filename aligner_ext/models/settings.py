@@ -40,6 +40,7 @@ class WarmupConfig:
     """Supervised warm-up of the embedded model (only when `model.path` is not set)."""
 
     steps: int = number(200, ge=0)  # optimizer steps; stop early to leave the RL phase something to learn
+    drill_steps: int = number(0, ge=0)  # optimizer steps on the built-in task's drills (a skill its gold responses presuppose, e.g. copying numbers: data/tasks/base.py DRILLS) before `steps` on its gold responses; only for a task that registers drills (calculator_arithmetic)
     batch_size: int = number(64, ge=1)  # sequences per step
     lr: float = number(1e-3, gt=0)  # AdamW learning rate
     seed: int = number(0, ge=0)  # order of the examples

@@ -35,9 +35,23 @@ def uses_bfloat16(device: torch.device, setting: str) -> bool:
     return setting == "bfloat16" or (setting == "auto" and device.type == "cuda")
 
 
-def supervised_warmup(model, tokenizer, pairs: list[tuple], cfg: WarmupConfig, progress: bool = True) -> float:
-    """Train `model` on (chat messages, target[, tools]) examples (module docstring); loss only on the
-    target's tokens. Returns the last loss."""
+def supervised_warmup(model, tokenizer, pairs: list[tuple], cfg: WarmupConfig, progress: bool = True,
+                      drills: list[tuple] = ()) -> float:
+    """Train `model` on (chat messages, target[, tools]) examples (module docstring), loss only on the
+    target's tokens: `cfg.drill_steps` steps on `drills` (the task's, data/tasks/base.py), then
+    `cfg.steps` on `pairs`, with one optimizer. Returns the last loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    order = random.Random(cfg.seed)
+    loss_value = float("nan")
+    for stage, examples, steps in (("drills", drills, cfg.drill_steps), ("warm-up", pairs, cfg.steps)):
+        if steps:
+            loss_value = _train(model, tokenizer, _encoded(tokenizer, examples), steps, cfg, optimizer, order,
+                                stage, progress)
+    return loss_value
+
+
+def _encoded(tokenizer, pairs: list[tuple]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, target ids) of each example."""
     examples = []
     for messages, target, *tools in pairs:
         prompt = encode_prompt(tokenizer, messages, *tools)
@@ -46,12 +60,16 @@ def supervised_warmup(model, tokenizer, pairs: list[tuple], cfg: WarmupConfig, p
         else:
             answer = rendered_turn(tokenizer, messages, target, *tools)
         examples.append((prompt, answer))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    order = random.Random(cfg.seed)
+    return examples
+
+
+def _train(model, tokenizer, examples: list[tuple[list[int], list[int]]], steps: int, cfg: WarmupConfig,
+           optimizer, order: random.Random, stage: str, progress: bool) -> float:
+    """`steps` optimizer steps on batches sampled from `examples`; returns the last loss."""
     bf16 = uses_bfloat16(model.device, cfg.autocast)
     model.train()
     loss_value = float("nan")
-    for _ in tqdm(range(cfg.steps), desc="warm-up", disable=not progress):
+    for _ in tqdm(range(steps), desc=stage, disable=not progress):
         batch = order.sample(examples, k=min(cfg.batch_size, len(examples)))
         input_ids, labels, attention = _right_padded(batch, tokenizer.pad_token_id)
         with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -61,7 +79,7 @@ def supervised_warmup(model, tokenizer, pairs: list[tuple], cfg: WarmupConfig, p
         loss.backward()
         optimizer.step()
         loss_value = loss.item()
-    logger.info("warm-up: %d steps, final loss %.4f", cfg.steps, loss_value)
+    logger.info("%s: %d steps, final loss %.4f", stage, steps, loss_value)
     return loss_value
 
 

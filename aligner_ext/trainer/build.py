@@ -27,6 +27,7 @@ from aligner_ext.config import RunConfig
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader, build_loader, build_val_loaders
 from aligner_ext.data.tasks import builtin_rows
+from aligner_ext.data.tasks.base import DRILLS
 from aligner_ext.distributed import main_process_first
 from aligner_ext.errors import ConfigError, ModelPathError, UserError, error_line
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
@@ -97,14 +98,15 @@ def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     device = resolve_device(cfg.policy.device)
     rows = builtin_rows(cfg.data.builtin_task, "train", cfg.data.builtin_train_size, cfg.data.seed)
     examples = EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker).warmup_examples(cfg, rows)
+    drills = task_drills(cfg)
     cache = warmup_cache.cache_root(cfg.model.warmup.cache_dir)
-    key = warmup_cache.warmup_key(cfg.model.tiny, cfg.model.warmup, examples, device.type)
+    key = warmup_cache.warmup_key(cfg.model.tiny, cfg.model.warmup, examples + drills, device.type)
     if warmup_cache.fetch(cache, key, directory):
         return directory
     model = build_tiny_model(tokenizer, cfg.model.tiny).to(device)
-    logger.info("warming up the embedded model on %d examples from %d %s rows", len(examples), len(rows),
-                cfg.data.builtin_task)
-    supervised_warmup(model, tokenizer, examples, cfg.model.warmup, progress=cfg.trainer.progress_bar)
+    logger.info("warming up the embedded model on %d examples from %d %s rows%s", len(examples), len(rows),
+                cfg.data.builtin_task, f", after {len(drills)} drills" if drills else "")
+    supervised_warmup(model, tokenizer, examples, cfg.model.warmup, progress=cfg.trainer.progress_bar, drills=drills)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing it
     model.save_pretrained(tmp, safe_serialization=True)
@@ -118,6 +120,18 @@ def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
         # or other runs) need them, and the caching allocator would otherwise keep them all run long.
         torch.cuda.empty_cache()
     return directory
+
+
+def task_drills(cfg: RunConfig) -> list[tuple]:
+    """The built-in task's drills for `model.warmup.drill_steps` steps (as many examples as the stage
+    trains on), or none; a task without drills is refused in one line."""
+    warmup = cfg.model.warmup
+    if not warmup.drill_steps:
+        return []
+    if cfg.data.builtin_task not in DRILLS:
+        raise ConfigError(f"model.warmup.drill_steps={warmup.drill_steps}: data.builtin_task={cfg.data.builtin_task} "
+                          f"registers no drills (tasks with drills: {', '.join(DRILLS.names())}); set it to 0")
+    return DRILLS.get(cfg.data.builtin_task)(warmup.drill_steps * warmup.batch_size, cfg.data.seed)
 
 
 def model_directory(cfg: RunConfig, run_dir: Path) -> Path | str:

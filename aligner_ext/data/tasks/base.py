@@ -12,6 +12,9 @@ Decisions:
 - Small pools are drawn by concatenating fresh shuffles, so every problem of a split appears
   either floor(size / pool) or ceil(size / pool) times: no problem is over-weighted in evaluation.
 - `extra_info.gold_solution` holds the answer text a supervised warm-up trains on (`sft_target`).
+- A task whose gold responses presuppose a skill the embedded model does not pick up from them
+  registers drills for it in `DRILLS` under the task's name: `drills(count, seed) -> [(messages,
+  target)]`, trained for `model.warmup.drill_steps` steps before the gold responses (models/warmup.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ SPLITS = ("train", "val")
 VAL_PERCENT = 20  # share of each task's problems reserved for the val split, in percent
 
 TASKS = Registry("builtin task")
+DRILLS = Registry("warm-up drill")  # task name -> drills(count, seed) (module docstring)
 
 T = TypeVar("T")
 

@@ -1,5 +1,5 @@
-"""The built-in tasks of the built-in environments: calculator_arithmetic's long operands and exact answers,
-guess_number's games split by secret; both deterministic for a seed and played by their environment.
+"""The built-in tasks of the built-in environments: calculator_arithmetic's 3-digit operands, exact answers
+and copying drills, guess_number's games split by secret; both deterministic for a seed and played by their environment.
 (tests/unit/data/test_builtin_tasks.py also runs its per-task checks on calculator_arithmetic.)"""
 
 import asyncio
@@ -11,13 +11,13 @@ import aligner_ext.agents.calculator  # noqa: F401 - registers the environment (
 import aligner_ext.agents.guess_number  # noqa: F401
 from aligner_ext.agents.environment import environment_class
 from aligner_ext.data.tasks import builtin_rows, sft_target
-from aligner_ext.data.tasks.base import in_split
+from aligner_ext.data.tasks.base import DRILLS, in_split
 from aligner_ext.rewards.base import DATA_SOURCES
 
 CALCULATION = re.compile(r"Compute (\d+)([+*])(\d+) with the calculator; answer in \\boxed\{\}\.")
 
 
-def test_calculator_rows_hold_long_operands_and_the_exact_answer():
+def test_calculator_rows_hold_3_digit_operands_and_the_exact_answer():
     rows = builtin_rows("calculator_arithmetic", "train", 200, seed=0)
     symbols, digits = Counter(), Counter()
     for row in rows:
@@ -28,11 +28,11 @@ def test_calculator_rows_hold_long_operands_and_the_exact_answer():
         expected = int(a) + int(b) if symbol == "+" else int(a) * int(b)
         assert row.ground_truth == str(expected) and sft_target(row) == f"\\boxed{{{expected}}}"
         assert row.data_source == "calculator_arithmetic"
-    assert set(symbols) == {"+", "*"} and set(digits) == {6, 7, 8, 9}
+    assert set(symbols) == {"+", "*"} and set(digits) == {3}
 
 
 def test_calculator_rows_split_by_the_hash_of_their_prompt():
-    """Collisions between random 6- to 9-digit problems are too rare for disjoint samples to show the rule."""
+    """Collisions among 1.6 million problems are too rare for disjoint samples to show the rule."""
     for split in ("train", "val"):
         assert all(in_split(row.messages[-1]["content"], "val") == (split == "val")
                    for row in builtin_rows("calculator_arithmetic", split, 100, seed=3))
@@ -50,6 +50,18 @@ def test_the_gold_answer_scores_one_in_the_calculator_environment():
     assert asyncio.run(answer(sft_target(row))).correct == 1.0
     assert asyncio.run(answer(f"\\boxed{{{int(row.ground_truth) + 1}}}")).score == 0.0
     assert DATA_SOURCES["calculator_arithmetic"] == "math_verify"  # without the tool: a single-turn math task
+
+
+def test_calculator_drills_box_the_number_a_user_or_a_tool_gave():
+    drills = DRILLS.get("calculator_arithmetic")(400, seed=0)
+    assert len(drills) == 400 and drills == DRILLS.get("calculator_arithmetic")(400, seed=0)
+    lengths, senders = Counter(), Counter()
+    for messages, target in drills:
+        given = messages[-1]["content"].split()[0]
+        assert given.isdigit() and not given.startswith("0") and target == "\\boxed{" + given + "}"
+        senders[messages[-1]["role"]] += 1
+        lengths[len(given)] += 1
+    assert senders == {"user": 200, "tool": 200} and set(lengths) == {3, 4, 5, 6}
 
 
 def secrets(split, size, seed):

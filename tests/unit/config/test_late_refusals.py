@@ -61,6 +61,7 @@ AT_LOAD = {
 
 # fragment of the late raise -> what it depends on that the config does not hold
 ELSEWHERE = {
+    "registers no drills": "the task's drills (data/tasks DRILLS; a user's task module registers its own when imported)",
     "the model's linear": "the model's module names",
     "has no chat": "the tokenizer's chat template",
     "lists the formats read": "the tokenizer's chat template",

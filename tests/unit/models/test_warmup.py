@@ -52,3 +52,30 @@ def test_bfloat16_autocast_computes_in_bfloat16_and_still_learns():
     seen, first, last = linear_output_dtypes("bfloat16", steps=40)
     assert seen == {torch.bfloat16}
     assert last < 0.6 * first
+
+
+def test_drills_train_first_then_the_gold_responses():
+    """`drill_steps` batches drawn from the drills alone, then `steps` from the pairs alone: seen by the
+    ids each forward pass gets (drill targets are boxed, the pairs' are not)."""
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2,
+                                                        intermediate_size=64))
+    boxed = tokenizer("\\boxed", add_special_tokens=False)["input_ids"][1]  # "b" follows the backslash
+    drills = [([{"role": "user", "content": "Box 7."}], "\\boxed{7}")]
+    stages = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: stages.append(
+        "drills" if bool((kwargs["input_ids"] == boxed).any()) else "pairs"), with_kwargs=True)
+    supervised_warmup(model, tokenizer, PAIRS, WarmupConfig(steps=2, drill_steps=3, batch_size=4), progress=False,
+                      drills=drills)
+    assert stages == ["drills"] * 3 + ["pairs"] * 2
+
+
+def test_drill_steps_for_a_task_without_drills_is_refused_in_one_line():
+    from aligner_ext.errors import ConfigError
+    from aligner_ext.trainer.build import task_drills
+
+    with pytest.raises(ConfigError, match="^model.warmup.drill_steps=5: data.builtin_task=arithmetic registers no "
+                                          "drills \\(tasks with drills: calculator_arithmetic\\); set it to 0$"):
+        task_drills(load_config("demo", ["model.warmup.drill_steps=5"]))
+    cfg = load_config("demo_agents", [])
+    assert len(task_drills(cfg)) == cfg.model.warmup.drill_steps * cfg.model.warmup.batch_size
