@@ -60,8 +60,9 @@ class Comparison:
 
 GRPO = Method("GRPO", ())
 CALCULATOR_SIZES = ("data.builtin_task=calculator_arithmetic", "data.train_batch_size=4", "data.builtin_val_size=50",
-                    "rollout.max_response_length=96", "model.warmup.drill_steps=300", "model.warmup.steps=300",
-                    "model.warmup.batch_size=32", "trainer.total_steps=10")
+                    "rollout.max_response_length=96", "rollout.temperature=0.7", "policy.optim.lr=1e-4",
+                    "model.warmup.drill_steps=300", "model.warmup.steps=150", "model.warmup.batch_size=32",
+                    "trainer.total_steps=30")
 CALCULATOR_NOTE = (
     "Sums and products of 6- to 9-digit numbers (`calculator_arithmetic`) at the agents demo's sizes "
     "(conf/demo_agents.yaml: a 300-step warm-up of batch 32, 10 steps of 4 prompts x 8): single-turn GRPO without the "
