@@ -50,6 +50,7 @@ checkpoint is read the same way (models/megatron/dist_checkpoint.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -62,7 +63,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -358,6 +359,21 @@ class Checkpointer:
         """Wait until a background save is in place (`latest` names it), or stop in its failure's one
         line (collective). Nothing when no save is under way."""
         self._advance(wait=True)
+
+    @contextlib.contextmanager
+    def settled_on_error(self) -> Iterator[None]:
+        """Around the steps: a run stopping on an error first lets its writer thread finish, so the checkpoint
+        whose files were in memory is in place when the error leaves (this process alone, no collective:
+        the others may be elsewhere; a sharded part still under way stays unpublished)."""
+        try:
+            yield
+        except BaseException:
+            pending = self.pending
+            if pending is not None and pending.thread is not None:
+                pending.thread.join()
+                if pending.error is not None:
+                    logger.error("writing checkpoint %s failed too: %s", pending.final, error_line(pending.error))
+            raise
 
     def _advance(self, wait: bool) -> None:
         pending = self.pending

@@ -93,34 +93,35 @@ def train(cfg: RunConfig) -> RunSummary:
     started = time.perf_counter()
     progress = tqdm(range(start_step, cfg.trainer.total_steps), desc="GRPO", disable=not cfg.trainer.progress_bar,
                     initial=start_step, total=cfg.trainer.total_steps)
-    for step in progress:
-        timer = StageTimer()
-        with timer("rollout"):
-            batch, metrics = parts.maker.make_experience(parts.train_loader, step)
-        if len(batch):  # a filtering maker may keep nothing: then this step makes no update
-            metrics.update(update_policy(parts, batch, timer, temperature))
-        metrics.update(timer.metrics())
-        metrics.update(parts.train_loader.metrics())
-        metrics["timing/tokens_per_s"] = metrics.get("response/num_tokens", 0.0) / metrics["timing/step_s"]
-        done = step + 1
-        if evaluator.due(done):
-            after = evaluator(done)
-            metrics.update(after)
-        checkpointer.poll()  # a background save is published once written; a failed one stops the run here
-        log.log(done, metrics)
-        detector.observe(done, metrics)
-        progress.set_postfix_str(progress_line(metrics, after), refresh=False)
-        if metrics.get("actor/diverged_updates", 0.0) > 0:  # the guard's verdict: these weights are never saved
-            ratio = metrics["actor/update_ratio_max"]
-            raise DivergedRun(
-                f"step {done}: an optimizer update changed the weights' norm by {ratio:.3g} of it "
-                f"(policy.optim.max_update_ratio={cfg.policy.optim.max_update_ratio}): the model diverged; "
-                "stopping without saving it (checkpoints/latest, if any, is the last good step). Lower "
-                "policy.optim.lr and resume")
-        if len(batch) and cfg.trainer.log_samples_every and done % cfg.trainer.log_samples_every == 0:
-            log.log_samples(done, batch, cfg.trainer.num_log_samples)
-        if cfg.trainer.save_every and done % cfg.trainer.save_every == 0 and done < cfg.trainer.total_steps:
-            save(cfg, parts, checkpointer, done, before, background=cfg.trainer.async_save)
+    with checkpointer.settled_on_error():  # a background save lands before an error leaves train()
+        for step in progress:
+            timer = StageTimer()
+            with timer("rollout"):
+                batch, metrics = parts.maker.make_experience(parts.train_loader, step)
+            if len(batch):  # a filtering maker may keep nothing: then this step makes no update
+                metrics.update(update_policy(parts, batch, timer, temperature))
+            metrics.update(timer.metrics())
+            metrics.update(parts.train_loader.metrics())
+            metrics["timing/tokens_per_s"] = metrics.get("response/num_tokens", 0.0) / metrics["timing/step_s"]
+            done = step + 1
+            if evaluator.due(done):
+                after = evaluator(done)
+                metrics.update(after)
+            checkpointer.poll()  # a background save is published once written; a failed one stops the run here
+            log.log(done, metrics)
+            detector.observe(done, metrics)
+            progress.set_postfix_str(progress_line(metrics, after), refresh=False)
+            if metrics.get("actor/diverged_updates", 0.0) > 0:  # the guard's verdict: these weights are never saved
+                ratio = metrics["actor/update_ratio_max"]
+                raise DivergedRun(
+                    f"step {done}: an optimizer update changed the weights' norm by {ratio:.3g} of it "
+                    f"(policy.optim.max_update_ratio={cfg.policy.optim.max_update_ratio}): the model diverged; "
+                    "stopping without saving it (checkpoints/latest, if any, is the last good step). Lower "
+                    "policy.optim.lr and resume")
+            if len(batch) and cfg.trainer.log_samples_every and done % cfg.trainer.log_samples_every == 0:
+                log.log_samples(done, batch, cfg.trainer.num_log_samples)
+            if cfg.trainer.save_every and done % cfg.trainer.save_every == 0 and done < cfg.trainer.total_steps:
+                save(cfg, parts, checkpointer, done, before, background=cfg.trainer.async_save)
     if start_step >= cfg.trainer.total_steps:  # resumed a finished run: nothing trained, evaluate again
         after = evaluator(start_step)
     save(cfg, parts, checkpointer, cfg.trainer.total_steps, before)

@@ -114,7 +114,8 @@ def test_a_save_in_the_background_does_not_hold_the_next_step_and_writes_the_sam
     run = load_results(results, CASES[0])[saved_at]
     assert run["async_done_after_a_step"] is False  # a step trained while the writer waited at its gate
     assert run["async_done"] is True
-    sync, background = (results / CASES[0] / name / "megatron" for name in (f"ckpt_{saved_at}", f"ckpt_{saved_at}_async"))
+    case = results / CASES[0]
+    sync, background = (case / name / "megatron" for name in (f"ckpt_{saved_at}", f"ckpt_{saved_at}_async"))
     files = sorted(path.name for path in sync.iterdir())
     assert files == sorted(path.name for path in background.iterdir())
     assert sum(name.endswith(".distcp") for name in files) == 4  # two ranks, two writer threads each
