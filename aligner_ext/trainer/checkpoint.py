@@ -25,12 +25,13 @@ weights as safetensors writes them, the tokenizer's files), so the next step may
 and the RNG, and a writer thread writes those bytes, the manifest, renames the directory into place,
 points `latest` at it and prunes; a sharded policy's part is the policy's own background write
 (megatron-core's asynchronous save), and the writer thread starts once every process finished it. The
-loop asks after each step (`poll`) and the next save, the end of the run and the export wait for it
-(`wait`); both are collective. A background write that fails is the same one line at the first of
-them, and the previous checkpoint stays `latest`: until the rename the checkpoint is only the
-temporary directory, which a kill -9 leaves behind and the next save of that step removes. The price is
-host memory: one checkpoint's main-process files (and a sharded policy's share on each process) are
-held until written.
+loop asks before it logs each step (`poll`), and the next save (the final one among them, itself in
+the foreground) waits for it (`wait`); both are collective. A background write that fails is the same
+one line at the first of them, and the previous checkpoint stays `latest`: until the rename the
+checkpoint is only the temporary directory, which a kill -9 leaves behind and the next save of that
+step removes. A run stopping on an error lets the writer thread finish first (`settled_on_error`).
+The price is host memory: one checkpoint's main-process files (and a sharded policy's share on each
+process) are held until written.
 
 Multi-process runs (torchrun, aligner_ext/distributed.py): every process runs the same loop, so the
 loader, experience-maker and RNG states are the same on every rank, and the main process alone

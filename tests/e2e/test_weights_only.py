@@ -18,7 +18,7 @@ def train(output_dir, *overrides):
     return main(["train", *OVERRIDES, f"trainer.output_dir={output_dir}", *overrides])
 
 
-def test_a_weights_only_checkpoint_resumes_only_when_asked_without_the_optimizer(tmp_path, capsys, caplog):
+def test_a_weights_only_checkpoint_holds_no_optimizer_and_resumes_with_a_fresh_one(tmp_path, caplog):
     assert train(tmp_path, "trainer.total_steps=1", "trainer.save_optimizer=false") == 0
     step_1 = tmp_path / "r" / "checkpoints" / "step_1"
     state = load_trainer_state(step_1 / "trainer_state.pt")
@@ -26,13 +26,6 @@ def test_a_weights_only_checkpoint_resumes_only_when_asked_without_the_optimizer
     assert sorted(state["policy"]) == ["nonfinite_guard", "scheduler"]  # no optimizer
     # AdamW's two moments would make trainer_state.pt about twice model.safetensors
     assert (step_1 / "trainer_state.pt").stat().st_size < 0.5 * (step_1 / "model.safetensors").stat().st_size
-
-    with pytest.raises(SystemExit) as stopped:
-        train(tmp_path, "trainer.total_steps=2")
-    assert stopped.value.code == 2
-    error = capsys.readouterr().err.rstrip("\n").split("\n")[-1]
-    assert f"checkpoint {step_1} holds the weights without the optimizer's state" in error
-    assert "trainer.save_optimizer=false" in error and "trainer.resume=false" in error
 
     caplog.set_level("INFO")
     assert train(tmp_path, "trainer.total_steps=2", "trainer.save_optimizer=false") == 0
