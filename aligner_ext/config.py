@@ -114,6 +114,8 @@ class TrainerConfig:
     cpu_threads: int = number(0, ge=0)  # torch compute threads of each trainer process; 0 = the cores free when the run starts (its CPU affinity less the cores another process keeps busy; under torchrun the usable cores split among the machine's processes), aligner_ext/threads.py
     save_every: int = number(0, ge=0)  # checkpoint every k steps; 0 = only at the end
     keep_last: int = number(2, ge=0)  # checkpoints kept on disk (older ones are deleted); 0 keeps all. keep_last + 1 of them and the export must fit in the output directory's free space, checked before step 1
+    save_optimizer: bool = True  # checkpoints hold the optimizer's state (AdamW's moments, float32 master weights), so a resume is exact; false saves the weights alone (at bf16 with float32 masters 2 bytes per parameter instead of 14): a resume then needs this false too and starts the optimizer afresh (docs/reliability.md)
+    async_save: bool = True  # write checkpoints in the background: the next step starts once the files are in host memory (megatron-core's asynchronous save on the Megatron backend); costs one checkpoint's size of host memory (each rank its share) until written; false writes them before the next step
     resume: bool = True  # continue from the run directory's latest checkpoint if there is one
     allow_unverified_checkpoint: bool = False  # resume from a checkpoint without manifest.json (written before manifests): its files go unchecked
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation

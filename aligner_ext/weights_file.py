@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
+
+METADATA = {"format": "pt"}  # what transformers writes into a weights file's header
 
 
 def tied_groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
@@ -26,9 +28,18 @@ def save_weights(model: torch.nn.Module, path: Path) -> None:
 
 def save_state(state: dict[str, torch.Tensor], path: Path) -> None:
     """`save_weights` of a state dict (a merged one: aligner_ext/adapters.py)."""
+    save_file(_untied(state), str(path), metadata=METADATA)
+
+
+def state_file_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """The bytes `save_state` writes, made in memory (a checkpoint saved in the background, trainer/checkpoint.py)."""
+    return save(_untied(state), metadata=METADATA)
+
+
+def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of `state` a weights file holds: a tied tensor once, each contiguous."""
     duplicates = {name for names in tied_groups(state) for name in names[1:]}
-    save_file({name: value.detach().contiguous() for name, value in state.items() if name not in duplicates},
-              str(path), metadata={"format": "pt"})
+    return {name: value.detach().contiguous() for name, value in state.items() if name not in duplicates}
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:

@@ -129,6 +129,14 @@ class Reference(Protocol):
         """Log-probs [B, R] of the response tokens, float32 on the CPU, zero past each response."""
 
 
+class ShardedWrite(Protocol):
+    """A policy's background write of its sharded state (`Policy.save_sharded(directory, background=True)`)."""
+
+    def finished(self, wait: bool) -> bool:
+        """Whether every process has written its part, completing the write if so (collective); `wait`:
+        until they have. Raises the write's failure."""
+
+
 class Policy(abc.ABC):
     """A trainable policy."""
 
@@ -150,9 +158,11 @@ class Policy(abc.ABC):
         """Run `num_iterations` passes of optimizer updates on the batch; return summed metrics."""
 
     @abc.abstractmethod
-    def state_dict(self) -> dict:
+    def state_dict(self, optimizer: bool = True) -> dict:
         """Training state that is the same on every process (optimizer, LR schedule); the trainer saves
-        rank 0's. The weights are saved from `model`; state split over processes by `save_sharded`."""
+        rank 0's. The weights are saved from `model`; state split over processes by `save_sharded`.
+        `optimizer=False`: without the optimizer's moments and master weights (a weights-only
+        checkpoint, `trainer.save_optimizer=false`), which `load_state_dict` then leaves fresh."""
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
@@ -171,23 +181,28 @@ class Policy(abc.ABC):
         `train`; the loop calls it in its weight-sync stage. Default: nothing (the backend trains
         `model` itself)."""
 
-    def save_sharded(self, directory: Path) -> None:
+    def save_sharded(self, directory: Path, background: bool = False, optimizer: bool = True) -> ShardedWrite | None:
         """Write the state that differs between processes (a sharded model and optimizer) under the
         checkpoint `directory`, in a subdirectory of the backend's own. Called on every process,
-        collectively, while the checkpoint is written. Default: nothing (`state_dict` holds it all)."""
+        collectively, while the checkpoint is written. `background`: may return once the state is
+        copied, the write going on (a `ShardedWrite`, which the checkpointer finishes); None when it is
+        written. `optimizer=False`: the weights alone. Default: nothing (`state_dict` holds it all)."""
+        return None
 
-    def load_sharded(self, directory: Path) -> None:
+    def load_sharded(self, directory: Path, optimizer: bool = True) -> None:
         """Restore what `save_sharded` wrote under the checkpoint `directory` (every process, before
-        `load_state_dict`). Default: nothing."""
+        `load_state_dict`); `optimizer=False`: a weights-only checkpoint, the optimizer left fresh.
+        Default: nothing."""
 
     @abc.abstractmethod
     def save_pretrained(self, directory: str) -> None:
         """Write the weights as an HF checkpoint directory (safetensors)."""
 
     @abc.abstractmethod
-    def checkpoint_bytes(self) -> int:
-        """Estimated bytes of the weights and optimizer state one checkpoint holds, every process's
-        together (trainer/disk_space.py checks they fit before step 1). Collective for a sharded policy."""
+    def checkpoint_bytes(self, optimizer: bool = True) -> int:
+        """Estimated bytes of the weights and optimizer state one checkpoint holds (`optimizer=False`:
+        the weights alone), every process's together (trainer/disk_space.py checks they fit before
+        step 1). Collective for a sharded policy."""
 
     @abc.abstractmethod
     def export_bytes(self) -> int:

@@ -339,17 +339,21 @@ class HFPolicy(Policy):
         metrics["loss/router_aux"] += float(aux.detach()) * share
         return coefficient * aux * share
 
-    def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "nonfinite_guard": self.guard.state_dict()}
-        if self.masters and self.masters.pairs:
-            state["master_weights"] = self.masters.state_dict()
+    def state_dict(self, optimizer: bool = True) -> dict:
+        state = {"scheduler": self.scheduler.state_dict(), "nonfinite_guard": self.guard.state_dict()}
+        if optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+            if self.masters and self.masters.pairs:
+                state["master_weights"] = self.masters.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """A weights-only checkpoint has no optimizer state: AdamW's moments and step stay fresh and the
+        masters are the loaded weights."""
         if self.masters:  # before the optimizer's state, which is cast to its tensors' dtype
             self.masters.load_state_dict(state.get("master_weights"))
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_settings()
         if "nonfinite_guard" in state:  # checkpoints written before the guard existed lack it
@@ -376,10 +380,12 @@ class HFPolicy(Policy):
         self.model.save_pretrained(directory, state_dict=merged_state(self.model), safe_serialization=True)
         self.peft_model.save_pretrained(str(Path(directory) / lora.ADAPTER_DIR))
 
-    def checkpoint_bytes(self) -> int:
+    def checkpoint_bytes(self, optimizer: bool = True) -> int:
         """The weights in their dtype (with LoRA the adapters alone), AdamW's two moments per value it
         updates, in that value's dtype, and the float32 masters of low-precision weights."""
         weights = state_bytes(adapter_state(self.model) if self.peft_model is not None else self.model.state_dict())
+        if not optimizer:
+            return weights
         moments = 2 * sum(value.numel() * value.element_size() for value in self.trainable)
         masters = sum(master.numel() * 4 for master in self.masters.state_dict()) if self.masters else 0  # float32
         return weights + moments + masters

@@ -111,7 +111,12 @@ def _weights_checksum(path: str) -> str:
 
 def write_base(base: str, directory: Path) -> None:
     """`base.json` in the checkpoint `directory`: the base model at `base` (a path or hub id)."""
-    (directory / BASE_FILE).write_text(json.dumps(base_fingerprint(base), indent=1), encoding="utf-8")
+    (directory / BASE_FILE).write_text(base_json(base), encoding="utf-8")
+
+
+def base_json(base: str) -> str:
+    """What `write_base` writes."""
+    return json.dumps(base_fingerprint(base), indent=1)
 
 
 def check_base(base: str, checkpoint: Path) -> None:

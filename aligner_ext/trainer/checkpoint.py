@@ -19,6 +19,20 @@ a `step_<N>` directory without one, and pruning renames a checkpoint out of that
 deleting it. Weights holding NaN or infinity are never saved (the policy's `NonFiniteGuard` skips
 the updates that would make them; this is the last fence).
 
+A save in the background (`trainer.async_save`, `background=True`) does not stall training: what the
+main process writes is serialised into memory at once (the trainer state as `torch.save` writes it, the
+weights as safetensors writes them, the tokenizer's files), so the next step may change the weights
+and the RNG, and a writer thread writes those bytes, the manifest, renames the directory into place,
+points `latest` at it and prunes; a sharded policy's part is the policy's own background write
+(megatron-core's asynchronous save), and the writer thread starts once every process finished it. The
+loop asks before it logs each step (`poll`), and the next save (the final one among them, itself in
+the foreground) waits for it (`wait`); both are collective. A background write that fails is the same
+one line at the first of them, and the previous checkpoint stays `latest`: until the rename the
+checkpoint is only the temporary directory, which a kill -9 leaves behind and the next save of that
+step removes. A run stopping on an error lets the writer thread finish first (`settled_on_error`).
+The price is host memory: one checkpoint's main-process files (and a sharded policy's share on each
+process) are held until written.
+
 Multi-process runs (torchrun, aligner_ext/distributed.py): every process runs the same loop, so the
 loader, experience-maker and RNG states are the same on every rank, and the main process alone
 writes `trainer_state.pt`. What differs between ranks, a sharded policy's weights and optimizer
@@ -37,20 +51,26 @@ checkpoint is read the same way (models/megatron/dist_checkpoint.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
 import pickle
 import random
 import shutil
+import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save as safetensors_bytes
 
 from aligner_ext.adapters import adapter_state, model_is_adapted
 from aligner_ext.batch import ExperienceBatch, SampleInfo
@@ -58,10 +78,11 @@ from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import any_process, barrier, is_main_process
 from aligner_ext.errors import (CheckpointError, CorruptCheckpoint, UnsafeCheckpoint, UnverifiedCheckpoint,
                                  error_line)
-from aligner_ext.files import attempt_write, follow_umask
+from aligner_ext.files import attempt_write, failed_write, follow_umask
 from aligner_ext.models import lora
+from aligner_ext.models.base import ShardedWrite
 from aligner_ext.trainer.disk_space import save_failed
-from aligner_ext.weights_file import load_weights, save_weights
+from aligner_ext.weights_file import load_weights, save_weights, state_file_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +151,37 @@ def _write_files(tmp: Path, step: int, model: torch.nn.Module | None, adapters: 
     follow_umask(tmp)
 
 
+def _files_in_memory(step: int, model: torch.nn.Module | None, adapters: dict[str, torch.Tensor] | None,
+                     tokenizer, state: dict[str, Any]) -> dict[str, bytes | memoryview]:
+    """What `_write_files` writes before the manifest, as {path in the checkpoint: bytes}: a snapshot of
+    this moment that the next step cannot change (a background save)."""
+    files: dict[str, bytes | memoryview] = {}
+    buffer = io.BytesIO()
+    torch.save({**state, "step": step, "rng": rng_state()}, buffer)
+    files[STATE_FILE] = buffer.getbuffer()
+    if adapters is not None:
+        files[ADAPTERS] = safetensors_bytes({name: value.detach().contiguous() for name, value in adapters.items()})
+        files[lora.BASE_FILE] = lora.base_json(model.name_or_path).encode()
+    elif model is not None:
+        files[WEIGHTS] = state_file_bytes(model.state_dict())
+    with tempfile.TemporaryDirectory() as directory:  # the tokenizer is in use while the writer runs
+        tokenizer.save_pretrained(directory)
+        for file in sorted(Path(directory).rglob("*")):
+            if file.is_file():
+                files[str(Path("tokenizer") / file.relative_to(directory))] = file.read_bytes()
+    return files
+
+
+def _write_from_memory(tmp: Path, step: int, files: dict[str, bytes | memoryview]) -> None:
+    """Write `_files_in_memory`'s files into `tmp`, then the manifest (the writer thread)."""
+    for name, content in files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp / name, "wb") as handle:
+            handle.write(content)
+    _write_manifest(tmp, step)
+    follow_umask(tmp)
+
+
 def _write_text_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
@@ -137,6 +189,56 @@ def _write_text_atomically(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+class PendingSave:
+    """One background save: the sharded part under way, then the main process's files in memory, written
+    by a thread that publishes the checkpoint."""
+
+    def __init__(self, tmp: Path, final: Path):
+        self.tmp, self.final = tmp, final
+        self.sharded: ShardedWrite | None = None
+        self.files: dict[str, bytes | memoryview] = {}
+        self.step = int(final.name.split("_")[1])
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # what the writer thread raised
+
+    def start_sharded(self, save_sharded: Callable[[Path, bool], ShardedWrite | None], background: bool) -> None:
+        self.sharded = save_sharded(self.tmp, background)
+
+    def finish_sharded(self, wait: bool) -> None:
+        if self.sharded.finished(wait):
+            self.sharded = None
+
+    def abandon_sharded(self) -> None:
+        """Let a sharded write that was started end before its directory is removed (its failure is moot)."""
+        if self.sharded is not None:
+            attempt_write(lambda: self.sharded.finished(wait=True))
+            self.sharded = None
+
+    def hold(self, files: dict[str, bytes | memoryview]) -> None:
+        self.files = files
+
+    def write(self, publish: Callable[[], None], wait: bool) -> None:
+        """Start the writer thread once (main process); `wait`: until it is done. Not a daemon: a run
+        that stops on an error still finishes the checkpoint before the process exits."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._write, args=(publish,), name=f"checkpoint-{self.step}")
+            self.thread.start()
+        if wait:
+            self.thread.join()
+
+    def writing(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def _write(self, publish: Callable[[], None]) -> None:
+        try:
+            _write_from_memory(self.tmp, self.step, self.files)
+            self.files = {}
+            publish()
+        except BaseException as err:  # reported by the trainer's thread at its next poll or wait
+            shutil.rmtree(self.tmp, ignore_errors=True)  # a full disk is freed at once, not at the report
+            self.error = err
 
 
 class Checkpointer:
@@ -147,6 +249,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.allow_unverified = allow_unverified  # trainer.allow_unverified_checkpoint
         self.expected_bytes = 0  # one checkpoint's estimated size (trainer/disk_space.py), named when a save fails
+        self.pending: PendingSave | None = None  # a background save under way
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None (`complete()` lists them all)."""
@@ -200,11 +303,16 @@ class Checkpointer:
                 raise CorruptCheckpoint(f"{file}: its SHA-256 differs from the manifest's (corrupted)")
 
     def save(self, step: int, model: torch.nn.Module | None, tokenizer, state: dict[str, Any],
-             save_sharded: Callable[[Path], None] | None = None) -> Path:
+             save_sharded: Callable[[Path, bool], ShardedWrite | None] | None = None,
+             background: bool = False) -> Path:
         """Write step `step`; `state` holds everything but the weights (optimizer, loader, ...).
         Every process calls this; the main process's `state` and `model` are written (they must be
         the same on all; no `model.safetensors` when `model` is None: `save_sharded` holds the
-        weights), and `save_sharded(directory)` runs on every process inside the new checkpoint."""
+        weights), and `save_sharded(directory, background)` runs on every process inside the new
+        checkpoint. `background`: return once the files are in memory (module docstring); `wait` or
+        `poll` finish the save. Logs how long the loop waited: the stall a save costs a step."""
+        started = time.perf_counter()
+        self.wait()
         final = self.directory / f"step_{step}"
         tmp = self.directory / f".step_{step}.tmp"
         if is_main_process():
@@ -220,16 +328,76 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier()
-        failure = attempt_write(lambda: save_sharded(tmp)) if save_sharded is not None else None
+        pending, failure = PendingSave(tmp, final), None
+        if save_sharded is not None:
+            failure = attempt_write(lambda: pending.start_sharded(save_sharded, background))
         barrier()
         if is_main_process() and failure is None:
-            failure = attempt_write(lambda: _write_files(tmp, step, model, saved if adapted else None, tokenizer, state))
+            adapters = saved if adapted else None
+            failure = attempt_write(lambda: pending.hold(_files_in_memory(step, model, adapters, tokenizer, state))
+                                    if background else _write_files(tmp, step, model, adapters, tokenizer, state))
         if any_process(failure is not None):
+            pending.abandon_sharded()
             self._give_up(tmp, final, failure)
+        if background:
+            self.pending = pending
+            self.poll()
+        else:
+            if is_main_process():
+                self._publish(tmp, final)
+            barrier()
         if is_main_process():
-            self._publish(tmp, final)
-        barrier()
+            logger.info("checkpoint %s: the loop waited %.2f s%s", final.name, time.perf_counter() - started,
+                        ", writing it in the background" if background else "")
         return final
+
+    def poll(self) -> None:
+        """Move a background save on without waiting: finish the sharded part if every process has
+        written it, start the writer thread, note it done; its failure is one line (collective)."""
+        self._advance(wait=False)
+
+    def wait(self) -> None:
+        """Wait until a background save is in place (`latest` names it), or stop in its failure's one
+        line (collective). Nothing when no save is under way."""
+        self._advance(wait=True)
+
+    @contextlib.contextmanager
+    def settled_on_error(self) -> Iterator[None]:
+        """Around the steps: a run stopping on an error first lets its writer thread finish, so the checkpoint
+        whose files were in memory is in place when the error leaves (this process alone, no collective:
+        the others may be elsewhere; a sharded part still under way stays unpublished)."""
+        try:
+            yield
+        except BaseException:
+            pending = self.pending
+            if pending is not None and pending.thread is not None:
+                pending.thread.join()
+                if pending.error is not None:
+                    logger.error("writing checkpoint %s failed too: %s", pending.final, error_line(pending.error))
+            raise
+
+    def _advance(self, wait: bool) -> None:
+        pending = self.pending
+        if pending is None:
+            return
+        if pending.sharded is not None:
+            failure = attempt_write(lambda: pending.finish_sharded(wait))
+            if any_process(failure is not None):
+                self.pending = None
+                self._give_up(pending.tmp, pending.final, failure)
+            if pending.sharded is not None:  # every process agrees: the finish check is collective
+                return
+        if is_main_process():
+            pending.write(lambda: self._publish(pending.tmp, pending.final), wait)
+        if any_process(is_main_process() and pending.writing()):
+            return
+        self.pending = None
+        error = pending.error if is_main_process() else None
+        if any_process(error is not None):
+            failure = failed_write(error) if error is not None else None
+            if error is not None and failure is None:
+                raise error  # a bug keeps its traceback
+            self._give_up(pending.tmp, pending.final, failure)
 
     def _give_up(self, tmp: Path, final: Path, failure: BaseException | None) -> None:
         """A write of the checkpoint failed on some process: remove what was written and stop in one line

@@ -4,7 +4,8 @@ one line.
 `check_free_space` (every process, before the first step) estimates what the run will write and
 compares it with the free space of the output directory's filesystem:
 - one checkpoint: the policy's estimate of its weights and optimizer state, every process together
-  (`Policy.checkpoint_bytes`), plus the tokenizer as `save_pretrained` writes it;
+  (`Policy.checkpoint_bytes`; the weights alone with `trainer.save_optimizer=false`), plus the
+  tokenizer as `save_pretrained` writes it;
 - how many at once: a new checkpoint is complete before the oldest is pruned, so at the peak
   `trainer.keep_last` + 1 of them (every one the run saves with keep_last=0), the checkpoints already
   in the directory of a resumed run included: those count at their size on disk, as space the run
@@ -50,6 +51,7 @@ class WriteEstimate:
     count: int
     export: int
     held: int  # bytes of the checkpoints already in the run directory, among the `count`
+    weights_only: int = 0  # one checkpoint's bytes with trainer.save_optimizer=false, where the run saves the optimizer
 
     @property
     def needed(self) -> int:
@@ -127,11 +129,13 @@ def estimate_writes(cfg: RunConfig, policy: Policy, tokenizer, existing: list[Pa
     """What the run will write (module docstring). Collective for a sharded policy."""
     tokenizer_size = tokenizer_bytes(tokenizer)
     saves = planned_saves(cfg.trainer.save_every, start_step, cfg.trainer.total_steps)
+    optimizer = cfg.trainer.save_optimizer
     return WriteEstimate(
-        checkpoint=policy.checkpoint_bytes() + tokenizer_size,
+        checkpoint=policy.checkpoint_bytes(optimizer) + tokenizer_size,
         count=peak_count(cfg.trainer.keep_last, len(existing), saves),
         export=policy.export_bytes() + tokenizer_size if cfg.trainer.export_hf else 0,
         held=sum(directory_bytes(path) for path in existing),
+        weights_only=policy.checkpoint_bytes(optimizer=False) + tokenizer_size if optimizer else 0,
     )
 
 
@@ -153,10 +157,12 @@ def check_free_space(cfg: RunConfig, run_dir: Path, estimate: WriteEstimate) -> 
         return estimate
     held = f", beside the {human(estimate.held)} of the checkpoints already there" if estimate.held else ""
     export = f" and the export (hf_model/, {human(estimate.export)})" if estimate.export else ""
+    weights_only = (f", save the weights alone (trainer.save_optimizer=false: checkpoints of about "
+                    f"{human(estimate.weights_only)}, resumed with a fresh optimizer)" if estimate.weights_only else "")
     raise DiskSpaceError(
         f"{run_dir}: the run needs {human(estimate.needed)} for {estimate.count} checkpoint(s) of about "
         f"{human(estimate.checkpoint)}{export}{held}, and its filesystem has {human(free)} free: lower "
-        f"trainer.keep_last (now {cfg.trainer.keep_last}; 0 keeps every checkpoint), choose another "
+        f"trainer.keep_last (now {cfg.trainer.keep_last}; 0 keeps every checkpoint){weights_only}, choose another "
         "trainer.output_dir, or free or add disk space")
 
 

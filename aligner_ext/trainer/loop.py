@@ -20,6 +20,7 @@ from tqdm import tqdm
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.config import RunConfig, as_tree, changed_settings, settings, to_yaml
 from aligner_ext.distributed import init_from_env, is_main_process
+from aligner_ext.errors import CheckpointError
 from aligner_ext.files import attempt_write, follow_umask
 from aligner_ext.models.base import DivergedRun
 from aligner_ext.threads import compute_threads, usable_cores
@@ -92,33 +93,35 @@ def train(cfg: RunConfig) -> RunSummary:
     started = time.perf_counter()
     progress = tqdm(range(start_step, cfg.trainer.total_steps), desc="GRPO", disable=not cfg.trainer.progress_bar,
                     initial=start_step, total=cfg.trainer.total_steps)
-    for step in progress:
-        timer = StageTimer()
-        with timer("rollout"):
-            batch, metrics = parts.maker.make_experience(parts.train_loader, step)
-        if len(batch):  # a filtering maker may keep nothing: then this step makes no update
-            metrics.update(update_policy(parts, batch, timer, temperature))
-        metrics.update(timer.metrics())
-        metrics.update(parts.train_loader.metrics())
-        metrics["timing/tokens_per_s"] = metrics.get("response/num_tokens", 0.0) / metrics["timing/step_s"]
-        done = step + 1
-        if evaluator.due(done):
-            after = evaluator(done)
-            metrics.update(after)
-        log.log(done, metrics)
-        detector.observe(done, metrics)
-        progress.set_postfix_str(progress_line(metrics, after), refresh=False)
-        if metrics.get("actor/diverged_updates", 0.0) > 0:  # the guard's verdict: these weights are never saved
-            ratio = metrics["actor/update_ratio_max"]
-            raise DivergedRun(
-                f"step {done}: an optimizer update changed the weights' norm by {ratio:.3g} of it "
-                f"(policy.optim.max_update_ratio={cfg.policy.optim.max_update_ratio}): the model diverged; "
-                "stopping without saving it (checkpoints/latest, if any, is the last good step). Lower "
-                "policy.optim.lr and resume")
-        if len(batch) and cfg.trainer.log_samples_every and done % cfg.trainer.log_samples_every == 0:
-            log.log_samples(done, batch, cfg.trainer.num_log_samples)
-        if cfg.trainer.save_every and done % cfg.trainer.save_every == 0 and done < cfg.trainer.total_steps:
-            save(cfg, parts, checkpointer, done, before)
+    with checkpointer.settled_on_error():  # a background save lands before an error leaves train()
+        for step in progress:
+            timer = StageTimer()
+            with timer("rollout"):
+                batch, metrics = parts.maker.make_experience(parts.train_loader, step)
+            if len(batch):  # a filtering maker may keep nothing: then this step makes no update
+                metrics.update(update_policy(parts, batch, timer, temperature))
+            metrics.update(timer.metrics())
+            metrics.update(parts.train_loader.metrics())
+            metrics["timing/tokens_per_s"] = metrics.get("response/num_tokens", 0.0) / metrics["timing/step_s"]
+            done = step + 1
+            if evaluator.due(done):
+                after = evaluator(done)
+                metrics.update(after)
+            checkpointer.poll()  # a background save is published once written; a failed one stops the run here
+            log.log(done, metrics)
+            detector.observe(done, metrics)
+            progress.set_postfix_str(progress_line(metrics, after), refresh=False)
+            if metrics.get("actor/diverged_updates", 0.0) > 0:  # the guard's verdict: these weights are never saved
+                ratio = metrics["actor/update_ratio_max"]
+                raise DivergedRun(
+                    f"step {done}: an optimizer update changed the weights' norm by {ratio:.3g} of it "
+                    f"(policy.optim.max_update_ratio={cfg.policy.optim.max_update_ratio}): the model diverged; "
+                    "stopping without saving it (checkpoints/latest, if any, is the last good step). Lower "
+                    "policy.optim.lr and resume")
+            if len(batch) and cfg.trainer.log_samples_every and done % cfg.trainer.log_samples_every == 0:
+                log.log_samples(done, batch, cfg.trainer.num_log_samples)
+            if cfg.trainer.save_every and done % cfg.trainer.save_every == 0 and done < cfg.trainer.total_steps:
+                save(cfg, parts, checkpointer, done, before, background=cfg.trainer.async_save)
     if start_step >= cfg.trainer.total_steps:  # resumed a finished run: nothing trained, evaluate again
         after = evaluator(start_step)
     save(cfg, parts, checkpointer, cfg.trainer.total_steps, before)
@@ -216,15 +219,40 @@ def progress_line(metrics: dict[str, float], held_out: dict[str, float]) -> str:
     return ", ".join(parts)
 
 
-def save(cfg: RunConfig, parts: Components, checkpointer: Checkpointer, step: int, before: dict[str, float]) -> None:
+def save(cfg: RunConfig, parts: Components, checkpointer: Checkpointer, step: int, before: dict[str, float],
+         background: bool = False) -> None:
+    """Checkpoint step `step` (the weights alone with trainer.save_optimizer=false); `background`
+    (trainer.async_save): return once its files are in memory, the next step starting while they are
+    written (trainer/checkpoint.py). The final save is not in the background: the run ends, or exports,
+    after it."""
+    optimizer = cfg.trainer.save_optimizer
     state = {
-        "policy": parts.policy.state_dict(),
+        "policy": parts.policy.state_dict(optimizer),
         "loader": parts.train_loader.state_dict(),
         "maker": parts.maker.state_dict(),
         "eval_before": before,
         "config": to_yaml(cfg),
+        "weights_only": not optimizer,
     }
-    checkpointer.save(step, parts.policy.model, parts.tokenizer, state, parts.policy.save_sharded)
+    checkpointer.save(step, parts.policy.model, parts.tokenizer, state, background=background,
+                      save_sharded=lambda directory, later: parts.policy.save_sharded(directory, later, optimizer))
+
+
+def holds_optimizer(cfg: RunConfig, path: Path, state: dict) -> bool:
+    """Whether checkpoint `path` (its trainer `state`) holds the optimizer's state. A weights-only one
+    (trainer.save_optimizer=false) resumes only a run that asks for weights-only checkpoints too: the
+    user chose to resume without exactness; otherwise one line says why it cannot resume exactly."""
+    if not state.get("weights_only", False):  # older checkpoints lack the key: they hold it
+        return True
+    if cfg.trainer.save_optimizer:
+        raise CheckpointError(
+            f"checkpoint {path} holds the weights without the optimizer's state (saved with "
+            "trainer.save_optimizer=false), so the run cannot resume exactly: resume it with "
+            "trainer.save_optimizer=false (the optimizer starts afresh; the LR schedule, data order and RNG "
+            "continue), or start afresh with trainer.resume=false")
+    logger.warning("resuming from %s, a weights-only checkpoint: the optimizer's moments and master weights start "
+                   "afresh (trainer.save_optimizer=false)", path)
+    return False
 
 
 def export(parts: Components, directory: Path, expected_bytes: int) -> None:
@@ -266,7 +294,7 @@ def resume(cfg: RunConfig, parts: Components, checkpointer: Checkpointer) -> tup
     if changes:
         logger.warning("resuming %s with %d setting(s) changed since it was saved: %s", path, len(changes),
                        "; ".join(changes))
-    parts.policy.load_sharded(path)
+    parts.policy.load_sharded(path, optimizer=holds_optimizer(cfg, path, state))
     parts.policy.load_state_dict(state["policy"])
     parts.train_loader.load_state_dict(state["loader"])
     parts.maker.load_state_dict(state["maker"])

@@ -18,10 +18,16 @@ two processes (TP=2, PP=2, DP=2):
   on every weight (float32, reduction order differs between layouts: measured <= 1.2e-7; the step
   moves weights by more than 1e-3, checked), which also needs the RL step (it sets the learning
   rate, decaying linearly) restored.
+The first case saves the same state in the background too (megatron-core's asynchronous save), its
+writer held at a gate while the next step trains: every file equals the synchronous checkpoint's (the
+`.metadata` in everything but the directory's path it records), so the write holds the state of the
+moment it started, not the step trained meanwhile. Its weights saved alone (`trainer.save_optimizer=false`)
+hold no optimizer key and load at DP=2 exactly, the optimizer starting afresh.
 The distributed optimizer runs on GPUs only (docs/megatron.md, CPU shims): scripts/bench/megatron_ckpt_gpu.sh at 4e17684.
 """
 
 import dataclasses
+import pickle
 from pathlib import Path
 
 import pytest
@@ -96,3 +102,35 @@ def test_a_step_after_loading_at_another_layout_equals_the_step_of_the_saving_ru
 def test_a_directory_without_a_megatron_checkpoint_is_named(results):
     error = torch.load(results / "missing_error.pt")
     assert f"{CASES[-1]}/megatron is not a megatron-core distributed checkpoint" in error  # the worker's last case
+
+
+def read_metadata(directory: Path):
+    with open(directory / ".metadata", "rb") as handle:
+        return pickle.load(handle)  # written by this test's own launch
+
+
+@pytest.mark.parametrize("saved_at", ["tp2", "pp2"])
+def test_a_save_in_the_background_does_not_hold_the_next_step_and_writes_the_same_checkpoint(results, saved_at):
+    run = load_results(results, CASES[0])[saved_at]
+    assert run["async_done_after_a_step"] is False  # a step trained while the writer waited at its gate
+    assert run["async_done"] is True
+    case = results / CASES[0]
+    sync, background = (case / name / "megatron" for name in (f"ckpt_{saved_at}", f"ckpt_{saved_at}_async"))
+    files = sorted(path.name for path in sync.iterdir())
+    assert files == sorted(path.name for path in background.iterdir())
+    assert sum(name.endswith(".distcp") for name in files) == 4  # two ranks, two writer threads each
+    for name in files:
+        if name != ".metadata":  # which records the directory's path and a save id
+            assert (sync / name).read_bytes() == (background / name).read_bytes(), name
+    ours, theirs = read_metadata(background), read_metadata(sync)
+    assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.storage_data == theirs.storage_data
+
+
+def test_a_weights_only_checkpoint_holds_no_optimizer_state_and_loads_at_another_layout(results):
+    run = load_results(results, CASES[0])["tp2"]
+    saved, loaded = run["straight"], run["weights_only"]["loaded"]
+    assert_equal(loaded["weight"], saved["weight"], "weight")
+    assert loaded["steps"] == set() and "exp_avg" not in loaded  # the optimizer starts afresh
+    assert run["weights_only"]["trained"]["steps"] == {2.0}  # one RL step of 2 updates from a fresh Adam
+    keys = read_metadata(results / CASES[0] / "ckpt_weights_only" / "megatron").state_dict_metadata
+    assert keys and not any(key.startswith("optimizer") for key in keys)

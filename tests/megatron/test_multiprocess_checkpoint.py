@@ -12,7 +12,7 @@ from aligner_ext.trainer.checkpoint import Checkpointer
 
 def write_shard(calls: list):
     """A `save_sharded` hook that records where it was called and writes one file there."""
-    def save_sharded(directory):
+    def save_sharded(directory, background):
         calls.append(directory)
         (directory / "shards").mkdir()
         (directory / "shards" / "part").write_text("shard")

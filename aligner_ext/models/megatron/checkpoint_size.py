@@ -46,7 +46,10 @@ def rank_share(params: list[torch.nn.Parameter], copies: Copies) -> float:
     return sum(param.numel() / copies.of(param) for param in params)
 
 
-def sharded_checkpoint_bytes(values: int, dtype: torch.dtype) -> int:
-    """Bytes of a distributed checkpoint of `values` global values trained in `dtype` (module docstring)."""
+def sharded_checkpoint_bytes(values: int, dtype: torch.dtype, optimizer: bool = True) -> int:
+    """Bytes of a distributed checkpoint of `values` global values trained in `dtype` (module docstring);
+    `optimizer=False`: a weights-only checkpoint (`trainer.save_optimizer=false`), the weights alone."""
+    if not optimizer:
+        return values * dtype.itemsize
     per_value = dtype.itemsize + ADAM_MOMENTS_BYTES + (MASTER_BYTES if dtype in LOW_PRECISION else 0)
     return values * per_value

@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategy
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -190,49 +191,85 @@ def _raise_refusal_from(err: CheckpointException, directory: Path) -> None:
 
 def sharded_state_dict(model: torch.nn.Module, optimizer, is_loading: bool,
                        only: Callable[[str], bool] | None = None) -> dict:
-    """The model's and the optimizer's sharded state dicts (the optimizer's keyed by the model's); `only`:
-    the model's entries whose key it admits."""
+    """The model's and the optimizer's sharded state dicts (the optimizer's keyed by the model's; none
+    when `optimizer` is None: a weights-only checkpoint); `only`: the model's entries whose key it admits."""
     model_state = model.sharded_state_dict()
     if only is not None:
         model_state = {key: value for key, value in model_state.items() if only(key)}
+    if optimizer is None:
+        return {"model": model_state}
     return {"model": model_state,
             "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)}
 
 
-def save(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str], bool] | None = None) -> None:
-    """Write `model` (this rank's GPTModel; `only`: the parameters it admits) and `optimizer` into
-    `directory`, which must not exist yet."""
+def save(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str], bool] | None = None,
+         background: bool = False) -> AsyncSave | None:
+    """Write `model` (this rank's GPTModel; `only`: the parameters it admits) and `optimizer` (None: the
+    weights alone) into `directory`, which must not exist yet; `background`: megatron-core's
+    asynchronous save (`AsyncSave`)."""
     if dist.get_rank() == 0:
         directory.mkdir()
     dist.barrier()
     try:
-        dist_checkpointing.save(sharded_state_dict(model, optimizer, is_loading=False, only=only), str(directory))
+        request = dist_checkpointing.save(sharded_state_dict(model, optimizer, is_loading=False, only=only),
+                                          str(directory), async_sharded_save=background)
     except BaseException as err:
         if dist.get_rank() == 0:
             _release_waiting_ranks(err)
         raise
+    return AsyncSave(request) if background else None
 
 
-def _release_waiting_ranks(err: BaseException) -> None:
+class AsyncSave:
+    """megatron-core's asynchronous save of one distributed checkpoint.
+
+    When it starts, each rank copies its shards to host memory (on the CPU the fork below snapshots
+    them) and forks a process that writes its `.distcp` files (`TemporalAsyncCaller`, megatron-core's
+    default; its persistent caller would hand CPU tensors to its worker through shared memory, not as
+    a snapshot). `finished` asks every rank whether its process is done (an all-reduce) and then
+    finalises: rank 0 writes `.metadata` and `metadata.json`, as the synchronous save does."""
+
+    def __init__(self, request):
+        self.calls = AsyncCallsQueue(persistent=False)
+        self.calls.schedule_async_request(request)
+
+    def finished(self, wait: bool) -> bool:
+        """Whether every rank's part is written and the checkpoint finalised (collective)."""
+        try:
+            self.calls.maybe_finalize_async_calls(blocking=wait)
+        except BaseException as err:
+            if dist.get_rank() == 0:
+                _release_waiting_ranks(err, finalising=self.calls.call_idx)
+            raise
+        return self.calls.get_num_unfinalized_calls() == 0
+
+
+def _release_waiting_ranks(err: BaseException, finalising: int | None = None) -> None:
     """Join the collectives the other ranks wait in when writing the metadata failed on rank 0 alone.
 
     megatron-core 0.16 writes `.metadata` (`save_state_dict_async_finalize`) and `metadata.json`
     (`metadata_finalize_fn`) on rank 0 while the other ranks already wait: in the broadcast of the
-    failure status after `.metadata`, in a barrier after `metadata.json`. A failed write there (a disk
-    that filled with the `.distcp` files) raises on rank 0 only, and every rank would hang in
-    mismatched collectives. Broadcasting the failure makes the other ranks raise megatron-core's
-    CheckpointException too; joining the barrier lets them return (the checkpointer then tells every
-    rank of rank 0's failure). Failures megatron-core reports itself arrive on every rank and need nothing."""
+    failure status after `.metadata`, in a barrier after `metadata.json` (and, finalising the
+    asynchronous save numbered `finalising`, in the all-reduce of that number after it). A failed
+    write there (a disk that filled with the `.distcp` files) raises on rank 0 only, and every rank
+    would hang in mismatched collectives. Broadcasting the failure makes the other ranks raise
+    megatron-core's CheckpointException too; joining the barrier lets them return (the checkpointer
+    then tells every rank of rank 0's failure). Failures megatron-core reports itself arrive on every
+    rank and need nothing."""
     stages = {frame.name for frame in traceback.extract_tb(err.__traceback__)}
     if "save_state_dict_async_finalize" in stages and not isinstance(err, CheckpointException):
         failed = torch.tensor([1], dtype=torch.int, device=torch.cuda.current_device())
         dist.broadcast(failed, src=0)
     elif "metadata_finalize_fn" in stages:
         dist.barrier()
+        if finalising is not None:
+            number = torch.tensor([finalising], dtype=torch.int, device=torch.cuda.current_device())
+            dist.all_reduce(number, op=dist.ReduceOp.MAX)
 
 
 def load(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str], bool] | None = None) -> None:
-    """Load what `save` wrote, at this run's layout, into `model` and `optimizer`."""
+    """Load what `save` wrote, at this run's layout, into `model` and `optimizer` (None: a weights-only
+    checkpoint, which holds the weights alone)."""
     try:
         found = dist_checkpointing.check_is_distributed_checkpoint(str(directory))
     except ValueError as err:  # megatron-core's metadata.json is not JSON
@@ -240,7 +277,7 @@ def load(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str
     if not found:
         raise FileNotFoundError(f"{directory} is not a megatron-core distributed checkpoint "
                                 "(a checkpoint of another policy backend?)")
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]) if optimizer is not None else []:
         if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
             inner._init_optimizer_states_with_dummy_values()  # see the module docstring
     try:
@@ -252,6 +289,8 @@ def load(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str
         _raise_refusal_from(err, directory)
         raise
     model.load_state_dict(state["model"], strict=only is None)
+    if optimizer is None:
+        return
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     if len(inner) == 1 and isinstance(inner[0], DistributedOptimizer):
         _load_distributed(inner[0], state["optimizer"])

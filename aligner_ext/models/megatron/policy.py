@@ -376,7 +376,7 @@ class MegatronPolicy(Policy):
         dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
         return dict(zip(keys, values.tolist()))
 
-    def state_dict(self) -> dict:
+    def state_dict(self, optimizer: bool = True) -> dict:
         """The RL step (it sets the learning rate) and the non-finite guard's counts; weights and
         optimizer are in `save_sharded`."""
         return {"rl_step": self.rl_step, "nonfinite_guard": self.guard.state_dict()}
@@ -388,9 +388,12 @@ class MegatronPolicy(Policy):
         apply_settings(self.optimizer, self.cfg.optim)
         set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
 
-    def save_sharded(self, directory: Path) -> None:
-        """Write the weights and optimizer state into `directory/megatron` (collective); refuse weights
-        holding NaN or infinity on any rank (the checkpointer's own check reads the HF copy, which a
+    def save_sharded(self, directory: Path, background: bool = False,
+                     optimizer: bool = True) -> dist_checkpoint.AsyncSave | None:
+        """Write the weights and optimizer state (`optimizer=False`: the weights alone) into
+        `directory/megatron` (collective; `background`: megatron-core's asynchronous save, returned to
+        be finished); refuse weights holding NaN or
+        infinity on any rank (the checkpointer's own check reads the HF copy, which a
         run generating on the shards does not keep)."""
         finite = torch.tensor([all(bool(torch.isfinite(p).all()) for p in self.core.parameters())], device=self.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
@@ -399,25 +402,31 @@ class MegatronPolicy(Policy):
                                "finite checkpoint stays the latest")
         if self.adapters and dist.get_rank() == 0:
             base_lora.write_base(self.base_path, directory)
-        dist_checkpoint.save(directory / dist_checkpoint.DIRECTORY, self.core, self.optimizer, self._saved())
+        return dist_checkpoint.save(directory / dist_checkpoint.DIRECTORY, self.core,
+                                    self.optimizer if optimizer else None, self._saved(), background)
 
-    def load_sharded(self, directory: Path) -> None:
-        """Load `directory/megatron` at this run's layout (collective), then refresh the HF copy. LoRA
-        adapters of another base are refused (`models/lora.check_base`)."""
+    def load_sharded(self, directory: Path, optimizer: bool = True) -> None:
+        """Load `directory/megatron` at this run's layout (collective; `optimizer=False`: a weights-only
+        checkpoint, the optimizer's float32 master weights then copied from the loaded weights, its
+        moments fresh), then refresh the HF copy. LoRA adapters of another base are refused
+        (`models/lora.check_base`)."""
         if bool(self.adapters) != (directory / base_lora.BASE_FILE).exists():
             held, wanted = ("every weight", "adapters") if self.adapters else ("adapters", "every weight")
             raise CheckpointError(f"checkpoint {directory} holds {held}, this run trains {wanted}: resume with the "
                                   "policy.lora settings it was saved with, or start afresh (trainer.resume=false)")
         if self.adapters:
             base_lora.check_base(self.base_path, directory)
-        dist_checkpoint.load(directory / dist_checkpoint.DIRECTORY, self.core, self.optimizer, self._saved())
+        dist_checkpoint.load(directory / dist_checkpoint.DIRECTORY, self.core, self.optimizer if optimizer else None,
+                             self._saved())
+        if not optimizer:
+            self.optimizer.reload_model_params()
         self.sync_weights()
 
     def _saved(self):
         """What the distributed checkpoint holds of the GPTModel: with LoRA the adapters alone."""
         return lora.is_adapter if self.adapters else None
 
-    def checkpoint_bytes(self) -> int:
+    def checkpoint_bytes(self, optimizer: bool = True) -> int:
         """The distributed checkpoint (`checkpoint_size`: every rank's share of the saved values, summed
         over the world; collective) and the HF copy's `model.safetensors` where the run keeps one."""
         copies = Copies(parallel_state.get_data_parallel_world_size(),
@@ -429,7 +438,7 @@ class MegatronPolicy(Policy):
         values = torch.tensor([rank_share(saved, copies)], dtype=torch.float64, device=self.device)
         dist.all_reduce(values)
         hf_weights = state_bytes(self.model.state_dict()) if self.model is not None else 0
-        return sharded_checkpoint_bytes(round(values.item()), self.dtype) + hf_weights
+        return sharded_checkpoint_bytes(round(values.item()), self.dtype, optimizer) + hf_weights
 
     def export_bytes(self) -> int:
         """The HF model's weights in the training dtype (and, with LoRA, the adapters beside them: a

@@ -45,6 +45,9 @@ def test_bf16_weights_with_float32_masters(tiny_model):
     train_once(policy, tiny_model.config.vocab_size)
     weights = 2 * parameters  # model.safetensors
     assert estimate == weights + state_tensor_bytes(policy.state_dict())  # masters and moments, as saved
+    # weights-only (trainer.save_optimizer=false): no masters or moments in the saved state
+    assert policy.checkpoint_bytes(optimizer=False) == weights
+    assert state_tensor_bytes(policy.state_dict(optimizer=False)) == 0
 
 
 def test_lora_saves_the_adapters_and_their_moments_alone(tiny_model, tmp_path):

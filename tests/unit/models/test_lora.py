@@ -125,6 +125,21 @@ def test_a_checkpoint_holds_the_adapters_and_resumes_bit_identically(base_dir, t
         assert torch.equal(value, adapter_state(resumed.model)[name]), name
 
 
+def test_adapters_saved_in_the_background_are_the_foreground_files(base_dir, tiny_tokenizer, tmp_path):
+    policy = lora_policy(base_dir)
+    written = {}
+    for background in (False, True):
+        checkpointer = Checkpointer(tmp_path / str(background), keep_last=2)
+        checkpointer.save(1, policy.model, tiny_tokenizer, {}, background=background)
+        checkpointer.wait()
+        path = checkpointer.latest()
+        checkpointer.verify(path)
+        written[background] = {file.relative_to(path): file.read_bytes() for file in sorted(path.rglob("*"))
+                               if file.is_file() and file.name not in ("trainer_state.pt", "manifest.json")}
+    assert Path("adapters.safetensors") in written[True] and Path("base.json") in written[True]
+    assert written[True] == written[False]
+
+
 def test_a_checkpoint_of_another_base_is_refused_naming_both(base_dir, tiny_tokenizer, tmp_path):
     policy = lora_policy(base_dir)
     checkpointer = Checkpointer(tmp_path / "run", keep_last=2)

@@ -32,3 +32,5 @@ def test_bytes_per_value_follow_the_dtype():
     # bf16 weight 2 + AdamW's two float32 moments 8 + float32 master 4 = 14 bytes; float32: 4 + 8 = 12
     assert sharded_checkpoint_bytes(32, torch.bfloat16) == 32 * 14
     assert sharded_checkpoint_bytes(32, torch.float32) == 32 * 12
+    # weights-only (trainer.save_optimizer=false): the weight alone
+    assert sharded_checkpoint_bytes(32, torch.bfloat16, optimizer=False) == 32 * 2

@@ -41,6 +41,11 @@ def test_a_run_that_does_not_fit_names_both_numbers_and_what_to_change(tmp_path,
     message = str(refused.value)
     assert "needs 4.0 GiB for 3 checkpoint(s) of about 1.5 GiB" in message and "has 3.0 GiB free" in message
     assert "trainer.keep_last (now 2" in message and "trainer.output_dir" in message
+    assert "save_optimizer" not in message  # the estimate offered no weights-only size
+    estimate.weights_only = 2**29
+    with pytest.raises(DiskSpaceError) as refused:
+        check_free_space(settings(), tmp_path / "run", estimate)
+    assert "trainer.save_optimizer=false: checkpoints of about 512.00 MiB" in str(refused.value)
     assert check_free_space(settings(), tmp_path / "run", WriteEstimate(2**29, 3, 2**29, 0)) is not None  # 2 GiB fit
 
 
