@@ -92,6 +92,9 @@ class GenerateAhead(ExperienceWrapper):
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         """Step `step`'s batch, made ahead; the trainer's `loader` is moved to where it stands after it."""
+        if step >= self.total_steps:  # the thread stops at the run's last step: this batch would never come
+            raise ValueError(f"step {step}: generation ahead makes batches for trainer.total_steps="
+                             f"{self.total_steps} steps only")
         started = time.perf_counter()
         with self._changed:
             self._trainer_at = (step, self.policy.version)

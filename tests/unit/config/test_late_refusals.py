@@ -71,6 +71,7 @@ ELSEWHERE = {
     "or raise data.max_prompt_length": "the data rows' lengths",
     "cannot resume the prompt stream": "a checkpoint's saved state",
     "under torchrun (": "the number of processes torchrun starts",
+    "generation ahead makes batches for": "the steps a caller of the loop's parts asks for (scripts/bench)",
     "float32 master weights, this policy trains": "a checkpoint's saved state",
     "checkpoint(s) of about": "the model's size and the output directory's free space",
     "rerun the same command to export it": "a write to the output directory's disk",

@@ -121,3 +121,9 @@ def test_an_error_in_the_thread_is_raised_in_the_trainer():
         policy.version += 1
     with pytest.raises(RuntimeError, match="^step 2 failed$"):
         ahead.make_experience(stream, 2)
+
+
+def test_a_step_past_the_run_is_refused_rather_than_awaited():
+    ahead, inner, policy = ahead_of(0, steps=2)
+    with pytest.raises(ValueError, match="^step 2: generation ahead makes batches for trainer.total_steps=2 steps"):
+        ahead.make_experience(Stream(), 2)
