@@ -127,3 +127,11 @@ def test_a_step_past_the_run_is_refused_rather_than_awaited():
     ahead, inner, policy = ahead_of(0, steps=2)
     with pytest.raises(ValueError, match="^step 2: generation ahead makes batches for trainer.total_steps=2 steps"):
         ahead.make_experience(Stream(), 2)
+
+
+def test_a_batch_waits_for_the_newest_weights_even_within_the_bound():
+    ahead, inner, policy = ahead_of(3)
+    assert ahead._admitted(2)  # the copy and the policy at version 0; step 2 trains at version 2 at most
+    assert not ahead._admitted(4)  # 4 versions behind: past the bound
+    policy.version = 1  # an update ended, the trainer has not refitted the copy yet
+    assert not ahead._admitted(2)
