@@ -45,8 +45,9 @@ def test_staleness_zero_reproduces_the_synchronous_run_bit_for_bit(tmp_path):
     ahead, ahead_dir = run(tmp_path, "ahead", *steps, *AHEAD, "trainer.asynchronous.max_staleness=0")
     assert [learning_metrics(r) for r in ahead] == [learning_metrics(r) for r in synchronous]
     assert all(r["staleness/max"] == 0 for r in ahead[1:])
-    expected = weights(sync_dir, 3)
-    for name, tensor in weights(ahead_dir, 3).items():
+    expected, got = weights(sync_dir, 3), weights(ahead_dir, 3)
+    assert set(got) == set(expected)
+    for name, tensor in got.items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
     assert all(r["actor/grad_norm"] > 0 for r in synchronous[1:])  # every step moved the weights
 
@@ -62,7 +63,7 @@ def test_staleness_one_trains_one_version_behind_and_resumes_without_repeating_a
 
     def save_then_stop(cfg, parts, checkpointer, step, before):
         save(cfg, parts, checkpointer, step, before)
-        raise Interrupted  # batch 2 was made ahead while step 2 trained, batch 3 may be on its way
+        raise Interrupted  # step 3's batch, made while step 2 trained, is in flight: lost with the run
 
     monkeypatch.setattr(loop, "save", save_then_stop)
     with pytest.raises(Interrupted):
