@@ -135,3 +135,17 @@ def test_a_batch_waits_for_the_newest_weights_even_within_the_bound():
     assert not ahead._admitted(4)  # 4 versions behind: past the bound
     policy.version = 1  # an update ended, the trainer has not refitted the copy yet
     assert not ahead._admitted(2)
+
+
+def test_evaluation_samples_the_current_weights_between_two_batches():
+    """A maker that evaluates its own way (MTPO's two rounds) samples from the copy: it is refitted first."""
+    ahead, inner, policy = ahead_of(1)
+    seen = []
+    inner.evaluate = lambda loader, single_round: (seen.append((ahead.engine.weights_version, ahead._generating))
+                                                   or {"val/accuracy": 1.0})
+    stream = Stream()
+    ahead.make_experience(stream, 0)
+    policy.version += 1  # step 0's update; step 1's batch may be in progress on version 0
+    assert ahead.evaluate(stream, None) == {"val/accuracy": 1.0}
+    # on version 1, no batch in progress; refitted at the first request, then before the evaluation
+    assert seen == [(1, False)] and ahead.snapshot.refits == 2
