@@ -23,8 +23,8 @@ Shared decisions (docs/grpo.md):
 Metrics are divided by the global counts, so the caller sums them over micro-batches: loss/pg,
 loss/kl, loss/total, actor/ratio_mean, actor/approx_kl_old (token-mean k3 of the policy against
 old_logprobs), actor/kl (with ref_logprobs), actor/entropy (when the caller passes entropy), the
-correction's (losses/off_policy.py), actor/stale_masked_frac (with `loss.max_token_staleness`) and the loss's own diagnostics (token means of its surrogate's
-flags, e.g. actor/clip_frac_low).
+correction's (losses/off_policy.py), actor/stale_masked_frac (with `loss.max_token_staleness`) and
+the loss's own diagnostics (token means of its surrogate's flags, e.g. actor/clip_frac_low).
 """
 
 from __future__ import annotations
