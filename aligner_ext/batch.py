@@ -70,6 +70,12 @@ class ExperienceBatch:
     # engine), TEMPLATE (the chat template's boundary after a model turn) or OBSERVATION (tool results,
     # feedback, the next generation prompt); 0 on padding. None: every response token was sampled.
     token_roles: torch.Tensor | None = None  # [B, R] int8
+    # Policy versions (docs/async.md): the version counts the optimizer updates applied to the policy.
+    # Each sampled token is stamped with the version of the weights that sampled it, beside its
+    # behaviour log-prob `generation_logprobs`; staleness is the version the batch trains at (the
+    # proximal policy's, before this step's update) less the token's. 0 where no token was sampled.
+    generation_versions: torch.Tensor | None = None  # [B, R] int64, written by the makers that sample
+    staleness: torch.Tensor | None = None  # [B, R] int64, written by the loop before the policy's passes
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]

@@ -21,8 +21,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from aligner_ext.agents.settings import AgentsConfig
 from aligner_ext.algorithms.settings import AdvantageConfig, CPOConfig, check_group_size
 from aligner_ext.data.settings import DataConfig, check_val_set_names
-from aligner_ext.experience.settings import (DynamicSamplingConfig, GradedPromptConfig, RolloutConfig, TwoRoundConfig,
-                                             check_evaluation, check_rollouts)
+from aligner_ext.experience.settings import (AsynchronousConfig, DynamicSamplingConfig, GradedPromptConfig, RolloutConfig,
+                                             TwoRoundConfig, check_asynchronous, check_evaluation, check_rollouts)
 from aligner_ext.from_verl import VERL_ALIASES, VERL_SECTIONS, VERL_VALUE_ALIASES, no_equivalent
 from aligner_ext.generation.settings import (MIN_TEMPERATURE, HFEngineConfig, RemoteEngineConfig, RolloutEngineConfig,
                                              check_remote_engine)
@@ -127,6 +127,7 @@ class TrainerConfig:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # MLflow, off by default (aligner_ext/trackers.py)
     progress_bar: bool = True  # show a progress bar
     export_hf: bool = True  # write the final policy as an HF checkpoint (<run dir>/hf_model)
+    asynchronous: AsynchronousConfig = field(default_factory=AsynchronousConfig)  # generation ahead of training (docs/async.md)
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[\w.+=-]+", self.run_name) or self.run_name in (".", ".."):
@@ -417,6 +418,7 @@ def check_across_sections(cfg: RunConfig, for_training: bool = True, given: dict
     resolve_loss_settings(cfg.algorithm.loss, cfg.loss)
     check_evaluation(cfg.algorithm.experience_maker, cfg.trainer.eval)
     check_rollouts(cfg)
+    check_asynchronous(cfg, active_variants(cfg))
     check_remote_engine(cfg.generator.engine, cfg.generator.remote)
     check_lora_engine(cfg.policy.lora, cfg.generator.engine)
     check_group_size(cfg)

@@ -106,6 +106,7 @@ READ_ONLY_UNDER: dict[str, tuple[str, ...]] = {
     "rollout.overlong_penalty": ("rollout.overlong_buffer_fraction>0",),
     "mtpo.": ("algorithm.experience_maker=two_round",),
     "agents.": ("algorithm.experience_maker=agent_episodes",),
+    "trainer.asynchronous.max_staleness": ("trainer.asynchronous.enabled=true",),
     "policy.optim.master_weights": ("policy.backend=hf",),  # megatron-core's optimizer always keeps float32 masters
     "advantage.": tuple(f"algorithm.adv_estimator={name}" for name in  # RLOO divides by no std
                         ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "mtpo_segments", "cpo")),
@@ -219,6 +220,8 @@ def active_switches(cfg) -> set[str]:
         switches.add("rollout.overlong_buffer_fraction>0")
     if cfg.rollout.overlong_filter:
         switches.add("rollout.overlong_filter=true")
+    if cfg.trainer.asynchronous.enabled:
+        switches.add("trainer.asynchronous.enabled=true")
     return switches
 
 

@@ -53,7 +53,7 @@ from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.templating import left_pad, right_pad
 from aligner_ext.data.types import PromptRow
 from aligner_ext.errors import ConfigError, UserError
-from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, identical_samples
+from aligner_ext.experience.base import EXPERIENCE_MAKERS, GroupSampling, identical_samples, sampled_versions
 from aligner_ext.experience.settings import RolloutConfig
 from aligner_ext.generation.base import GenerationEngine, SamplingParams
 from aligner_ext.rewards.base import RewardResult
@@ -179,7 +179,7 @@ class AgentEpisodes(GroupSampling):
                                 finish_reason=outcome.last_finish, reward_info=info)
                      for (outcome, _), info in zip(rows, infos)],
             generation_logprobs=logprobs if self.cfg.return_logprobs else None, prompt_routing=prompt_routing,
-            response_routing=response_routing,
+            response_routing=response_routing, generation_versions=sampled_versions(sampled, self.engine),
         )
         batch.rewards = torch.tensor(rewards, dtype=torch.float32)
         batch.correct = torch.tensor(correct, dtype=torch.float32)

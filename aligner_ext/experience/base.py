@@ -133,7 +133,7 @@ class GroupSampling(ExperienceMaker):
     """GRPO: `n` samples per prompt draw, one group each."""
 
     Config = RolloutConfig
-    writes = ("rewards", "correct", "token_rewards", "generation_logprobs")
+    writes = ("rewards", "correct", "token_rewards", "generation_logprobs", "generation_versions")
 
     def __init__(self, cfg: RolloutConfig, engine: GenerationEngine, rewards: RewardManager, tokenizer,
                  seed: int = 0, return_routing: bool = False):
@@ -179,7 +179,8 @@ class GroupSampling(ExperienceMaker):
 
     def assemble(self, requests: list[SampleRequest], outputs: list[GenerationOutput]) -> ExperienceBatch:
         """Tensors of the batch: the draw's own prompt (not the generator's) and the generated ids; the
-        engine's routing where it returned one, for the rows whose generator prompt is the trained one."""
+        engine's routing where it returned one, for the rows whose generator prompt is the trained one;
+        the version of the weights that sampled them."""
         pad = self.tokenizer.pad_token_id
         prompt_ids, prompt_mask = left_pad([request.draw.prompt_ids for request in requests], pad)
         response_ids, response_valid = right_pad([output.token_ids for output in outputs], pad)
@@ -207,7 +208,7 @@ class GroupSampling(ExperienceMaker):
             response_valid=response_valid, response_mask=response_valid.clone(),
             group_ids=torch.tensor([request.group_id for request in requests], dtype=torch.long),
             samples=samples, generation_logprobs=generation_logprobs, prompt_routing=prompt_routing,
-            response_routing=response_routing,
+            response_routing=response_routing, generation_versions=sampled_versions(response_valid, self.engine),
         )
 
     def score(self, batch: ExperienceBatch) -> None:
@@ -220,6 +221,11 @@ class GroupSampling(ExperienceMaker):
             [r.correct if r.correct is not None else float("nan") for r in results], dtype=torch.float32
         )
         batch.token_rewards = sparse_token_rewards(batch.rewards, batch.response_lengths, batch.response_ids.shape[1])
+
+
+def sampled_versions(sampled: torch.Tensor, engine: GenerationEngine) -> torch.Tensor:
+    """[B, R] int64: the version of the weights `engine` sampled with on the `sampled` tokens, 0 elsewhere."""
+    return sampled.long() * engine.weights_version
 
 
 def sparse_token_rewards(rewards: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:

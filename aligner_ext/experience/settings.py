@@ -142,3 +142,58 @@ def check_rollouts(cfg) -> None:
     if cfg.algorithm.experience_maker in ("two_round", "mtpo") and rollout.stop:
         raise ValueError(f"rollout.stop {list(rollout.stop)} is not used by two-round rollouts; set "
                          "mtpo.answer_stop_str and mtpo.confidence_stop_str")
+
+
+@dataclass
+class AsynchronousConfig:
+    """Generation ahead of training in the trainer's process, on a copy of the policy (docs/async.md)."""
+
+    enabled: bool = False  # generate ahead of training; false: each step generates, then trains (the synchronous loop)
+    max_staleness: int = number(1, ge=0)  # k: a batch starts only while it cannot be trained more than k policy versions (optimizer updates) after the weights it samples with; 0 = each batch waits for the previous update, the synchronous run bit for bit
+
+
+def planned_updates_per_step(cfg) -> int:
+    """The optimizer updates one step makes on a full batch of the run config `cfg` (every pass over
+    every mini-batch): a step makes no more, so admission counts on it (experience/ahead.py)."""
+    sequences = cfg.data.train_batch_size * cfg.rollout.n
+    mini_batch = cfg.policy.mini_batch_size or sequences
+    return cfg.policy.num_iterations * -(-sequences // mini_batch)
+
+
+def check_asynchronous(cfg, variants: set[str]) -> None:
+    """What generation ahead (`trainer.asynchronous`) does not run with yet, refused naming both settings;
+    `variants`: the variants on (variants.active_variants)."""
+    ahead = cfg.trainer.asynchronous
+    if not ahead.enabled:
+        return
+    on = "trainer.asynchronous.enabled=true"
+    if cfg.algorithm.experience_maker in ("agent_episodes", "agents"):
+        raise ValueError(f"algorithm.experience_maker={cfg.algorithm.experience_maker} with {on}: agent episodes are not "
+                         "generated ahead yet (their turn sessions and environments would run beside training "
+                         "untested); set trainer.asynchronous.enabled=false")
+    if "cpo" in variants:
+        raise ValueError(f"CPO (algorithm.adv_estimator={cfg.algorithm.adv_estimator}, cpo.wrap_method="
+                         f"{cfg.cpo.wrap_method}) with {on}: its hint pass runs the policy's forward inside the "
+                         "experience maker, which a generation thread cannot share with the training that updates it")
+    if cfg.policy.backend != "hf":
+        raise ValueError(f"policy.backend={cfg.policy.backend} with {on}: generation ahead copies an HF module of the "
+                         "policy; the Megatron backend generates on its training shards, under collectives a second "
+                         "thread would interleave with training's; use policy.backend=hf")
+    if cfg.generator.engine not in ("auto", "hf", "rollout"):
+        raise ValueError(f"generator.engine={cfg.generator.engine} with {on}: generation ahead runs an in-process engine "
+                         "(hf or rollout) on a copy of the policy; an engine holding its own weights (servers, vLLM: "
+                         "the disaggregated placement) is not driven ahead yet")
+    if cfg.dynamic_sampling.enabled and cfg.dynamic_sampling.keep_surplus:
+        raise ValueError(f"dynamic_sampling.keep_surplus=true with {on}: a carried group reaches training up to "
+                         "dynamic_sampling.max_surplus_age steps after the batch it was sampled for, past the bound "
+                         "trainer.asynchronous.max_staleness admits by; set dynamic_sampling.keep_surplus=false")
+    if cfg.policy.routing_replay:
+        raise ValueError(f"policy.routing_replay=true with {on}: replaying the engine's experts under weights several "
+                         "versions newer is not defined yet; leave routing replay off")
+    updates = planned_updates_per_step(cfg)
+    if 0 < ahead.max_staleness < updates:
+        raise ValueError(f"trainer.asynchronous.max_staleness={ahead.max_staleness} is below the {updates} optimizer "
+                         f"updates one step makes (policy.num_iterations={cfg.policy.num_iterations} x "
+                         f"{updates // cfg.policy.num_iterations} mini-batch(es), policy.mini_batch_size="
+                         f"{cfg.policy.mini_batch_size}): no batch could start before the update preceding it; set it "
+                         f"to 0 or at least {updates}")

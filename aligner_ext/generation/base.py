@@ -71,6 +71,8 @@ class GenerationEngine(abc.ABC):
     report a per-sequence finish reason; accept prompts of different lengths in one call.
     """
 
+    weights_version: int = 0  # the policy version (optimizer updates applied) of the weights it samples with; set by whoever hands it weights (the loop's refit, trainer/loop.py; the generation-ahead snapshot, experience/ahead.py)
+
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         """Continue every prompt once; output i belongs to prompt i."""

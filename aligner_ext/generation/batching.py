@@ -90,7 +90,9 @@ class _DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             self.warmed.add(shape)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the capture forbids unsafe CUDA calls in this thread only, so that training may run in
+        # another while generation runs ahead (experience/ahead.py); alone in its process it is the same
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.step(rows, attended)
         self.pool = graph.pool()
         self.graphs[rows, attended] = graph

@@ -15,6 +15,20 @@ per token and rho = prod_t rho_t = exp(sum_t (old - generation)) over the sequen
 
 with C = `loss.importance_sampling_cap`, [low, high] = `loss.importance_sampling_low`, `_high`.
 
+With asynchronous generation (docs/async.md) the sampling weights are older than the trainer's:
+`generation_logprobs` are the behaviour policy's (stamped with its version, `generation_versions`)
+and `old_logprobs`, recomputed before the update, the proximal policy's. Then clipped_pg with
+token_tis is the decoupled clipped objective (Hilton et al. 2022, "Batch size-invariance for policy
+optimization"; AReaL's decoupled PPO, Fu et al. 2025): the clip acts around the proximal policy and
+each token is weighted by the capped ratio of proximal to behaviour probabilities,
+
+    pg_t = -min(r_t A, clip(r_t) A) * min(pi_prox(y_t) / pi_behav(y_t), C),   r_t = pi / pi_prox.
+
+AReaL drops a token whose weight exceeds C instead (token_mask with high = C is that). Beside any
+correction, `loss.max_token_staleness` = k gives weight 0 to a sampled token more than k versions
+behind the proximal policy (`StaleTokenMask`; `ExperienceBatch.staleness`), kept in the normaliser
+as a masked token is.
+
 Sources: truncated IS (TIS: Yao et al. 2025, "Your efficient RL framework secretly brings you
 off-policy RL training"; verl's `tis_imp_ratio_cap`, TRL's `vllm_importance_sampling_cap`); masked
 IS (MIS: the Ling team's IcePop, 2025, which masks tokens whose ratio leaves [0.5, 2]) and the
@@ -104,3 +118,21 @@ class OffPolicyCorrection:
             return {}
         share = "actor/is_capped_frac" if self.mode in TRUNCATING else "actor/is_masked_frac"
         return {"actor/is_weight_mean": token_mean(weights.weight), share: token_mean(weights.active)}
+
+
+class StaleTokenMask:
+    """`loss.max_token_staleness` = k: 0 for a token sampled more than k versions behind the proximal
+    policy, 1 otherwise (module docstring); None for no mask."""
+
+    def __init__(self, max_staleness: int | None):
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"loss.max_token_staleness must be >= 0 (or unset), got {max_staleness}")
+        self.max_staleness = max_staleness
+        self.reads: tuple[str, ...] = () if max_staleness is None else ("generation_versions", "staleness")
+
+    @torch.no_grad()
+    def __call__(self, batch: ExperienceBatch) -> torch.Tensor | None:
+        """[b, R] bool: True on the tokens kept; None when there is no mask."""
+        if self.max_staleness is None:
+            return None
+        return batch.staleness <= self.max_staleness

@@ -4,6 +4,7 @@ For one micro-batch, with r_t = exp(clamp(logprob - old_logprob, +-log_ratio_cla
 
     pg_t  = surrogate_t(logprob, r, A)             the loss's own term (clipped_pg, gspo, cispo)
     pg_t  = w_t * pg_t                             w from `loss.off_policy_correction` (losses/off_policy.py)
+    pg_t  = 0 where the token is stale             with `loss.max_token_staleness` (losses/off_policy.py)
     kl_t  = kl_coef * k(logprob, ref_logprob)      only when kl_coef > 0 (losses/kl.py)
     loss  = aggregate(pg, response_mask, agg_mode) + aggregate(kl, response_mask, agg_mode)
 
@@ -22,8 +23,8 @@ Shared decisions (docs/grpo.md):
 Metrics are divided by the global counts, so the caller sums them over micro-batches: loss/pg,
 loss/kl, loss/total, actor/ratio_mean, actor/approx_kl_old (token-mean k3 of the policy against
 old_logprobs), actor/kl (with ref_logprobs), actor/entropy (when the caller passes entropy), the
-correction's (losses/off_policy.py) and the loss's own diagnostics (token means of its surrogate's
-flags, e.g. actor/clip_frac_low).
+correction's (losses/off_policy.py), actor/stale_masked_frac (with `loss.max_token_staleness`) and
+the loss's own diagnostics (token means of its surrogate's flags, e.g. actor/clip_frac_low).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from aligner_ext.context import BuildContext
 from aligner_ext.losses.aggregation import AGG_MODES, aggregate, check_agg_mode
 from aligner_ext.losses.base import LOSSES, GlobalCounts, Loss
 from aligner_ext.losses.kl import KL_ESTIMATORS, kl_k3
-from aligner_ext.losses.off_policy import CorrectionWeights, OffPolicyCorrection
+from aligner_ext.losses.off_policy import CorrectionWeights, OffPolicyCorrection, StaleTokenMask
 from aligner_ext.losses.settings import CORRECTIONS, LossConfig, undefined_setting
 
 
@@ -70,8 +71,10 @@ class PolicyGradientLoss(Loss):
                                     self.restriction)
         if problem is not None:
             raise ValueError(problem)
+        self.stale_mask = StaleTokenMask(cfg.max_token_staleness)
         self.kl_fn = KL_ESTIMATORS.get(cfg.kl_estimator)
-        self.reads = self.reads + (("ref_logprobs",) if cfg.kl_coef > 0 else ()) + self.correction.reads
+        self.reads = (self.reads + (("ref_logprobs",) if cfg.kl_coef > 0 else ()) + self.correction.reads
+                      + self.stale_mask.reads)
 
     @property
     def name(self) -> str:
@@ -110,6 +113,9 @@ class PolicyGradientLoss(Loss):
         weights = self.correction(batch)
         if weights is not None:
             per_token = per_token * weights.weight
+        fresh = self.stale_mask(batch)
+        if fresh is not None:
+            per_token = per_token * fresh
         pg_loss = aggregate(per_token, mask, self.agg_mode, counts)
 
         kl_loss = torch.zeros_like(pg_loss)
@@ -118,6 +124,8 @@ class PolicyGradientLoss(Loss):
         total = pg_loss + kl_loss
 
         metrics = {"loss/pg": pg_loss, "loss/kl": kl_loss, "loss/total": total}
+        if fresh is not None:
+            diagnostics["actor/stale_masked_frac"] = ~fresh
         metrics.update(self._token_metrics(log_ratio, logprobs, batch, counts, entropy, diagnostics, weights))
         # one copy to the host for all of them: each .item() would wait for the device
         return total, dict(zip(metrics, torch.stack([value.detach().double() for value in metrics.values()]).tolist()))

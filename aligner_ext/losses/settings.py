@@ -50,6 +50,7 @@ class LossConfig:
     importance_sampling_cap: float = number(0.0, ge=0)  # truncation C of token_tis and sequence_tis (verl / TRL use 2); > 0 with off_policy_correction=none selects token_tis
     importance_sampling_low: float = number(0.5, gt=0, le=1)  # token_mask / sequence_mask drop tokens or sequences whose ratio is below this (IcePop: 0.5)
     importance_sampling_high: float = number(2.0, ge=1)  # token_mask / sequence_mask drop tokens or sequences whose ratio is above this (IcePop: 2)
+    max_token_staleness: int | None = number(None, ge=0)  # a sampled token more than this many policy versions behind the proximal policy weighs 0 in the policy-gradient term, kept in the normaliser (docs/async.md); unset: no token is masked for its age
     gspo: GSPOConfig = field(default_factory=GSPOConfig)  # read by algorithm.loss=gspo
     cispo: CISPOConfig = field(default_factory=CISPOConfig)  # read by algorithm.loss=cispo
 

@@ -143,6 +143,7 @@ class Policy(abc.ABC):
     model: torch.nn.Module | None  # the HF module checkpoints save; None where they hold no HF weights (no HF copy kept, or the Megatron backend's LoRA adapters)
     device: torch.device  # where it trains
     restores_own_weights: bool = False  # `load_sharded` restores the weights: a resume skips the checkpoint's model.safetensors
+    version: int = 0  # optimizer updates applied so far (the policy version, saved in checkpoints): `train` adds its applied updates when it returns, so during a step it is the version of the proximal policy, the weights before the step's update
     reads_routing: bool = False  # its forwards read the experts the engine's routers chose (a mixture of experts on either backend, models/moe.py, models/megatron/moe.py): the experience makers ask the engine for them
     def fills_old_logprobs(self, batch_size: int) -> bool:
         """Whether `train` would fill a batch of this size that has no old log-probs from its own

@@ -260,6 +260,7 @@ class HFPolicy(Policy):
             if record_applied(self.guard, update, grad_norm, norms, totals, grad_norms, ratios):  # the loop stops the run
                 diverged += 1
                 break
+        self.version += len(grad_norms)  # the applied updates, the diverged one included
         with warnings.catch_warnings():  # the schedule counts RL steps, a first step whose updates were all skipped too
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
             self.scheduler.step()
@@ -340,7 +341,8 @@ class HFPolicy(Policy):
         return coefficient * aux * share
 
     def state_dict(self, optimizer: bool = True) -> dict:
-        state = {"scheduler": self.scheduler.state_dict(), "nonfinite_guard": self.guard.state_dict()}
+        state = {"scheduler": self.scheduler.state_dict(), "nonfinite_guard": self.guard.state_dict(),
+                 "version": self.version}
         if optimizer:
             state["optimizer"] = self.optimizer.state_dict()
             if self.masters and self.masters.pairs:
@@ -358,6 +360,8 @@ class HFPolicy(Policy):
         self._apply_settings()
         if "nonfinite_guard" in state:  # checkpoints written before the guard existed lack it
             self.guard.load_state_dict(state["nonfinite_guard"])
+        # checkpoints written before versions: the RL steps, one update each by default
+        self.version = state["version"] if "version" in state else self.scheduler.last_epoch
 
     def _apply_settings(self) -> None:
         """This run's optimizer and schedule settings over a restored state: a resume may change them

@@ -28,10 +28,11 @@ from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader, build_loader, build_val_loaders
 from aligner_ext.data.tasks import builtin_rows
 from aligner_ext.data.tasks.base import DRILLS
-from aligner_ext.distributed import main_process_first
+from aligner_ext.distributed import main_process_first, world_size
 from aligner_ext.errors import ConfigError, ModelPathError, UserError, error_line
+from aligner_ext.experience.ahead import GenerateAhead, WeightsSnapshot
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
-from aligner_ext.experience.settings import own_evaluation_refusal
+from aligner_ext.experience.settings import own_evaluation_refusal, planned_updates_per_step
 from aligner_ext.files import follow_umask
 from aligner_ext.generation.base import ENGINES, GenerationEngine
 from aligner_ext.generation.sharded import split_across_ranks
@@ -191,18 +192,20 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         reference = policy.frozen_reference() if cfg.loss.kl_coef > 0 else None
         engine_name = generation_engine_name(cfg, model.config, policy.device)
         generation_model = policy.generation_model(engine_name)
-        engine = construct(cfg, "generation engine", "generator.engine", engine_name, ENGINES.get(engine_name),
-                           lambda cls: cls(generation_model, tokenizer, getattr(cfg.generator, engine_name)),
-                           section=f"generator.{engine_name}")
-        engine = split_across_ranks(engine, cfg.generator.split_across_ranks,
-                                    getattr(generation_model, "split_group", None))
-        ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=engine, rewards=rewards)
+        snapshot = weights_snapshot(cfg, generation_model)  # before an engine re-points the model's tensors
+        engine = split_across_ranks(build_engine(cfg, engine_name, generation_model, tokenizer),
+                                    cfg.generator.split_across_ranks, getattr(generation_model, "split_group", None))
+        maker_engine = engine if snapshot is None else build_engine(cfg, engine_name, snapshot.model, tokenizer)
+        ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=maker_engine, rewards=rewards)
         advantage = construct(cfg, "advantage estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator,
                               ADVANTAGES.get(cfg.algorithm.adv_estimator), lambda cls: cls.from_context(ctx))
         loss = construct(cfg, "loss", "algorithm.loss", cfg.algorithm.loss, LOSSES.get(cfg.algorithm.loss),
                          lambda cls: cls.from_context(ctx), section="loss")  # every loss reads the whole section
         ctx.reads_after_experience = frozenset(advantage.reads) | frozenset(loss.reads)
         maker = build_experience_maker(ctx)
+        if snapshot is not None:
+            maker = GenerateAhead(maker, cfg.trainer.asynchronous, snapshot, maker_engine, policy,
+                                  cfg.trainer.total_steps, planned_updates_per_step(cfg))
         check_stages(step_stages(maker, reference is not None, advantage, cfg.algorithm.adv_estimator, loss,
                                  cfg.algorithm.loss))
         maker.check_rows(train_loader.rows)
@@ -215,6 +218,25 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         rewards=ctx.rewards,
         maker=maker, advantage=advantage, loss=loss, train_loader=train_loader, val_loaders=val_loaders,
     )
+
+
+def build_engine(cfg: RunConfig, name: str, model: torch.nn.Module, tokenizer) -> GenerationEngine:
+    """The generation engine `name` over `model`."""
+    return construct(cfg, "generation engine", "generator.engine", name, ENGINES.get(name),
+                     lambda cls: cls(model, tokenizer, getattr(cfg.generator, name)), section=f"generator.{name}")
+
+
+def weights_snapshot(cfg: RunConfig, generation_model: torch.nn.Module) -> WeightsSnapshot | None:
+    """The copy of the generation model that generation ahead of training samples from (experience/ahead.py),
+    or None when `trainer.asynchronous` is off. Refused under torchrun: the generation thread's collectives
+    would interleave with training's."""
+    if not cfg.trainer.asynchronous.enabled:
+        return None
+    if world_size() > 1:
+        raise ConfigError(f"trainer.asynchronous.enabled=true under torchrun ({world_size()} processes): the "
+                          "generation thread's collectives would interleave with training's; run one process, or "
+                          "set trainer.asynchronous.enabled=false")
+    return WeightsSnapshot(generation_model)
 
 
 def build_experience_maker(ctx: BuildContext) -> ExperienceMaker:

@@ -54,7 +54,7 @@ def step_stages(maker: ExperienceMaker, with_reference: bool, advantage, advanta
     while isinstance(chain[-1], ExperienceWrapper):
         chain.append(chain[-1].inner)
     stages = [_maker_stage(part) for part in reversed(chain)]
-    stages.append(Stage("the policy's old-log-prob pass", (), ("old_logprobs", "entropy")))
+    stages.append(Stage("the policy's old-log-prob pass", (), ("old_logprobs", "entropy", "staleness")))
     if with_reference:
         stages.append(Stage("the reference model", (), ("ref_logprobs",)))
     stages.append(Stage(f"advantage estimator {advantage_name}", tuple(advantage.reads), ("advantages",)))

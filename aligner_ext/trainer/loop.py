@@ -180,6 +180,8 @@ def run_means(metrics_path: Path, keys: tuple[str, ...]) -> dict[str, float]:
 def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, temperature: float) -> dict[str, float]:
     """Old and reference log-probs, advantages, the policy update, and the engine's new weights."""
     parts.engine.release_memory()  # what generation holds is freed while the policy trains
+    if batch.generation_versions is not None:  # how many updates behind the proximal policy each token was sampled
+        batch.staleness = (parts.policy.version - batch.generation_versions) * batch.sampled
     with timer("logprobs"):
         if not old_logprobs_from_training(parts, len(batch)):
             batch.old_logprobs, batch.entropy = parts.policy.logprobs(batch, temperature)
@@ -191,10 +193,16 @@ def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, 
         metrics = parts.policy.train(batch, parts.loss, temperature)
     with timer("weight_sync"):
         parts.policy.sync_weights()
-        parts.engine.update_weights(parts.generation_model)
+        refit_engine(parts)
     metrics.update(parts.advantage.metrics())
     metrics.update(batch_metrics(batch))
     return metrics
+
+
+def refit_engine(parts: Components) -> None:
+    """The engine samples from the policy's current weights, and knows their version."""
+    parts.engine.update_weights(parts.generation_model)
+    parts.engine.weights_version = parts.policy.version
 
 
 def old_logprobs_from_training(parts: Components, batch_size: int) -> bool:
@@ -298,5 +306,5 @@ def resume(cfg: RunConfig, parts: Components, checkpointer: Checkpointer) -> tup
     parts.policy.load_state_dict(state["policy"])
     parts.train_loader.load_state_dict(state["loader"])
     parts.maker.load_state_dict(state["maker"])
-    parts.engine.update_weights(parts.generation_model)
+    refit_engine(parts)
     return state["step"], state["eval_before"]

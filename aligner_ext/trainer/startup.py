@@ -1,6 +1,7 @@
 """What a run says when it starts: where it writes and whether it resumed, how much data each split
 has and whether a step repeats rows, how long the prompts are, which reward scores each data_source,
-and which data_sources have no majority vote in a sampled evaluation."""
+which data_sources have no majority vote in a sampled evaluation, and how stale generation ahead of
+training may be."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from aligner_ext.config import RunConfig
 from aligner_ext.experience.base import EXPERIENCE_MAKERS
+from aligner_ext.losses.settings import correction_mode
 from aligner_ext.trainer.build import Components
 
 
@@ -48,4 +50,18 @@ def startup_lines(cfg: RunConfig, parts: Components, run_dir: Path, start: str) 
     if unvoted:
         lines.append(f"maj@{k} is not reported for data_source {', '.join(unvoted)}: its reward extracts no answer "
                      "(RewardResult.answer, docs/rewards.md)")
+    lines += generation_ahead_lines(cfg)
     return lines
+
+
+def generation_ahead_lines(cfg: RunConfig) -> list[str]:
+    """With `trainer.asynchronous` on: its bound, and the correction a stale batch wants when none is set."""
+    ahead = cfg.trainer.asynchronous
+    if not ahead.enabled:
+        return []
+    line = (f"generation ahead of training (trainer.asynchronous): each batch at most {ahead.max_staleness} policy "
+            "version(s) behind the one it trains at, generated on a copy of the generation model")
+    if ahead.max_staleness and correction_mode(cfg.loss) == "none":
+        line += ("; loss.off_policy_correction=none leaves the behaviour policy's ratio out of the loss: "
+                 "loss.importance_sampling_cap=2 gives the decoupled objective (docs/async.md)")
+    return [line]

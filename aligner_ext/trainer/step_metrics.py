@@ -1,5 +1,5 @@
-"""Per-step metrics computed from the experience batch (rewards, lengths, advantages, and the gap
-between the engine's sampling log-probs and the trainer's)."""
+"""Per-step metrics computed from the experience batch (rewards, lengths, advantages, the gap
+between the engine's sampling log-probs and the trainer's, and how stale the sampled tokens are)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def batch_metrics(batch: ExperienceBatch) -> dict[str, float]:
         "batch/num_groups": float(len(agree)),
     }
     metrics.update(logprob_mismatch(batch))
+    metrics.update(staleness_metrics(batch))
     return metrics
 
 
@@ -49,3 +50,25 @@ def logprob_mismatch(batch: ExperienceBatch) -> dict[str, float]:
     if not gap.numel():
         return {}
     return {"rollout/logprob_diff_mean": float(gap.mean()), "rollout/logprob_diff_max": float(gap.max())}
+
+
+def staleness_metrics(batch: ExperienceBatch) -> dict[str, float]:
+    """Over the sampled tokens: `staleness/mean` and `_max` (versions behind the proximal policy,
+    docs/async.md), the share of tokens at each lag d (`staleness/share_lag_d`, a histogram over the
+    lags present) and the engine/trainer log-prob gap at each lag (`rollout/logprob_diff_mean_lag_d`):
+    the gap of lag 0 is the engines' numerics alone, a later lag's adds the updates in between."""
+    if batch.staleness is None:
+        return {}
+    lags = batch.staleness[batch.sampled]
+    if not lags.numel():
+        return {}
+    metrics = {"staleness/mean": float(lags.double().mean()), "staleness/max": float(lags.max())}
+    gap = None
+    if batch.generation_logprobs is not None and batch.old_logprobs is not None:
+        gap = (batch.generation_logprobs - batch.old_logprobs).abs()[batch.sampled]
+    for lag in lags.unique().tolist():
+        at_lag = lags == lag
+        metrics[f"staleness/share_lag_{lag}"] = float(at_lag.double().mean())
+        if gap is not None:
+            metrics[f"rollout/logprob_diff_mean_lag_{lag}"] = float(gap[at_lag].mean())
+    return metrics

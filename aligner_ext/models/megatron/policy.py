@@ -301,6 +301,7 @@ class MegatronPolicy(Policy):
             if record_applied(self.guard, update, grad_norm, norms, totals, grad_norms, ratios):  # the same norms, so the same verdict, on every rank
                 diverged += 1
                 break
+        self.version += len(grad_norms)  # the applied updates, the diverged one included
         self.rl_step += 1
         set_lr(self.optimizer, self.cfg.optim.lr * self.lr_at(self.rl_step))
         metrics = update_metrics(totals, grad_norms, skipped, ratios, diverged)
@@ -377,12 +378,14 @@ class MegatronPolicy(Policy):
         return dict(zip(keys, values.tolist()))
 
     def state_dict(self, optimizer: bool = True) -> dict:
-        """The RL step (it sets the learning rate) and the non-finite guard's counts; weights and
-        optimizer are in `save_sharded`."""
-        return {"rl_step": self.rl_step, "nonfinite_guard": self.guard.state_dict()}
+        """The RL step (it sets the learning rate), the policy version and the non-finite guard's counts;
+        weights and optimizer are in `save_sharded`."""
+        return {"rl_step": self.rl_step, "version": self.version, "nonfinite_guard": self.guard.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.rl_step = state["rl_step"]
+        # checkpoints written before versions: the RL steps, one update each by default
+        self.version = state["version"] if "version" in state else self.rl_step
         if "nonfinite_guard" in state:  # checkpoints written before the guard existed lack it
             self.guard.load_state_dict(state["nonfinite_guard"])
         apply_settings(self.optimizer, self.cfg.optim)

@@ -26,6 +26,8 @@ CASES = {
     "agents.": ("agents.limits.max_total_tokens=512", ["algorithm.experience_maker=agent_episodes"]),
     "advantage.": ("advantage.use_std=false", []),
     "policy.optim.master_weights": ("policy.optim.master_weights=false", []),
+    "trainer.asynchronous.max_staleness": ("trainer.asynchronous.max_staleness=2",
+                                           ["trainer.asynchronous.enabled=true"]),
 }
 # what turns every reader of a setting off where the base config reads it
 READERS_OFF = {"loss.epsilon": ["algorithm.loss=gspo"], "loss.epsilon_high": ["algorithm.loss=cispo"],

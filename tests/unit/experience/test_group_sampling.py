@@ -68,6 +68,11 @@ def test_groups_prompts_rewards_and_sparse_placement(tiny_tokenizer, rewards):
     # sampling is seeded by (seed, step) so a resumed run repeats it
     assert params.seed == 7 * 1_000_003 + 4 and params.max_new_tokens == 16
     assert params.ignore_eos is False
+    # every generated token is stamped with the version of the weights that sampled it; padding 0
+    assert batch.generation_versions.tolist()[2] == [0] * 11  # the engine was never refitted: version 0
+    engine.weights_version = 5
+    batch, _ = maker.make_experience(loader, step=5)
+    assert batch.generation_versions[2].tolist() == [5, 5, 5] + [0] * 8
 
 
 def test_ignore_eos_reaches_the_engine(tiny_tokenizer, rewards):

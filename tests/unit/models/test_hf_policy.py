@@ -114,6 +114,11 @@ def test_iterations_and_mini_batches_give_that_many_updates(tiny_model, tiny_tok
     metrics = policy.train(batch, ClippedPGLoss(ClippedPGLoss.Config()), temperature=1.0)
     assert metrics["actor/num_updates"] == 2 * math.ceil(5 / 2)
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.model.parameters()))
+    # the policy version counts the updates applied, and a checkpoint's state carries it
+    assert policy.version == 6
+    restored = make_policy(copy.deepcopy(tiny_model), num_iterations=2, mini_batch_size=2)
+    restored.load_state_dict(policy.state_dict())
+    assert restored.version == 6
 
 
 def test_lr_schedule_multipliers():

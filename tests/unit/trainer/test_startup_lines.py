@@ -7,7 +7,7 @@ from aligner_ext.config import load_config
 from aligner_ext.data.loader import DataConfig, PromptLoader
 from aligner_ext.data.types import PromptRow
 from aligner_ext.rewards.manager import RewardConfig, RewardManager
-from aligner_ext.trainer.startup import percentile, startup_lines
+from aligner_ext.trainer.startup import generation_ahead_lines, percentile, startup_lines
 
 
 def test_nearest_rank_percentiles():
@@ -30,3 +30,13 @@ def test_the_lines_say_what_a_run_starts_with(tiny_tokenizer, tmp_path):
                         "every step repeats rows")
     assert lines[2] == "validation: no validation set (no held-out evaluation)"
     assert lines[3] == "rewards by data_source: arithmetic -> math_verify, short_qa -> squad_exact_match"
+
+
+def test_generation_ahead_says_its_bound_and_the_correction_it_wants():
+    assert generation_ahead_lines(load_config("base")) == []
+    ahead = ["trainer.asynchronous.enabled=true", "trainer.asynchronous.max_staleness=2"]
+    [line] = generation_ahead_lines(load_config("base", ahead))
+    assert line.startswith("generation ahead of training (trainer.asynchronous): each batch at most 2 policy version(s)")
+    assert line.endswith("loss.importance_sampling_cap=2 gives the decoupled objective (docs/async.md)")
+    [line] = generation_ahead_lines(load_config("base", [*ahead, "loss.importance_sampling_cap=2"]))
+    assert "decoupled" not in line

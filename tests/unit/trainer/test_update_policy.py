@@ -21,6 +21,7 @@ class Recorder:
     def __init__(self):
         self.calls: list[str] = []
         self.model = object()
+        self.version = 3  # the policy version the engine is told after the refit
 
     def logprobs(self, batch, temperature):
         self.calls.append("policy.logprobs")
@@ -67,4 +68,16 @@ def test_engine_gets_the_weights_after_the_policy_synced_them():
     # the engine frees what it holds before any training-side pass, and gets the weights after the sync
     assert recorder.calls == ["engine.release_memory", "policy.logprobs", "advantage", "policy.train",
                               "policy.sync_weights", "engine.update_weights(generation_model)"]
+    assert recorder.weights_version == 3  # the engine knows which version it samples
     assert set(timer.metrics()) >= {"timing/train_s", "timing/weight_sync_s"}
+
+
+def test_staleness_is_the_proximal_version_less_each_sampled_token_s():
+    recorder = Recorder()
+    parts = SimpleNamespace(policy=recorder, reference=None, advantage=recorder, engine=recorder, loss=None,
+                            generation_model=recorder.model)
+    batch = two_sample_batch()
+    batch.generation_versions = torch.tensor([[3, 1], [2, 0]])  # row 1's second token is padding
+    update_policy(parts, batch, StageTimer(), temperature=1.0)
+    # the policy is at version 3 while it trains on the batch: 3 - 3, 3 - 1, 3 - 2; padding 0
+    assert batch.staleness.tolist() == [[0, 2], [1, 0]]

@@ -1,0 +1,179 @@
+"""Generation ahead of training (asynchronous training, colocated): while the policy trains on step t's
+batch, a thread of the trainer's process generates the next steps' batches (docs/async.md).
+
+How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each step's batch):
+- Weights. The thread runs the configured experience maker (wrappers and rewards included) with an
+  engine of its own over `WeightsSnapshot`, a copy of the generation model. The trainer refits the
+  copy to the policy's weights, at a version boundary, when it asks for a batch or evaluates, and
+  only between two batches (a refit waits for the batch in progress), so a batch is sampled under one
+  version, stamped on its tokens (`GenerationEngine.weights_version`).
+- Admission. The batch of step t starts only once the copy's version v satisfies V(t) - v <= k, with
+  k = `trainer.asynchronous.max_staleness` and V(t) the version step t trains at, bounded by the
+  trainer's version at its latest request plus `updates_per_step` for each step in between (a step
+  makes no more updates; a skipped one makes fewer). So no token reaches training more than k versions
+  behind the proximal policy, and none can age past the bound: there is nothing to drop or wait for
+  at training time. With k = 0 each batch waits for the previous update: the synchronous run, bit for
+  bit (tests/e2e/test_async_runs.py). A batch also starts on the newest weights: once the policy has
+  moved past the copy, the thread waits for the trainer's refit rather than sample from the old copy.
+- The prompt stream. The thread draws from its own view of the loader; when the trainer takes step t's
+  batch, its loader and this wrapper's maker state are set to where they stood after that batch was
+  made. A checkpoint thus saves the synchronous run's position, and a resume regenerates the batches
+  that were in flight, under the restored weights: no prompt is repeated or skipped.
+- Failures. An error in the thread is raised again in the trainer at its next request.
+
+Metrics per step: async/trainer_wait_s (the trainer waiting for the refit and the batch),
+async/generator_idle_s (the thread waiting for admission since the previous step), async/refit_s,
+async/batches_ready (made and not yet taken); the tokens' staleness per lag comes from the loop
+(trainer/step_metrics.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from aligner_ext.batch import ExperienceBatch
+from aligner_ext.data.loader import PromptLoader
+from aligner_ext.experience.base import ExperienceMaker, ExperienceWrapper
+from aligner_ext.experience.settings import AsynchronousConfig
+from aligner_ext.generation.base import GenerationEngine
+
+if TYPE_CHECKING:
+    from aligner_ext.models.base import Policy
+
+
+class WeightsSnapshot:
+    """A copy of the generation model `live` that a second engine samples from, refitted in place."""
+
+    def __init__(self, live: torch.nn.Module):
+        self.live = live
+        # requires_grad kept as the live model's: on the CPU, frozen weights take other kernels, whose
+        # log-probs differ in the last bits (the engine runs under inference_mode, so nothing is recorded)
+        self.model = copy.deepcopy(live)
+
+    @torch.no_grad()
+    def refit(self) -> None:
+        """Copy the live weights into the copy's own tensors (an engine over it keeps its references)."""
+        for mine, theirs in zip(self.model.parameters(), self.live.parameters()):
+            mine.copy_(theirs)
+
+
+@dataclass
+class MadeBatch:
+    """One step's batch as the thread made it, and the positions the synchronous run would have after it."""
+
+    batch: ExperienceBatch
+    metrics: dict[str, float]
+    loader_state: dict  # the prompt stream right after this batch's draws
+    maker_state: dict  # the inner maker's state right after it (a copy)
+
+
+class GenerateAhead(ExperienceWrapper):
+    """The configured maker run ahead of training in a thread (module docstring)."""
+
+    def __init__(self, inner: ExperienceMaker, cfg: AsynchronousConfig, snapshot: WeightsSnapshot,
+                 engine: GenerationEngine, policy: "Policy", total_steps: int, updates_per_step: int):
+        super().__init__(inner)
+        self.cfg, self.snapshot, self.engine, self.policy = cfg, snapshot, engine, policy
+        self.total_steps, self.updates_per_step = total_steps, updates_per_step
+        self.taken_state = inner.state_dict()  # the inner maker's state after the latest batch the trainer took
+        self._changed = threading.Condition()  # guards everything below; notified on every change
+        self._thread: threading.Thread | None = None
+        self._ready: dict[int, MadeBatch] = {}
+        self._generating = False
+        self._failure: BaseException | None = None
+        self._trainer_at = (0, 0)  # (step, policy version) at the trainer's latest request
+        self._idle_s = 0.0  # the thread's waiting since the trainer last took a batch
+
+    def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
+        """Step `step`'s batch, made ahead; the trainer's `loader` is moved to where it stands after it."""
+        if step >= self.total_steps:  # the thread stops at the run's last step: this batch would never come
+            raise ValueError(f"step {step}: generation ahead makes batches for trainer.total_steps="
+                             f"{self.total_steps} steps only")
+        started = time.perf_counter()
+        with self._changed:
+            self._trainer_at = (step, self.policy.version)
+            refit_s = self._refit() if self._thread is None or self.policy.version != self.engine.weights_version else 0.0
+            if self._thread is None:
+                self._start(loader, step)
+            self._changed.notify_all()  # the trainer's progress may admit the next batch
+            self._changed.wait_for(lambda: step in self._ready or self._failure is not None)
+            if step not in self._ready:
+                raise self._failure
+            made = self._ready.pop(step)
+            idle, self._idle_s = self._idle_s, 0.0
+            ready = len(self._ready)
+        loader.load_state_dict(made.loader_state)
+        self.taken_state = made.maker_state
+        return made.batch, {**made.metrics, "async/trainer_wait_s": time.perf_counter() - started,
+                            "async/generator_idle_s": idle, "async/refit_s": refit_s, "async/batches_ready": ready}
+
+    def evaluate(self, loader: PromptLoader,
+                 single_round: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
+        """The inner maker's evaluation between two batches, on the current weights (a maker that
+        evaluates its own way samples from the copy), the thread held back until it ends (the rewards
+        and the device are the trainer's)."""
+        with self._changed:
+            self._refit()
+            return self.inner.evaluate(loader, single_round)
+
+    def state_dict(self) -> dict:
+        return {"inner": self.taken_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["inner"])
+        self.taken_state = state["inner"]
+
+    def _refit(self) -> float:
+        """Under the lock: wait for the batch in progress, then give the copy the policy's weights and
+        version; returns the seconds the copy took."""
+        self._changed.wait_for(lambda: not self._generating)
+        started = time.perf_counter()
+        self.snapshot.refit()
+        self.engine.weights_version = self.policy.version
+        return time.perf_counter() - started
+
+    def _start(self, loader: PromptLoader, step: int) -> None:
+        ahead = copy.copy(loader)  # its own position in the stream; the rows are shared, read only
+        self._thread = threading.Thread(target=self._produce, args=(ahead, step, torch.get_num_threads()),
+                                        name="generate-ahead", daemon=True)
+        self._thread.start()
+
+    def _admitted(self, step: int) -> bool:
+        """Whether step `step`'s batch may start on the copy now (module docstring, admission)."""
+        trainer_step, trainer_version = self._trainer_at
+        trains_at = trainer_version + (step - trainer_step) * self.updates_per_step  # at most
+        newest = self.policy.version == self.engine.weights_version
+        return newest and trains_at - self.engine.weights_version <= self.cfg.max_staleness
+
+    def _produce(self, loader: PromptLoader, first_step: int, threads: int) -> None:
+        """The thread: each remaining step's batch in order, as admission allows, on the trainer's count of
+        compute threads (a new thread starts with OpenMP's default, and another count sums floats in
+        another order)."""
+        torch.set_num_threads(threads)
+        try:
+            for step in range(first_step, self.total_steps):
+                with self._changed:
+                    waiting = time.perf_counter()
+                    self._changed.wait_for(lambda: self._admitted(step))
+                    self._idle_s += time.perf_counter() - waiting
+                    self._generating = True
+                try:
+                    batch, metrics = self.inner.make_experience(loader, step)
+                    made = MadeBatch(batch, metrics, loader.state_dict(), copy.deepcopy(self.inner.state_dict()))
+                finally:
+                    with self._changed:
+                        self._generating = False
+                        self._changed.notify_all()
+                with self._changed:
+                    self._ready[step] = made
+                    self._changed.notify_all()
+        except BaseException as err:  # raised again in the trainer at its next request
+            with self._changed:
+                self._failure = err
+                self._changed.notify_all()

@@ -1,0 +1,47 @@
+"""Generation ahead of training (trainer.asynchronous) beside what it does not run with yet: refused when the
+config loads, in one line naming both settings (`aligner-ext config` exits 2); what it runs with loads."""
+
+import pytest
+
+from aligner_ext.cli import main
+from aligner_ext.config import load_config
+
+AHEAD = ["trainer.asynchronous.enabled=true"]
+
+REFUSED = {
+    "agents": (["algorithm.experience_maker=agent_episodes", "agents.limits.max_total_tokens=512"],
+               "algorithm.experience_maker=agent_episodes with trainer.asynchronous.enabled=true"),
+    "cpo": (["+variant=cpo"], "CPO (algorithm.adv_estimator=cpo"),
+    "megatron": (["policy.backend=megatron"], "policy.backend=megatron with trainer.asynchronous.enabled=true"),
+    "remote": (["generator.engine=remote", "generator.remote.urls=[http://a:1]"],
+               "generator.engine=remote with trainer.asynchronous.enabled=true"),
+    "vllm": (["generator.engine=vllm"], "generator.engine=vllm with trainer.asynchronous.enabled=true"),
+    "surplus": (["+variant=dapo", "dynamic_sampling.keep_surplus=true"],
+                "dynamic_sampling.keep_surplus=true with trainer.asynchronous.enabled=true"),
+    "routing replay": (["policy.routing_replay=true"], "policy.routing_replay=true with trainer.asynchronous"),
+    # two updates a step (two mini-batches of the 16 x 8 sequences): a bound of 1 admits no batch ahead
+    "below the updates": (["policy.mini_batch_size=64"],
+                          "trainer.asynchronous.max_staleness=1 is below the 2 optimizer updates one step makes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refused_at_load_naming_both(case):
+    overrides, message = REFUSED[case]
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace("[", r"\[")):
+        load_config("base", AHEAD + overrides)
+
+
+def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
+    overrides, message = REFUSED["megatron"]
+    with pytest.raises(SystemExit) as stopped:
+        main(["config", *AHEAD, *overrides])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1, error
+
+
+@pytest.mark.parametrize("overrides", [["+variant=dapo", "+variant=mtpo"], ["+variant=graded_prompt", "policy.lora.rank=4"],
+                                       ["policy.num_iterations=2", "trainer.asynchronous.max_staleness=2"]])
+def test_what_it_runs_with_loads(overrides):
+    assert load_config("base", AHEAD + overrides).trainer.asynchronous.enabled

@@ -1,0 +1,151 @@
+"""GenerateAhead's admission and hand-over with fake parts (no model): the batch of each step is sampled at
+most max_staleness versions behind the version it trains at, generation overlaps training when the bound
+allows it, the trainer's prompt stream moves as the synchronous run's, and an error in the thread reaches
+the trainer. Waits are on events, never on the clock."""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from aligner_ext.experience.ahead import GenerateAhead
+from aligner_ext.experience.base import ExperienceMaker
+from aligner_ext.experience.settings import AsynchronousConfig
+
+TIMEOUT_S = 60  # only a broken implementation waits this long
+
+
+class Stream:
+    """A prompt loader reduced to its position."""
+
+    def __init__(self):
+        self.draws = 0
+
+    def state_dict(self):
+        return {"draws": self.draws}
+
+    def load_state_dict(self, state):
+        self.draws = state["draws"]
+
+
+class Recording(ExperienceMaker):
+    """Draws 4 prompts per step and records the version of the weights each step was sampled with."""
+
+    def __init__(self, engine, fail_at=None):
+        self.engine, self.fail_at = engine, fail_at
+        self.sampled_at: dict[int, int] = {}
+        self.started = {step: threading.Event() for step in range(10)}
+
+    def make_experience(self, loader, step):
+        self.started[step].set()
+        if step == self.fail_at:
+            raise RuntimeError(f"step {step} failed")
+        loader.draws += 4
+        self.sampled_at[step] = self.engine.weights_version
+        return f"batch {step}", {"made": float(step)}
+
+    def state_dict(self):
+        return {"made": sorted(self.sampled_at)}
+
+
+def ahead_of(max_staleness, steps=6, updates_per_step=1, fail_at=None):
+    engine = SimpleNamespace(weights_version=0)
+    policy = SimpleNamespace(version=0)
+    snapshot = SimpleNamespace(refits=0)
+    snapshot.refit = lambda: setattr(snapshot, "refits", snapshot.refits + 1)
+    inner = Recording(engine, fail_at)
+    ahead = GenerateAhead(inner, AsynchronousConfig(enabled=True, max_staleness=max_staleness), snapshot, engine,
+                          policy, total_steps=steps, updates_per_step=updates_per_step)
+    return ahead, inner, policy
+
+
+def train(ahead, inner, policy, steps=6, updates_per_step=1, during_update=lambda step: None):
+    """The loop's side: take each step's batch, then make the step's updates."""
+    stream, trained_at = Stream(), {}
+    for step in range(steps):
+        batch, metrics = ahead.make_experience(stream, step)
+        assert batch == f"batch {step}" and metrics["made"] == step
+        assert stream.draws == 4 * (step + 1)  # where the synchronous run's stream stands after this step
+        trained_at[step] = policy.version
+        during_update(step)
+        policy.version += updates_per_step
+    return trained_at
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_no_batch_trains_more_than_max_staleness_versions_behind(max_staleness):
+    ahead, inner, policy = ahead_of(max_staleness)
+    trained_at = train(ahead, inner, policy)
+    lags = [trained_at[step] - inner.sampled_at[step] for step in range(6)]
+    assert all(0 <= lag <= max_staleness for lag in lags), lags
+    if max_staleness == 0:
+        assert lags == [0] * 6
+
+
+def test_with_a_bound_of_one_the_next_batch_is_made_while_the_policy_updates():
+    ahead, inner, policy = ahead_of(1)
+
+    def update(step):  # the update of step s waits until step s + 1's batch has started
+        if step < 5:
+            assert inner.started[step + 1].wait(TIMEOUT_S)
+
+    trained_at = train(ahead, inner, policy, during_update=update)
+    # each batch after the first was sampled while the previous update ran: one version behind
+    assert [trained_at[step] - inner.sampled_at[step] for step in range(6)] == [0, 1, 1, 1, 1, 1]
+
+
+def test_two_updates_a_step_and_a_bound_of_two():
+    ahead, inner, policy = ahead_of(2, updates_per_step=2)
+
+    def update(step):
+        if step < 5:
+            assert inner.started[step + 1].wait(TIMEOUT_S)
+
+    trained_at = train(ahead, inner, policy, updates_per_step=2, during_update=update)
+    assert [trained_at[step] - inner.sampled_at[step] for step in range(6)] == [0, 2, 2, 2, 2, 2]
+
+
+def test_the_saved_maker_state_is_the_one_after_the_batch_taken():
+    ahead, inner, policy = ahead_of(2)
+    stream = Stream()
+    ahead.make_experience(stream, 0)
+    assert inner.started[1].wait(TIMEOUT_S) and inner.started[2].wait(TIMEOUT_S)  # steps 1 and 2 made ahead
+    assert ahead.state_dict() == {"inner": {"made": [0]}}  # not what the thread made since
+
+
+def test_an_error_in_the_thread_is_raised_in_the_trainer():
+    ahead, inner, policy = ahead_of(1, fail_at=2)
+    stream = Stream()
+    for step in range(2):
+        ahead.make_experience(stream, step)
+        policy.version += 1
+    with pytest.raises(RuntimeError, match="^step 2 failed$"):
+        ahead.make_experience(stream, 2)
+
+
+def test_a_step_past_the_run_is_refused_rather_than_awaited():
+    ahead, inner, policy = ahead_of(0, steps=2)
+    with pytest.raises(ValueError, match="^step 2: generation ahead makes batches for trainer.total_steps=2 steps"):
+        ahead.make_experience(Stream(), 2)
+
+
+def test_a_batch_waits_for_the_newest_weights_even_within_the_bound():
+    ahead, inner, policy = ahead_of(3)
+    assert ahead._admitted(2)  # the copy and the policy at version 0; step 2 trains at version 2 at most
+    assert not ahead._admitted(4)  # 4 versions behind: past the bound
+    policy.version = 1  # an update ended, the trainer has not refitted the copy yet
+    assert not ahead._admitted(2)
+
+
+def test_evaluation_samples_the_current_weights_between_two_batches():
+    """A maker that evaluates its own way (MTPO's two rounds) samples from the copy: it is refitted first."""
+    ahead, inner, policy = ahead_of(1)
+    seen = []
+    inner.evaluate = lambda loader, single_round: (seen.append((ahead.engine.weights_version, ahead._generating))
+                                                   or {"val/accuracy": 1.0})
+    stream = Stream()
+    ahead.make_experience(stream, 0)
+    policy.version += 1  # step 0's update; step 1's batch may be in progress on version 0
+    assert ahead.evaluate(stream, None) == {"val/accuracy": 1.0}
+    # on version 1, no batch in progress; refitted at the first request, then before the evaluation
+    assert seen == [(1, False)] and ahead.snapshot.refits == 2
