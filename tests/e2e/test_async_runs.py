@@ -61,8 +61,8 @@ def test_staleness_one_trains_one_version_behind_and_resumes_without_repeating_a
              "trainer.log_samples_every=1", "trainer.num_log_samples=16"]  # every sample of every step
     save = loop.save
 
-    def save_then_stop(cfg, parts, checkpointer, step, before):
-        save(cfg, parts, checkpointer, step, before)
+    def save_then_stop(cfg, parts, checkpointer, step, before, **kwargs):
+        save(cfg, parts, checkpointer, step, before, **kwargs)
         raise Interrupted  # step 3's batch, made while step 2 trained, is in flight: lost with the run
 
     monkeypatch.setattr(loop, "save", save_then_stop)

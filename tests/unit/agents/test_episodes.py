@@ -200,11 +200,11 @@ def test_a_user_error_stops_the_run_without_waiting_for_the_other_episodes(qwen2
         async def step(self, message, state):
             if state["row"] == "row0":
                 await never.wait()
-            raise UserError("agents.environment=test_cannot_run needs a sandbox this machine lacks")
+            raise UserError("agents.environment=test_user_error needs a sandbox this machine lacks")
 
-    register_environment("test_cannot_run")(CannotRunOnRowOne)
+    register_environment("test_user_error")(CannotRunOnRowOne)
     with pytest.raises(UserError, match="needs a sandbox"):
         run(ScriptedPolicy(qwen25_tokenizer, calls_then_answers), qwen25_tokenizer, draws((1, 2), (3, 4), (5, 6)),
-            environment="test_cannot_run")
+            environment="test_user_error")
     gc.collect()  # asyncio reports an unretrieved task exception when the task is collected
     assert "never retrieved" not in caplog.text

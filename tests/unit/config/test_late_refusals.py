@@ -63,6 +63,7 @@ AT_LOAD = {
 
 # fragment of the late raise -> what it depends on that the config does not hold
 ELSEWHERE = {
+    "holds the weights without the optimizer": "the checkpoint resumed from (the settings it was saved with)",
     "registers no drills": "the task's drills (data/tasks DRILLS; a user's task module registers its own when imported)",
     "the model's linear": "the model's module names",
     "has no chat": "the tokenizer's chat template",

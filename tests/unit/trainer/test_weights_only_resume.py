@@ -44,7 +44,7 @@ def test_the_hf_policy_resumes_a_weights_only_state_with_a_fresh_optimizer(tiny_
     trained = HFPolicy(copy.deepcopy(tiny_model), cfg, total_steps=10)
     train_once(trained, tiny_model.config.vocab_size)
     state = trained.state_dict(optimizer=False)
-    assert sorted(state) == ["nonfinite_guard", "scheduler"]
+    assert sorted(state) == ["nonfinite_guard", "scheduler", "version"]
 
     resumed = HFPolicy(copy.deepcopy(trained.model), cfg, total_steps=10)  # the checkpoint's weights
     resumed.masters.pairs[0][1].add_(1.0)  # a master that differs from its weight: the load must replace it
