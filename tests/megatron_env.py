@@ -59,6 +59,10 @@ def megatron_python(output=None) -> Path:
     return VENV / "bin" / "python"
 
 
+class ModuleFailed(Exception):
+    """A test of the module failed in .venv312 (its pytest output)."""
+
+
 class ModuleInMegatronEnv(pytest.File):
     """A test module run whole by `.venv312`'s pytest, as one item."""
 
@@ -81,9 +85,15 @@ class ModuleRun(pytest.Item):
         run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", str(self.path)],
                              cwd=ROOT, capture_output=True, text=True)
         summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-        assert run.returncode == 0, f"{self.path.name} in .venv312: {summary}\n{run.stdout[-8000:]}{run.stderr[-3000:]}"
+        if run.returncode != 0:
+            raise ModuleFailed(f"{self.path.name} in .venv312: {summary}\n{run.stdout[-8000:]}{run.stderr[-3000:]}")
         if " passed" not in summary:  # every test skipped there: say why, as the tests themselves would
             pytest.skip("; ".join(line for line in run.stdout.splitlines() if line.startswith("SKIPPED")))
+
+    def repr_failure(self, excinfo):
+        if isinstance(excinfo.value, ModuleFailed):  # the module's own report, not this item's traceback
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
 
     def reportinfo(self):
         return self.path, None, f"{self.path.name} in .venv312"
