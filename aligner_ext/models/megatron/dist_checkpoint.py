@@ -81,6 +81,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategy
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.optimizer import distrib_optimizer as mcore_distrib_optimizer
+from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -91,6 +93,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from aligner_ext.errors import CheckpointError, UnsafeCheckpoint, error_line
 
 DIRECTORY = "megatron"  # the subdirectory of a trainer checkpoint (trainer/checkpoint.py) holding it
+RUN_SETTINGS = ("max_lr", "min_lr", "start_wd", "end_wd")  # parameter-group settings a resume may change
 OPTIMIZER_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",  # reshards over TP, PP and DP (see above)
     "chained_optim_avoid_prefix": True,  # the same keys whether megatron-core chains optimizers or not
@@ -195,6 +198,23 @@ def _safe_readers() -> Iterator[None]:
          serialization.load_common_state_dict) = saved
 
 
+@contextlib.contextmanager
+def _groups_paired_without_run_settings() -> Iterator[None]:
+    """megatron-core 0.19 pairs each saved parameter group with the current one of the same identifier
+    (`param_group_identifier_keys`, looked up by both optimizer modules when they load), the learning rate
+    and weight decay among them, so a resume at another learning rate found no group. The run applies its
+    own after the load (`optimizer.apply_settings`, `set_lr`): the groups are paired without them."""
+    modules = (mcore_optimizer, mcore_distrib_optimizer)
+    saved = [module.param_group_identifier_keys for module in modules]
+    for module, keys in zip(modules, saved):
+        module.param_group_identifier_keys = tuple(key for key in keys if key not in RUN_SETTINGS)
+    try:
+        yield
+    finally:
+        for module, keys in zip(modules, saved):
+            module.param_group_identifier_keys = keys
+
+
 def _raise_refusal_from(err: CheckpointException, directory: Path) -> None:
     """DCP gathers each rank's exception into one CheckpointException: raise a refusal found among them."""
     for cause, _traceback in err.failures.values():
@@ -268,10 +288,11 @@ def load(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str
         raise
     model.load_state_dict(state["model"], strict=only is None)
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(inner) == 1 and isinstance(inner[0], DistributedOptimizer):
-        _load_distributed(inner[0], state["optimizer"])
-    else:
-        optimizer.load_state_dict(state["optimizer"])
+    with _groups_paired_without_run_settings():
+        if len(inner) == 1 and isinstance(inner[0], DistributedOptimizer):
+            _load_distributed(inner[0], state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
 
 
 def _load_distributed(optimizer: DistributedOptimizer, state: dict) -> None:
