@@ -30,6 +30,12 @@ def pytest_pycollect_makemodule(module_path, parent):
     return None
 
 
+def pytest_collection_modifyitems(items):
+    """The modules that run in .venv312 last, so that its build (a minute or more, in the background from
+    `pytest_collection_finish`) overlaps the other tests rather than holding both workers at the start."""
+    items.sort(key=lambda item: isinstance(item, ModuleRun))  # stable: each part keeps its order
+
+
 def _build_in_background(session, name: str, build) -> None:
     """`build(output=log)` in a thread, its output in `<root>/<name>.build.log` (not on the console: the tests'
     own call builds it again and reports a failure)."""
