@@ -71,6 +71,9 @@ class ModuleInMegatronEnv(pytest.File):
 
 
 class ModuleRun(pytest.Item):
+    """The module's tests in `.venv312`, under this run's marker expression (`-m`); its outcome is theirs:
+    failed if one failed, skipped (with their reasons) if all were."""
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.add_marker(pytest.mark.timeout(0))  # each of its tests keeps pytest.ini's limit in there
@@ -82,9 +85,13 @@ class ModuleRun(pytest.Item):
             if os.environ.get("ALIGNER_EXT_CI") == "1":
                 pytest.fail(str(err), pytrace=False)
             pytest.skip(str(err))
-        run = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", str(self.path)],
-                             cwd=ROOT, capture_output=True, text=True)
+        command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", str(self.path)]
+        if self.config.option.markexpr:
+            command += ["-m", self.config.option.markexpr]
+        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+        if run.returncode == pytest.ExitCode.NO_TESTS_COLLECTED:  # every test deselected by `-m`
+            pytest.skip(f"{self.path.name} in .venv312: {summary}")
         if run.returncode != 0:
             raise ModuleFailed(f"{self.path.name} in .venv312: {summary}\n{run.stdout[-8000:]}{run.stderr[-3000:]}")
         if " passed" not in summary:  # every test skipped there: say why, as the tests themselves would
