@@ -29,7 +29,7 @@ setup(
         "peft>=0.17",  # policy.lora (models/lora.py): small and pure Python, so always installed
     ],
     extras_require={
-        "megatron": ["megatron-core>=0.16,<0.17"],
+        "megatron": ["megatron-core>=0.19,<0.20"],
         "vllm": ["vllm>=0.8"],
         "wandb": ["wandb>=0.17"],  # trainer.wandb.enabled (aligner_ext/trackers.py)
         "mlflow": ["mlflow>=2.10"],  # trainer.mlflow.enabled

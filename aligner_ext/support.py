@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from importlib import metadata
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -23,6 +24,8 @@ from aligner_ext.errors import ConfigError
 from aligner_ext.architecture import FAMILIES, UnsupportedModel, architecture
 from aligner_ext.models.moe import check_aux_loss, is_moe
 from aligner_ext.variants import active_variants
+
+MEGATRON_CORE_RELEASE = "0.19"  # the release the Megatron backend runs on and is tested with (setup.py's extra)
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +139,21 @@ def check_engine(engine: str, hf_config) -> None:
         raise UnsupportedModel(reason)
 
 
+def check_megatron_core(installed: str | None = None) -> None:
+    """Refuse (one line) a megatron-core other than the release the Megatron backend runs on; `installed`:
+    its version ("" for none), read from the installed packages by default."""
+    if installed is None:
+        try:
+            installed = metadata.version("megatron-core")
+        except metadata.PackageNotFoundError:
+            installed = ""
+    if installed.split(".")[:2] == MEGATRON_CORE_RELEASE.split("."):
+        return
+    found = f"{installed} is installed" if installed else "it is not installed"
+    raise ConfigError(f"policy.backend=megatron needs megatron-core {MEGATRON_CORE_RELEASE} ({found}): pip install "
+                      "'aligner_ext[megatron]', under Python >= 3.12")
+
+
 def check_run(cfg, model_dir: Path | str) -> None:
     """Refuse (`UnsupportedModel`, one line) a model of `model_dir` that the run's Megatron backend or
     explicit rollout engine does not run, or a layout the backend cannot split it into; warn of
@@ -146,11 +164,7 @@ def check_run(cfg, model_dir: Path | str) -> None:
     policy = cfg.policy
     check_aux_loss(hf_config, policy.router_aux_loss_coef)
     if policy.backend == "megatron":
-        try:
-            import megatron.core  # noqa: F401
-        except ImportError as err:
-            raise ConfigError("policy.backend=megatron needs megatron-core: pip install 'aligner_ext[megatron]' "
-                              f"({err})") from err
+        check_megatron_core()
         reason = megatron_refusal(hf_config, policy.tensor_model_parallel_size, policy.pipeline_model_parallel_size,
                                   policy.sequence_parallel, launched_world_size())
         if reason is None:

@@ -5,7 +5,8 @@ excludes, with what they need in turn, checked against that machine's package li
 
     python scripts/prepare_gpu_carry.py [--extras megatron,liger,bench]
 
-Each missing package is fetched as a wheel for the GPU machine's Python and platform (PYTHON, PLATFORMS;
+Each missing package is fetched as a wheel for the GPU machine's Python and platform (PYTHON, PLATFORMS), at
+the version docker/constraints.txt pins where it pins one (megatron-core 0.19.2;
 a package with no wheel is built here, and kept only if pure Python). Wheels with compiled code go to
 .whl/ (scripts/bench/gpu.sh installs them there), pure-Python ones are unpacked into .devsite/ (put on
 its path). Both folders are emptied first, are git-ignored, and must fit, with the working tree, in
@@ -29,6 +30,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_PACKAGES = ROOT / "scripts" / "bench" / "gpu_packages.txt"
+CONSTRAINTS = ROOT / "docker" / "constraints.txt"  # a package the suite passed with is carried at that version
 PYTHON = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux_2_12_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64")
@@ -59,7 +61,7 @@ def fetch(requirement: Requirement, into: Path) -> Path:
     """One wheel of `requirement` (no dependencies) for the GPU machine, else one built here."""
     before, wanted = set(into.iterdir()), requirement.name + str(requirement.specifier)
     download = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                "--python-version", PYTHON, "--implementation", "cp", "-d", str(into), wanted]
+                "--python-version", PYTHON, "--implementation", "cp", "-d", str(into), "-c", str(CONSTRAINTS), wanted]
     download += [argument for platform in PLATFORMS for argument in ("--platform", platform)]
     if subprocess.run(download, capture_output=True).returncode != 0:  # no wheel: build one (pure Python only)
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(into), wanted],

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install aligner_ext with its test extras, under docker/constraints.txt (the
-# versions the test suite passed with; the container installs under the same file).
+# versions the test suite passed with; the container installs under the same file). Not the `megatron` extra:
+# megatron-core 0.19 needs Python >= 3.12, and .venv is the machine's python3 (3.11 on the CPU machines); the
+# tests that need it run in .venv312 (scripts/setup_megatron_env.sh, built by the test run: tests/megatron_env.py).
 # torch==2.13.0 is installed first: on the CPU machines it is a local CPU build, while a bare
 # `torch` requirement would pull a multi-GB CUDA build. On a GPU machine install torch yourself first.
 set -euo pipefail
@@ -17,7 +19,7 @@ fi
 # openenv extra's fastmcp and verifiers' mcp==2.0.0 do not fit. pip then reports verifiers' openai requirement as a
 # conflict (expected; nothing fails).
 .venv/bin/pip install --quiet --disable-pip-version-check --no-deps verifiers==0.4.0
-.venv/bin/pip install --quiet --disable-pip-version-check -c docker/constraints.txt -e '.[dev,megatron,openenv]' \
+.venv/bin/pip install --quiet --disable-pip-version-check -c docker/constraints.txt -e '.[dev,openenv]' \
   -r docker/verifiers-requirements.txt
 # The CPU build of torch comes without Triton; the tests run the rollout engine's Triton kernels in
 # Triton's interpreter (tests/conftest.py). CUDA builds of torch bring their own Triton.

@@ -18,32 +18,56 @@ os.environ.setdefault("ALIGNER_EXT_CACHE", tempfile.mkdtemp(prefix="aligner_ext_
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow
 from aligner_ext.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from megatron_env import ModuleInMegatronEnv, ModuleRun, megatron_python, runs_elsewhere
 
-_vllm_build: threading.Thread | None = None
+_builds: list[threading.Thread] = []
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    """A module asking for megatron-core where it does not import runs whole in .venv312 (tests/megatron_env.py)."""
+    if runs_elsewhere(module_path):
+        return ModuleInMegatronEnv.from_parent(parent, path=module_path)
+    return None
+
+
+def pytest_collection_modifyitems(items):
+    """The modules that run in .venv312 last, so that its build (a minute or more, in the background from
+    `pytest_collection_finish`) overlaps the other tests rather than holding both workers at the start."""
+    items.sort(key=lambda item: isinstance(item, ModuleRun))  # stable: each part keeps its order
+
+
+def _build_in_background(session, name: str, build) -> None:
+    """`build(output=log)` in a thread, its output in `<root>/<name>.build.log` (not on the console: the tests'
+    own call builds it again and reports a failure)."""
+
+    def run():
+        try:
+            with open(os.path.join(session.config.rootpath, f"{name}.build.log"), "w") as log:
+                build(output=log)
+        except Exception:  # noqa: BLE001 - the tests build it again and report the failure
+            pass
+
+    thread = threading.Thread(target=run, name=f"{name}-build", daemon=True)
+    thread.start()
+    _builds.append(thread)
 
 
 def pytest_collection_finish(session):
-    """Build the real-vLLM environment (minutes of downloads and unpacking, tests/real_vllm.py) in the
-    background as soon as a test that needs it is collected, so that it overlaps the tests before it; the
-    tests' own call waits on the build's file lock, and raises whatever the build raised."""
-    global _vllm_build
+    """Build the real-vLLM environment (minutes of downloads and unpacking, tests/real_vllm.py) and the
+    megatron-core one (tests/megatron_env.py) in the background as soon as a test that needs it is collected,
+    so that it overlaps the tests before it; the tests' own call waits on the build's file lock, and raises
+    whatever the build raised."""
     if any(item.path.name == "test_real_vllm.py" for item in session.items):
         from real_vllm import vllm_python
 
-        def build():
-            try:
-                with open(os.path.join(session.config.rootpath, ".venv-vllm.build.log"), "w") as log:
-                    vllm_python(output=log)  # not on the console: the tests' own call reports a failure
-            except Exception:  # noqa: BLE001 - the tests build it again and report the failure
-                pass
-
-        _vllm_build = threading.Thread(target=build, name="vllm-venv-build", daemon=True)
-        _vllm_build.start()
+        _build_in_background(session, ".venv-vllm", vllm_python)
+    if any(isinstance(item, ModuleRun) for item in session.items):
+        _build_in_background(session, ".venv312", megatron_python)
 
 
 def pytest_sessionfinish(session):
-    if _vllm_build is not None:
-        _vllm_build.join()  # never leave a half-built environment behind
+    for thread in _builds:
+        thread.join()  # never leave a half-built environment behind
 
 
 @pytest.fixture(scope="session")

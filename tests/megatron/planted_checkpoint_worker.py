@@ -18,12 +18,15 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from transformers import AutoModelForCausalLM
 
 from aligner_ext.models.megatron.parallel import init_distributed
 from aligner_ext.models.megatron.policy import MegatronPolicy
 from dist_checkpoint_worker import train_step
+
+COMMON_STATE = ShardedObject("common_state", None, (1,), (0,)).unique_key  # megatron-core's non-sharded state
 
 
 class Payload:
@@ -54,24 +57,18 @@ def in_metadata(directory: Path, marker: Path) -> Path:
     return directory / ".metadata"
 
 
-def in_common(directory: Path, marker: Path) -> Path:
-    common = torch.load(directory / "common.pt", weights_only=True)
-    torch.save({**common, "planted": Payload(marker)}, directory / "common.pt")
-    return directory / "common.pt"
-
-
-def in_item(directory: Path, marker: Path, file_name: str, want_bytes: bool) -> Path:
-    """The payload appended to `.distcp` file `file_name` and the metadata's entry of one of its items
-    (a bytes item, megatron-core's `_extra_state`, or a tensor) pointed at it."""
+def in_item(directory: Path, marker: Path, index) -> Path:
+    """The payload appended to the `.distcp` file of item `index` and the metadata's entry of the item
+    pointed at it."""
     md = metadata(directory)
-    index, info = next((index, info) for index, info in md.storage_data.items() if info.relative_path == file_name
-                       and isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata) == want_bytes)
+    info = md.storage_data[index]
     data = payload_bytes(marker)
-    md.storage_data[index] = dataclasses.replace(info, offset=(directory / file_name).stat().st_size, length=len(data))
-    with open(directory / file_name, "ab") as handle:
+    md.storage_data[index] = dataclasses.replace(info, offset=(directory / info.relative_path).stat().st_size,
+                                                 length=len(data))
+    with open(directory / info.relative_path, "ab") as handle:
         handle.write(data)
     (directory / ".metadata").write_bytes(pickle.dumps(md))
-    return directory / file_name
+    return directory / info.relative_path
 
 
 def in_json(directory: Path, marker: Path) -> Path:
@@ -79,15 +76,20 @@ def in_json(directory: Path, marker: Path) -> Path:
     return directory / "metadata.json"
 
 
+def item_kind(md, index) -> str:
+    if index.fqn == COMMON_STATE:
+        return "common_state"
+    return "bytes" if isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata) else "tensor"
+
+
 def attacks(directory: Path) -> dict:
     """Attack name -> planting function, covering every file; each `.distcp` file gets a tensor item and,
-    where it holds one, a bytes item planted."""
-    found = {"metadata": in_metadata, "common": in_common, "metadata_json": in_json}
+    where it holds them, a bytes item (megatron-core's `_extra_state`) and the non-sharded state planted."""
+    found = {"metadata": in_metadata, "metadata_json": in_json}
     md = metadata(directory)
     for index, info in md.storage_data.items():
-        kind = "bytes" if isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata) else "tensor"
-        found.setdefault(f"{kind}_item_in_{info.relative_path}", functools.partial(
-            in_item, file_name=info.relative_path, want_bytes=kind == "bytes"))
+        name = f"{item_kind(md, index)}_item_in_{info.relative_path}"
+        found.setdefault(name, functools.partial(in_item, index=index))
     return found
 
 

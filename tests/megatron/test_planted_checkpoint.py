@@ -1,8 +1,8 @@
 """A Megatron checkpoint handed over by someone else cannot run code on resume
 (models/megatron/dist_checkpoint.py): one `torchrun --nproc_per_node=1` launch (gloo, CPU) of
 tests/megatron/planted_checkpoint_worker.py plants a pickle payload in each file of a distributed
-checkpoint in turn (`.metadata`, `common.pt`, a tensor item and a bytes item of each `.distcp` file,
-`metadata.json`) and loads it. The trainer's manifest would be recomputed by such an attacker, so it
+checkpoint in turn (`.metadata`, a tensor item, a bytes item and megatron-core's non-sharded state
+`common_state` of each `.distcp` file, `metadata.json`) and loads it. The trainer's manifest would be recomputed by such an attacker, so it
 does not enter here; `trainer_state.pt` is tests/unit/trainer/test_checkpoint.py's."""
 
 import json
@@ -40,6 +40,7 @@ def test_every_file_of_the_checkpoint_was_planted(root):
     found = results(root)
     assert set(found["clean_files"]) == {Path(attack["file"]).name for attack in found["attacks"].values()}
     assert any(name.startswith("bytes_item") for name in found["attacks"])  # megatron-core's _extra_state
+    assert any(name.startswith("common_state_item") for name in found["attacks"])
 
 
 def test_a_planted_payload_never_runs_and_the_refusal_is_one_line_naming_the_file(root):

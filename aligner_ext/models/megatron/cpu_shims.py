@@ -1,4 +1,4 @@
-"""Patches that let megatron-core 0.16 run on CPU under the gloo backend (tests and CI only).
+"""Patches that let megatron-core 0.19 run on CPU under the gloo backend (tests and CI only).
 
 megatron-core is written for CUDA. A GPTModel with the local layer spec (no Transformer Engine, no
 Apex) runs forward and backward on CPU after three changes (applied only when CUDA is absent):
@@ -36,6 +36,12 @@ And tied embeddings with PP > 1 one more:
 8. `Tensor.cuda()` returns the tensor itself: GPTModel moves the last stage's copy of the embedding
    to the GPU before all-reducing it with the first stage's. (On a CPU-only torch build `.cuda()`
    can only fail, so no working code path changes.)
+
+And megatron-core 0.19's gradient reduction one more:
+
+9. `torch.cuda.current_stream()` is torch's CPU stream (`torch.cpu.current_stream`): before reducing a
+   bucket of gradients, the data-parallel wrapper makes the current stream wait on events that CUDA
+   graph replays left on the parameters; none exist on the CPU, and the CPU stream's `wait_event` is a no-op.
 
 Decision: patch process-wide (megatron-core calls `torch.cuda.current_device` from many modules);
 `apply_cpu_shims` refuses to run when CUDA is available, so a GPU run can never be patched.
@@ -81,7 +87,7 @@ class _TorchOnCpu:
 
 
 def apply_cpu_shims() -> None:
-    """Apply shims 1, 2, 4, 5, 7 and 8 above (idempotent). Raises if CUDA is available."""
+    """Apply shims 1, 2, 4, 5, 7, 8 and 9 above (idempotent). Raises if CUDA is available."""
     global _applied
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_shims is for CPU-only runs; CUDA is available on this machine")
@@ -94,6 +100,7 @@ def apply_cpu_shims() -> None:
 
     torch.cuda.current_device = _cpu_device
     torch.cuda.synchronize = _no_sync
+    torch.cuda.current_stream = torch.cpu.current_stream
     torch.Tensor.cuda = _stay_on_cpu
     mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     mcore_random._get_cuda_rng_state = mcore_random._set_cuda_rng_state = _no_cuda_rng_state

@@ -23,7 +23,7 @@ Optimizer state follows the parameter it belongs to (`optimizer.state.exp_avg.<p
 ...), through `optimizer.sharded_state_dict(model_sharded_state_dict)`: the plain optimizer maps
 its per-parameter state directly; the distributed optimizer (state sharded over DP) uses the
 'fully_reshardable' format, which gathers each parameter's state on save and slices it on load,
-so it too reshards over TP, PP and DP. (megatron-core's default, 'fully_sharded_model_space', cannot
+so it too reshards over TP, PP and DP. (megatron-core's default, 'fully_sharded_model_space', could not
 be saved in 0.16: it produces flattened ShardedTensors, which 0.16's ShardedTensor refuses.) The
 plain and the distributed optimizer write different keys (float32 master weights: none under float32
 training, `optimizer.state.fp32_param.*` from the plain bf16 optimizer, `optimizer.state.param.*`
@@ -35,7 +35,8 @@ Engine or Apex) its `state_dict` needs Adam's per-parameter state to exist, so `
 zero-gradient step on its float32 shards, as megatron-core does before loading its FSDP format
 (`_init_optimizer_states_with_dummy_values`); everything that step touches (Adam's moments and step,
 the master weights) is then overwritten from the checkpoint, and the model's weights are not touched.
-megatron-core 0.16 cannot load 'fully_reshardable' state into torch's Adam either: it restores
+megatron-core cannot load 'fully_reshardable' state into torch's Adam either (0.16, and 0.19, whose
+`load_parameter_state_from_fully_reshardable` is unchanged): it restores
 Adam's step into every parameter's state, then copies the checkpoint's tensors into *every* key of
 that state, 'step' included, which the checkpoint keeps apart (KeyError 'step', seen on 2x H200).
 `_load_distributed` therefore sets the step aside while the tensors load and puts it back after.
@@ -47,16 +48,20 @@ the step count grew by the number of parameters per update and Adam's bias corre
 With LoRA (`only=lora.is_adapter`) the checkpoint holds the adapters and their optimizer state
 alone: the frozen base is the model the run loads (models/megatron/lora.py).
 
-Every rank calls `save` and `load` (collectives inside); rank 0 writes the non-tensor state.
+Every rank calls `save` and `load` (collectives inside). megatron-core 0.19 writes the non-tensor state
+as the `common_state` item of the `.distcp` files; 0.16 wrote it into `common.pt`, which `load` still
+reads, so a checkpoint written under 0.16 resumes (tests/megatron/test_checkpoint_from_0_16.py).
 
 Nothing the directory holds is unpickled beyond tensors, numbers, strings and containers, so a
 checkpoint handed over by someone else cannot run code on resume (docs/reliability.md). Left to
-themselves, torch.distributed.checkpoint reads `.metadata` with `pickle.load` and megatron-core's
-`_extra_state` objects (bytes items of the `.distcp` files) with `torch.load(weights_only=False)`.
-`load` therefore runs megatron-core's loader with `SafeFileSystemReader` (`.metadata` through an
-unpickler allowing only `METADATA_GLOBALS`) and `SafeLoadPlanner` (bytes items weights-only) swapped
-into its torch_dist strategy module, and `common.pt` read weights-only explicitly (torch's default
-yields to TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD); the tensors themselves DCP already reads weights-only.
+themselves, torch.distributed.checkpoint reads `.metadata` with `pickle.load`, and megatron-core's
+`_extra_state` objects and its non-sharded state (bytes items of the `.distcp` files) with
+`torch.load(weights_only=False)`. `load` therefore runs megatron-core's loader with
+`SafeFileSystemReader` (`.metadata` through an unpickler allowing only `METADATA_GLOBALS`) and
+`SafeLoadPlanner` (bytes items weights-only) swapped into its torch_dist strategy module, and its
+reader of the non-sharded state replaced by `_load_common_state` (the same two; `common.pt` read
+weights-only explicitly: torch's default yields to TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD); the tensors
+themselves DCP already reads weights-only.
 """
 
 from __future__ import annotations
@@ -71,10 +76,14 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategy
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.optimizer import distrib_optimizer as mcore_distrib_optimizer
+from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -85,13 +94,14 @@ from torch.distributed.checkpoint.planner import ReadItem
 from aligner_ext.errors import CheckpointError, UnsafeCheckpoint, error_line
 
 DIRECTORY = "megatron"  # the subdirectory of a trainer checkpoint (trainer/checkpoint.py) holding it
+RUN_SETTINGS = ("max_lr", "min_lr", "start_wd", "end_wd")  # parameter-group settings a resume may change
 OPTIMIZER_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",  # reshards over TP, PP and DP (see above)
     "chained_optim_avoid_prefix": True,  # the same keys whether megatron-core chains optimizers or not
 }
 
 
-# Every global a `.metadata` of torch 2.13 / megatron-core 0.16 pickles (read from the files they write),
+# Every global a `.metadata` of torch 2.13 / megatron-core 0.16 and 0.19 pickles (read from the files they write),
 # plus torch's dtypes (`_allowed`): the metadata's dataclasses and enums, no function that runs anything.
 METADATA_GLOBALS = frozenset({
     ("torch", "Size"),
@@ -150,15 +160,21 @@ class SafeLoadPlanner(mcore_torch_strategy.MCoreLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-class _SafeCommonLoadStrategy(TorchCommonLoadStrategy):
-    """`common.pt` (megatron-core's non-sharded state) read weights-only whatever the environment says."""
-
-    def load_common(self, checkpoint_dir):
-        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+def _load_common_state(checkpoint_dir) -> dict:
+    """megatron-core's non-sharded state, read weights-only whatever the environment says: the
+    `common_state` item of the `.distcp` files, or `common.pt` in a checkpoint written by megatron-core 0.16."""
+    legacy = Path(checkpoint_dir) / COMMON_STATE_FNAME
+    if legacy.exists():
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(legacy, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:
-            raise _refusal(path, err) from err
+            raise _refusal(legacy, err) from err
+    reader = SafeFileSystemReader(checkpoint_dir)
+    reader.read_metadata()  # refused here: DCP's load takes a failed read for a missing file and looks for another
+    key = ShardedObject("common_state", None, (1,), (0,)).unique_key
+    state = {key: io.BytesIO()}
+    torch.distributed.checkpoint.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return state[key][0]
 
 
 def _refusal(path: Path, err: BaseException) -> UnsafeCheckpoint:
@@ -169,15 +185,35 @@ def _refusal(path: Path, err: BaseException) -> UnsafeCheckpoint:
 @contextlib.contextmanager
 def _safe_readers() -> Iterator[None]:
     """Swap the safe reader and planner into megatron-core's torch_dist strategy module, which looks both
-    up by name when it loads (`_get_filesystem_reader`, `MCoreLoadPlanner`)."""
-    saved = mcore_torch_strategy._get_filesystem_reader, mcore_torch_strategy.MCoreLoadPlanner
-    mcore_torch_strategy._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: (
-        SafeFileSystemReader(checkpoint_dir))
+    up by name when it loads (`_get_filesystem_reader`, `MCoreLoadPlanner`), and the safe reader of the
+    non-sharded state into its `serialization` module (`load_common_state_dict`)."""
+    saved = (mcore_torch_strategy._get_filesystem_reader, mcore_torch_strategy.MCoreLoadPlanner,
+             serialization.load_common_state_dict)
+    mcore_torch_strategy._get_filesystem_reader = lambda checkpoint_dir, **_: SafeFileSystemReader(checkpoint_dir)
     mcore_torch_strategy.MCoreLoadPlanner = SafeLoadPlanner
+    serialization.load_common_state_dict = _load_common_state
     try:
         yield
     finally:
-        mcore_torch_strategy._get_filesystem_reader, mcore_torch_strategy.MCoreLoadPlanner = saved
+        (mcore_torch_strategy._get_filesystem_reader, mcore_torch_strategy.MCoreLoadPlanner,
+         serialization.load_common_state_dict) = saved
+
+
+@contextlib.contextmanager
+def _groups_paired_without_run_settings() -> Iterator[None]:
+    """megatron-core 0.19 pairs each saved parameter group with the current one of the same identifier
+    (`param_group_identifier_keys`, looked up by both optimizer modules when they load), the learning rate
+    and weight decay among them, so a resume at another learning rate found no group. The run applies its
+    own after the load (`optimizer.apply_settings`, `set_lr`): the groups are paired without them."""
+    modules = (mcore_optimizer, mcore_distrib_optimizer)
+    saved = [module.param_group_identifier_keys for module in modules]
+    for module, keys in zip(modules, saved):
+        module.param_group_identifier_keys = tuple(key for key in keys if key not in RUN_SETTINGS)
+    try:
+        yield
+    finally:
+        for module, keys in zip(modules, saved):
+            module.param_group_identifier_keys = keys
 
 
 def _raise_refusal_from(err: CheckpointException, directory: Path) -> None:
@@ -283,8 +319,7 @@ def load(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str
     try:
         with _safe_readers():
             wanted = sharded_state_dict(model, optimizer, is_loading=True, only=only)
-            state = dist_checkpointing.load(wanted, str(directory),
-                                            common_strategy=_SafeCommonLoadStrategy(), strict=StrictHandling.RAISE_ALL)
+            state = dist_checkpointing.load(wanted, str(directory), strict=StrictHandling.RAISE_ALL)
     except CheckpointException as err:
         _raise_refusal_from(err, directory)
         raise
@@ -292,10 +327,11 @@ def load(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str
     if optimizer is None:
         return
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    if len(inner) == 1 and isinstance(inner[0], DistributedOptimizer):
-        _load_distributed(inner[0], state["optimizer"])
-    else:
-        optimizer.load_state_dict(state["optimizer"])
+    with _groups_paired_without_run_settings():
+        if len(inner) == 1 and isinstance(inner[0], DistributedOptimizer):
+            _load_distributed(inner[0], state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
 
 
 def _load_distributed(optimizer: DistributedOptimizer, state: dict) -> None:

@@ -1,5 +1,5 @@
 """LoRA on the Megatron backend: an adapter beside each column- and row-parallel linear of the
-GPTModel, sharded as that linear's weight (docs/lora.md). megatron-core 0.16 has no adapter module
+GPTModel, sharded as that linear's weight (docs/lora.md). megatron-core (0.16, 0.19) has no adapter module
 of its own, so this is one, written once for the four linears of a layer.
 
 An adapted linear computes `y = x W^T + (x A^T) B^T * alpha / r` with W frozen and, per TP rank:

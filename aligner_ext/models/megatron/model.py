@@ -59,9 +59,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from torch.distributed.nn.functional import all_reduce
@@ -72,12 +70,6 @@ from aligner_ext.models.attention import packed_causal_attention, sliding_window
 from aligner_ext.models.kernels import compiled_on_cuda
 
 VOCAB_DIVISIBLE_BY = 128
-
-if not hasattr(moe_utils, "te_general_gemm"):
-    # megatron-core 0.16's router linear tests `te_general_gemm is not None`, a name its module defines
-    # only where Transformer Engine imports: without it every MoE forward raised NameError. None takes
-    # its torch.mm path.
-    moe_utils.te_general_gemm = None
 
 
 @dataclass
@@ -274,6 +266,10 @@ class FamilySelfAttention(SelfAttention):
 
     def __init__(self, config: ArchitectureConfig, submodules, layer_number: int, **kwargs):
         super().__init__(config, submodules, layer_number, **kwargs)
+        if config.architecture.qk_norm == "projection":  # not in the spec: megatron-core 0.19 builds the
+            # spec's q/k norms only under `qk_layernorm`, whose TP all-reduce these TP-sharded weights must not get
+            self.q_layernorm = ProjectionRMSNorm(config, config.kv_channels, config.layernorm_epsilon, "query")
+            self.k_layernorm = ProjectionRMSNorm(config, config.kv_channels, config.layernorm_epsilon, "key")
         norms = (self.q_layernorm, self.k_layernorm)
         if all(isinstance(norm, RMSNorm) for norm in norms) and not (
                 config.architecture.qk_norm == "projection" and config.tensor_model_parallel_size > 1):
@@ -434,7 +430,8 @@ def moe_options(experts: Experts, aux_loss_coef: float = 0.0) -> dict:
 
 def block_spec(config: ArchitectureConfig) -> TransformerBlockSubmodules:
     """This pipeline stage's layers: the local layer spec with `SDPAttention`, the family's norms by
-    role (`Architecture.norm_names`; IdentityOp where it has none), its q/k norms and post-norms."""
+    role (`Architecture.norm_names`; IdentityOp where it has none), its per-head q/k norms and post-norms
+    (OLMo's q/k norms over the projection: `FamilySelfAttention`)."""
     arch = config.architecture
     norm = norm_module(config)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
@@ -444,9 +441,6 @@ def block_spec(config: ArchitectureConfig) -> TransformerBlockSubmodules:
     layer.pre_mlp_layernorm = norm if "pre_mlp" in arch.norm_names else IdentityOp
     if arch.qk_norm == "head":
         attention.q_layernorm = attention.k_layernorm = norm
-    elif arch.qk_norm == "projection":
-        attention.q_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"projection": "query"})
-        attention.k_layernorm = ModuleSpec(module=ProjectionRMSNorm, params={"projection": "key"})
     layer.self_attention.module = PostNormSelfAttention if "post_attention" in arch.norm_names else FamilySelfAttention
     if arch.experts is not None:  # megatron-core's MoE layer: router, token dispatch, one MLP per expert
         layer.mlp = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=arch.experts.count)

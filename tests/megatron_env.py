@@ -1,0 +1,106 @@
+"""megatron-core for the tests where the suite's own environment cannot have it: megatron-core 0.19 needs
+Python >= 3.12, `.venv` is Python 3.11. A test module that asks for megatron-core
+(`pytest.importorskip("megatron.core")` or `importorskip("aligner_ext.models.megatron...")`), collected where
+megatron-core 0.19 is not installed, runs whole in `.venv312` (Python 3.12, megatron-core 0.19; made once by
+scripts/setup_megatron_env.sh under a file lock), as one test of the suite: `ModuleInMegatronEnv`
+(tests/conftest.py). Under `.venv312/bin/python -m pytest` the same modules run as usual.
+
+No Python 3.12 on the machine: those tests skip with the reason, except under `ALIGNER_EXT_CI=1` (.ci/run), where
+the Megatron backend's tests must run, so they fail with it."""
+
+import fcntl
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aligner_ext.errors import ConfigError
+from aligner_ext.support import check_megatron_core
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv312"
+ASKS_FOR_MEGATRON = re.compile(r'importorskip\("(megatron\.core|aligner_ext\.models\.megatron)')
+NO_PYTHON_312 = 3  # scripts/setup_megatron_env.sh's exit status
+
+
+class MissingPython312(Exception):
+    """No Python 3.12 to build the environment with (the set-up script's line)."""
+
+
+def _supported_megatron_core_here() -> bool:
+    try:
+        check_megatron_core()
+    except ConfigError:  # none, or another release (a .venv made before the backend moved to 0.19)
+        return False
+    return True
+
+
+MEGATRON_HERE = _supported_megatron_core_here()
+
+
+def runs_elsewhere(path: Path) -> bool:
+    """A test module asking for megatron-core, where the release the backend runs on is not installed."""
+    return not MEGATRON_HERE and bool(ASKS_FOR_MEGATRON.search(path.read_text()))
+
+
+def megatron_python(output=None) -> Path:
+    """The environment's python, built first if needed (one process builds it; the others wait); the
+    build's output goes to `output` (a file), else to stderr."""
+    with open(ROOT / ".venv312.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build = subprocess.run(["bash", str(ROOT / "scripts" / "setup_megatron_env.sh"), str(VENV)],
+                               stdout=output or sys.stderr, stderr=subprocess.PIPE, text=True)
+    if build.returncode == NO_PYTHON_312:
+        raise MissingPython312(build.stderr.strip())
+    assert build.returncode == 0, f"scripts/setup_megatron_env.sh failed:\n{build.stderr[-6000:]}"
+    return VENV / "bin" / "python"
+
+
+class ModuleFailed(Exception):
+    """A test of the module failed in .venv312 (its pytest output)."""
+
+
+class ModuleInMegatronEnv(pytest.File):
+    """A test module run whole by `.venv312`'s pytest, as one item."""
+
+    def collect(self):
+        yield ModuleRun.from_parent(self, name="in_venv312")
+
+
+class ModuleRun(pytest.Item):
+    """The module's tests in `.venv312`, under this run's marker expression (`-m`); its outcome is theirs:
+    failed if one failed, skipped (with their reasons) if all were."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_marker(pytest.mark.timeout(0))  # each of its tests keeps pytest.ini's limit in there
+
+    def runtest(self):
+        try:
+            python = megatron_python()
+        except MissingPython312 as err:
+            if os.environ.get("ALIGNER_EXT_CI") == "1":
+                pytest.fail(str(err), pytrace=False)
+            pytest.skip(str(err))
+        command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", str(self.path)]
+        if self.config.option.markexpr:
+            command += ["-m", self.config.option.markexpr]
+        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+        if run.returncode == pytest.ExitCode.NO_TESTS_COLLECTED:  # every test deselected by `-m`
+            pytest.skip(f"{self.path.name} in .venv312: {summary}")
+        if run.returncode != 0:
+            raise ModuleFailed(f"{self.path.name} in .venv312: {summary}\n{run.stdout[-8000:]}{run.stderr[-3000:]}")
+        if " passed" not in summary:  # every test skipped there: say why, as the tests themselves would
+            pytest.skip("; ".join(line for line in run.stdout.splitlines() if line.startswith("SKIPPED")))
+
+    def repr_failure(self, excinfo):
+        if isinstance(excinfo.value, ModuleFailed):  # the module's own report, not this item's traceback
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, None, f"{self.path.name} in .venv312"
