@@ -82,7 +82,7 @@ BUILTIN_PLUGINS: dict[str, dict[str, str]] = {
         "calculator_arithmetic": "aligner_ext.data.tasks.calculator_arithmetic",
         "chain_sums": "aligner_ext.data.tasks.chain_sums",
         "guess_number": "aligner_ext.data.tasks.guess_number",
-        "mixed_sums": "aligner_ext.data.tasks.mixed_sums",
+        "mixed_arithmetic": "aligner_ext.data.tasks.mixed_arithmetic",
         "number_facts": "aligner_ext.data.tasks.number_facts",
         "python_digits": "aligner_ext.data.tasks.python_digits",
         "rubric_qa": "aligner_ext.data.tasks.rubric_qa",

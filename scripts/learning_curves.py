@@ -82,6 +82,22 @@ CALCULATOR_NOTE = (
     "in the transcripts the digits are a tenth of the targets, behind the call's fixed text. After such a copying "
     "stage, 300 x 32 steps of 3-digit transcripts reach a loss of 0.026 and greedy episodes copy every operand: 13 "
     "of 20 right, the rest with the wrong operator, before any RL (docs/agents.md, \"Demo\"; not yet in the demo).")
+MIXED_ARITHMETIC = ("data.builtin_task=mixed_arithmetic", "rollout.max_response_length=40", "model.warmup.steps=600")
+MIXED_ARITHMETIC_NOTE = (
+    "Built for dynamic sampling: a third of the rows each are one-digit sums, `arithmetic`'s sums up to 20 and "
+    "products of two 3-digit numbers (`mixed_arithmetic`), after a 600-step warm-up (loss 0.16) that learns the sums "
+    "of the training rows by heart and cannot multiply. Measured before this comparison ran (one seed, 6 GRPO steps, "
+    "2026-11-29): 0.86 of GRPO's groups had rewards that all agree (0.81-1.00 a step; 0.10 on `arithmetic`); of 8 "
+    "samples at temperature 1 on 90 training rows, all agreed on 96% of the one-digit sums, 82% of the sums up to 20 "
+    "and every product; held-out accuracy 58% before RL (greedy on 90 held-out rows: 88%, 84%, 0%). DAPO samples up "
+    "to 3 generation batches a step (its variant's `max_gen_batches`) and trains on the groups whose rewards differ; "
+    "responses may reach 40 tokens, so the longest answer (30 tokens) stays out of its overlong buffer.")
+NUMBER_FACTS = ("+variant=graded_prompt", "data.builtin_task=number_facts", "graded_prompt.warmup_unshown_share=0.1",
+                "rollout.max_response_length=112")
+NUMBER_FACTS_NOTE = "TODO"
+CHAIN_SUMS = ("+variant=cpo", "data.builtin_task=chain_sums", "cpo.hint.warmup_share=0.5",
+              "rollout.max_response_length=40")
+CHAIN_SUMS_NOTE = "TODO"
 COMPARISONS = (  # the two-method comparisons first: they finish sooner
     Comparison("mtpo_qa", (
         Method("GRPO", ("+variant=mtpo", "mtpo.rewards.calibration_weight=0")),
@@ -109,6 +125,26 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
             "with the whole rubric than with none), are trained as if drawn from the original prompt, and the policy "
             "moves towards them: longer responses and an entropy two to four times GRPO's, and a held-out score "
             "that rises for 30 steps and then falls below GRPO's."),
+    # the three tasks built for a variant's mechanism (each one's precondition measured in its note)
+    Comparison("mixed_arithmetic", (
+        Method("GRPO", MIXED_ARITHMETIC),
+        Method("DAPO", (*MIXED_ARITHMETIC, "+variant=dapo"), "reaches GRPO's accuracy in fewer optimizer steps"),
+    ), diagnostics=("reward/zero_std_group_fraction", "dynamic_sampling/num_gen_batches", "overlong/shaped_fraction",
+                    "reward/mean", "response/length_mean"),
+       note=MIXED_ARITHMETIC_NOTE),
+    Comparison("number_facts", (
+        Method("GRPO", (*NUMBER_FACTS, "algorithm.experience_maker=group_sampling", "graded_prompt.enabled=false")),
+        Method("graded prompt", NUMBER_FACTS, "higher rubric score"),
+    ), metrics=("val/reward_mean", "val/accuracy"),
+       diagnostics=("reward/mean", "reward/zero_std_group_fraction", "graded_prompt/reward_gap_full_minus_none",
+                    "response/length_mean", "actor/entropy"),
+       note=NUMBER_FACTS_NOTE),
+    Comparison("chain_sums", (
+        Method("GRPO", (*CHAIN_SUMS, "cpo.wrap_method=none")),
+        Method("CPO", CHAIN_SUMS, "gold-solution hints sharpen the advantage per token"),
+    ), diagnostics=("cpo/hint_gain_correct", "cpo/hint_gain_wrong", "cpo/mi_mean", "cpo/difficulty_all_wrong",
+                    "cpo/advantage_change_abs_mean", "reward/mean"),
+       note=CHAIN_SUMS_NOTE),
     Comparison("arithmetic", (
         GRPO,
         Method("DAPO", ("+variant=dapo",), "reaches GRPO's accuracy in fewer optimizer steps"),

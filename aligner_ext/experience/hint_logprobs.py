@@ -15,7 +15,8 @@ continue through the hint and shift every later prompt token by the hint's lengt
 It is listed in `algorithm.experience_wrappers` and turns itself on only when a later stage reads a
 field it writes (`BuildContext.reads_after_experience`: the CPO estimator reads `hint_logprobs`);
 otherwise it returns the inner maker untouched. Listed outside a filtering wrapper (dynamic
-sampling), it runs on the kept groups only.
+sampling), it runs on the kept groups only. With `cpo.hint.warmup_share` it also adds hinted prompts to
+the embedded model's warm-up (`wrap_warmup_examples`), so that model learns to read a hint at all.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The built-in tasks built for the variants' comparisons (docs/learning.md): mixed_sums (dynamic
+"""The built-in tasks built for the variants' comparisons (docs/learning.md): mixed_arithmetic (dynamic
 sampling), number_facts (graded system prompt), chain_sums (CPO). Rows and rewards checked by hand."""
 
+import dataclasses
 import re
 from collections import Counter
 
@@ -22,26 +23,32 @@ def terms(row):
     return [int(x) for x in re.fullmatch(r"(\d+(?:\+\d+)+)=", row.messages[0]["content"]).group(1).split("+")]
 
 
-def test_mixed_sums_draws_a_third_of_each_difficulty_from_its_range():
-    rows = builtin_rows("mixed_sums", "train", 900, seed=0)
+def test_mixed_arithmetic_draws_a_third_of_each_difficulty_from_its_range():
+    rows = builtin_rows("mixed_arithmetic", "train", 900, seed=0)
     counts = Counter(row.extra_info["difficulty"] for row in rows)
     assert set(counts) == {"easy", "medium", "hard"}
     assert all(240 <= count <= 360 for count in counts.values())  # binomial(900, 1/3): mean 300, sd 14
-    ranges = {"easy": (0, 9), "medium": (0, 20), "hard": (100, 999)}
+    kinds = {"easy": ("+", 0, 9), "medium": ("+", 0, 20), "hard": ("*", 100, 999)}
     for row in rows:
-        a, b = terms(row)
-        low, high = ranges[row.extra_info["difficulty"]]
-        assert low <= a <= high and low <= b <= high
-        assert row.ground_truth == str(a + b)
-        assert sft_target(row) == f"{a}+{b}={a + b}\n\\boxed{{{a + b}}}"
+        a, symbol, b = re.fullmatch(r"(\d+)([+*])(\d+)=", row.messages[0]["content"]).groups()
+        a, b = int(a), int(b)
+        expected_symbol, low, high = kinds[row.extra_info["difficulty"]]
+        assert symbol == expected_symbol and low <= a <= high and low <= b <= high
+        result = a + b if symbol == "+" else a * b
+        assert row.ground_truth == str(result)
+        assert sft_target(row) == f"{a}{symbol}{b}={result}\n\\boxed{{{result}}}"
 
 
-def test_mixed_sums_reward_is_the_boxed_sum():
-    row = builtin_rows("mixed_sums", "val", 1, seed=0)[0]
-    a, b = terms(row)
-    assert reward(row, f"{a}+{b}={a + b}\n\\boxed{{{a + b}}}") == 1.0
-    assert reward(row, f"\\boxed{{{a + b + 1}}}") == 0.0
-    assert reward(row, f"{a + b}") == 0.0  # an unmarked answer is not read
+@pytest.mark.parametrize("response, score", [
+    ("418*276=115368\n\\boxed{115368}", 1.0),  # 418 * 276 = 83600 + 31768
+    ("\\boxed{115368}", 1.0),
+    ("418*276=115358\n\\boxed{115358}", 0.0),
+    ("418*276=115368", 0.0),  # an unmarked answer is not read
+])
+def test_mixed_arithmetic_reward_is_the_boxed_result(response, score):
+    row = builtin_rows("mixed_arithmetic", "val", 1, seed=0)[0]
+    row = dataclasses.replace(row, messages=[{"role": "user", "content": "418*276="}], ground_truth="115368")
+    assert reward(row, response) == score
 
 
 def test_chain_sums_gold_adds_one_term_per_line():
