@@ -10,6 +10,8 @@ stopped, and a run being trained by another call is refused rather than trained 
     python scripts/learning_curves.py                     # every comparison: about 5 h on 2 cores
     python scripts/learning_curves.py --only arithmetic   # one task's comparisons (or one comparison by name)
     python scripts/learning_curves.py --parallel 16       # on a machine of 16 cores: about an hour
+    python scripts/learning_curves.py --only mixed_arithmetic number_facts chain_sums --parallel 18
+                                                          # the tasks built for DAPO, the graded prompt and CPO
     python scripts/learning_curves.py --render            # the page from the runs finished, training nothing
     python scripts/learning_curves.py --quick             # 2 steps, 1 seed, small sets: checks the script
 """
@@ -94,10 +96,25 @@ MIXED_ARITHMETIC_NOTE = (
     "responses may reach 40 tokens, so the longest answer (30 tokens) stays out of its overlong buffer.")
 NUMBER_FACTS = ("+variant=graded_prompt", "data.builtin_task=number_facts", "graded_prompt.warmup_unshown_share=0.1",
                 "rollout.max_response_length=112")
-NUMBER_FACTS_NOTE = "TODO"
-CHAIN_SUMS = ("+variant=cpo", "data.builtin_task=chain_sums", "cpo.hint.warmup_share=0.5",
+NUMBER_FACTS_NOTE = (
+    "Built for the graded prompt: five independent facts about a number, a point each (`number_facts`), whose gold "
+    "answer states one (its parity), so GRPO's warmed model, warmed up on the gold answers under the original prompt, "
+    "earns 0.2 of the rubric and has never written the other four; the graded prompt's warm-up shows each row under "
+    "its n graded prompts with targets that state the facts shown and each fact not shown with probability 0.1 "
+    "(`graded_prompt.warmup_unshown_share=0.1`), so without the rubric it states few facts and with the whole rubric "
+    "all five: its samples earn reward GRPO's cannot reach, which training on the original prompt is meant to make "
+    "the policy's own. MEASURED_FACTS")
+CHAIN_SUMS = ("+variant=cpo", "data.builtin_task=chain_sums", "cpo.hint.warmup_share=0.5", "model.warmup.steps=600",
               "rollout.max_response_length=40")
-CHAIN_SUMS_NOTE = "TODO"
+CHAIN_SUMS_NOTE = (
+    "Built for CPO: sums of three terms up to 99 (`chain_sums`) whose gold solution, the hint, shows both steps "
+    "(`85+21=106`, `106+8=114`, `\\boxed{114}`, a line each). The embedded model has never seen a prompt holding a "
+    "solution, and on "
+    "`arithmetic` the hint made the sampled tokens less likely (docs/variants/cpo.md); here both methods start from "
+    "one warm-up that also shows half the rows on their hinted prompt (`cpo.hint.warmup_share=0.5`), and GRPO is CPO "
+    "with no shaping (`cpo.wrap_method=none`): the same hint pass, GRPO's advantages. cpo/hint_gain_correct and "
+    "cpo/hint_gain_wrong are the hint's mean log-prob gain per token on correct and on wrong responses. "
+    "MEASURED_CHAIN")
 COMPARISONS = (  # the two-method comparisons first: they finish sooner
     Comparison("mtpo_qa", (
         Method("GRPO", ("+variant=mtpo", "mtpo.rewards.calibration_weight=0")),

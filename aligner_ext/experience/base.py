@@ -119,8 +119,8 @@ class ExperienceWrapper(ExperienceMaker):
         return self.inner.evaluate(loader, single_round)
 
     @classmethod
-    def wrap_warmup_examples(cls, cfg, rows: list[PromptRow],
-                             examples: list[tuple[list[dict[str, str]], str]]) -> list[tuple[list[dict[str, str]], str]]:
+    def wrap_warmup_examples(cls, cfg, rows: list[PromptRow], examples: list[tuple[list[dict[str, str]], str]]
+                             ) -> list[tuple[list[dict[str, str]], str]]:
         """Override point: the embedded model's warm-up pairs (`examples`, the inner maker's) with what this
         wrapper's stage needs the model to have seen; unchanged by default."""
         return examples

@@ -113,8 +113,8 @@ class HintLogprobs(ExperienceWrapper):
                    ctx.cfg.rollout.temperature)
 
     @classmethod
-    def wrap_warmup_examples(cls, cfg, rows: list[PromptRow],
-                             examples: list[tuple[list[dict[str, str]], str]]) -> list[tuple[list[dict[str, str]], str]]:
+    def wrap_warmup_examples(cls, cfg, rows: list[PromptRow], examples: list[tuple[list[dict[str, str]], str]]
+                             ) -> list[tuple[list[dict[str, str]], str]]:
         """`examples` plus, with `cpo.hint.warmup_share` > 0 in a run whose advantage or loss reads the hint
         pass, that share of the rows (chosen by row id) on their hinted prompt, each with its gold solution:
         the embedded model has never seen a prompt holding a solution (a real LLM has), so without them the

@@ -1,15 +1,16 @@
-"""`chain_sums`: sums of three small integers, e.g. "3+14+9=", solved in two steps. Built so that a
+"""`chain_sums`: sums of three integers up to 99, e.g. "85+21+8=", solved in two steps. Built so that a
 gold-solution hint carries what the model lacks, which is what CPO's advantage reads (docs/learning.md,
 section `chain_sums`).
 
-The gold solution adds one term per line, `arithmetic`'s format: "3+14=17\\n17+9=26\\n\\boxed{26}".
-Each step is a two-term sum the tiny model can learn, but a response is right only when both are, so
-many groups are all wrong (the groups where GRPO's advantage is zero and CPO's `negonly_mi3` shapes the
-wrong responses' tokens by the hint). Under a hint holding those lines, a response that repeats them is
-far more likely than without it: the gain CPO measures (`cpo/hint_gain_correct`), once the model has
-learned to read a hint (`cpo.hint.warmup_share`). Scored by `math_verify`.
+The gold solution adds one term per line, `arithmetic`'s format: "85+21=106\\n106+8=114\\n\\boxed{114}".
+Each step is a two-term sum with carries, which the tiny model gets right only some of the time, and a
+response is right only when both steps are, so many groups are all wrong: there GRPO's advantage is zero
+and CPO's `negonly_mi3` shapes the wrong responses' tokens by the hint. Under a hint holding those lines, a
+response that repeats them is more likely than without it: the gain CPO measures
+(`cpo/hint_gain_correct`), once the model has learned to read a hint (`cpo.hint.warmup_share`).
+Scored by `math_verify`.
 
-The problem space (21^3 sums) is large, so rows are drawn at random and kept only if their prompt text
+The problem space (100^3 sums) is large, so rows are drawn at random and kept only if their prompt text
 belongs to the split (`base.in_split`).
 """
 
@@ -20,7 +21,7 @@ from aligner_ext.data.tasks.base import TASKS, in_split, make_rows, record, spli
 from aligner_ext.data.types import PromptRow
 
 NUM_TERMS = 3  # terms per sum: NUM_TERMS - 1 steps
-MAX_TERM = 20  # each term is an integer in [0, MAX_TERM]
+MAX_TERM = 99  # each term is an integer in [0, MAX_TERM]
 
 
 @TASKS.register("chain_sums")

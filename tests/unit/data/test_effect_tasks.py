@@ -53,13 +53,13 @@ def test_mixed_arithmetic_reward_is_the_boxed_result(response, score):
 
 def test_chain_sums_gold_adds_one_term_per_line():
     rows = builtin_rows("chain_sums", "train", 300, seed=0)
-    assert rows[0].messages[0]["content"] == "10+15+5="
-    assert sft_target(rows[0]) == "10+15=25\n25+5=30\n\\boxed{30}"
-    assert reward(rows[0], "10+15=25\n25+5=30\n\\boxed{30}") == 1.0
-    assert reward(rows[0], "10+15=25\n25+5=31\n\\boxed{31}") == 0.0  # one step wrong: the answer is wrong
+    assert rows[1].messages[0]["content"] == "85+21+8="
+    assert sft_target(rows[1]) == "85+21=106\n106+8=114\n\\boxed{114}"
+    assert reward(rows[1], "85+21=106\n106+8=114\n\\boxed{114}") == 1.0
+    assert reward(rows[1], "85+21=96\n96+8=104\n\\boxed{104}") == 0.0  # a carry lost in the first step
     for row in rows:
         a, b, c = terms(row)
-        assert all(0 <= x <= 20 for x in (a, b, c))
+        assert all(0 <= x <= 99 for x in (a, b, c))
         assert row.ground_truth == str(a + b + c)
         assert sft_target(row) == f"{a}+{b}={a + b}\n{a + b}+{c}={a + b + c}\n\\boxed{{{a + b + c}}}"
 

@@ -13,11 +13,11 @@ def plain(rows):
 
 
 def test_every_row_hinted_at_share_one():
-    first = ROWS[0]  # "10+15+5=", gold "10+15=25\n25+5=30\n\boxed{30}"
+    first = ROWS[1]  # "85+21+8=", gold "85+21=106\n106+8=114\n\boxed{114}"
     examples = warmup_examples(load_config("demo", ["+variant=cpo", "cpo.hint.warmup_share=1"]), [first])
-    gold = "10+15=25\n25+5=30\n\\boxed{30}"
-    assert examples == [([{"role": "user", "content": "10+15+5="}], gold),
-                        ([{"role": "user", "content": f"{gold}\n10+15+5="}], gold)]  # user_prefix: "{hint}\n" first
+    gold = "85+21=106\n106+8=114\n\\boxed{114}"
+    assert examples == [([{"role": "user", "content": "85+21+8="}], gold),
+                        ([{"role": "user", "content": f"{gold}\n85+21+8="}], gold)]  # user_prefix: "{hint}\n" first
 
 
 def test_share_of_rows_hinted_and_the_same_for_every_trainer_seed():
