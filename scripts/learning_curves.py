@@ -103,7 +103,12 @@ NUMBER_FACTS_NOTE = (
     "its n graded prompts with targets that state the facts shown and each fact not shown with probability 0.1 "
     "(`graded_prompt.warmup_unshown_share=0.1`), so without the rubric it states few facts and with the whole rubric "
     "all five: its samples earn reward GRPO's cannot reach, which training on the original prompt is meant to make "
-    "the policy's own. MEASURED_FACTS")
+    "the policy's own. Measured before this comparison ran (one seed, 3 steps, 2026-11-29), from a warm-up an eighth "
+    "of this one's (600 steps of batch 8, loss 0.23; the full one did not fit the 2-core machine's time): the graded "
+    "prompt's samples earned 0.00-0.01 of the rubric with no criterion shown and 0.18-0.24 with all five "
+    "(graded_prompt/reward_gap_full_minus_none 0.16-0.24, against 0.13-0.17 on `rubric_qa`, whose warmed model "
+    "already earned 0.95 unprompted), rising with the share shown; held-out 0.00. GRPO's warmed model earns 0.2 by "
+    "construction (its target, the gold answer, states one fact in five); not measured.")
 CHAIN_SUMS = ("+variant=cpo", "data.builtin_task=chain_sums", "cpo.hint.warmup_share=0.5", "model.warmup.steps=600",
               "rollout.max_response_length=40")
 CHAIN_SUMS_NOTE = (
@@ -114,7 +119,12 @@ CHAIN_SUMS_NOTE = (
     "one warm-up that also shows half the rows on their hinted prompt (`cpo.hint.warmup_share=0.5`), and GRPO is CPO "
     "with no shaping (`cpo.wrap_method=none`): the same hint pass, GRPO's advantages. cpo/hint_gain_correct and "
     "cpo/hint_gain_wrong are the hint's mean log-prob gain per token on correct and on wrong responses. "
-    "MEASURED_CHAIN")
+    "Measured before this comparison ran (CPO, one seed, 5 steps, 2026-11-29; a 600-step warm-up, loss 0.027, "
+    "held-out accuracy 54%): the hint lowers wrong responses by 0.31 nats a token and raises correct ones by only "
+    "0.010 (0.000-0.019 a step): the warmed model is already sure of the responses it gets right, so the hint has "
+    "little to add to them; cpo/mi_mean +0.012 and cpo/mi_positive_fraction 0.50, against -0.025 and 0.06 on "
+    "`arithmetic` without the hinted warm-up; 7.5% of the groups all wrong. With terms up to 20 the same warm-up "
+    "reached 64% and a gain of 0.003; with 200 warm-up steps (6%) the hint was not yet read (-0.044).")
 COMPARISONS = (  # the two-method comparisons first: they finish sooner
     Comparison("mtpo_qa", (
         Method("GRPO", ("+variant=mtpo", "mtpo.rewards.calibration_weight=0")),
