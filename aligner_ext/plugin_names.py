@@ -80,7 +80,10 @@ BUILTIN_PLUGINS: dict[str, dict[str, str]] = {
     "aligner_ext.data.tasks.base:TASKS": {
         "arithmetic": "aligner_ext.data.tasks.arithmetic",
         "calculator_arithmetic": "aligner_ext.data.tasks.calculator_arithmetic",
+        "chain_sums": "aligner_ext.data.tasks.chain_sums",
         "guess_number": "aligner_ext.data.tasks.guess_number",
+        "mixed_arithmetic": "aligner_ext.data.tasks.mixed_arithmetic",
+        "number_facts": "aligner_ext.data.tasks.number_facts",
         "python_digits": "aligner_ext.data.tasks.python_digits",
         "rubric_qa": "aligner_ext.data.tasks.rubric_qa",
         "short_qa": "aligner_ext.data.tasks.short_qa"

@@ -10,6 +10,8 @@ stopped, and a run being trained by another call is refused rather than trained 
     python scripts/learning_curves.py                     # every comparison: about 5 h on 2 cores
     python scripts/learning_curves.py --only arithmetic   # one task's comparisons (or one comparison by name)
     python scripts/learning_curves.py --parallel 16       # on a machine of 16 cores: about an hour
+    python scripts/learning_curves.py --only mixed_arithmetic number_facts chain_sums --parallel 18
+                                                          # the tasks built for DAPO, the graded prompt and CPO
     python scripts/learning_curves.py --render            # the page from the runs finished, training nothing
     python scripts/learning_curves.py --quick             # 2 steps, 1 seed, small sets: checks the script
 """
@@ -83,6 +85,47 @@ CALCULATOR_NOTE = (
     "in the transcripts the digits are a tenth of the targets, behind the call's fixed text. After such a copying "
     "stage, 300 x 32 steps of 3-digit transcripts reach a loss of 0.026 and greedy episodes copy every operand: 13 "
     "of 20 right, the rest with the wrong operator, before any RL (docs/agents.md, \"Demo\"; not yet in the demo).")
+MIXED_ARITHMETIC = ("data.builtin_task=mixed_arithmetic", "rollout.max_response_length=40", "model.warmup.steps=600")
+MIXED_ARITHMETIC_NOTE = (
+    "Built for dynamic sampling: a third of the rows each are one-digit sums, `arithmetic`'s sums up to 20 and "
+    "products of two 3-digit numbers (`mixed_arithmetic`), after a 600-step warm-up (loss 0.16) that learns the sums "
+    "of the training rows by heart and cannot multiply. Measured before this comparison ran (one seed, 6 GRPO steps, "
+    "2026-11-29): 0.86 of GRPO's groups had rewards that all agree (0.81-1.00 a step; 0.10 on `arithmetic`); of 8 "
+    "samples at temperature 1 on 90 training rows, all agreed on 96% of the one-digit sums, 82% of the sums up to 20 "
+    "and every product; held-out accuracy 58% before RL (greedy on 90 held-out rows: 88%, 84%, 0%). DAPO samples up "
+    "to 3 generation batches a step (its variant's `max_gen_batches`) and trains on the groups whose rewards differ; "
+    "responses may reach 40 tokens, so the longest answer (30 tokens) stays out of its overlong buffer.")
+NUMBER_FACTS = ("+variant=graded_prompt", "data.builtin_task=number_facts", "graded_prompt.warmup_unshown_share=0.1",
+                "rollout.max_response_length=112")
+NUMBER_FACTS_NOTE = (
+    "Built for the graded prompt: five independent facts about a number, a point each (`number_facts`), whose gold "
+    "answer states one (its parity), so GRPO's warmed model, warmed up on the gold answers under the original prompt, "
+    "earns 0.2 of the rubric and has never written the other four; the graded prompt's warm-up shows each row under "
+    "its n graded prompts with targets that state the facts shown and each fact not shown with probability 0.1 "
+    "(`graded_prompt.warmup_unshown_share=0.1`), so without the rubric it states few facts and with the whole rubric "
+    "all five: its samples earn reward GRPO's cannot reach, which training on the original prompt is meant to make "
+    "the policy's own. Measured before this comparison ran (one seed, 3 steps, 2026-11-29), from a warm-up an eighth "
+    "of this one's (600 steps of batch 8, loss 0.23; the full one did not fit the 2-core machine's time): the graded "
+    "prompt's samples earned 0.00-0.01 of the rubric with no criterion shown and 0.18-0.24 with all five "
+    "(graded_prompt/reward_gap_full_minus_none 0.16-0.24, against 0.13-0.17 on `rubric_qa`, whose warmed model "
+    "already earned 0.95 unprompted), rising with the share shown; held-out 0.00. GRPO's warmed model earns 0.2 by "
+    "construction (its target, the gold answer, states one fact in five); not measured.")
+CHAIN_SUMS = ("+variant=cpo", "data.builtin_task=chain_sums", "cpo.hint.warmup_share=0.5", "model.warmup.steps=600",
+              "rollout.max_response_length=40")
+CHAIN_SUMS_NOTE = (
+    "Built for CPO: sums of three terms up to 99 (`chain_sums`) whose gold solution, the hint, shows both steps "
+    "(`85+21=106`, `106+8=114`, `\\boxed{114}`, a line each). The embedded model has never seen a prompt holding a "
+    "solution, and on "
+    "`arithmetic` the hint made the sampled tokens less likely (docs/variants/cpo.md); here both methods start from "
+    "one warm-up that also shows half the rows on their hinted prompt (`cpo.hint.warmup_share=0.5`), and GRPO is CPO "
+    "with no shaping (`cpo.wrap_method=none`): the same hint pass, GRPO's advantages. cpo/hint_gain_correct and "
+    "cpo/hint_gain_wrong are the hint's mean log-prob gain per token on correct and on wrong responses. "
+    "Measured before this comparison ran (CPO, one seed, 5 steps, 2026-11-29; a 600-step warm-up, loss 0.027, "
+    "held-out accuracy 54%): the hint lowers wrong responses by 0.31 nats a token and raises correct ones by only "
+    "0.010 (0.000-0.019 a step): the warmed model is already sure of the responses it gets right, so the hint has "
+    "little to add to them; cpo/mi_mean +0.012 and cpo/mi_positive_fraction 0.50, against -0.025 and 0.06 on "
+    "`arithmetic` without the hinted warm-up; 7.5% of the groups all wrong. With terms up to 20 the same warm-up "
+    "reached 64% and a gain of 0.003; with 200 warm-up steps (6%) the hint was not yet read (-0.044).")
 COMPARISONS = (  # the two-method comparisons first: they finish sooner
     Comparison("mtpo_qa", (
         Method("GRPO", ("+variant=mtpo", "mtpo.rewards.calibration_weight=0")),
@@ -110,6 +153,26 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
             "with the whole rubric than with none), are trained as if drawn from the original prompt, and the policy "
             "moves towards them: longer responses and an entropy two to four times GRPO's, and a held-out score "
             "that rises for 30 steps and then falls below GRPO's."),
+    # the three tasks built for a variant's mechanism (each one's precondition measured in its note)
+    Comparison("mixed_arithmetic", (
+        Method("GRPO", MIXED_ARITHMETIC),
+        Method("DAPO", (*MIXED_ARITHMETIC, "+variant=dapo"), "reaches GRPO's accuracy in fewer optimizer steps"),
+    ), diagnostics=("reward/zero_std_group_fraction", "dynamic_sampling/num_gen_batches", "overlong/shaped_fraction",
+                    "reward/mean", "response/length_mean"),
+       note=MIXED_ARITHMETIC_NOTE),
+    Comparison("number_facts", (
+        Method("GRPO", (*NUMBER_FACTS, "algorithm.experience_maker=group_sampling", "graded_prompt.enabled=false")),
+        Method("graded prompt", NUMBER_FACTS, "higher rubric score"),
+    ), metrics=("val/reward_mean", "val/accuracy"),
+       diagnostics=("reward/mean", "reward/zero_std_group_fraction", "graded_prompt/reward_gap_full_minus_none",
+                    "response/length_mean", "actor/entropy"),
+       note=NUMBER_FACTS_NOTE),
+    Comparison("chain_sums", (
+        Method("GRPO", (*CHAIN_SUMS, "cpo.wrap_method=none")),
+        Method("CPO", CHAIN_SUMS, "gold-solution hints sharpen the advantage per token"),
+    ), diagnostics=("cpo/hint_gain_correct", "cpo/hint_gain_wrong", "cpo/mi_mean", "cpo/difficulty_all_wrong",
+                    "cpo/advantage_change_abs_mean", "reward/mean"),
+       note=CHAIN_SUMS_NOTE),
     Comparison("arithmetic", (
         GRPO,
         Method("DAPO", ("+variant=dapo",), "reaches GRPO's accuracy in fewer optimizer steps"),

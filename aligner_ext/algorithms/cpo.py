@@ -109,6 +109,17 @@ def mi_metrics(mi: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
             "cpo/mi_positive_fraction": float((values > 0).double().mean())}
 
 
+def hint_gain_metrics(delta: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor) -> dict[str, float]:
+    """Mean Δ = lp_hint - lp per token (nats) over the tokens in `mask` [B, R] of correct and of wrong rows
+    (`correct` [B]): how much the hint raises the responses it agrees with. A side with no token is left out."""
+    metrics = {}
+    for name, rows in (("correct", correct), ("wrong", ~correct)):
+        values = delta[mask & rows[:, None]].to(torch.float64)
+        if values.numel():
+            metrics[f"cpo/hint_gain_{name}"] = float(values.mean())
+    return metrics
+
+
 def row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B, 1] Σ_t m·x / (Σ_t m + 1e-10)."""
     weights = mask.to(values.dtype)
@@ -178,6 +189,7 @@ class CPOAdvantage:
         change = (shaped - base)[inputs.mask]
         hinted = batch.response_mask & batch.has_hint[:, None]
         self._metrics = mi_metrics(mutual_information(batch.hint_logprobs.double(), batch.old_logprobs.double()), hinted)
+        self._metrics.update(hint_gain_metrics(inputs.delta, hinted, correct))
         self._metrics.update({
             "cpo/advantage_change_mean": float(change.mean()) if change.numel() else 0.0,
             "cpo/advantage_change_abs_mean": float(change.abs().mean()) if change.numel() else 0.0,
@@ -188,7 +200,7 @@ class CPOAdvantage:
         return shaped.to(torch.float32) * batch.response_mask.to(torch.float32)
 
     def metrics(self) -> dict[str, float]:
-        """Metrics of the last call: MI mean / std / positive fraction over hinted response tokens, mean
-        (signed and absolute) advantage change, share of tokens changed, groups per difficulty level,
+        """Metrics of the last call: MI mean / std / positive fraction over hinted response tokens, the hint's
+        log-prob gain per token on correct and on wrong rows, mean (signed and absolute) advantage change, share of tokens changed, groups per difficulty level,
         rows whose outcome was judged from their reward."""
         return dict(self._metrics)

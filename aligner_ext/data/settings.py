@@ -40,6 +40,7 @@ class HintConfig:
     truncate_side: str = choice("left", *TRUNCATE_SIDES)  # end of an overlong hint that is dropped: left (keeps its answer) | right (the CPO guide's)
     check_insertion: bool = True  # user_prefix / assistant_turn: error unless the hint is one contiguous insertion
     solution_fields: list[str] = field(default_factory=lambda: ["gold_solution", "solution"])  # extra_info fields holding the hint (cpo.gold_as_hint), first non-empty wins; public CPO data uses `solution`
+    warmup_share: float = number(0.0, ge=0, le=1)  # embedded-model warm-up only: share of the rows also warmed up on their hinted prompt (the model learns to read a hint); 0: none
 
     def __post_init__(self) -> None:
         required = {"prefix_template": ("{hint}",), "reference_template": ("{hint}", "{question}"),

@@ -118,6 +118,13 @@ class ExperienceWrapper(ExperienceMaker):
                  single_round: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
         return self.inner.evaluate(loader, single_round)
 
+    @classmethod
+    def wrap_warmup_examples(cls, cfg, rows: list[PromptRow], examples: list[tuple[list[dict[str, str]], str]]
+                             ) -> list[tuple[list[dict[str, str]], str]]:
+        """Override point: the embedded model's warm-up pairs (`examples`, the inner maker's) with what this
+        wrapper's stage needs the model to have seen; unchanged by default."""
+        return examples
+
     def check_rows(self, rows: list[PromptRow]) -> None:
         self.inner.check_rows(rows)
 

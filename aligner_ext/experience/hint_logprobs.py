@@ -15,23 +15,28 @@ continue through the hint and shift every later prompt token by the hint's lengt
 It is listed in `algorithm.experience_wrappers` and turns itself on only when a later stage reads a
 field it writes (`BuildContext.reads_after_experience`: the CPO estimator reads `hint_logprobs`);
 otherwise it returns the inner maker untouched. Listed outside a filtering wrapper (dynamic
-sampling), it runs on the kept groups only.
+sampling), it runs on the kept groups only. With `cpo.hint.warmup_share` it also adds hinted prompts to
+the embedded model's warm-up (`wrap_warmup_examples`), so that model learns to read a hint at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass, field
 
 import torch
 
+from aligner_ext.algorithms.advantages import ADVANTAGES
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
-from aligner_ext.data.hints import HintConfig, check_hints, hinted_prompt_ids
+from aligner_ext.data.hints import HintConfig, check_hints, hint_text, hinted_messages, hinted_prompt_ids
 from aligner_ext.data.loader import PromptLoader
+from aligner_ext.data.tasks import sft_target
 from aligner_ext.data.templating import left_pad
 from aligner_ext.data.types import PromptRow
 from aligner_ext.experience.base import EXPERIENCE_WRAPPERS, ExperienceMaker, ExperienceWrapper
+from aligner_ext.losses.base import LOSSES
 from aligner_ext.models.base import Policy
 
 
@@ -106,6 +111,25 @@ class HintLogprobs(ExperienceWrapper):
             return inner
         return cls(inner, ctx.cfg.cpo.hint, ctx.cfg.cpo.gold_as_hint, ctx.policy, ctx.tokenizer,
                    ctx.cfg.rollout.temperature)
+
+    @classmethod
+    def wrap_warmup_examples(cls, cfg, rows: list[PromptRow], examples: list[tuple[list[dict[str, str]], str]]
+                             ) -> list[tuple[list[dict[str, str]], str]]:
+        """`examples` plus, with `cpo.hint.warmup_share` > 0 in a run whose advantage or loss reads the hint
+        pass, that share of the rows (chosen by row id) on their hinted prompt, each with its gold solution:
+        the embedded model has never seen a prompt holding a solution (a real LLM has), so without them the
+        hint reads as noise and lowers the log-probs of the responses it agrees with (docs/variants/cpo.md).
+        The whole hint is shown (`max_hint_length` is a token count of the run's tokenizer)."""
+        share = cfg.cpo.hint.warmup_share
+        reads = set(ADVANTAGES.get(cfg.algorithm.adv_estimator).reads) | set(LOSSES.get(cfg.algorithm.loss).reads)
+        if share == 0 or not set(cls.writes) & reads:
+            return examples
+        hinted = []
+        for row in rows:
+            hint = hint_text(row, cfg.cpo.gold_as_hint, cfg.cpo.hint.solution_fields)
+            if hint is not None and random.Random(f"cpo/hint_warmup/{row.row_id}").random() < share:
+                hinted.append((hinted_messages(row.messages, hint, cfg.cpo.hint, row.row_id), sft_target(row)))
+        return examples + hinted
 
     def check_rows(self, rows: list[PromptRow]) -> None:
         """Every row has a hint and a user turn to hold it (`missing=skip`: rows without one are allowed)."""

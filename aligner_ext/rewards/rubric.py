@@ -230,8 +230,8 @@ def _client(cfg: JudgeConfig) -> JudgeClient:
 
 
 # RuscaRL's HealthBench rows are graded by an LLM judge against their rubrics (docs/rewards.md); the built-in
-# rubric_qa task's items carry check specs, which the rule grader reads.
-_SOURCES = {"rubric_judge": ("healthbench",), "rubric": ("rubric_qa",)}
+# rubric tasks' items (rubric_qa, number_facts) carry check specs, which the rule grader reads.
+_SOURCES = {"rubric_judge": ("healthbench",), "rubric": ("rubric_qa", "number_facts")}
 for _name, _cfg in (
     ("rubric", RubricConfig(grader="rule")),
     ("rubric_clipped", RubricConfig(grader="rule", clip=True)),

@@ -28,6 +28,7 @@ from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader, build_loader, build_val_loaders
 from aligner_ext.data.tasks import builtin_rows
 from aligner_ext.data.tasks.base import DRILLS
+from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import main_process_first, world_size
 from aligner_ext.errors import ConfigError, ModelPathError, UserError, error_line
 from aligner_ext.experience.ahead import GenerateAhead, WeightsSnapshot
@@ -89,6 +90,14 @@ def generation_engine_name(cfg: RunConfig, model_config, device: torch.device) -
     return "rollout"
 
 
+def warmup_examples(cfg: RunConfig, rows: list[PromptRow]) -> list[tuple[list[dict[str, str]], str]]:
+    """The embedded model's warm-up pairs for built-in `rows`: the maker's, then each wrapper's additions."""
+    examples = EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker).warmup_examples(cfg, rows)
+    for name in cfg.algorithm.experience_wrappers:
+        examples = EXPERIENCE_WRAPPERS.get(name).wrap_warmup_examples(cfg, rows, examples)
+    return examples
+
+
 def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     """Build and warm up the embedded tiny model once per run; later calls (resume) reuse it, and a
     warm-up of the same inputs done before on this machine is copied from its cache (models/warmup_cache.py)."""
@@ -98,7 +107,7 @@ def embedded_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     tokenizer = build_char_tokenizer()
     device = resolve_device(cfg.policy.device)
     rows = builtin_rows(cfg.data.builtin_task, "train", cfg.data.builtin_train_size, cfg.data.seed)
-    examples = EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker).warmup_examples(cfg, rows)
+    examples = warmup_examples(cfg, rows)
     drills = task_drills(cfg)
     cache = warmup_cache.cache_root(cfg.model.warmup.cache_dir)
     key = warmup_cache.warmup_key(cfg.model.tiny, cfg.model.warmup, examples + drills, device.type)

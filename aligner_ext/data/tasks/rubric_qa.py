@@ -52,7 +52,7 @@ def prime_factors(n: int) -> list[int]:
     return factors + ([n] if n > 1 else [])
 
 
-def _item(criterion: str, points: int, tag: str, value: str, example: str) -> dict[str, Any]:
+def rubric_item(criterion: str, points: int, tag: str, value: str, example: str) -> dict[str, Any]:
     return {"criterion": criterion, "points": points, "tags": [tag], "check": {"type": "contains", "value": value},
             "example": example}
 
@@ -64,17 +64,17 @@ def rubric_and_gold(n: int) -> tuple[list[dict[str, Any]], str]:
     digit_words = f"{digits} digit" + ("s" if digits > 1 else "")
     factors = "*".join(str(p) for p in prime_factors(n))
     rubric = [
-        _item(f"states that {n} is {parity}", 3, "parity", f"{n} is {parity}", f"{n} is {parity}."),
-        _item(f"gives the number of digits ({digits})", 2, "digits", digit_words, f"It has {digit_words}."),
+        rubric_item(f"states that {n} is {parity}", 3, "parity", f"{n} is {parity}", f"{n} is {parity}."),
+        rubric_item(f"gives the number of digits ({digits})", 2, "digits", digit_words, f"It has {digit_words}."),
     ]
     if len(prime_factors(n)) == 1:
-        rubric.append(_item(f"states that {n} is prime", 2, "primality", f"{n} is prime", f"{n} is prime."))
-        rubric.append(_item(f"claims that {n} is not prime", -4, "wrong_claim", f"{n} is not prime",
+        rubric.append(rubric_item(f"states that {n} is prime", 2, "primality", f"{n} is prime", f"{n} is prime."))
+        rubric.append(rubric_item(f"claims that {n} is not prime", -4, "wrong_claim", f"{n} is not prime",
                             f"{n} is not prime."))
     else:
-        rubric.append(_item(f"gives the prime factorisation {factors}", 2, "factorisation", factors,
+        rubric.append(rubric_item(f"gives the prime factorisation {factors}", 2, "factorisation", factors,
                             f"{n} = {factors}, so {n} is not prime."))
-        rubric.append(_item(f"claims that {n} is prime", -4, "wrong_claim", f"{n} is prime", f"{n} is prime."))
+        rubric.append(rubric_item(f"claims that {n} is prime", -4, "wrong_claim", f"{n} is prime", f"{n} is prime."))
     gold = " ".join(item["example"] for item in rubric if item["points"] > 0)
     return rubric, gold
 

@@ -77,7 +77,7 @@ def test_hint_logprobs_equal_an_unpadded_forward_of_the_hinted_prompt(policy, ti
     estimator = CPOAdvantage.from_context(context(policy, tiny_tokenizer, "+variant=cpo"))
     estimator(batch)
     mi_metrics = estimator.metrics()
-    mis = []
+    mis, gains = [], {True: [], False: []}
     for i, (row, gold) in enumerate([(ROW_A, GOLD_A), (ROW_A, GOLD_A), (ROW_B, GOLD_B), (ROW_B, GOLD_B)]):
         question = row.messages[0]["content"]
         length = int(batch.response_valid[i].sum())
@@ -88,7 +88,11 @@ def test_hint_logprobs_equal_an_unpadded_forward_of_the_hinted_prompt(policy, ti
         assert not torch.allclose(hint_lp, plain_lp)  # the hint does change the scores
         assert (batch.hint_logprobs[i, length:] == 0).all()
         mis.append(hint_lp.exp() * (hint_lp - plain_lp))
+        gains[REWARDS[i] == 1.0].append(hint_lp - plain_lp)
     mi = torch.cat(mis)
+    # the hint's gain per token, on the correct rows (0, 1, 3) and on the wrong one (2) apart
+    assert mi_metrics["cpo/hint_gain_correct"] == pytest.approx(float(torch.cat(gains[True]).mean()), abs=1e-6)
+    assert mi_metrics["cpo/hint_gain_wrong"] == pytest.approx(float(torch.cat(gains[False]).mean()), abs=1e-6)
     assert mi_metrics["cpo/mi_mean"] == pytest.approx(float(mi.mean()), abs=1e-6)
     assert mi_metrics["cpo/mi_std"] == pytest.approx(float(mi.std(unbiased=False)), abs=1e-6)
     assert mi_metrics["cpo/mi_positive_fraction"] == pytest.approx(float((mi > 0).double().mean()))
