@@ -101,18 +101,18 @@ def in_background(policy: MegatronPolicy, directory: Path):
         directory.mkdir()
     dist.barrier()
     os.mkfifo(gate(directory))
-    real = FileSystemWriterAsync.write_preloaded_data_multiproc
+    real = FileSystemWriterAsync.write_preloaded_data_multithread
 
     def gated(*args, **kwargs):  # runs in the forked writer process
         with open(gate(directory), "rb") as handle:  # blocks until the trainer opens the gate
             handle.read()
         real(*args, **kwargs)
 
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(gated)
+    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(gated)
     try:
         return policy.save_sharded(directory, background=True)
     finally:
-        FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(real)
+        FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(real)
 
 
 def open_gate(background, directory: Path) -> None:

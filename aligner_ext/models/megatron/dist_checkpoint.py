@@ -248,7 +248,8 @@ def save(directory: Path, model: torch.nn.Module, optimizer, only: Callable[[str
     dist.barrier()
     try:
         request = dist_checkpointing.save(sharded_state_dict(model, optimizer, is_loading=False, only=only),
-                                          str(directory), async_sharded_save=background)
+                                          str(directory), async_sharded_save=background,
+                                          async_strategy="mcore")
     except BaseException as err:
         if dist.get_rank() == 0:
             _release_waiting_ranks(err)
@@ -260,9 +261,10 @@ class AsyncSave:
     """megatron-core's asynchronous save of one distributed checkpoint.
 
     When it starts, each rank copies its shards to host memory (on the CPU the fork below snapshots
-    them) and forks a process that writes its `.distcp` files (`TemporalAsyncCaller`, megatron-core's
-    default; its persistent caller would hand CPU tensors to its worker through shared memory, not as
-    a snapshot). `finished` asks every rank whether its process is done (an all-reduce) and then
+    them) and forks a process that writes its `.distcp` files: megatron-core's own strategy
+    (`async_strategy="mcore"`; 0.19's default, "nvrx", needs nvidia-resiliency-ext) with its default
+    `TemporalAsyncCaller` (its persistent caller would hand CPU tensors to its worker through shared
+    memory, not as a snapshot). `finished` asks every rank whether its process is done (an all-reduce) and then
     finalises: rank 0 writes `.metadata` and `metadata.json`, as the synchronous save does."""
 
     def __init__(self, request):
