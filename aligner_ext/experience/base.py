@@ -119,10 +119,11 @@ class ExperienceWrapper(ExperienceMaker):
         return self.inner.evaluate(loader, single_round)
 
     @classmethod
-    def wrap_warmup_examples(cls, cfg, rows: list[PromptRow], examples: list[tuple[list[dict[str, str]], str]]
-                             ) -> list[tuple[list[dict[str, str]], str]]:
+    def wrap_warmup_examples(cls, cfg, rows: list[PromptRow], examples: list[tuple[list[dict[str, str]], str]],
+                             reads: frozenset[str]) -> list[tuple[list[dict[str, str]], str]]:
         """Override point: the embedded model's warm-up pairs (`examples`, the inner maker's) with what this
-        wrapper's stage needs the model to have seen; unchanged by default."""
+        wrapper's stage needs the model to have seen (`reads`: the batch fields the run's advantage and loss
+        read); unchanged by default."""
         return examples
 
     def check_rows(self, rows: list[PromptRow]) -> None:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aligner_ext.algorithms.advantages import ADVANTAGES
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.context import BuildContext
 from aligner_ext.data.hints import HintConfig, check_hints, hint_text, hinted_messages, hinted_prompt_ids
@@ -36,7 +35,6 @@ from aligner_ext.data.tasks import sft_target
 from aligner_ext.data.templating import left_pad
 from aligner_ext.data.types import PromptRow
 from aligner_ext.experience.base import EXPERIENCE_WRAPPERS, ExperienceMaker, ExperienceWrapper
-from aligner_ext.losses.base import LOSSES
 from aligner_ext.models.base import Policy
 
 
@@ -113,15 +111,14 @@ class HintLogprobs(ExperienceWrapper):
                    ctx.cfg.rollout.temperature)
 
     @classmethod
-    def wrap_warmup_examples(cls, cfg, rows: list[PromptRow], examples: list[tuple[list[dict[str, str]], str]]
-                             ) -> list[tuple[list[dict[str, str]], str]]:
+    def wrap_warmup_examples(cls, cfg, rows: list[PromptRow], examples: list[tuple[list[dict[str, str]], str]],
+                             reads: frozenset[str]) -> list[tuple[list[dict[str, str]], str]]:
         """`examples` plus, with `cpo.hint.warmup_share` > 0 in a run whose advantage or loss reads the hint
         pass, that share of the rows (chosen by row id) on their hinted prompt, each with its gold solution:
         the embedded model has never seen a prompt holding a solution (a real LLM has), so without them the
         hint reads as noise and lowers the log-probs of the responses it agrees with (docs/variants/cpo.md).
         The whole hint is shown (`max_hint_length` is a token count of the run's tokenizer)."""
         share = cfg.cpo.hint.warmup_share
-        reads = set(ADVANTAGES.get(cfg.algorithm.adv_estimator).reads) | set(LOSSES.get(cfg.algorithm.loss).reads)
         if share == 0 or not set(cls.writes) & reads:
             return examples
         hinted = []

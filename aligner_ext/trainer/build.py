@@ -93,8 +93,10 @@ def generation_engine_name(cfg: RunConfig, model_config, device: torch.device) -
 def warmup_examples(cfg: RunConfig, rows: list[PromptRow]) -> list[tuple[list[dict[str, str]], str]]:
     """The embedded model's warm-up pairs for built-in `rows`: the maker's, then each wrapper's additions."""
     examples = EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker).warmup_examples(cfg, rows)
+    reads = (frozenset(ADVANTAGES.get(cfg.algorithm.adv_estimator).reads)
+             | frozenset(LOSSES.get(cfg.algorithm.loss).reads))  # as BuildContext.reads_after_experience
     for name in cfg.algorithm.experience_wrappers:
-        examples = EXPERIENCE_WRAPPERS.get(name).wrap_warmup_examples(cfg, rows, examples)
+        examples = EXPERIENCE_WRAPPERS.get(name).wrap_warmup_examples(cfg, rows, examples, reads)
     return examples
 
 

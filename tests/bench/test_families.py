@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("megatron.core")  # the tiny run trains on the Megatron backend too: in .venv312 (tests/megatron_env.py)
+
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 

@@ -4,7 +4,7 @@ what runs; `auto` falls back to the HF engine saying why; a warning for sequence
 RoPE switch."""
 
 import logging
-import sys
+from importlib import metadata
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from aligner_ext.architecture import UnsupportedModel
 from aligner_ext.config import load_config
 from aligner_ext.errors import ConfigError
 from aligner_ext.models.family_configs import family_config
+from aligner_ext import support
 from aligner_ext.support import check_run
 from aligner_ext.trainer.build import generation_engine_name
 
@@ -113,10 +114,13 @@ def test_the_hf_backend_and_engine_refuse_nothing(tmp_path, overrides):
 
 
 def test_the_megatron_backend_without_megatron_core_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "megatron.core", None)  # import megatron.core raises ImportError
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(support.metadata, "version", not_installed)  # as where megatron-core is not installed
     LlamaConfig(**TINY).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"^policy\.backend=megatron needs megatron-core: pip install "
-                                          r"'aligner_ext\[megatron\]'"):
+    with pytest.raises(ConfigError, match=r"^policy\.backend=megatron needs megatron-core 0\.19 \(it is not "
+                                          r"installed\): pip install 'aligner_ext\[megatron\]', under Python >= 3\.12$"):
         check_run(load_config("base", MEGATRON), tmp_path)
 
 
