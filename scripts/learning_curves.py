@@ -76,7 +76,7 @@ CALCULATOR_NOTE = (
     "on the CPU's roundings (models/warmup_cache.py): on the lent machine's CPU it gave 0.36 at one thread and 0.52 at "
     "two, where RL took one seed from 0.52 to 0.74 and three one-thread seeds to 0.26-0.40 by step 20 "
     "(docs/agents.md, \"Demo\"); the runs without the tool came from that machine (0 there too, as on this one). "
-    "What the demo shows is the agent that calls the tool; what RL adds on top is within the seeds' noise here.")
+    "What the demo shows is the agent that calls the tool, made by the warm-up; RL does not improve it at this size.")
 MIXED_ARITHMETIC = ("data.builtin_task=mixed_arithmetic", "rollout.max_response_length=40", "model.warmup.steps=600")
 MIXED_ARITHMETIC_NOTE = (
     "Built for dynamic sampling: a third of the rows each are one-digit sums, `arithmetic`'s sums up to 20 and "
