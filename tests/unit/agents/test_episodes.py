@@ -86,17 +86,21 @@ def test_a_long_observation_is_cut_to_max_observation_tokens_and_counted(qwen25_
     assert f"<|im_start|>user\n{kept}<|im_end|>" in qwen25_tokenizer.decode(outcome.rows[0].ids)
 
 
+class KnowsItsRow(Adder):
+    """Adder whose episode state names its row, so a test can make one row's environment misbehave."""
+
+    async def reset(self, row):
+        episode = await super().reset(row)
+        episode.state["row"] = row.row_id
+        return episode
+
+
 def test_a_hung_environment_holds_back_only_its_own_episode(qwen25_tokenizer):
     """Row 0's tool answers only once the three other episodes have been scored: a loop that waited
     for every episode's tool at each turn would never finish."""
     others_done, finished = asyncio.Event(), []
 
-    class HangsOnRowZero(Adder):
-        async def reset(self, row):
-            episode = await super().reset(row)
-            episode.state["row"] = row.row_id
-            return episode
-
+    class HangsOnRowZero(KnowsItsRow):
         async def step(self, message, state):
             if state["row"] == "row0":
                 await others_done.wait()
@@ -191,12 +195,7 @@ def test_a_user_error_stops_the_run_without_waiting_for_the_other_episodes(qwen2
     sets: the run stops at the error, and asyncio reports no task's exception as never retrieved."""
     never = asyncio.Event()
 
-    class CannotRunOnRowOne(Adder):
-        async def reset(self, row):
-            episode = await super().reset(row)
-            episode.state["row"] = row.row_id
-            return episode
-
+    class CannotRunOnRowOne(KnowsItsRow):
         async def step(self, message, state):
             if state["row"] == "row0":
                 await never.wait()
