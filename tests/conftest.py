@@ -18,7 +18,7 @@ os.environ.setdefault("ALIGNER_EXT_CACHE", tempfile.mkdtemp(prefix="aligner_ext_
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow
 from aligner_ext.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from megatron_env import ModuleInMegatronEnv, ModuleRun, megatron_python, runs_elsewhere
+from megatron_env import ModuleInMegatronEnv, ModuleRun, batches, megatron_python, runs_elsewhere
 
 _builds: list[threading.Thread] = []
 
@@ -30,10 +30,13 @@ def pytest_pycollect_makemodule(module_path, parent):
     return None
 
 
+@pytest.hookimpl(trylast=True)  # after `-k` and `-m` deselected theirs
 def pytest_collection_modifyitems(items):
-    """The modules that run in .venv312 last, so that its build (a minute or more, in the background from
-    `pytest_collection_finish`) overlaps the other tests rather than holding both workers at the start."""
-    items.sort(key=lambda item: isinstance(item, ModuleRun))  # stable: each part keeps its order
+    """The modules that run in .venv312 last, packed into batches, so that its build (a minute or more, in the
+    background from `pytest_collection_finish`) overlaps the other tests rather than holding both workers at
+    the start."""
+    items[:] = [item for item in items if not isinstance(item, ModuleRun)] + batches(
+        [item for item in items if isinstance(item, ModuleRun)])
 
 
 def _build_in_background(session, name: str, build) -> None:

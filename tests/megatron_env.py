@@ -3,7 +3,9 @@ Python >= 3.12, `.venv` is Python 3.11. A test module that asks for megatron-cor
 (`pytest.importorskip("megatron.core")` or `importorskip("aligner_ext.models.megatron...")`), collected where
 megatron-core 0.19 is not installed, runs whole in `.venv312` (Python 3.12, megatron-core 0.19; made once by
 scripts/setup_megatron_env.sh under a file lock), as one test of the suite: `ModuleInMegatronEnv`
-(tests/conftest.py). Under `.venv312/bin/python -m pytest` the same modules run as usual.
+(tests/conftest.py). Modules of under a couple of minutes share one `.venv312` pytest (`batches`): each
+process spends about 10 s importing torch and megatron-core before its first test. Under
+`.venv312/bin/python -m pytest` the same modules run as usual.
 
 No Python 3.12 on the machine: those tests skip with the reason, except under `ALIGNER_EXT_CI=1` (.ci/run), where
 the Megatron backend's tests must run, so they fail with it."""
@@ -24,6 +26,19 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv312"
 ASKS_FOR_MEGATRON = re.compile(r'importorskip\("(megatron\.core|aligner_ext\.models\.megatron)')
 NO_PYTHON_312 = 3  # scripts/setup_megatron_env.sh's exit status
+# Seconds each module took in `.ci/run` (2026-11-29), only to pack and order the batches: a module not listed
+# counts as DEFAULT_SECONDS, and a wrong number costs balance, never a test.
+SECONDS_IN_CI = {
+    "test_family_runs.py": 164, "test_megatron_tp_pp.py": 134, "test_megatron_loop_layouts.py": 129,
+    "test_megatron_lora.py": 107, "test_megatron_train_loop.py": 100, "test_megatron_rollout.py": 99,
+    "test_dist_checkpoint.py": 95, "test_diverging_run.py": 81, "test_megatron_agent_episodes.py": 57,
+    "test_runs_that_cannot_learn.py": 57, "test_moe_ep_gpus.py": 52, "test_megatron_routing.py": 48,
+    "test_families.py": 45, "test_megatron_families.py": 32, "test_sliding_window.py": 21,
+    "test_planted_checkpoint.py": 18, "test_support.py": 14, "test_unsupported_model.py": 12,
+    "test_process_groups.py": 12, "test_checkpoint_from_0_16.py": 11, "test_megatron_convert_cli.py": 8,
+}
+DEFAULT_SECONDS = 20
+BATCH_SECONDS = 150  # modules are packed into one process up to this many seconds (a longer one runs alone)
 
 
 class MissingPython312(Exception):
@@ -64,18 +79,44 @@ class ModuleFailed(Exception):
 
 
 class ModuleInMegatronEnv(pytest.File):
-    """A test module run whole by `.venv312`'s pytest, as one item."""
+    """A test module run whole by `.venv312`'s pytest, as one item (until `batches` packs it with others)."""
 
     def collect(self):
-        yield ModuleRun.from_parent(self, name="in_venv312")
+        yield ModuleRun.from_parent(self, name="in_venv312", paths=[self.path])
+
+
+def batches(runs: list["ModuleRun"]) -> list["ModuleRun"]:
+    """The modules of `runs` packed first-fit, longest first, into runs of at most BATCH_SECONDS in all
+    (by SECONDS_IN_CI), longest first: fewer processes to start, and the longest start first where the
+    suite ends with them. A batch is one item, named after its first module and listing the others."""
+    def seconds(path: Path) -> int:
+        return SECONDS_IN_CI.get(path.name, DEFAULT_SECONDS)
+
+    packed: list[list[ModuleRun]] = []
+    for run in sorted(runs, key=lambda run: -seconds(run.path)):
+        fits = next((batch for batch in packed
+                     if sum(seconds(other.path) for other in batch) + seconds(run.path) <= BATCH_SECONDS), None)
+        if fits is None:
+            packed.append([run])
+        else:
+            fits.append(run)
+    merged = []
+    for first, *others in packed:
+        if not others:
+            merged.append(first)
+            continue
+        name = "in_venv312_with_" + "+".join(other.path.stem for other in others)
+        merged.append(ModuleRun.from_parent(first.parent, name=name, paths=[first.path, *(o.path for o in others)]))
+    return merged
 
 
 class ModuleRun(pytest.Item):
-    """The module's tests in `.venv312`, under this run's marker expression (`-m`); its outcome is theirs:
-    failed if one failed, skipped (with their reasons) if all were."""
+    """The modules' tests in `.venv312` (one process), under this run's marker expression (`-m`); its outcome
+    is theirs: failed if one failed, skipped (with their reasons) if all were."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, paths: list[Path], **kwargs):
         super().__init__(**kwargs)
+        self.paths = paths
         self.add_marker(pytest.mark.timeout(0))  # each of its tests keeps pytest.ini's limit in there
 
     def runtest(self):
@@ -85,15 +126,16 @@ class ModuleRun(pytest.Item):
             if os.environ.get("ALIGNER_EXT_CI") == "1":
                 pytest.fail(str(err), pytrace=False)
             pytest.skip(str(err))
-        command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", str(self.path)]
+        command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", *map(str, self.paths)]
         if self.config.option.markexpr:
             command += ["-m", self.config.option.markexpr]
         run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+        names = ", ".join(path.name for path in self.paths)
         if run.returncode == pytest.ExitCode.NO_TESTS_COLLECTED:  # every test deselected by `-m`
-            pytest.skip(f"{self.path.name} in .venv312: {summary}")
+            pytest.skip(f"{names} in .venv312: {summary}")
         if run.returncode != 0:
-            raise ModuleFailed(f"{self.path.name} in .venv312: {summary}\n{run.stdout[-8000:]}{run.stderr[-3000:]}")
+            raise ModuleFailed(f"{names} in .venv312: {summary}\n{run.stdout[-8000:]}{run.stderr[-3000:]}")
         if " passed" not in summary:  # every test skipped there: say why, as the tests themselves would
             pytest.skip("; ".join(line for line in run.stdout.splitlines() if line.startswith("SKIPPED")))
 
@@ -103,4 +145,4 @@ class ModuleRun(pytest.Item):
         return super().repr_failure(excinfo)
 
     def reportinfo(self):
-        return self.path, None, f"{self.path.name} in .venv312"
+        return self.path, None, f"{', '.join(path.name for path in self.paths)} in .venv312"
