@@ -234,15 +234,16 @@ def run_dir(runs: Path, task: str, method: Method, seed: int) -> Path:
     return runs / task / method.name.replace(" ", "_").replace("+", "p") / f"seed{seed}"
 
 
-def train(runs: Path, task: str, method: Method, seed: int, quick: bool) -> Path:
-    """Run one method at one seed (unless it finished before); its run directory."""
+def train(runs: Path, task: str, method: Method, seed: int, quick: bool, extra: tuple[str, ...] = ()) -> Path:
+    """Run one method at one seed (unless it finished before), with the `extra` overrides of --set; its run
+    directory."""
     directory = run_dir(runs, task, method, seed)
     if (directory / "summary.json").is_file():
         return directory
     command = [sys.executable, "-m", "aligner_ext", "demo", *method.overrides, f"trainer.seed={seed}",
                f"trainer.output_dir={directory.parent}", f"trainer.run_name={directory.name}",
                f"trainer.eval.every={EVAL_EVERY}", "trainer.cpu_threads=1", "trainer.progress_bar=false",
-               *(QUICK if quick else ())]
+               *(QUICK if quick else ()), *extra]
     started = time.time()
     directory.parent.mkdir(parents=True, exist_ok=True)
     lock = directory.parent / f"{directory.name}.training"  # two invocations never train one run at once
@@ -418,6 +419,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="2 steps, small sets: checks the script end to end")
     parser.add_argument("--render", action="store_true", help="train nothing: the page from the runs finished")
     parser.add_argument("--doc", type=Path, default=DOC, help="where the page goes (figures beside it in learning/)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more override for every run trained (repeatable), e.g. policy.device=cuda")
     args = parser.parse_args()
     selected = [c for c in COMPARISONS if not args.only or c.title in args.only or c.task in args.only]
     # a run shared by two comparisons (their baseline) is trained once
@@ -425,7 +428,7 @@ def main() -> int:
                  for c in selected for m in c.methods for s in args.seeds}.values())
     if not args.render:
         with ThreadPoolExecutor(args.parallel) as pool:
-            list(pool.map(lambda job: train(args.runs_dir, *job, args.quick), jobs))
+            list(pool.map(lambda job: train(args.runs_dir, *job, args.quick, tuple(args.set)), jobs))
     results = finished_comparisons(args.runs_dir, args.seeds)  # those selected, and any finished before
     figures = args.doc.parent / "learning"
     figures.mkdir(parents=True, exist_ok=True)
@@ -433,7 +436,8 @@ def main() -> int:
         if comparison.title in results:
             plot(comparison, results[comparison.title], figures / f"{comparison.title}.png")
     # the page holds every finished comparison, whichever this call trained: the command that redoes them all
-    command = " ".join(["python scripts/learning_curves.py", *(["--quick"] if args.quick else [])])
+    command = " ".join(["python scripts/learning_curves.py", *(["--quick"] if args.quick else []),
+                        *(f"--set {setting}" for setting in args.set)])
     summaries = sorted(args.runs_dir.glob("*/*/seed*/summary.json"))
     steps = json.loads(summaries[0].read_text())["steps"] if summaries else 0
     args.doc.write_text(render(results, args.seeds, steps, command))
