@@ -29,6 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import ROOT, environment  # noqa: E402
+from grpo_step import ASYNC_SUFFIX  # noqa: E402
+from grpo_step_lib import LONG_FACTOR, LONG_SHARE  # noqa: E402
 
 RESULTS = ROOT / "docs" / "bench_results"  # the result.json files the opening table is made from
 TABLE_START, TABLE_END = "<!-- run.py table: start -->", "<!-- run.py table: end -->"
@@ -85,10 +87,23 @@ def headline(result: dict) -> list[tuple[str, str]]:
     if result["subcommand"] in ("grpo", "first-step", "lora", "moe"):
         preset = report["preset"]
         shape = (f"{preset['name']}: {preset['prompts']} x {preset['n']} sequences, P {preset['prompt_length']} + "
-                 f"R {preset['response_length']}")
+                 f"R {preset['response_length']}" + (f", long-tailed ({LONG_SHARE:.0%} R, the others R / {LONG_FACTOR})"
+                                                     if report.get("long_tail") else ""))
         rows = []
         for name, s in report["systems"].items():
             slow = sum(1 for step in s["steps"] if step["step_s"] > 1.3 * s["step_s"][0])
+            overlap = s.get("overlap", {})
+            if overlap.get("asynchronous"):
+                synchronous = report["systems"].get(name.rsplit(ASYNC_SUFFIX, 1)[0], {}).get("overlap")
+                ratio = f" ({overlap['samples_per_s'] / synchronous['samples_per_s']:.2f}x synchronous)" if synchronous else ""
+                stale = overlap["staleness"]
+                rows.append((f"GRPO step generated ahead, {name}, {shape}",
+                             f"{overlap['samples_per_s']:.1f} samples/s{ratio}; step {s['step_s'][0]:.2f} s "
+                             f"[{s['step_s'][1]:.2f}, {s['step_s'][2]:.2f}] over {len(s['steps'])} steps; generation "
+                             f"{overlap['generation_s']:.2f} s, train {overlap['train_s']:.2f} s, trainer wait "
+                             f"{overlap['trainer_wait_s']:.2f} s, generator idle {overlap['generator_idle_s']:.2f} s; "
+                             f"staleness mean {stale['mean']:.2f}, max {stale['max']:.0f}"))
+                continue
             rows.append((f"GRPO step, {name}, {shape}",
                          f"{s['step_s'][0]:.2f} s [{s['step_s'][1]:.2f}, {s['step_s'][2]:.2f}] over {len(s['steps'])} "
                          f"steps ({slow} above 1.3x the median); generation {s['phases_s']['generation']:.2f} s "
