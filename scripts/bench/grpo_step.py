@@ -45,7 +45,8 @@ Formulas (stated in the report too), with W = bytes of the matrix weights (body 
 GPU, float32 on the CPU; a mixture of experts' body counts each layer's expected distinct experts
 chosen by B tokens, E * (1 - (1 - k/E)^B), in W and its top-k in `body`), k = K+V bytes per token,
 B sequences, P prompt and R response tokens, `hidden` the query heads' width:
-  decode bound       sum over t = 1..R of (W + B * (P + t) * k) / copy bandwidth
+  decode bound       sum over t = 1..R of (W + B_t * (P + t) * k) / copy bandwidth, B_t the sequences still
+                     decoding at step t (B; fewer on a long tail)
   share of it        decode bound / measured generation time (= generated tokens/s over the bound's)
   train FLOPs        per sequence 6 * body * (P + R) + 6 * head * R + 12 * L * hidden * (P + R)^2
   MFU                train FLOPs / train phase time / measured bf16 (CPU: float32) matrix rate
@@ -266,19 +267,26 @@ def summarise(result: dict, preset: Preset, floor: dict, hardware: dict) -> dict
 def overlap(measured: list[dict], sequences: int, ahead: bool) -> dict:
     """Medians over our measured steps of what generation ahead changes (module docstring): samples/s,
     generation s (the engine calls making the step's batch), train s, the trainer's wait, the generator's
-    idle time; and the tokens' staleness, their mean, max, and share at each lag (averaged over steps)."""
+    idle time; and the tokens' staleness, their mean, max, share at each lag and the engine/trainer
+    log-prob gap at each lag (averaged over steps; at lag 0 the engines' numerics alone)."""
     def median(values) -> float:
         return statistics.median(list(values))
+
+    def by_lag(prefix: str, absent: float | None) -> dict[str, float]:
+        """Lag -> the mean over the steps of metric `prefix`<lag>, counting `absent` where a step has no
+        token at that lag (None: leaving that step out)."""
+        keys = sorted({key for step in measured for key in step["metrics"] if key.startswith(prefix)},
+                      key=lambda key: int(key.removeprefix(prefix)))
+        return {key.removeprefix(prefix): statistics.fmean(value for step in measured if (
+            value := step["metrics"].get(key, absent)) is not None) for key in keys}
 
     step_s = median(step["step_s"] for step in measured)
     idle = (median(step["metrics"]["async/generator_idle_s"] for step in measured) if ahead
             else median(step["step_s"] - step["trainer_wait_s"] for step in measured))
-    shares = sorted({key for step in measured for key in step["metrics"] if key.startswith("staleness/share_lag_")},
-                    key=lambda key: int(key.rsplit("_", 1)[1]))
     staleness = {"mean": statistics.fmean(step["metrics"].get("staleness/mean", 0.0) for step in measured),
                  "max": max(step["metrics"].get("staleness/max", 0.0) for step in measured),
-                 "share_by_lag": {key.rsplit("_", 1)[1]: statistics.fmean(step["metrics"].get(key, 0.0)
-                                                                          for step in measured) for key in shares}}
+                 "share_by_lag": by_lag("staleness/share_lag_", 0.0),
+                 "logprob_gap_by_lag": by_lag("rollout/logprob_diff_mean_lag_", None)}
     return {"asynchronous": ahead, "samples_per_s": sequences / step_s, "step_s": step_s,
             "generation_s": median(step["generation_s"] for step in measured),
             "train_s": median(step["phases_s"].get("train", 0.0) for step in measured),
@@ -296,9 +304,10 @@ def overlap_lines(systems: dict) -> list[str]:
     lines = ["", "Asynchronous against synchronous (medians over the measured steps; in brackets, over the synchronous "
              "run's): trainer wait = its time in make_experience, making the batch or waiting for it; generator idle ="
              " synchronous, the rest of the step; asynchronous, the thread waiting for admission. Staleness: versions "
-             "behind the proximal policy per sampled token, mean / max, share of tokens at each lag.", "",
+             "behind the proximal policy per sampled token, mean / max, share of tokens at each lag; the engine/trainer "
+             "log-prob gap at each lag (lag 0: the engines' numerics alone, as in the synchronous run).", "",
              "| system | samples/s | step s | generation s | train s | trainer wait s | generator idle s "
-             "| staleness mean / max | tokens per lag |", "| --- " * 9 + "|"]
+             "| staleness mean / max | tokens per lag | log-prob gap per lag |", "| --- " * 10 + "|"]
     synchronous_runs = [(synchronous, None) for synchronous in dict.fromkeys(synchronous for _, synchronous in pairs)]
     for name, synchronous in synchronous_runs + pairs:
         o = systems[name]["overlap"]
@@ -310,9 +319,10 @@ def overlap_lines(systems: dict) -> list[str]:
 
         stale = o["staleness"]
         lags = ", ".join(f"{lag}: {100 * share:.0f}%" for lag, share in stale["share_by_lag"].items()) or "-"
+        gaps = ", ".join(f"{lag}: {gap:.4f}" for lag, gap in stale["logprob_gap_by_lag"].items()) or "-"
         lines.append(f"| {name} | {cell('samples_per_s', 1)} | {cell('step_s')} | {cell('generation_s')} "
                      f"| {cell('train_s')} | {cell('trainer_wait_s')} | {cell('generator_idle_s')} "
-                     f"| {stale['mean']:.2f} / {stale['max']:.0f} | {lags} |")
+                     f"| {stale['mean']:.2f} / {stale['max']:.0f} | {lags} | {gaps} |")
     return lines
 
 
@@ -433,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
                         "lengths and so shapes vary from step to step (the bound and MFU columns still count R tokens)")
     parser.add_argument("--long-tail", action="store_true", help=f"our systems' responses are long-tailed: "
                         f"{LONG_SHARE:.0%} of them R tokens, the others R / {LONG_FACTOR} (module docstring)")
+    parser.add_argument("--set", action="append", default=[], help="one more config override for our systems "
+                        "(repeatable), e.g. generator.rollout.cuda_graphs=false")
     parser.add_argument("--asynchronous", default="", help="K or K1,K2: each of our systems also runs generating "
                         "ahead of training at trainer.asynchronous.max_staleness=K, as NAME_async_kK")
     parser.add_argument("--profile-first-step", action="store_true",
@@ -497,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
                 settings = [*settings, "trainer.asynchronous.enabled=true",
                             f"trainer.asynchronous.max_staleness={staleness}"]
             script, extra = "grpo_step_ours.py", ["--engine", engine, "--system", system,
-                                                  *[arg for setting in settings for arg in ("--set", setting)]]
+                                                  *[arg for setting in [*settings, *args.set] for arg in ("--set", setting)]]
             extra += ["--profile-first-step"] if args.profile_first_step else []
             extra += ["--eos"] if args.eos else []
             extra += ["--long-tail"] if args.long_tail else []

@@ -13,7 +13,7 @@ BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 
 import grpo_step_ours  # noqa: E402
-from grpo_step import floors, overlap_lines, ratio_lines  # noqa: E402
+from grpo_step import floors, overlap, overlap_lines, ratio_lines  # noqa: E402
 from grpo_step_lib import PRESETS, LongTail, PhaseClock, Preset, write_workspace  # noqa: E402
 
 from aligner_ext.generation.base import GenerationOutput, SamplingParams  # noqa: E402
@@ -86,22 +86,47 @@ def test_a_tenth_of_the_responses_runs_8x_the_median():
     assert sorted(other) == sorted(lengths) and other != lengths
 
 
+def test_overlap_of_the_measured_steps():
+    def step(step_s, generation_s, wait_s, metrics):
+        return {"step_s": step_s, "generation_s": generation_s, "trainer_wait_s": wait_s,
+                "phases_s": {"train": step_s / 2}, "metrics": metrics}
+
+    synchronous = [step(4.0, 1.0, 1.5, {"staleness/share_lag_0": 1.0}), step(6.0, 3.0, 3.5, {"staleness/share_lag_0": 1.0}),
+                   step(5.0, 2.0, 2.5, {"staleness/share_lag_0": 1.0})]
+    o = overlap(synchronous, 10, ahead=False)
+    # medians: step 5 s, so 10 / 5 samples/s; the generator is idle for the step's rest, 2.5 s of each
+    assert (o["samples_per_s"], o["generation_s"], o["train_s"], o["trainer_wait_s"], o["generator_idle_s"]) == \
+        (2.0, 2.0, 2.5, 2.5, 2.5)
+    ahead = [step(2.0, 1.0, 0.1, {"async/generator_idle_s": 0.4, "staleness/mean": 1.0, "staleness/max": 1.0,
+                                  "staleness/share_lag_1": 1.0, "rollout/logprob_diff_mean_lag_1": 0.03}),
+             step(2.0, 1.0, 0.1, {"async/generator_idle_s": 0.6, "staleness/mean": 0.5, "staleness/max": 1.0,
+                                  "staleness/share_lag_0": 0.5, "staleness/share_lag_1": 0.5,
+                                  "rollout/logprob_diff_mean_lag_0": 0.01, "rollout/logprob_diff_mean_lag_1": 0.05})]
+    o = overlap(ahead, 10, ahead=True)
+    assert o["generator_idle_s"] == pytest.approx(0.5)  # the thread's wait for admission
+    # shares averaged over the steps (a lag absent from a step counts 0 there); gaps over the steps that have the lag
+    assert o["staleness"] == {"mean": 0.75, "max": 1.0, "share_by_lag": {"0": 0.25, "1": 0.75},
+                              "logprob_gap_by_lag": {"0": 0.01, "1": pytest.approx(0.04)}}
+
+
 def test_asynchronous_against_synchronous():
-    def overlap(asynchronous, samples_per_s, step_s, generation_s, wait_s, idle_s, staleness, shares):
+    def overlap(asynchronous, samples_per_s, step_s, generation_s, wait_s, idle_s, staleness, shares, gaps):
         return {"overlap": {"asynchronous": asynchronous, "samples_per_s": samples_per_s, "step_s": step_s,
                             "generation_s": generation_s, "train_s": 4.0, "trainer_wait_s": wait_s,
                             "generator_idle_s": idle_s, "staleness": {"mean": staleness, "max": 1.0,
-                                                                       "share_by_lag": shares}}}
+                                                                       "share_by_lag": shares,
+                                                                       "logprob_gap_by_lag": gaps}}}
 
-    systems = {"ours_rollout": overlap(False, 40.0, 6.4, 2.0, 2.4, 4.0, 0.0, {"0": 1.0}),
-               "ours_rollout_async_k1": overlap(True, 50.0, 5.12, 2.5, 0.6, 1.0, 0.75, {"0": 0.25, "1": 0.75}),
-               "ours": overlap(False, 10.0, 1.0, 1.0, 1.0, 1.0, 0.0, {"0": 1.0})}
+    systems = {"ours_rollout": overlap(False, 40.0, 6.4, 2.0, 2.4, 4.0, 0.0, {"0": 1.0}, {"0": 0.01}),
+               "ours_rollout_async_k1": overlap(True, 50.0, 5.12, 2.5, 0.6, 1.0, 0.75, {"0": 0.25, "1": 0.75},
+                                                {"0": 0.01, "1": 0.03}),
+               "ours": overlap(False, 10.0, 1.0, 1.0, 1.0, 1.0, 0.0, {"0": 1.0}, {})}
     lines = overlap_lines(systems)
     # the synchronous run, then the asynchronous one with its ratios to it (50 / 40, 5.12 / 6.4, ...);
     # `ours` has no asynchronous run
-    assert lines[-2] == "| ours_rollout | 40.0 | 6.40 | 2.00 | 4.00 | 2.40 | 4.00 | 0.00 / 1 | 0: 100% |"
+    assert lines[-2] == "| ours_rollout | 40.0 | 6.40 | 2.00 | 4.00 | 2.40 | 4.00 | 0.00 / 1 | 0: 100% | 0: 0.0100 |"
     assert lines[-1] == ("| ours_rollout_async_k1 | 50.0 (1.25x) | 5.12 (0.80x) | 2.50 (1.25x) | 4.00 (1.00x) "
-                         "| 0.60 (0.25x) | 1.00 (0.25x) | 0.75 / 1 | 0: 25%, 1: 75% |")
+                         "| 0.60 (0.25x) | 1.00 (0.25x) | 0.75 / 1 | 0: 25%, 1: 75% | 0: 0.0100, 1: 0.0300 |")
     assert overlap_lines({"ours": systems["ours"]}) == []
 
 
