@@ -257,6 +257,8 @@ def summarise(result: dict, preset: Preset, floor: dict, hardware: dict) -> dict
     }
     if result["system"].removeprefix(PREV_PREFIX).startswith("ours"):
         summary["overlap"] = overlap(measured, sequences, ahead)
+        if ahead:  # the run it is compared with
+            summary["overlap"]["synchronous"] = result["system"].rsplit(ASYNC_SUFFIX, 1)[0]
     if result["variant"] == "none":
         summary["decode_bound_share"] = floor["decode_bound_s"] / generation_s
         summary["train_mfu"] = floor["train_flops"] / phases["train"] / hardware["matmul_flops_per_s"]
@@ -297,8 +299,8 @@ def overlap(measured: list[dict], sequences: int, ahead: bool) -> dict:
 def overlap_lines(systems: dict) -> list[str]:
     """Each asynchronous system (NAME_async_kK) against its synchronous NAME: values, and their ratio to
     the synchronous run's in brackets."""
-    pairs = [(name, name.rsplit(ASYNC_SUFFIX, 1)[0]) for name in systems if ASYNC_SUFFIX in name]
-    pairs = [(name, synchronous) for name, synchronous in pairs if synchronous in systems]
+    pairs = [(name, s["overlap"]["synchronous"]) for name, s in systems.items()
+             if s.get("overlap", {}).get("synchronous") in systems]
     if not pairs:
         return []
     lines = ["", "Asynchronous against synchronous (medians over the measured steps; in brackets, over the synchronous "
@@ -334,8 +336,8 @@ def render(report: dict) -> str:
     lines = [
         f"GRPO step, preset `{preset['name']}` ({report['date']}, {hardware['device_name']}): "
         f"{preset['prompts']} prompts x n={preset['n']}, P={preset['prompt_length']}, R={preset['response_length']}"
-        + (f" (long-tailed: {LONG_SHARE:.0%} of the responses R tokens, the others R / {LONG_FACTOR})"
-           if report.get("long_tail") else "") + "; "
+        + (f" (long-tailed: {report['long_tail']['share']:.0%} of the responses R tokens, the others R / "
+           f"{report['long_tail']['factor']})" if report.get("long_tail") else "") + "; "
         f"{hardware['matmul']} matrix rate {hardware['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s, "
         f"copy {hardware['copy_bytes_per_s'] / 1e9:.0f} GB/s; step floor {floor['step_floor_s']:.3f} s "
         f"(decode bound {floor['decode_bound_s']:.3f} s, prefill {floor['prefill_floor_s']:.3f} s, "
@@ -489,7 +491,8 @@ def main(argv: list[str] | None = None) -> None:
 
     reference = torch.load(args.out / "reference.probe.pt")
     report = {"preset": preset.__dict__, "hardware": hardware, "floor": floor, "systems": {}, "variants": {},
-              "logprob_check": {}, "failures": {}, "variant_engine": args.variant_engine, "long_tail": args.long_tail,
+              "logprob_check": {}, "failures": {}, "variant_engine": args.variant_engine,
+              "long_tail": {"share": LONG_SHARE, "factor": LONG_FACTOR} if args.long_tail else None,
               "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv[1:] if argv is None else argv)}
     systems = []
     for system in [s for s in args.systems.split(",") if s]:

@@ -29,8 +29,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import ROOT, environment  # noqa: E402
-from grpo_step import ASYNC_SUFFIX  # noqa: E402
-from grpo_step_lib import LONG_FACTOR, LONG_SHARE  # noqa: E402
 
 RESULTS = ROOT / "docs" / "bench_results"  # the result.json files the opening table is made from
 TABLE_START, TABLE_END = "<!-- run.py table: start -->", "<!-- run.py table: end -->"
@@ -39,7 +37,8 @@ TARGET = 0.85  # every family within 15% of Llama's share of the decode bound an
 
 # subcommand: (module, the report its main writes under --out, what it measures)
 SUBCOMMANDS = {
-    "grpo": ("grpo_step", "grpo_step.json", "the whole GRPO step, ours against TRL's GRPOTrainer, against its floor"),
+    "grpo": ("grpo_step", "grpo_step.json", "the whole GRPO step, ours against TRL's GRPOTrainer, against its floor; "
+             "--asynchronous K: ours generating ahead against synchronous, --long-tail: long-tailed lengths"),
     "first-step": ("grpo_step", "grpo_step.json", "the first GRPO step on empty torch.compile / Triton caches"),
     "rollout": ("rollout_engine", "rollout_engine.json", "generation alone: the rollout engine's settings and the HF engine"),
     "megatron": ("megatron_families", "megatron_families.json", "the Megatron backend's train call per family, profiled"),
@@ -86,15 +85,16 @@ def headline(result: dict) -> list[tuple[str, str]]:
     report = result["report"]
     if result["subcommand"] in ("grpo", "first-step", "lora", "moe"):
         preset = report["preset"]
+        tail = report.get("long_tail")
         shape = (f"{preset['name']}: {preset['prompts']} x {preset['n']} sequences, P {preset['prompt_length']} + "
-                 f"R {preset['response_length']}" + (f", long-tailed ({LONG_SHARE:.0%} R, the others R / {LONG_FACTOR})"
-                                                     if report.get("long_tail") else ""))
+                 f"R {preset['response_length']}"
+                 + (f", long-tailed ({tail['share']:.0%} R, the others R / {tail['factor']})" if tail else ""))
         rows = []
         for name, s in report["systems"].items():
             slow = sum(1 for step in s["steps"] if step["step_s"] > 1.3 * s["step_s"][0])
             overlap = s.get("overlap", {})
             if overlap.get("asynchronous"):
-                synchronous = report["systems"].get(name.rsplit(ASYNC_SUFFIX, 1)[0], {}).get("overlap")
+                synchronous = report["systems"].get(overlap["synchronous"], {}).get("overlap")
                 ratio = f" ({overlap['samples_per_s'] / synchronous['samples_per_s']:.2f}x synchronous)" if synchronous else ""
                 stale = overlap["staleness"]
                 rows.append((f"GRPO step generated ahead, {name}, {shape}",

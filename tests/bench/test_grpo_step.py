@@ -120,14 +120,16 @@ def test_asynchronous_against_synchronous():
     systems = {"ours_rollout": overlap(False, 40.0, 6.4, 2.0, 2.4, 4.0, 0.0, {"0": 1.0}, {"0": 0.01}),
                "ours_rollout_async_k1": overlap(True, 50.0, 5.12, 2.5, 0.6, 1.0, 0.75, {"0": 0.25, "1": 0.75},
                                                 {"0": 0.01, "1": 0.03}),
-               "ours": overlap(False, 10.0, 1.0, 1.0, 1.0, 1.0, 0.0, {"0": 1.0}, {})}
+               "ours_async_k1": overlap(True, 20.0, 0.5, 1.0, 0.5, 0.5, 1.0, {"1": 1.0}, {})}
+    systems["ours_rollout_async_k1"]["overlap"]["synchronous"] = "ours_rollout"
+    systems["ours_async_k1"]["overlap"]["synchronous"] = "ours"  # not run here
     lines = overlap_lines(systems)
     # the synchronous run, then the asynchronous one with its ratios to it (50 / 40, 5.12 / 6.4, ...);
-    # `ours` has no asynchronous run
+    # `ours_async_k1` has no synchronous run to compare with
     assert lines[-2] == "| ours_rollout | 40.0 | 6.40 | 2.00 | 4.00 | 2.40 | 4.00 | 0.00 / 1 | 0: 100% | 0: 0.0100 |"
     assert lines[-1] == ("| ours_rollout_async_k1 | 50.0 (1.25x) | 5.12 (0.80x) | 2.50 (1.25x) | 4.00 (1.00x) "
                          "| 0.60 (0.25x) | 1.00 (0.25x) | 0.75 / 1 | 0: 25%, 1: 75% | 0: 0.0100, 1: 0.0300 |")
-    assert overlap_lines({"ours": systems["ours"]}) == []
+    assert len(lines) == 7 and overlap_lines({"ours_async_k1": systems["ours_async_k1"]}) == []
 
 
 def test_generation_ahead_on_the_long_tail_on_the_cpu(tmp_path):
