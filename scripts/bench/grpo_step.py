@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"{LONG_SHARE:.0%} of them R tokens, the others R / {LONG_FACTOR} (module docstring)")
     parser.add_argument("--set", action="append", default=[], help="one more config override for our systems "
                         "(repeatable), e.g. generator.rollout.cuda_graphs=false")
-    parser.add_argument("--asynchronous", default="", help="K or K1,K2: each of our systems also runs generating "
+    parser.add_argument("--asynchronous", type=staleness_bounds, default=[], help="K or K1,K2: each of our systems also runs generating "
                         "ahead of training at trainer.asynchronous.max_staleness=K, as NAME_async_kK")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="our systems run their first step under cProfile (<out>/<system>.first_step_profile.txt)")
@@ -462,7 +462,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: bench_out/grpo_step_<preset>")
     parser.add_argument("--reference-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    staleness_bounds = [int(k) for k in args.asynchronous.split(",") if k]
     if args.long_tail and args.eos:
         parser.error("--long-tail sets each response's length; --eos lets EOS end them: choose one")
     if args.long_tail and (args.variants or any(not s.removeprefix(PREV_PREFIX).startswith("ours")
@@ -498,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     for system in [s for s in args.systems.split(",") if s]:
         systems.append(system)
         if system.startswith("ours"):  # this tree's own: generation ahead is this tree's
-            systems += [f"{system}{ASYNC_SUFFIX}{k}" for k in staleness_bounds]
+            systems += [f"{system}{ASYNC_SUFFIX}{k}" for k in args.asynchronous]
     for system in systems:
         base, root = system.removeprefix(PREV_PREFIX), ROOT
         if base != system:
@@ -541,6 +540,11 @@ def main(argv: list[str] | None = None) -> None:
                                            "note": variant_note(variant, result)}
         write_report(report, args.out, started)
     print(write_report(report, args.out, started))
+
+
+def staleness_bounds(text: str) -> list[int]:
+    """--asynchronous: K or K1,K2 (trainer.asynchronous.max_staleness of each run)."""
+    return [int(k) for k in text.split(",") if k]
 
 
 def write_report(report: dict, out: Path, started: float, name: str = "grpo_step", markdown=None) -> str:

@@ -132,6 +132,7 @@ def test_asynchronous_against_synchronous():
     assert len(lines) == 7 and overlap_lines({"ours_async_k1": systems["ours_async_k1"]}) == []
 
 
+@pytest.mark.slow
 def test_generation_ahead_on_the_long_tail_on_the_cpu(tmp_path):
     preset = PRESETS["tiny"]  # 4 prompts x n = 8, R = 64
     write_workspace(preset, 3 * preset.prompts, tmp_path)
