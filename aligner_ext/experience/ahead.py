@@ -20,6 +20,10 @@ How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each 
   made. A checkpoint thus saves the synchronous run's position, and a resume regenerates the batches
   that were in flight, under the restored weights: no prompt is repeated or skipped.
 - Failures. An error in the thread is raised again in the trainer at its next request.
+- The device. On a GPU the thread queues its work on a CUDA stream of its own (`GenerationStream`), so
+  that its kernels run beside training's rather than behind them in one queue; the refit and the
+  evaluation are ordered with it both ways. A batch is handed over in host memory (the engines return
+  host lists), so the hand-over needs no device synchronisation.
 
 Metrics per step: async/trainer_wait_s (the trainer waiting for the refit and the batch),
 async/generator_idle_s (the thread waiting for admission since the previous step), async/refit_s,
@@ -32,6 +36,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -47,20 +52,52 @@ if TYPE_CHECKING:
     from aligner_ext.models.base import Policy
 
 
+class GenerationStream:
+    """The generation thread's own CUDA stream (none on the CPU): its kernels then run beside training's,
+    where one stream would queue each behind the other."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def enter(self) -> None:
+        """In the generation thread: its CUDA work goes to this stream from now on."""
+        if self.stream is not None:
+            torch.cuda.set_stream(self.stream)
+
+    @contextmanager
+    def joined(self):
+        """In the trainer's thread: the block's work runs after all the generation thread queued (the
+        copy it samples from is not rewritten under it), and the thread's later work after the block's
+        (it samples from the refitted copy)."""
+        if self.stream is None:
+            yield
+            return
+        trainer = torch.cuda.current_stream(self.stream.device)
+        trainer.wait_stream(self.stream)
+        try:
+            yield
+        finally:
+            self.stream.wait_stream(trainer)
+
+
 class WeightsSnapshot:
-    """A copy of the generation model `live` that a second engine samples from, refitted in place."""
+    """A copy of the generation model `live` that a second engine samples from, refitted in place, and
+    the stream the generation thread samples from it on."""
 
     def __init__(self, live: torch.nn.Module):
         self.live = live
         # requires_grad kept as the live model's: on the CPU, frozen weights take other kernels, whose
         # log-probs differ in the last bits (the engine runs under inference_mode, so nothing is recorded)
         self.model = copy.deepcopy(live)
+        self.stream = GenerationStream(next(live.parameters()).device)
 
     @torch.no_grad()
     def refit(self) -> None:
-        """Copy the live weights into the copy's own tensors (an engine over it keeps its references)."""
-        for mine, theirs in zip(self.model.parameters(), self.live.parameters()):
-            mine.copy_(theirs)
+        """Copy the live weights into the copy's own tensors (an engine over it keeps its references),
+        ordered after the sampling queued on the copy and before the sampling that follows."""
+        with self.stream.joined():
+            for mine, theirs in zip(self.model.parameters(), self.live.parameters()):
+                mine.copy_(theirs)
 
 
 @dataclass
@@ -118,7 +155,7 @@ class GenerateAhead(ExperienceWrapper):
         """The inner maker's evaluation between two batches, on the current weights (a maker that
         evaluates its own way samples from the copy), the thread held back until it ends (the rewards
         and the device are the trainer's)."""
-        with self._changed:
+        with self._changed, self.snapshot.stream.joined():
             self._refit()
             return self.inner.evaluate(loader, single_round)
 
@@ -156,6 +193,7 @@ class GenerateAhead(ExperienceWrapper):
         compute threads (a new thread starts with OpenMP's default, and another count sums floats in
         another order)."""
         torch.set_num_threads(threads)
+        self.snapshot.stream.enter()
         try:
             for step in range(first_step, self.total_steps):
                 with self._changed:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -92,13 +93,30 @@ class _DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the capture forbids unsafe CUDA calls in this thread only, so that training may run in
         # another while generation runs ahead (experience/ahead.py); alone in its process it is the same
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        beside_training = torch.cuda.current_stream() != torch.cuda.default_stream()
+        with (capture_beside_training(graph, self.pool) if beside_training
+              else torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")):
             self.step(rows, attended)
         self.pool = graph.pool()
         self.graphs[rows, attended] = graph
         self.capture_s += time.perf_counter() - started
         return graph
 
+
+
+@contextmanager
+def capture_beside_training(graph: torch.cuda.CUDAGraph, pool):
+    """torch.cuda.graph's capture (on a side stream, thread_local) without its prologue, for generation
+    on its own stream while another thread trains (experience/ahead.py): the prologue synchronises the
+    whole device and empties the allocator's cache, so at every capture it would wait for training's
+    queued kernels and free the blocks training is about to reuse. Without it, a capture that needs the
+    memory the cache holds fails (lower generator.rollout.kv_cache_memory_share)."""
+    with torch.cuda.stream(torch.cuda.Stream()):
+        graph.capture_begin(*([] if pool is None else [pool]), capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            graph.capture_end()
 
 
 def weights_fingerprint(model) -> tuple:

@@ -286,8 +286,8 @@ class _Call(SlotBatcher):
             if rows:
                 self._decode(rows, last, read=busy)
             self._read_launched()
-        if self.on_gpu:
-            torch.cuda.synchronize(self.decoder.device)
+        if self.on_gpu:  # this call's stream only: training may queue on another (experience/ahead.py)
+            torch.cuda.current_stream(self.decoder.device).synchronize()
         graphs = self.graphs
         self.engine.last_call = {"decode_steps": self.steps, "slots": self.slot_total,
                                  "graphs_captured": len(graphs.graphs) if graphs else 0,

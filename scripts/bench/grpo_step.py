@@ -18,6 +18,16 @@ One call runs, each in its own process and one after another (the device otherwi
      of --variant-engine);
 then prints and writes `grpo_step.md` and `grpo_step.json` under --out.
 
+Asynchronous against synchronous in one call: `--asynchronous K` (or K1,K2) runs each of our systems
+of --systems once more as NAME_async_kK, with `trainer.asynchronous.enabled=true
+trainer.asynchronous.max_staleness=K` (generation ahead of training, docs/async.md), and the report
+gives each against its synchronous run: samples/s, generation and training time, the trainer's wait
+(its time in make_experience: making the batch, or waiting for the one made ahead), the generator's idle
+time (synchronous: the rest of the step; asynchronous: the thread waiting for admission) and the
+tokens' staleness. `--long-tail` makes the work long-tailed, for our systems: LONG_SHARE (10%) of each
+step's responses run to R tokens, the others stop at R / 8 (the median), the long rows drawn by the
+step's sampling seed (grpo_step_lib.LongTail); the bounds below count those lengths.
+
 Before / after in one call: with `--prev COMMIT` (or a folder holding its tree), a system written
 `prev:NAME` runs this harness's worker with the library of that tree (its `aligner_ext` and `conf/` first on
 the path), on the same workspace and reference; the report then gives, per system with both sides,
@@ -35,7 +45,8 @@ Formulas (stated in the report too), with W = bytes of the matrix weights (body 
 GPU, float32 on the CPU; a mixture of experts' body counts each layer's expected distinct experts
 chosen by B tokens, E * (1 - (1 - k/E)^B), in W and its top-k in `body`), k = K+V bytes per token,
 B sequences, P prompt and R response tokens, `hidden` the query heads' width:
-  decode bound       sum over t = 1..R of (W + B * (P + t) * k) / copy bandwidth
+  decode bound       sum over t = 1..R of (W + B_t * (P + t) * k) / copy bandwidth, B_t the sequences still
+                     decoding at step t (B; fewer on a long tail)
   share of it        decode bound / measured generation time (= generated tokens/s over the bound's)
   train FLOPs        per sequence 6 * body * (P + R) + 6 * head * R + 12 * L * hidden * (P + R)^2
   MFU                train FLOPs / train phase time / measured bf16 (CPU: float32) matrix rate
@@ -62,7 +73,8 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
 from common import device_times, prev_tree, steps_line  # noqa: E402
-from grpo_step_lib import PRESETS, Preset, write_json, write_workspace  # noqa: E402
+from grpo_step_lib import (LONG_FACTOR, LONG_SHARE, PRESETS, Preset, long_tail_lengths, write_json,  # noqa: E402
+                           write_workspace)
 
 SYSTEMS = ("ours", "ours_rollout", "ours_rollout_prev", "ours_liger", "ours_packed", "ours_megatron",
            "ours_megatron_16k", "ours_megatron_distopt", "trl_default", "trl_fast", "trl_cb")
@@ -81,6 +93,7 @@ OURS = {"ours": ("hf", []), "ours_rollout": ("rollout", []),
                                               "policy.recompute_activations=true", "policy.use_distributed_optimizer=true"])}
 VARIANTS = ("dapo", "cpo", "mtpo", "graded_prompt")
 PREV_PREFIX = "prev:"  # a system run with the library of --prev (module docstring)
+ASYNC_SUFFIX = "_async_k"  # NAME_async_kK: our system NAME generating ahead at max_staleness K (module docstring)
 PHASES = ("generation", "logprobs", "train", "weight_sync", "rewards", "other")
 
 
@@ -178,11 +191,13 @@ def median_range(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def floors(preset: Preset, hardware: dict) -> dict:
-    """The physical floor of one step of `preset` on the measured hardware (module docstring)."""
+def floors(preset: Preset, hardware: dict, lengths: list[int] | None = None) -> dict:
+    """The physical floor of one step of `preset` on the measured hardware (module docstring);
+    `lengths`: each sequence's response length (default: R each)."""
     model = hardware["model"]
     word = 2 if preset.device == "cuda" else 4
-    sequences, prompt, response = preset.prompts * preset.n, preset.prompt_length, preset.response_length
+    sequences, prompt = preset.prompts * preset.n, preset.prompt_length
+    lengths = lengths or [preset.response_length] * sequences
     weights = model["body_matmul_params"] + model["head_params"]
     if "experts" in model:  # a decode step reads every expert one of its tokens chooses, not only top-k
         experts, top_k = model["experts"], model["top_k"]
@@ -190,18 +205,18 @@ def floors(preset: Preset, hardware: dict) -> dict:
         weights += model["layers"] * model["expert_params"] * (chosen - top_k)
     weight_bytes = weights * word
     kv_bytes = model["kv_values_per_token"] * word
-    contexts = response * prompt + response * (response + 1) // 2  # sum of P + t over the R decoding steps
-    decode_s = (response * weight_bytes + sequences * kv_bytes * contexts) / hardware["copy_bytes_per_s"]
+    # sum over the sequences of P + t over each one's decoding steps; the weights are read at every step
+    contexts = sum(response * prompt + response * (response + 1) // 2 for response in lengths)
+    decode_s = (max(lengths) * weight_bytes + kv_bytes * contexts) / hardware["copy_bytes_per_s"]
     layers_hidden = model["layers"] * model.get("q_width", model["hidden"])  # query heads x head_dim
-    length = prompt + response
-    train_flops = sequences * (6 * model["body_matmul_params"] * length + 6 * model["head_params"] * response
-                               + 12 * layers_hidden * length**2)
+    train_flops = sum(6 * model["body_matmul_params"] * (prompt + response) + 6 * model["head_params"] * response
+                      + 12 * layers_hidden * (prompt + response)**2 for response in lengths)
     prefill_flops = preset.prompts * (2 * model["body_matmul_params"] * prompt + 4 * layers_hidden * prompt**2)
     rate = hardware["matmul_flops_per_s"]
     return {"decode_bound_s": decode_s, "prefill_floor_s": prefill_flops / rate, "train_flops": train_flops,
             "train_floor_s": train_flops / rate, "logprob_floor_s": train_flops / 3 / rate,
             "step_floor_s": decode_s + prefill_flops / rate + train_flops * 4 / 3 / rate,
-            "generated_tokens": sequences * response}
+            "generated_tokens": sum(lengths)}
 
 
 def relative_error(values, reference) -> dict:
@@ -228,7 +243,8 @@ def summarise(result: dict, preset: Preset, floor: dict, hardware: dict) -> dict
         generated = statistics.median(step["metrics"]["completions/mean_length"] * sequences for step in measured)
         seen = [step["metrics"]["num_tokens"] for step in result["steps"]]  # TRL's running count of trained tokens
         trained_tokens = [(later - earlier) / sequences for earlier, later in zip(seen, seen[1:])]
-    generation_s = phases["generation"]
+    ahead = "async/trainer_wait_s" in measured[0]["metrics"]  # generated in the maker's thread, not on the clock
+    generation_s = statistics.median(step["generation_s"] for step in measured) if ahead else phases["generation"]
     first = result["steps"][0]
     summary = {
         "step_s": step_s, "phases_s": phases, "peak_gib": peaks, "response_lengths": lengths,
@@ -239,11 +255,77 @@ def summarise(result: dict, preset: Preset, floor: dict, hardware: dict) -> dict
         "steps": [{"step_s": step["step_s"], "phases_s": step["phases_s"], "events": step.get("events", {})}
                   for step in measured],
     }
+    if result["system"].removeprefix(PREV_PREFIX).startswith("ours"):
+        summary["overlap"] = overlap(measured, sequences, ahead)
+        if ahead:  # the run it is compared with
+            summary["overlap"]["synchronous"] = result["system"].rsplit(ASYNC_SUFFIX, 1)[0]
     if result["variant"] == "none":
         summary["decode_bound_share"] = floor["decode_bound_s"] / generation_s
         summary["train_mfu"] = floor["train_flops"] / phases["train"] / hardware["matmul_flops_per_s"]
         summary["step_over_floor"] = step_s[0] / floor["step_floor_s"]
     return summary
+
+
+def overlap(measured: list[dict], sequences: int, ahead: bool) -> dict:
+    """Medians over our measured steps of what generation ahead changes (module docstring): samples/s,
+    generation s (the engine calls making the step's batch), train s, the trainer's wait, the generator's
+    idle time; and the tokens' staleness, their mean, max, share at each lag and the engine/trainer
+    log-prob gap at each lag (averaged over steps; at lag 0 the engines' numerics alone)."""
+    def median(values) -> float:
+        return statistics.median(list(values))
+
+    def by_lag(prefix: str, absent: float | None) -> dict[str, float]:
+        """Lag -> the mean over the steps of metric `prefix`<lag>, counting `absent` where a step has no
+        token at that lag (None: leaving that step out)."""
+        keys = sorted({key for step in measured for key in step["metrics"] if key.startswith(prefix)},
+                      key=lambda key: int(key.removeprefix(prefix)))
+        return {key.removeprefix(prefix): statistics.fmean(value for step in measured if (
+            value := step["metrics"].get(key, absent)) is not None) for key in keys}
+
+    step_s = median(step["step_s"] for step in measured)
+    idle = (median(step["metrics"]["async/generator_idle_s"] for step in measured) if ahead
+            else median(step["step_s"] - step["trainer_wait_s"] for step in measured))
+    staleness = {"mean": statistics.fmean(step["metrics"].get("staleness/mean", 0.0) for step in measured),
+                 "max": max(step["metrics"].get("staleness/max", 0.0) for step in measured),
+                 "share_by_lag": by_lag("staleness/share_lag_", 0.0),
+                 "logprob_gap_by_lag": by_lag("rollout/logprob_diff_mean_lag_", None)}
+    return {"asynchronous": ahead, "samples_per_s": sequences / step_s, "step_s": step_s,
+            "generation_s": median(step["generation_s"] for step in measured),
+            "train_s": median(step["phases_s"].get("train", 0.0) for step in measured),
+            "trainer_wait_s": median(step["trainer_wait_s"] for step in measured), "generator_idle_s": idle,
+            "staleness": staleness}
+
+
+def overlap_lines(systems: dict) -> list[str]:
+    """Each asynchronous system (NAME_async_kK) against its synchronous NAME: values, and their ratio to
+    the synchronous run's in brackets."""
+    pairs = [(name, s["overlap"]["synchronous"]) for name, s in systems.items()
+             if s.get("overlap", {}).get("synchronous") in systems]
+    if not pairs:
+        return []
+    lines = ["", "Asynchronous against synchronous (medians over the measured steps; in brackets, over the synchronous "
+             "run's): trainer wait = its time in make_experience, making the batch or waiting for it; generator idle ="
+             " synchronous, the rest of the step; asynchronous, the thread waiting for admission. Staleness: versions "
+             "behind the proximal policy per sampled token, mean / max, share of tokens at each lag; the engine/trainer "
+             "log-prob gap at each lag (lag 0: the engines' numerics alone, as in the synchronous run).", "",
+             "| system | samples/s | step s | generation s | train s | trainer wait s | generator idle s "
+             "| staleness mean / max | tokens per lag | log-prob gap per lag |", "| --- " * 10 + "|"]
+    synchronous_runs = [(synchronous, None) for synchronous in dict.fromkeys(synchronous for _, synchronous in pairs)]
+    for name, synchronous in synchronous_runs + pairs:
+        o = systems[name]["overlap"]
+        base = systems[synchronous]["overlap"] if synchronous else None
+
+        def cell(key: str, digits: int = 2) -> str:
+            ratio = f" ({o[key] / base[key]:.2f}x)" if base and base[key] > 1e-9 else ""
+            return f"{o[key]:.{digits}f}{ratio}"
+
+        stale = o["staleness"]
+        lags = ", ".join(f"{lag}: {100 * share:.0f}%" for lag, share in stale["share_by_lag"].items()) or "-"
+        gaps = ", ".join(f"{lag}: {gap:.4f}" for lag, gap in stale["logprob_gap_by_lag"].items()) or "-"
+        lines.append(f"| {name} | {cell('samples_per_s', 1)} | {cell('step_s')} | {cell('generation_s')} "
+                     f"| {cell('train_s')} | {cell('trainer_wait_s')} | {cell('generator_idle_s')} "
+                     f"| {stale['mean']:.2f} / {stale['max']:.0f} | {lags} | {gaps} |")
+    return lines
 
 
 def render(report: dict) -> str:
@@ -253,7 +335,9 @@ def render(report: dict) -> str:
     ours = systems.get("ours")
     lines = [
         f"GRPO step, preset `{preset['name']}` ({report['date']}, {hardware['device_name']}): "
-        f"{preset['prompts']} prompts x n={preset['n']}, P={preset['prompt_length']}, R={preset['response_length']}; "
+        f"{preset['prompts']} prompts x n={preset['n']}, P={preset['prompt_length']}, R={preset['response_length']}"
+        + (f" (long-tailed: {report['long_tail']['share']:.0%} of the responses R tokens, the others R / "
+           f"{report['long_tail']['factor']})" if report.get("long_tail") else "") + "; "
         f"{hardware['matmul']} matrix rate {hardware['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s, "
         f"copy {hardware['copy_bytes_per_s'] / 1e9:.0f} GB/s; step floor {floor['step_floor_s']:.3f} s "
         f"(decode bound {floor['decode_bound_s']:.3f} s, prefill {floor['prefill_floor_s']:.3f} s, "
@@ -269,7 +353,7 @@ def render(report: dict) -> str:
         p = s["phases_s"]
         lines.append(
             f"| {name} | {s['step_s'][0]:.2f} [{s['step_s'][1]:.2f}, {s['step_s'][2]:.2f}] | {ratio} "
-            f"| {p['generation']:.2f} | {p['logprobs']:.2f} | {p['train']:.2f} | {p['weight_sync']:.3f} "
+            f"| {generation_cell(s)} | {p['logprobs']:.2f} | {p['train']:.2f} | {p['weight_sync']:.3f} "
             f"| {p['rewards']:.3f} | {p['other']:.2f} | {s['generated_tokens_per_s']:,.0f} "
             f"| {100 * s['decode_bound_share']:.1f}% | {100 * s['train_mfu']:.1f}% | {s['step_over_floor']:.1f} "
             f"| {s['peak_gib']['generation']:.1f} / {s['peak_gib']['train']:.1f} "
@@ -292,9 +376,17 @@ def render(report: dict) -> str:
     lines += ["", "Every measured step, seconds (* above 1.3x the median, with what happened in it):", ""]
     lines += [f"- {steps_line(name, s['steps'])}" for name, s in {**systems, **report["variants"]}.items()]
     lines += ratio_lines(systems)
+    lines += overlap_lines(systems)
     for name, error in report["failures"].items():
         lines.append(f"\n{name} did not finish: {error}")
     return "\n".join(lines)
+
+
+def generation_cell(s: dict) -> str:
+    """The generation time of a system's step: on the clock, or (generated ahead) in the maker's thread."""
+    if s.get("overlap", {}).get("asynchronous"):
+        return f"{s['overlap']['generation_s']:.2f} (ahead)"
+    return f"{s['phases_s']['generation']:.2f}"
 
 
 def ratio_lines(systems: dict) -> list[str]:
@@ -351,6 +443,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--eos", action="store_true", help="our systems' responses end at EOS, as in training: "
                         "lengths and so shapes vary from step to step (the bound and MFU columns still count R tokens)")
+    parser.add_argument("--long-tail", action="store_true", help=f"our systems' responses are long-tailed: "
+                        f"{LONG_SHARE:.0%} of them R tokens, the others R / {LONG_FACTOR} (module docstring)")
+    parser.add_argument("--set", action="append", default=[], help="one more config override for our systems "
+                        "(repeatable), e.g. generator.rollout.cuda_graphs=false")
+    parser.add_argument("--asynchronous", type=staleness_bounds, default=[], help="K or K1,K2: each of our systems also runs generating "
+                        "ahead of training at trainer.asynchronous.max_staleness=K, as NAME_async_kK")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="our systems run their first step under cProfile (<out>/<system>.first_step_profile.txt)")
     parser.add_argument("--torch-profile", default="", help="phases (comma-separated, e.g. train,logprobs) of one more "
@@ -364,6 +462,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: bench_out/grpo_step_<preset>")
     parser.add_argument("--reference-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.long_tail and args.eos:
+        parser.error("--long-tail sets each response's length; --eos lets EOS end them: choose one")
+    if args.long_tail and (args.variants or any(not s.removeprefix(PREV_PREFIX).startswith("ours")
+                                                for s in args.systems.split(",") if s)):
+        parser.error("--long-tail is our plain GRPO step's workload: pass --variants '' and only ours* systems")
     preset = PRESETS[args.preset]
     args.variant_steps = args.variant_steps or preset.variant_steps
     args.out = (args.out or ROOT / "bench_out" / f"grpo_step_{args.preset}").resolve()
@@ -381,25 +484,37 @@ def main(argv: list[str] | None = None) -> None:
                                 "--variant-steps", str(args.variant_steps)], args.out, left())[0] is None:
         sys.exit("the reference worker failed: nothing to compare against")
     hardware = json.loads((args.out / "reference.json").read_text())
-    floor = floors(preset, hardware)
+    lengths = long_tail_lengths(preset.prompts * preset.n, preset.response_length) if args.long_tail else None
+    floor = floors(preset, hardware, lengths)
     import torch
 
     reference = torch.load(args.out / "reference.probe.pt")
     report = {"preset": preset.__dict__, "hardware": hardware, "floor": floor, "systems": {}, "variants": {},
               "logprob_check": {}, "failures": {}, "variant_engine": args.variant_engine,
+              "long_tail": {"share": LONG_SHARE, "factor": LONG_FACTOR} if args.long_tail else None,
               "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv[1:] if argv is None else argv)}
+    systems = []
     for system in [s for s in args.systems.split(",") if s]:
+        systems.append(system)
+        if system.startswith("ours"):  # this tree's own: generation ahead is this tree's
+            systems += [f"{system}{ASYNC_SUFFIX}{k}" for k in args.asynchronous]
+    for system in systems:
         base, root = system.removeprefix(PREV_PREFIX), ROOT
         if base != system:
             if args.prev is None:
                 sys.exit(f"{system}: name the earlier tree with --prev")
             root = args.prev
         if base.startswith("ours"):
+            base, _, staleness = base.partition(ASYNC_SUFFIX)
             engine, settings = OURS[base]
+            if staleness:
+                settings = [*settings, "trainer.asynchronous.enabled=true",
+                            f"trainer.asynchronous.max_staleness={staleness}"]
             script, extra = "grpo_step_ours.py", ["--engine", engine, "--system", system,
-                                                  *[arg for setting in settings for arg in ("--set", setting)]]
+                                                  *[arg for setting in [*settings, *args.set] for arg in ("--set", setting)]]
             extra += ["--profile-first-step"] if args.profile_first_step else []
             extra += ["--eos"] if args.eos else []
+            extra += ["--long-tail"] if args.long_tail else []
             extra += ["--torch-profile", args.torch_profile] if args.torch_profile and base == system else []  # this tree's side
         else:
             script, extra = "grpo_step_trl.py", ["--mode", base.removeprefix("trl_")]
@@ -425,6 +540,11 @@ def main(argv: list[str] | None = None) -> None:
                                            "note": variant_note(variant, result)}
         write_report(report, args.out, started)
     print(write_report(report, args.out, started))
+
+
+def staleness_bounds(text: str) -> list[int]:
+    """--asynchronous: K or K1,K2 (trainer.asynchronous.max_staleness of each run)."""
+    return [int(k) for k in text.split(",") if k]
 
 
 def write_report(report: dict, out: Path, started: float, name: str = "grpo_step", markdown=None) -> str:

@@ -14,7 +14,7 @@ import random
 import re
 import string
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +24,9 @@ from common import StepEvents
 DATA_SOURCE = "grpo_bench"
 FIRST_WORD_ID = 7  # word tokenizer: ids below are specials and role names; random text uses the rest
 SOLVED_SHARE = 0.5  # rows whose every response scores 1: their groups all agree (dynamic sampling drops them)
+# The long-tailed workload (--long-tail): LONG_SHARE of a step's responses run to R tokens, the others
+# stop at R / LONG_FACTOR, the median
+LONG_SHARE, LONG_FACTOR = 0.1, 8
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class Preset:
     prompts: int  # prompts per step
     n: int  # samples per prompt
     prompt_length: int  # tokens, chat template included
-    response_length: int  # tokens, every response (EOS ignored)
+    response_length: int  # tokens, every response (EOS ignored); under --long-tail the long ones' (LongTail)
     micro_batch: int  # sequences per forward/backward (ours; TRL's fast modes)
     device: str  # "cuda" or "cpu"
     variant_steps: int  # measured steps of each variant run
@@ -178,6 +181,40 @@ def model_counts(config) -> dict:
             "expert_params": expert}
 
 
+def long_tail_lengths(sequences: int, response_length: int) -> list[int]:
+    """The response lengths of one step of the long-tailed workload, longest first: round(LONG_SHARE x
+    sequences) of `response_length`, the others of `response_length` // LONG_FACTOR."""
+    long = round(LONG_SHARE * sequences)
+    return [response_length] * long + [response_length // LONG_FACTOR] * (sequences - long)
+
+
+class LongTail:
+    """An engine's responses made long-tailed (long_tail_lengths), the long ones chosen by the call's
+    seed (the sampling seed of its step: the same rows in every system). Random weights never end a
+    response, so a call is made as two: every sequence to the median length, then the long ones
+    continued to `max_new_tokens` from where they stand (the rollout engine's kept cache resumes them
+    without prefilling them again). The decode batch thus narrows after the median as it does when
+    most responses end at EOS, and the tail runs alone: what generation ahead can overlap."""
+
+    def __init__(self, engine):
+        self.generate = engine.generate
+        engine.generate = self
+
+    def __call__(self, prompts, params):
+        median = params.max_new_tokens // LONG_FACTOR
+        long = sorted(random.Random(params.seed).sample(range(len(prompts)), round(LONG_SHARE * len(prompts))))
+        outputs = self.generate(prompts, replace(params, max_new_tokens=median))
+        tails = self.generate([list(prompts[index]) + outputs[index].token_ids for index in long],
+                              replace(params, max_new_tokens=params.max_new_tokens - median))
+        for index, tail in zip(long, tails):
+            output = outputs[index]
+            output.token_ids = output.token_ids + tail.token_ids
+            if output.logprobs is not None:
+                output.logprobs = output.logprobs + tail.logprobs
+            output.finish_reason, output.routing = tail.finish_reason, tail.routing  # the routing of every token
+        return outputs
+
+
 # ---- the benchmark reward (both systems) ----
 
 def bench_score(response: str, solved: bool) -> float:
@@ -210,8 +247,11 @@ class PhaseClock:
     the step exactly. Each step also records the events that explain a slow one (common.StepEvents).
     """
 
-    def __init__(self, device: str, outside: str = "other"):
+    def __init__(self, device: str, outside: str = "other", own_stream: bool = False):
         self.cuda = device == "cuda"
+        # own_stream: synchronise the calling thread's stream only (generation ahead of training runs in
+        # another thread on a stream of its own, which a device-wide synchronise would wait for too)
+        self.own_stream = own_stream
         self.outside = outside
         self.stack: list[str] = []
         self.seconds: dict[str, float] = {}
@@ -224,7 +264,9 @@ class PhaseClock:
         self.events = StepEvents(self.cuda)
 
     def _now(self) -> float:
-        if self.cuda:
+        if self.cuda and self.own_stream:
+            torch.cuda.current_stream().synchronize()
+        elif self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -278,6 +320,12 @@ def clock_loop_phases(clock: PhaseClock, parts, generation: tuple) -> None:
     training and the weight sync, as `parts` (trainer.build's components) run them."""
     clock.wrap(*generation, "generation")
     clock.wrap(parts.rewards, "score", "rewards")
+    clock_trainer_phases(clock, parts)
+
+
+def clock_trainer_phases(clock: PhaseClock, parts) -> None:
+    """Time the phases the trainer's thread runs on `clock`: the log-prob pass, training and the weight
+    sync (with generation ahead of training, generation and rewards run in another thread)."""
     clock.wrap(parts.policy, "logprobs", "logprobs")
     clock.wrap(parts.policy, "train", "train")
     clock.wrap(parts.policy, "sync_weights", "weight_sync")

@@ -4,6 +4,11 @@ Builds the run's components from conf/ exactly as `aligner-ext train` does (the 
 and rows, `rollout.ignore_eos`), then runs the loop's own step (`make_experience` + `update_policy`)
 under a phase clock. Called by scripts/bench/grpo_step.py; writes one JSON file.
 
+With `trainer.asynchronous.enabled=true` (a `--set`) the batches are generated ahead in the maker's
+thread (aligner_ext/experience/ahead.py): the clock times the trainer's thread only, and each step
+records its batch's generation time in that thread, the trainer's wait and the generator's idle time.
+`--long-tail`: the responses' lengths are long-tailed (grpo_step_lib.LongTail).
+
     python scripts/bench/grpo_step_ours.py --workspace DIR --out FILE [--variant dapo] [--steps 5]
 """
 
@@ -19,8 +24,8 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from grpo_step_lib import (DATA_SOURCE, PhaseClock, Preset, clock_loop_phases, profiled_step, write_json,  # noqa: E402
-                           write_profile)
+from grpo_step_lib import (DATA_SOURCE, LongTail, PhaseClock, Preset, clock_loop_phases,  # noqa: E402
+                           clock_trainer_phases, profiled_step, write_json, write_profile)
 
 VARIANT_OVERRIDES = {  # what each variant overlay needs beyond the shared workload
     "none": [],
@@ -74,7 +79,8 @@ def probe_logprobs(policy, probe_path: Path) -> torch.Tensor:
 
 
 class GenerationLedger:
-    """Counts what every engine call produced (sequences, tokens, shortest and longest response)."""
+    """Counts what every engine call produced (sequences, tokens, shortest and longest response, wall
+    seconds; the call returns once its tokens are on the host)."""
 
     def __init__(self, engine, close_answers_on: str | None):
         self.generate = engine.generate
@@ -83,10 +89,12 @@ class GenerationLedger:
         engine.generate = self
 
     def __call__(self, prompts, params):
+        started = time.perf_counter()
         outputs = self.generate(prompts, params)
         lengths = [len(output.token_ids) for output in outputs]
         self.calls.append({"sequences": len(outputs), "tokens": sum(lengths), "min_length": min(lengths, default=0),
-                           "max_length": max(lengths, default=0), "max_new_tokens": params.max_new_tokens})
+                           "max_length": max(lengths, default=0), "max_new_tokens": params.max_new_tokens,
+                           "lengths": lengths, "seconds": time.perf_counter() - started})
         if self.close_answers_on is not None and params.stop == [self.close_answers_on]:
             # MTPO on random weights: no answer ever closes, so round 2 would never run. Count every
             # full-length round-1 answer as closed, as a trained policy's mostly are.
@@ -100,7 +108,22 @@ class GenerationLedger:
         return calls
 
 
-def main() -> None:
+class CallsByStep:
+    """The ledger's calls of each step's batch, taken in the thread that makes it, right after it
+    (generation ahead makes step t + 1's batch while the trainer is in step t)."""
+
+    def __init__(self, maker, ledger: GenerationLedger):
+        self.make_experience, self.ledger = maker.make_experience, ledger
+        self.steps: dict[int, list[dict]] = {}
+        maker.make_experience = self
+
+    def __call__(self, loader, step: int):
+        made = self.make_experience(loader, step)
+        self.steps[step] = self.ledger.take()
+        return made
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workspace", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
@@ -112,12 +135,13 @@ def main() -> None:
     parser.add_argument("--system", default=None, help="the name reported (default: ours / ours_<engine>)")
     parser.add_argument("--set", action="append", default=[], help="one more config override (repeatable)")
     parser.add_argument("--eos", action="store_true", help="responses end at EOS (lengths vary from step to step)")
+    parser.add_argument("--long-tail", action="store_true", help="long-tailed response lengths (grpo_step_lib.LongTail)")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="run the first step under cProfile: its heaviest calls in <out>.first_step_profile.txt")
     parser.add_argument("--torch-profile", default="", help="phases (comma-separated: train, logprobs, generation, "
                         "...) of one more step after the measured ones to run under torch.profiler: where their "
                         "device time went, in <out>.torch_profile.txt (generation's 10^5 kernels take a minute)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from aligner_ext.config import load_config
     from aligner_ext.trainer.build import build_components
@@ -126,22 +150,35 @@ def main() -> None:
 
     preset = Preset(**json.loads((args.workspace / "preset.json").read_text())["preset"])
     settings = overrides(preset, args.workspace, args.variant, args.lr, args.engine, args.eos) + args.set
+    # one step more than measured: generation ahead stops there, and the step after the measured ones
+    # (the profiled one, or else the batch taken below) leaves no batch in flight at exit
+    settings.append(f"trainer.total_steps={args.warmup + args.steps + 1}")
     cfg = load_config("base", settings)
     torch.manual_seed(cfg.trainer.seed)
     parts = build_components(cfg, args.workspace / "runs" / cfg.trainer.run_name)
     probe = probe_logprobs(parts.policy, args.workspace / "probe.pt")
     torch.save(probe, args.out.with_suffix(".probe.pt"))
-    ledger = GenerationLedger(parts.engine, cfg.mtpo.answer_stop_str if args.variant == "mtpo" else None)
+    asynchronous = getattr(cfg.trainer, "asynchronous", None)  # none in a tree before it (--prev)
+    ahead = asynchronous is not None and asynchronous.enabled
+    engine, maker = (parts.maker.engine, parts.maker.inner) if ahead else (parts.engine, parts.maker)
+    if args.long_tail:
+        LongTail(engine)
+    calls = CallsByStep(maker, GenerationLedger(engine, cfg.mtpo.answer_stop_str if args.variant == "mtpo" else None))
     startup_s = time.perf_counter() - STARTED
 
-    clock = PhaseClock(preset.device)
-    clock_loop_phases(clock, parts, (parts.engine, "generate"))
+    clock = PhaseClock(preset.device, own_stream=ahead)
+    if ahead:  # generation and rewards run in the maker's thread: the trainer's wait is its `other`
+        clock_trainer_phases(clock, parts)
+    else:
+        clock_loop_phases(clock, parts, (parts.engine, "generate"))
     steps = []
     for step in range(args.warmup + args.steps):
         profiler = cProfile.Profile() if args.profile_first_step and step == 0 else None
         if profiler is not None:
             profiler.enable()
+        started = time.perf_counter()
         batch, metrics = parts.maker.make_experience(parts.train_loader, step)
+        trainer_wait_s = time.perf_counter() - started
         if len(batch):
             metrics.update(update_policy(parts, batch, StageTimer(), cfg.rollout.temperature))
         if profiler is not None:
@@ -149,7 +186,9 @@ def main() -> None:
             write_profile(profiler, args.out.with_suffix(".first_step_profile.txt"))
         record = clock.take_step()
         record["ended_at_s"] = time.perf_counter() - STARTED
-        record["generate_calls"] = ledger.take()
+        record["generate_calls"] = calls.steps.pop(step)
+        record["generation_s"] = sum(call["seconds"] for call in record["generate_calls"])
+        record["trainer_wait_s"] = trainer_wait_s  # in make_experience: making the batch, or waiting for it
         record["trained_sequences"] = len(batch)
         record["trained_tokens"] = int((batch.prompt_mask.sum() + batch.response_valid.sum()).item()) if len(batch) else 0
         record["metrics"] = {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
@@ -179,6 +218,8 @@ def main() -> None:
 
         record = profiled_step(clock, args.torch_profile, step, args.out.with_suffix(".torch_profile.txt"))
         print(f"[ours {args.engine} {args.variant}] profiled step: {record['step_s']:.2f} s", flush=True)
+    elif ahead:  # the thread's last batch, so that it ends before the process does
+        parts.maker.make_experience(parts.train_loader, args.warmup + args.steps)
     parts.rewards.close()
 
 

@@ -37,7 +37,8 @@ TARGET = 0.85  # every family within 15% of Llama's share of the decode bound an
 
 # subcommand: (module, the report its main writes under --out, what it measures)
 SUBCOMMANDS = {
-    "grpo": ("grpo_step", "grpo_step.json", "the whole GRPO step, ours against TRL's GRPOTrainer, against its floor"),
+    "grpo": ("grpo_step", "grpo_step.json", "the whole GRPO step, ours against TRL's GRPOTrainer, against its floor; "
+             "--asynchronous K: ours generating ahead against synchronous, --long-tail: long-tailed lengths"),
     "first-step": ("grpo_step", "grpo_step.json", "the first GRPO step on empty torch.compile / Triton caches"),
     "rollout": ("rollout_engine", "rollout_engine.json", "generation alone: the rollout engine's settings and the HF engine"),
     "megatron": ("megatron_families", "megatron_families.json", "the Megatron backend's train call per family, profiled"),
@@ -85,11 +86,25 @@ def headline(result: dict) -> list[tuple[str, str]]:
     report = result["report"]
     if result["subcommand"] in ("grpo", "first-step", "lora", "moe"):
         preset = report["preset"]
+        tail = report.get("long_tail")
         shape = (f"{preset['name']}: {preset['prompts']} x {preset['n']} sequences, P {preset['prompt_length']} + "
-                 f"R {preset['response_length']}")
+                 f"R {preset['response_length']}"
+                 + (f", long-tailed ({tail['share']:.0%} R, the others R / {tail['factor']})" if tail else ""))
         rows = []
         for name, s in report["systems"].items():
             slow = sum(1 for step in s["steps"] if step["step_s"] > 1.3 * s["step_s"][0])
+            overlap = s.get("overlap", {})
+            if overlap.get("asynchronous"):
+                synchronous = report["systems"].get(overlap["synchronous"], {}).get("overlap")
+                ratio = f" ({overlap['samples_per_s'] / synchronous['samples_per_s']:.2f}x synchronous)" if synchronous else ""
+                stale = overlap["staleness"]
+                rows.append((f"GRPO step generated ahead, {name}, {shape}",
+                             f"{overlap['samples_per_s']:.1f} samples/s{ratio}; step {s['step_s'][0]:.2f} s "
+                             f"[{s['step_s'][1]:.2f}, {s['step_s'][2]:.2f}] over {len(s['steps'])} steps; generation "
+                             f"{overlap['generation_s']:.2f} s, train {overlap['train_s']:.2f} s, trainer wait "
+                             f"{overlap['trainer_wait_s']:.2f} s, generator idle {overlap['generator_idle_s']:.2f} s; "
+                             f"staleness mean {stale['mean']:.2f}, max {stale['max']:.0f}"))
+                continue
             rows.append((f"GRPO step, {name}, {shape}",
                          f"{s['step_s'][0]:.2f} s [{s['step_s'][1]:.2f}, {s['step_s'][2]:.2f}] over {len(s['steps'])} "
                          f"steps ({slow} above 1.3x the median); generation {s['phases_s']['generation']:.2f} s "

@@ -1,6 +1,6 @@
 """The GRPO-step benchmark (`run.py grpo`, scripts/bench/grpo_step.py): its bounds, its phase accounting,
-and a small run of our side on the CPU (TRL is not installed in CI; the side by side is in
-docs/benchmarks.md)."""
+the long-tailed workload, the asynchronous report, and small runs of our side on the CPU (TRL is not
+installed in CI; the side by side is in docs/benchmarks.md)."""
 
 import json
 import subprocess
@@ -12,8 +12,11 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 
-from grpo_step import floors, ratio_lines  # noqa: E402
-from grpo_step_lib import PRESETS, PhaseClock, Preset  # noqa: E402
+import grpo_step_ours  # noqa: E402
+from grpo_step import floors, overlap, overlap_lines, ratio_lines  # noqa: E402
+from grpo_step_lib import PRESETS, LongTail, PhaseClock, Preset, write_workspace  # noqa: E402
+
+from aligner_ext.generation.base import GenerationOutput, SamplingParams  # noqa: E402
 
 
 def test_floors_by_hand():
@@ -33,6 +36,121 @@ def test_floors_by_hand():
     assert floor["prefill_floor_s"] == pytest.approx(prefill / 1e6)
     expected = floor["decode_bound_s"] + prefill / 1e6 + 4 * 37200 * (1 + 1 / 3) / 1e6
     assert floor["step_floor_s"] == pytest.approx(expected)
+
+
+def test_floors_count_each_response_length():
+    # as test_floors_by_hand, but one response of R = 2 tokens and three of 1
+    preset = Preset("t", "char", 8, 2, 2, 1, 16, 0, prompts=2, n=2, prompt_length=3, response_length=2,
+                    micro_batch=4, device="cpu", variant_steps=1)
+    model = {"layers": 2, "hidden": 8, "body_matmul_params": 1000, "head_params": 200, "kv_values_per_token": 10}
+    floor = floors(preset, {"model": model, "copy_bytes_per_s": 1e4, "matmul_flops_per_s": 1e6}, [2, 1, 1, 1])
+    # step 1 reads the weights and 4 sequences x 4 tokens of K/V; step 2 the weights and 1 x 5
+    assert floor["decode_bound_s"] == pytest.approx((4800 + 4 * 4 * 40 + 4800 + 5 * 40) / 1e4)
+    # a 1-token response: 6 x 1000 x 4 + 6 x 200 x 1 + 12 x 2 x 8 x 16 = 24000 + 1200 + 3072
+    assert floor["train_flops"] == 37200 + 3 * 28272
+    assert floor["generated_tokens"] == 5
+
+
+class CountingEngine:
+    """Each response continues its prompt: token i of the sequence is i, its log-prob -i."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, params):
+        self.calls.append(([list(prompt) for prompt in prompts], params.max_new_tokens))
+        return [GenerationOutput(token_ids=list(range(len(prompt), len(prompt) + params.max_new_tokens)),
+                                 finish_reason="length", logprobs=[-float(i) for i in range(len(prompt), len(prompt)
+                                                                                          + params.max_new_tokens)])
+                for prompt in prompts]
+
+
+def test_a_tenth_of_the_responses_runs_8x_the_median():
+    engine = CountingEngine()
+    LongTail(engine)
+    prompts = [[index] * 3 for index in range(20)]
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=16, seed=5, return_logprobs=True))
+    lengths = [len(output.token_ids) for output in outputs]
+    assert sorted(lengths) == [2] * 18 + [16] * 2  # 10% of 20 run to R = 16, the others to 16 / 8
+    long = [index for index, length in enumerate(lengths) if length == 16]
+    # made as two calls: all 20 to the median, then the long ones continued from where they stood
+    (first, median), (second, rest) = engine.calls
+    assert first == prompts and median == 2 and rest == 14
+    assert second == [prompts[index] + [3, 4] for index in long]
+    assert outputs[long[0]].token_ids == list(range(3, 19)) and outputs[long[0]].logprobs == [-float(i) for i in range(3, 19)]
+    # the step's seed draws the long rows: the same in every system, other rows at another step
+    again = CountingEngine()
+    LongTail(again)
+    assert [len(o.token_ids) for o in again.generate(prompts, SamplingParams(max_new_tokens=16, seed=5))] == lengths
+    other = [len(o.token_ids) for o in again.generate(prompts, SamplingParams(max_new_tokens=16, seed=6))]
+    assert sorted(other) == sorted(lengths) and other != lengths
+
+
+def test_overlap_of_the_measured_steps():
+    def step(step_s, generation_s, wait_s, metrics):
+        return {"step_s": step_s, "generation_s": generation_s, "trainer_wait_s": wait_s,
+                "phases_s": {"train": step_s / 2}, "metrics": metrics}
+
+    synchronous = [step(4.0, 1.0, 1.5, {"staleness/share_lag_0": 1.0}), step(6.0, 3.0, 3.5, {"staleness/share_lag_0": 1.0}),
+                   step(5.0, 2.0, 2.5, {"staleness/share_lag_0": 1.0})]
+    o = overlap(synchronous, 10, ahead=False)
+    # medians: step 5 s, so 10 / 5 samples/s; the generator is idle for the step's rest, 2.5 s of each
+    assert (o["samples_per_s"], o["generation_s"], o["train_s"], o["trainer_wait_s"], o["generator_idle_s"]) == \
+        (2.0, 2.0, 2.5, 2.5, 2.5)
+    ahead = [step(2.0, 1.0, 0.1, {"async/generator_idle_s": 0.4, "staleness/mean": 1.0, "staleness/max": 1.0,
+                                  "staleness/share_lag_1": 1.0, "rollout/logprob_diff_mean_lag_1": 0.03}),
+             step(2.0, 1.0, 0.1, {"async/generator_idle_s": 0.6, "staleness/mean": 0.5, "staleness/max": 1.0,
+                                  "staleness/share_lag_0": 0.5, "staleness/share_lag_1": 0.5,
+                                  "rollout/logprob_diff_mean_lag_0": 0.01, "rollout/logprob_diff_mean_lag_1": 0.05})]
+    o = overlap(ahead, 10, ahead=True)
+    assert o["generator_idle_s"] == pytest.approx(0.5)  # the thread's wait for admission
+    # shares averaged over the steps (a lag absent from a step counts 0 there); gaps over the steps that have the lag
+    assert o["staleness"] == {"mean": 0.75, "max": 1.0, "share_by_lag": {"0": 0.25, "1": 0.75},
+                              "logprob_gap_by_lag": {"0": 0.01, "1": pytest.approx(0.04)}}
+
+
+def test_asynchronous_against_synchronous():
+    def overlap(asynchronous, samples_per_s, step_s, generation_s, wait_s, idle_s, staleness, shares, gaps):
+        return {"overlap": {"asynchronous": asynchronous, "samples_per_s": samples_per_s, "step_s": step_s,
+                            "generation_s": generation_s, "train_s": 4.0, "trainer_wait_s": wait_s,
+                            "generator_idle_s": idle_s, "staleness": {"mean": staleness, "max": 1.0,
+                                                                       "share_by_lag": shares,
+                                                                       "logprob_gap_by_lag": gaps}}}
+
+    systems = {"ours_rollout": overlap(False, 40.0, 6.4, 2.0, 2.4, 4.0, 0.0, {"0": 1.0}, {"0": 0.01}),
+               "ours_rollout_async_k1": overlap(True, 50.0, 5.12, 2.5, 0.6, 1.0, 0.75, {"0": 0.25, "1": 0.75},
+                                                {"0": 0.01, "1": 0.03}),
+               "ours_async_k1": overlap(True, 20.0, 0.5, 1.0, 0.5, 0.5, 1.0, {"1": 1.0}, {})}
+    systems["ours_rollout_async_k1"]["overlap"]["synchronous"] = "ours_rollout"
+    systems["ours_async_k1"]["overlap"]["synchronous"] = "ours"  # not run here
+    lines = overlap_lines(systems)
+    # the synchronous run, then the asynchronous one with its ratios to it (50 / 40, 5.12 / 6.4, ...);
+    # `ours_async_k1` has no synchronous run to compare with
+    assert lines[-2] == "| ours_rollout | 40.0 | 6.40 | 2.00 | 4.00 | 2.40 | 4.00 | 0.00 / 1 | 0: 100% | 0: 0.0100 |"
+    assert lines[-1] == ("| ours_rollout_async_k1 | 50.0 (1.25x) | 5.12 (0.80x) | 2.50 (1.25x) | 4.00 (1.00x) "
+                         "| 0.60 (0.25x) | 1.00 (0.25x) | 0.75 / 1 | 0: 25%, 1: 75% | 0: 0.0100, 1: 0.0300 |")
+    assert len(lines) == 7 and overlap_lines({"ours_async_k1": systems["ours_async_k1"]}) == []
+
+
+@pytest.mark.slow
+def test_generation_ahead_on_the_long_tail_on_the_cpu(tmp_path):
+    preset = PRESETS["tiny"]  # 4 prompts x n = 8, R = 64
+    write_workspace(preset, 3 * preset.prompts, tmp_path)
+    out = tmp_path / "ours_async_k1.json"
+    grpo_step_ours.main(["--workspace", str(tmp_path), "--out", str(out), "--warmup", "1", "--steps", "1",
+                         "--long-tail", "--set", "trainer.asynchronous.enabled=true",
+                         "--set", "trainer.asynchronous.max_staleness=1"])
+    steps = json.loads(out.read_text())["steps"]
+    assert len(steps) == 2
+    for step in steps:
+        # each step's batch, made in the maker's thread: round(0.1 x 32) = 3 responses of 64 tokens, 29 of 8
+        (call,) = step["generate_calls"]
+        assert sorted(call["lengths"]) == [8] * 29 + [64] * 3
+        assert step["generation_s"] > 0 and step["trainer_wait_s"] >= 0
+        # generated ahead (the trainer's clock has no generation), never more than 1 version behind
+        assert "generation" not in step["phases_s"] and "async/generator_idle_s" in step["metrics"]
+        assert step["metrics"]["staleness/max"] <= 1
+    assert steps[0]["metrics"]["staleness/max"] == 0  # the first batch: nothing trained before it
 
 
 def test_ratios_after_over_before_per_phase():

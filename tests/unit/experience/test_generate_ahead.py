@@ -7,8 +7,9 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from aligner_ext.experience.ahead import GenerateAhead
+from aligner_ext.experience.ahead import GenerateAhead, GenerationStream
 from aligner_ext.experience.base import ExperienceMaker
 from aligner_ext.experience.settings import AsynchronousConfig
 
@@ -51,7 +52,7 @@ class Recording(ExperienceMaker):
 def ahead_of(max_staleness, steps=6, updates_per_step=1, fail_at=None):
     engine = SimpleNamespace(weights_version=0)
     policy = SimpleNamespace(version=0)
-    snapshot = SimpleNamespace(refits=0)
+    snapshot = SimpleNamespace(refits=0, stream=GenerationStream(torch.device("cpu")))
     snapshot.refit = lambda: setattr(snapshot, "refits", snapshot.refits + 1)
     inner = Recording(engine, fail_at)
     ahead = GenerateAhead(inner, AsynchronousConfig(enabled=True, max_staleness=max_staleness), snapshot, engine,
