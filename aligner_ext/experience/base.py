@@ -216,7 +216,8 @@ class GroupSampling(ExperienceMaker):
             response_valid=response_valid, response_mask=response_valid.clone(),
             group_ids=torch.tensor([request.group_id for request in requests], dtype=torch.long),
             samples=samples, generation_logprobs=generation_logprobs, prompt_routing=prompt_routing,
-            response_routing=response_routing, generation_versions=sampled_versions(response_valid, self.engine),
+            response_routing=response_routing,
+            generation_versions=sampled_versions(response_valid, self.engine, outputs),
         )
 
     def score(self, batch: ExperienceBatch) -> None:
@@ -231,9 +232,16 @@ class GroupSampling(ExperienceMaker):
         batch.token_rewards = sparse_token_rewards(batch.rewards, batch.response_lengths, batch.response_ids.shape[1])
 
 
-def sampled_versions(sampled: torch.Tensor, engine: GenerationEngine) -> torch.Tensor:
-    """[B, R] int64: the version of the weights `engine` sampled with on the `sampled` tokens, 0 elsewhere."""
-    return sampled.long() * engine.weights_version
+def sampled_versions(sampled: torch.Tensor, engine: GenerationEngine,
+                     outputs: list[GenerationOutput] = ()) -> torch.Tensor:
+    """[B, R] int64: the version of the weights that sampled each of the `sampled` tokens, 0 elsewhere:
+    `engine.weights_version`, or per token where the `outputs` say (a response resumed under newer
+    weights, generation/resumable.py)."""
+    if all(output.versions is None for output in outputs):
+        return sampled.long() * engine.weights_version
+    versions = [output.versions if output.versions is not None else [engine.weights_version] * len(output.token_ids)
+                for output in outputs]
+    return right_pad(versions, 0, torch.long)[0] * sampled
 
 
 def sparse_token_rewards(rewards: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
