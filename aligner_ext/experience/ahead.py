@@ -210,4 +210,3 @@ def parked_share(batch: ExperienceBatch) -> float:
     newest = batch.generation_versions.masked_fill(~sampled, -1).amax(dim=1)
     oldest = batch.generation_versions.masked_fill(~sampled, torch.iinfo(torch.long).max).amin(dim=1)
     return (newest > oldest).float().mean().item()
-

@@ -235,13 +235,11 @@ class GroupSampling(ExperienceMaker):
 def sampled_versions(sampled: torch.Tensor, engine: GenerationEngine,
                      outputs: list[GenerationOutput] = ()) -> torch.Tensor:
     """[B, R] int64: the version of the weights that sampled each of the `sampled` tokens, 0 elsewhere:
-    `engine.weights_version`, or per token where the `outputs` say (a response resumed under newer
-    weights, generation/resumable.py)."""
-    if all(output.versions is None for output in outputs):
+    `engine.weights_version`, or per token where the engine's `outputs` say (partial rollouts set them on
+    every output, generation/resumable.py)."""
+    if not outputs or outputs[0].versions is None:
         return sampled.long() * engine.weights_version
-    versions = [output.versions if output.versions is not None else [engine.weights_version] * len(output.token_ids)
-                for output in outputs]
-    return right_pad(versions, 0, torch.long)[0] * sampled
+    return right_pad([output.versions for output in outputs], 0, torch.long)[0] * sampled
 
 
 def sparse_token_rewards(rewards: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
