@@ -213,8 +213,4 @@ def check_partial_rollouts(cfg) -> None:
     if cfg.dynamic_sampling.enabled:
         raise ValueError(f"dynamic_sampling.enabled=true with {on}: a batch refilled over several engine calls is "
                          "not parked and resumed yet; set trainer.asynchronous.partial_rollouts=false")
-    if cfg.rollout.stop:
-        raise ValueError(f"rollout.stop={list(cfg.rollout.stop)} with {on}: a stop string straddling a park would "
-                         "not be matched (the engine matches within one call's tokens); end responses by EOS, or "
-                         "set trainer.asynchronous.partial_rollouts=false")
 

@@ -16,9 +16,10 @@ tokens it has left. So:
 - a resumed request draws from a stream of its own, `request_seed(seed, resumption)`, never the
   parked call's again.
 A resumption asks for as many tokens as the response with the most left needs; each response is cut
-at its own cap ("length"). Stop strings are matched by the inner engine within one call's tokens, so
-one straddling a park would be missed: generation ahead refuses `rollout.stop` with partial rollouts
-(experience/settings.py). Routing records are not joined across a park (routing replay is refused).
+at its own cap ("length"). The inner engine matches stop strings within one call's tokens; one that
+straddles a park (it starts before it and ends after) is matched here, on the tokens after the park
+whose text, with the newest token's, could still reach back past it (`straddling_stop`). Routing
+records are not joined across a park (routing replay is refused with generation ahead).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Callable
 
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.sampler import request_seed
+from aligner_ext.generation.stopping import StopStringMatcher
 
 
 @dataclass
@@ -46,13 +48,15 @@ class ResumableEngine(GenerationEngine):
     Whoever refits the weights sets `refit_wanted` (polled between decode steps) and `await_refit`
     (called with responses parked; returns once `weights_version` is the new weights')."""
 
-    def __init__(self, inner: GenerationEngine):
+    def __init__(self, inner: GenerationEngine, tokenizer):
         self.inner = inner
+        self.tokenizer = tokenizer  # decodes responses for the stop strings that straddle a park
         self.refit_wanted: Callable[[], bool] = lambda: False
         self.await_refit: Callable[[], None] = lambda: None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         responses = [Partial() for _ in prompts]
+        matcher = StopStringMatcher(params.stop, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         going = list(range(len(prompts)))
         resumption = 0
         while going:
@@ -65,7 +69,10 @@ class ResumableEngine(GenerationEngine):
                                           replace(params, max_new_tokens=most_left, seed=seed),
                                           should_stop=self.refit_wanted)
             for index, output in zip(going, outputs):
+                parked_at = len(responses[index].token_ids)
                 extend(responses[index], output, params.max_new_tokens, version)
+                if matcher and parked_at:
+                    cut_at_straddling_stop(responses[index], matcher, parked_at)
             going = [index for index in going if responses[index].finish_reason is None]
             resumption += 1
         return [GenerationOutput(token_ids=response.token_ids, finish_reason=response.finish_reason,
@@ -92,3 +99,21 @@ def extend(response: Partial, output: GenerationOutput, max_new_tokens: int, ver
         response.finish_reason = output.finish_reason
     elif len(response.token_ids) == max_new_tokens:
         response.finish_reason = "length"
+
+
+def cut_at_straddling_stop(response: Partial, matcher: StopStringMatcher, parked_at: int) -> None:
+    """End `response` ("stop") at the first token after the park (`parked_at` tokens) that completes a stop
+    string starting before the park: one the engine, seeing the tokens after the park only, missed."""
+    tokens = response.token_ids
+    for end in range(parked_at + 1, len(tokens) + 1):
+        # a stop string ending in token end - 1 and starting before the park holds the whole text of the
+        # tokens between them, plus a character on each side: once that text has max_chars - 1
+        # characters, none can
+        if len(matcher.decode(tokens[parked_at : end - 1])) >= matcher.max_chars - 1:
+            return
+        if matcher.completed_by_last_token(tokens[:end]):
+            if end < len(tokens) or response.finish_reason in (None, "length"):  # an engine's EOS comes first
+                del response.token_ids[end:], response.logprobs[end:], response.versions[end:]
+                response.finish_reason = "stop"
+            return
+

@@ -209,7 +209,7 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
                                     cfg.generator.split_across_ranks, getattr(generation_model, "split_group", None))
         maker_engine = engine if snapshot is None else build_engine(cfg, engine_name, snapshot.model, tokenizer)
         if snapshot is not None and cfg.trainer.asynchronous.partial_rollouts:
-            maker_engine = ResumableEngine(maker_engine)  # parks at a refit of the copy (experience/ahead.py)
+            maker_engine = ResumableEngine(maker_engine, tokenizer)  # parks at a refit of the copy (experience/ahead.py)
         ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=maker_engine, rewards=rewards)
         advantage = construct(cfg, "advantage estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator,
                               ADVANTAGES.get(cfg.algorithm.adv_estimator), lambda cls: cls.from_context(ctx))

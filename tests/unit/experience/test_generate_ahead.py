@@ -192,7 +192,7 @@ class Sampling(ExperienceMaker):
 
 def test_with_partial_rollouts_a_refit_parks_the_batch_in_progress_and_it_resumes_under_the_new_version():
     inner = Decoding()
-    engine = ResumableEngine(inner)
+    engine = ResumableEngine(inner, tokenizer=None)  # no stop strings to decode
     policy, snapshot = SimpleNamespace(version=0), SimpleNamespace(refit=lambda: None)
     maker = Sampling(engine)
     ahead = GenerateAhead(maker, AsynchronousConfig(enabled=True, max_staleness=2, partial_rollouts=True), snapshot,

@@ -1,10 +1,11 @@
 """Partial rollouts (generation/resumable.py): a call parked at a refit resumes under the new weights, each
 token keeping the log-prob and version of the weights that sampled it, with no key or value of the old
 weights serving a resumed token (behaviour log-probs against a float64 forward of each version's weights
-over prompt + response); the hand-over to the resumption (prompts, budget, seed, finishes) with a
-scripted engine."""
+over prompt + response); the hand-over to the resumption (prompts, budget, seed, finishes, stop strings
+that straddle the park) with a scripted engine."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ def test_a_parked_response_resumes_under_the_new_weights_with_its_versions_and_l
     generating = copy.deepcopy(tiny_model)  # the generation copy, refitted in place
     inner = (HFGenerationEngine(generating, tiny_tokenizer, HFEngineConfig()) if engine_name == "hf" else
              RolloutEngine(generating, tiny_tokenizer, RolloutEngineConfig(prefix_cache=True)))
-    engine = ResumableEngine(inner)
+    engine = ResumableEngine(inner, tiny_tokenizer)
     RefitAt(engine, generating, new, at=3)
     prompts = [tiny_tokenizer.encode(text) for text in TEXTS]
     inner.generate(prompts, PARAMS)  # under the old weights: a cache the rollout engine keeps, of these prompts
@@ -88,7 +89,7 @@ def test_without_a_refit_it_is_the_inner_engine(tiny_tokenizer, tiny_model):
     prompts = [tiny_tokenizer.encode(text) for text in TEXTS]
     params = SamplingParams(max_new_tokens=6, temperature=1.0, return_logprobs=True, seed=3)
     expected = HFGenerationEngine(tiny_model, tiny_tokenizer, HFEngineConfig()).generate(prompts, params)
-    engine = ResumableEngine(HFGenerationEngine(tiny_model, tiny_tokenizer, HFEngineConfig()))
+    engine = ResumableEngine(HFGenerationEngine(tiny_model, tiny_tokenizer, HFEngineConfig()), tiny_tokenizer)
     engine.weights_version = 4
     outputs = engine.generate(prompts, params)
     assert [(o.token_ids, o.logprobs, o.finish_reason) for o in outputs] == [
@@ -107,8 +108,22 @@ class Scripted(GenerationEngine):
         return self.calls.pop(0)
 
 
+CHARACTERS = SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(map(chr, ids)))  # a token per character
+
+
 def out(tokens, reason):
     return GenerationOutput(token_ids=tokens, finish_reason=reason, logprobs=[-float(t) for t in tokens])
+
+
+def chars(text):
+    return [ord(char) for char in text]
+
+
+def resumed_once(inner):
+    """A ResumableEngine over `inner`, whose one refit moves it to version 2."""
+    engine = ResumableEngine(inner, CHARACTERS)
+    engine.await_refit = lambda: setattr(engine, "weights_version", 2)
+    return engine
 
 
 def test_the_resumption_continues_each_parked_response_to_its_own_cap():
@@ -118,13 +133,10 @@ def test_the_resumption_continues_each_parked_response_to_its_own_cap():
         # resumed for the most any has left (6): 1 runs past its cap (cut there), 2 ends by EOS at its cap's
         # last token, 3 stops on a stop id
         [out([9, 9, 9, 9, 9], "length"), out([4, 2], "eos"), out([3, 6], "stop")])
-    engine = ResumableEngine(inner)
-    refits = []
-    engine.await_refit = lambda: refits.append(setattr(engine, "weights_version", 2))
     params = SamplingParams(max_new_tokens=6, return_logprobs=True, seed=11)
-    outputs = engine.generate([[1], [1, 2], [3], [4]], params)
+    outputs = resumed_once(inner).generate([[1], [1, 2], [3], [4]], params)
 
-    assert len(refits) == 1
+    assert len(inner.asked) == 2
     prompts, resumed = inner.asked[1]
     assert prompts == [[1, 2, 7, 7], [3, 8, 8, 8, 8], [4]]  # prompt + response so far, the finished one left out
     assert resumed.max_new_tokens == 6 and resumed.seed == request_seed(11, 1)
@@ -132,3 +144,16 @@ def test_the_resumption_continues_each_parked_response_to_its_own_cap():
         ([5, 2], "eos"), ([7, 7, 9, 9, 9, 9], "length"), ([8, 8, 8, 8, 4, 2], "eos"), ([3, 6], "stop")]
     assert [o.versions for o in outputs] == [[0, 0], [0, 0, 2, 2, 2, 2], [0, 0, 0, 0, 2, 2], [2, 2]]
     assert outputs[1].logprobs == [-7.0, -7.0, -9.0, -9.0, -9.0, -9.0]
+
+
+def test_a_stop_string_straddling_the_park_ends_the_response_where_it_completes():
+    inner = Scripted(
+        [out(chars("x</"), "length"), out(chars("ab"), "length"), out(chars("<"), "length")],
+        # the engine sees the tokens after the park only: it misses the first row's "</a>", finds the
+        # second's, and the third has none
+        [out(chars("a>yz"), "length"), out(chars("</a>"), "stop"), out(chars("/b>a</a"), "length")])
+    params = SamplingParams(max_new_tokens=8, stop=["</a>"], return_logprobs=True)
+    outputs = resumed_once(inner).generate([[1], [1], [1]], params)
+    assert [("".join(map(chr, o.token_ids)), o.finish_reason) for o in outputs] == [
+        ("x</a>", "stop"), ("ab</a>", "stop"), ("</b>a</a", "length")]
+    assert outputs[0].versions == [0, 0, 0, 2, 2] and outputs[0].logprobs == [-float(t) for t in chars("x</a>")]
