@@ -18,7 +18,7 @@ tokens it has left. So:
 A resumption asks for as many tokens as the response with the most left needs; each response is cut
 at its own cap ("length"). The inner engine matches stop strings within one call's tokens; one that
 straddles a park (it starts before it and ends after) is matched here, on the tokens after the park
-whose text, with the newest token's, could still reach back past it (`straddling_stop`). Routing
+whose text, with the newest token's, could still reach back past it (`cut_at_straddling_stop`). Routing
 records are not joined across a park (routing replay is refused with generation ahead).
 """
 
