@@ -73,7 +73,8 @@ class ExperienceBatch:
     # Policy versions (docs/async.md): the version counts the optimizer updates applied to the policy.
     # Each sampled token is stamped with the version of the weights that sampled it, beside its
     # behaviour log-prob `generation_logprobs`; staleness is the version the batch trains at (the
-    # proximal policy's, before this step's update) less the token's. 0 where no token was sampled.
+    # proximal policy's, before this step's update) less the token's. 0 where no token was sampled. A
+    # response parked at a refit and resumed (partial rollouts) has tokens of two versions or more.
     generation_versions: torch.Tensor | None = None  # [B, R] int64, written by the makers that sample
     staleness: torch.Tensor | None = None  # [B, R] int64, written by the loop before the policy's passes
 

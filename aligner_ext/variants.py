@@ -107,6 +107,7 @@ READ_ONLY_UNDER: dict[str, tuple[str, ...]] = {
     "mtpo.": ("algorithm.experience_maker=two_round",),
     "agents.": ("algorithm.experience_maker=agent_episodes",),
     "trainer.asynchronous.max_staleness": ("trainer.asynchronous.enabled=true",),
+    "trainer.asynchronous.partial_rollouts": ("trainer.asynchronous.enabled=true",),
     "policy.optim.master_weights": ("policy.backend=hf",),  # megatron-core's optimizer always keeps float32 masters
     "advantage.": tuple(f"algorithm.adv_estimator={name}" for name in  # RLOO divides by no std
                         ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "mtpo_segments", "cpo")),

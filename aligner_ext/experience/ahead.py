@@ -7,6 +7,11 @@ How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each 
   copy to the policy's weights, at a version boundary, when it asks for a batch or evaluates, and
   only between two batches (a refit waits for the batch in progress), so a batch is sampled under one
   version, stamped on its tokens (`GenerationEngine.weights_version`).
+- Partial rollouts (`partial_rollouts`). A refit does not wait for the batch in progress: its engine
+  call parks the unfinished responses, the copy is refitted, and they resume under the new weights,
+  re-prefilled (generation/resumable.py); their tokens keep the version that sampled them, so a
+  response's versions may vary. Admission is unchanged: a batch's oldest tokens are those of the
+  version it started on, which admission bounds, so parking never ages a token past k.
 - Admission. The batch of step t starts only once the copy's version v satisfies V(t) - v <= k, with
   k = `trainer.asynchronous.max_staleness` and V(t) the version step t trains at, bounded by the
   trainer's version at its latest request plus `updates_per_step` for each step in between (a step
@@ -27,7 +32,8 @@ How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each 
 
 Metrics per step: async/trainer_wait_s (the trainer waiting for the refit and the batch),
 async/generator_idle_s (the thread waiting for admission since the previous step), async/refit_s,
-async/batches_ready (made and not yet taken); the tokens' staleness per lag comes from the loop
+async/batches_ready (made and not yet taken), async/parked_share (with partial rollouts: the share of the
+batch's responses sampled under more than one version); the tokens' staleness per lag comes from the loop
 (trainer/step_metrics.py).
 """
 
@@ -123,9 +129,12 @@ class GenerateAhead(ExperienceWrapper):
         self._thread: threading.Thread | None = None
         self._ready: dict[int, MadeBatch] = {}
         self._generating = False
+        self._refit_wanted = False  # the trainer waits to refit: with partial rollouts the batch in progress parks
         self._failure: BaseException | None = None
         self._trainer_at = (0, 0)  # (step, policy version) at the trainer's latest request
         self._idle_s = 0.0  # the thread's waiting since the trainer last took a batch
+        if cfg.partial_rollouts:  # `engine` is then a ResumableEngine
+            engine.refit_wanted, engine.await_refit = lambda: self._refit_wanted, self._park
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         """Step `step`'s batch, made ahead; the trainer's `loader` is moved to where it stands after it."""
@@ -147,8 +156,11 @@ class GenerateAhead(ExperienceWrapper):
             ready = len(self._ready)
         loader.load_state_dict(made.loader_state)
         self.taken_state = made.maker_state
-        return made.batch, {**made.metrics, "async/trainer_wait_s": time.perf_counter() - started,
-                            "async/generator_idle_s": idle, "async/refit_s": refit_s, "async/batches_ready": ready}
+        metrics = {**made.metrics, "async/trainer_wait_s": time.perf_counter() - started,
+                   "async/generator_idle_s": idle, "async/refit_s": refit_s, "async/batches_ready": ready}
+        if self.cfg.partial_rollouts:
+            metrics["async/parked_share"] = parked_share(made.batch)
+        return made.batch, metrics
 
     def evaluate(self, loader: PromptLoader,
                  single_round: Callable[[PromptLoader], dict[str, float]]) -> dict[str, float]:
@@ -167,13 +179,26 @@ class GenerateAhead(ExperienceWrapper):
         self.taken_state = state["inner"]
 
     def _refit(self) -> float:
-        """Under the lock: wait for the batch in progress, then give the copy the policy's weights and
-        version; returns the seconds the copy took."""
+        """Under the lock: wait for the batch in progress (with partial rollouts, for it to park), then give
+        the copy the policy's weights and version; returns the seconds the copy took."""
+        self._refit_wanted = self.cfg.partial_rollouts
+        self._changed.notify_all()
         self._changed.wait_for(lambda: not self._generating)
         started = time.perf_counter()
         self.snapshot.refit()
         self.engine.weights_version = self.policy.version
+        self._refit_wanted = False
+        self._changed.notify_all()  # a parked batch resumes
         return time.perf_counter() - started
+
+    def _park(self) -> None:
+        """The thread, its engine call's unfinished responses parked: the trainer refits the copy, then the
+        call resumes."""
+        with self._changed:
+            self._generating = False
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: not self._refit_wanted)
+            self._generating = True
 
     def _start(self, loader: PromptLoader, step: int) -> None:
         ahead = copy.copy(loader)  # its own position in the stream; the rows are shared, read only
@@ -215,3 +240,11 @@ class GenerateAhead(ExperienceWrapper):
             with self._changed:
                 self._failure = err
                 self._changed.notify_all()
+
+
+def parked_share(batch: ExperienceBatch) -> float:
+    """The share of the batch's responses whose sampled tokens span more than one version (parked and resumed)."""
+    sampled = batch.sampled
+    newest = batch.generation_versions.masked_fill(~sampled, -1).amax(dim=1)
+    oldest = batch.generation_versions.masked_fill(~sampled, torch.iinfo(torch.long).max).amin(dim=1)
+    return (newest > oldest).float().mean().item()

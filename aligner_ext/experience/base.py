@@ -216,7 +216,8 @@ class GroupSampling(ExperienceMaker):
             response_valid=response_valid, response_mask=response_valid.clone(),
             group_ids=torch.tensor([request.group_id for request in requests], dtype=torch.long),
             samples=samples, generation_logprobs=generation_logprobs, prompt_routing=prompt_routing,
-            response_routing=response_routing, generation_versions=sampled_versions(response_valid, self.engine),
+            response_routing=response_routing,
+            generation_versions=sampled_versions(response_valid, self.engine, outputs),
         )
 
     def score(self, batch: ExperienceBatch) -> None:
@@ -231,9 +232,14 @@ class GroupSampling(ExperienceMaker):
         batch.token_rewards = sparse_token_rewards(batch.rewards, batch.response_lengths, batch.response_ids.shape[1])
 
 
-def sampled_versions(sampled: torch.Tensor, engine: GenerationEngine) -> torch.Tensor:
-    """[B, R] int64: the version of the weights `engine` sampled with on the `sampled` tokens, 0 elsewhere."""
-    return sampled.long() * engine.weights_version
+def sampled_versions(sampled: torch.Tensor, engine: GenerationEngine,
+                     outputs: list[GenerationOutput] = ()) -> torch.Tensor:
+    """[B, R] int64: the version of the weights that sampled each of the `sampled` tokens, 0 elsewhere:
+    `engine.weights_version`, or per token where the engine's `outputs` say (partial rollouts set them on
+    every output, generation/resumable.py)."""
+    if not outputs or outputs[0].versions is None:
+        return sampled.long() * engine.weights_version
+    return right_pad([output.versions for output in outputs], 0, torch.long)[0] * sampled
 
 
 def sparse_token_rewards(rewards: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:

@@ -150,6 +150,7 @@ class AsynchronousConfig:
 
     enabled: bool = False  # generate ahead of training; false: each step generates, then trains (the synchronous loop)
     max_staleness: int = number(1, ge=0)  # k: a batch starts only while it cannot be trained more than k policy versions (optimizer updates) after the weights it samples with; 0 = each batch waits for the previous update, the synchronous run bit for bit
+    partial_rollouts: bool = False  # at a refit of the generation copy, park the unfinished responses of the batch in progress and resume them under the new weights (re-prefilled): the trainer does not wait for the batch's tail, a response's later tokens are fresher; false: a refit waits for the batch in progress
 
 
 def planned_updates_per_step(cfg) -> int:
@@ -190,6 +191,8 @@ def check_asynchronous(cfg, variants: set[str]) -> None:
     if cfg.policy.routing_replay:
         raise ValueError(f"policy.routing_replay=true with {on}: replaying the engine's experts under weights several "
                          "versions newer is not defined yet; leave routing replay off")
+    if ahead.partial_rollouts:
+        check_partial_rollouts(cfg)
     updates = planned_updates_per_step(cfg)
     if 0 < ahead.max_staleness < updates:
         raise ValueError(f"trainer.asynchronous.max_staleness={ahead.max_staleness} is below the {updates} optimizer "
@@ -197,3 +200,17 @@ def check_asynchronous(cfg, variants: set[str]) -> None:
                          f"{updates // cfg.policy.num_iterations} mini-batch(es), policy.mini_batch_size="
                          f"{cfg.policy.mini_batch_size}): no batch could start before the update preceding it; set it "
                          f"to 0 or at least {updates}")
+
+
+def check_partial_rollouts(cfg) -> None:
+    """What partial rollouts (`trainer.asynchronous.partial_rollouts`) do not run with yet, refused naming
+    both settings: they resume the responses of plain group sampling's single engine call."""
+    on = "trainer.asynchronous.partial_rollouts=true"
+    if cfg.algorithm.experience_maker not in ("group_sampling", "grpo"):
+        raise ValueError(f"algorithm.experience_maker={cfg.algorithm.experience_maker} with {on}: only plain group "
+                         "sampling (group_sampling) parks and resumes its responses yet; set "
+                         "trainer.asynchronous.partial_rollouts=false")
+    if cfg.dynamic_sampling.enabled:
+        raise ValueError(f"dynamic_sampling.enabled=true with {on}: a batch refilled over several engine calls is "
+                         "not parked and resumed yet; set trainer.asynchronous.partial_rollouts=false")
+

@@ -62,6 +62,9 @@ class GenerationOutput:
     # for each token; NOT_RECORDED on the last generated token, which is sampled and never fed back.
     # None otherwise.
     routing: torch.Tensor | None = None
+    # per generated token: the policy version of the weights that sampled it, where a call's weights may
+    # change (partial rollouts, generation/resumable.py); None: all at the engine's `weights_version`
+    versions: list[int] | None = None
 
 
 class GenerationEngine(abc.ABC):

@@ -36,6 +36,7 @@ from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, 
 from aligner_ext.experience.settings import own_evaluation_refusal, planned_updates_per_step
 from aligner_ext.files import follow_umask
 from aligner_ext.generation.base import ENGINES, GenerationEngine
+from aligner_ext.generation.resumable import ResumableEngine
 from aligner_ext.generation.sharded import split_across_ranks
 from aligner_ext.losses.base import LOSSES, Loss
 from aligner_ext.models import warmup_cache
@@ -207,6 +208,8 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         engine = split_across_ranks(build_engine(cfg, engine_name, generation_model, tokenizer),
                                     cfg.generator.split_across_ranks, getattr(generation_model, "split_group", None))
         maker_engine = engine if snapshot is None else build_engine(cfg, engine_name, snapshot.model, tokenizer)
+        if snapshot is not None and cfg.trainer.asynchronous.partial_rollouts:
+            maker_engine = ResumableEngine(maker_engine, tokenizer)  # parks at a refit of the copy (experience/ahead.py)
         ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=maker_engine, rewards=rewards)
         advantage = construct(cfg, "advantage estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator,
                               ADVANTAGES.get(cfg.algorithm.adv_estimator), lambda cls: cls.from_context(ctx))

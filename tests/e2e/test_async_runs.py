@@ -1,7 +1,9 @@
 """Generation ahead of training (trainer.asynchronous, experience/ahead.py) in tiny CPU runs: at
 max_staleness=0 the synchronous run bit for bit; at 1 every later batch one version behind, within the
-bound, and a resume that neither repeats nor skips a prompt."""
+bound, and a resume that neither repeats nor skips a prompt; with partial rollouts, batches parked at the
+trainer's refit and resumed under its new weights, each token's staleness its own."""
 
+import itertools
 import json
 import math
 
@@ -11,6 +13,7 @@ from safetensors.torch import load_file
 
 from aligner_ext.config import load_config
 from aligner_ext.data.loader import build_loader
+from aligner_ext.generation.resumable import ResumableEngine
 from aligner_ext.models.tiny import build_char_tokenizer
 from aligner_ext.trainer import loop
 from aligner_ext.trainer.loop import train
@@ -83,3 +86,41 @@ def test_staleness_one_trains_one_version_behind_and_resumes_without_repeating_a
     for step in range(1, 5):
         expected = [draw.row.row_id for draw in stream.next_batch() for _ in range(4)]  # rollout.n=4
         assert [s["row_id"] for s in samples if s["step"] == step] == expected
+
+
+def test_partial_rollouts_park_at_the_refit_and_resume_under_the_new_weights(tmp_path, monkeypatch):
+    """Each batch after the first waits at its third decode step for the trainer's refit (so the park does
+    not depend on timing): its first three tokens are sampled one version behind, the other five under
+    the weights it trains at. The third batch is parked by the refit of the evaluation after step 2,
+    which runs while it waits."""
+    generate, calls = ResumableEngine.generate, []
+
+    def parked_at_the_third_token(engine, prompts, params):
+        ahead = engine.await_refit.__self__  # the GenerateAhead whose refit parks the call
+        polls, first = itertools.count(1), not calls
+        calls.append(len(prompts))
+
+        def refit_wanted():
+            poll = next(polls)
+            if first or poll > 3:  # the first batch is made before any update: no refit comes
+                return ahead._refit_wanted
+            if poll == 3:
+                with ahead._changed:
+                    ahead._changed.wait_for(lambda: ahead._refit_wanted, timeout=60)  # only a broken park waits
+            return poll == 3  # a refit wanted earlier (the trainer was quicker) waits for the third token
+
+        engine.refit_wanted = refit_wanted
+        return generate(engine, prompts, params)
+
+    monkeypatch.setattr(ResumableEngine, "generate", parked_at_the_third_token)
+    records, _ = run(tmp_path, "partial", *AHEAD, "trainer.asynchronous.partial_rollouts=true",
+                     "trainer.asynchronous.max_staleness=1", "trainer.total_steps=3", "trainer.eval.every=2",
+                     "rollout.ignore_eos=true")  # every response runs to its 8 tokens
+    steps = [r for r in records if "async/parked_share" in r]
+    assert len(calls) == 3 and len(steps) == 3 and "val/accuracy" in records[2]
+    assert [r["async/parked_share"] for r in steps] == [0.0, 1.0, 1.0]
+    assert steps[2]["async/refit_s"] == 0  # the evaluation's refit had parked the third batch
+    assert [r["staleness/max"] for r in steps] == [0, 1, 1]
+    assert [r.get("staleness/share_lag_1", 0.0) for r in steps] == [0.0, 3 / 8, 3 / 8]
+    assert all(math.isfinite(r["rollout/logprob_diff_mean_lag_1"]) for r in steps[1:])
+    assert all(r["actor/grad_norm"] > 0 for r in steps)

@@ -7,6 +7,7 @@ from aligner_ext.cli import main
 from aligner_ext.config import load_config
 
 AHEAD = ["trainer.asynchronous.enabled=true"]
+PARTIAL = "trainer.asynchronous.partial_rollouts=true"
 
 REFUSED = {
     "agents": (["algorithm.experience_maker=agent_episodes", "agents.limits.max_total_tokens=512"],
@@ -19,6 +20,10 @@ REFUSED = {
     "surplus": (["+variant=dapo", "dynamic_sampling.keep_surplus=true"],
                 "dynamic_sampling.keep_surplus=true with trainer.asynchronous.enabled=true"),
     "routing replay": (["policy.routing_replay=true"], "policy.routing_replay=true with trainer.asynchronous"),
+    "partial rollouts of two rounds": ([PARTIAL, "+variant=mtpo"],
+                                       f"algorithm.experience_maker=two_round with {PARTIAL}"),
+    "partial rollouts of dynamic sampling": ([PARTIAL, "+variant=dapo"],
+                                             f"dynamic_sampling.enabled=true with {PARTIAL}"),
     # two updates a step (two mini-batches of the 16 x 8 sequences): a bound of 1 admits no batch ahead
     "below the updates": (["policy.mini_batch_size=64"],
                           "trainer.asynchronous.max_staleness=1 is below the 2 optimizer updates one step makes"),
@@ -42,6 +47,7 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
 
 
 @pytest.mark.parametrize("overrides", [["+variant=dapo", "+variant=mtpo"], ["+variant=graded_prompt", "policy.lora.rank=4"],
-                                       ["policy.num_iterations=2", "trainer.asynchronous.max_staleness=2"]])
+                                       ["policy.num_iterations=2", "trainer.asynchronous.max_staleness=2"],
+                                       [PARTIAL, "generator.engine=rollout", "rollout.stop=[END]"]])
 def test_what_it_runs_with_loads(overrides):
     assert load_config("base", AHEAD + overrides).trainer.asynchronous.enabled

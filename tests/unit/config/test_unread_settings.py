@@ -28,6 +28,8 @@ CASES = {
     "policy.optim.master_weights": ("policy.optim.master_weights=false", []),
     "trainer.asynchronous.max_staleness": ("trainer.asynchronous.max_staleness=2",
                                            ["trainer.asynchronous.enabled=true"]),
+    "trainer.asynchronous.partial_rollouts": ("trainer.asynchronous.partial_rollouts=true",
+                                              ["trainer.asynchronous.enabled=true"]),
 }
 # what turns every reader of a setting off where the base config reads it
 READERS_OFF = {"loss.epsilon": ["algorithm.loss=gspo"], "loss.epsilon_high": ["algorithm.loss=cispo"],

@@ -1,7 +1,8 @@
 """GenerateAhead's admission and hand-over with fake parts (no model): the batch of each step is sampled at
 most max_staleness versions behind the version it trains at, generation overlaps training when the bound
-allows it, the trainer's prompt stream moves as the synchronous run's, and an error in the thread reaches
-the trainer. Waits are on events, never on the clock."""
+allows it, the trainer's prompt stream moves as the synchronous run's, an error in the thread reaches
+the trainer, and with partial rollouts a refit parks the batch in progress rather than wait for it.
+Waits are on events, never on the clock."""
 
 import threading
 from types import SimpleNamespace
@@ -12,6 +13,8 @@ import torch
 from aligner_ext.experience.ahead import GenerateAhead, GenerationStream
 from aligner_ext.experience.base import ExperienceMaker
 from aligner_ext.experience.settings import AsynchronousConfig
+from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.resumable import ResumableEngine
 
 TIMEOUT_S = 60  # only a broken implementation waits this long
 
@@ -150,3 +153,68 @@ def test_evaluation_samples_the_current_weights_between_two_batches():
     assert ahead.evaluate(stream, None) == {"val/accuracy": 1.0}
     # on version 1, no batch in progress; refitted at the first request, then before the evaluation
     assert seen == [(1, False)] and ahead.snapshot.refits == 2
+
+
+class Decoding(GenerationEngine):
+    """One token per decode step, `should_stop` polled after each; `after_token(prompt, count)` runs
+    after each token (the test holds a call there)."""
+
+    def __init__(self):
+        self.after_token = lambda prompt, count: None
+
+    def generate(self, prompts, params, should_stop):
+        tokens = []
+        while len(tokens) < params.max_new_tokens:
+            tokens.append(7)
+            self.after_token(prompts[0], len(tokens))
+            if should_stop():
+                break
+        return [GenerationOutput(token_ids=tokens, finish_reason="length")]
+
+
+class Sampling(ExperienceMaker):
+    """One 4-token response per step (prompt [step]): a batch of the fields partial rollouts read."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.made = {step: threading.Event() for step in range(10)}
+
+    def make_experience(self, loader, step):
+        loader.draws += 4
+        output, = self.engine.generate([[step]], SamplingParams(max_new_tokens=4))
+        self.made[step].set()
+        return SimpleNamespace(generation_versions=torch.tensor([output.versions]),
+                               sampled=torch.ones(1, 4, dtype=torch.bool)), {}
+
+    def state_dict(self):
+        return {}
+
+
+def test_with_partial_rollouts_a_refit_parks_the_batch_in_progress_and_it_resumes_under_the_new_version():
+    inner = Decoding()
+    engine = ResumableEngine(inner, tokenizer=None)  # no stop strings to decode
+    policy, snapshot = SimpleNamespace(version=0), SimpleNamespace(refit=lambda: None)
+    maker = Sampling(engine)
+    ahead = GenerateAhead(maker, AsynchronousConfig(enabled=True, max_staleness=2, partial_rollouts=True), snapshot,
+                          engine, policy, total_steps=3, updates_per_step=1)
+
+    holding = threading.Event()
+
+    def hold_step_2(prompt, count):  # step 2's batch, two ahead, waits after its first token for a refit
+        if prompt == [2] and count == 1:
+            holding.set()
+            with ahead._changed:
+                assert ahead._changed.wait_for(lambda: ahead._refit_wanted, timeout=TIMEOUT_S)
+
+    inner.after_token = hold_step_2
+    stream, taken = Stream(), []
+    for step in range(3):
+        batch, metrics = ahead.make_experience(stream, step)
+        taken.append((batch.generation_versions.tolist()[0], metrics["async/parked_share"]))
+        if step == 0:  # steps 1 and 2's batches start on version 0, step 2's holds
+            assert holding.wait(TIMEOUT_S)
+        if step == 1:  # step 2's batch ends (resumed) before this update: it parks once only
+            assert maker.made[2].wait(TIMEOUT_S)
+        policy.version += 1
+    # step 1's batch was ready at the first refit, taken while step 2's was parked after its first token
+    assert taken == [([0, 0, 0, 0], 0.0), ([0, 0, 0, 0], 0.0), ([0, 1, 1, 1], 1.0)]
