@@ -149,6 +149,23 @@ def test_stops_eos_stop_ids_length_and_ignore_eos_match_the_hf_engine(tiny_token
     assert (kept_on[0].token_ids, kept_on[0].finish_reason) == (first, "length")
 
 
+def test_the_cache_length_is_a_multiple_of_16_whatever_the_prompt_width(tiny_tokenizer):
+    """Prompts of 8 and 9 tokens with 8 new tokens (16 and 17 positions) get caches of 16 and 32
+    positions: the decode-attention kernel sees one pattern of the cache length's divisibility and
+    compiles nothing for a new prompt width (models/kernels.py); the tokens stay the HF engine's."""
+    model = small_llama(tiny_tokenizer)
+    engine = rollout(model, tiny_tokenizer, max_batch_size=2)
+    lengths = []
+    new_cache = engine.decoder.new_cache
+    engine.decoder.new_cache = lambda slots, length, *rest: lengths.append(length) or new_cache(slots, length, *rest)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    hf = HFGenerationEngine(model, tiny_tokenizer, HFEngineConfig())
+    for prompts in (prompts_of(tiny_tokenizer, ["ab", "abcdefgh"]), prompts_of(tiny_tokenizer, ["abcdefghi", "a"])):
+        assert max(map(len, prompts)) in (8, 9)  # one token per character
+        assert [o.token_ids for o in engine.generate(prompts, params)] == [e.token_ids for e in hf.generate(prompts, params)]
+    assert lengths == [16, 32]
+
+
 def test_the_engine_samples_the_current_weights_without_a_copy(tiny_tokenizer):
     model = small_llama(tiny_tokenizer)
     engine = rollout(model, tiny_tokenizer)
