@@ -3,11 +3,11 @@
 Log-probs come from the base model's hidden states at the valid response tokens through the fused
 head of `models/logprobs.py`, so no [tokens, vocab] tensor of all tokens exists. A training call
 splits the step batch into mini-batches (one optimizer update each) and micro-batches (gradient
-accumulation): `policy.micro_batch_size` rows padded to a common width, or with
-`policy.micro_batch_tokens` rows packed end to end under that token budget (`models/packing.py`;
-attention kept within each sequence through `models/attention.hf_packed_attention`, no compute on
-pads). The loss divides by the mini-batch's global counts, so the gradient depends neither on the
-micro-batch size nor on packing.
+accumulation): `policy.micro_batch_size` rows padded to a common width (a multiple of 16,
+`padded_to_multiple`), or with `policy.micro_batch_tokens` rows packed end to end under that token
+budget (`models/packing.py`; attention kept within each sequence through
+`models/attention.hf_packed_attention`, no compute on pads). The loss divides by the mini-batch's
+global counts, so the gradient depends neither on the micro-batch size nor on packing.
 
 With `policy.lora.rank > 0` the model carries peft's adapters (`models/lora.py`): only they train and
 the optimizer holds only them; the KL reference is the same model with its adapters switched off

@@ -25,7 +25,9 @@ the ratio after / before of the step and of each phase. `--torch-profile PHASES`
 more step after the measured ones with those phases under torch.profiler (<out>/<system>.torch_profile.txt:
 device time per phase, by kind of kernel, and the top kernels of each).
 
-Identical work: the same weights and prompts (every prompt exactly P tokens), n samples each,
+Identical work: the same weights and prompts (every prompt exactly P tokens; with
+`--vary-prompt-widths` lengths drawn per step, the longest of each step other than the step before's,
+up to P), n samples each,
 every response exactly R tokens (EOS ignored; checked from each system's own counts), bf16
 weights on the GPU (TRL's default mode keeps float32 weights under bf16 autocast, as it ships),
 the same learning rate, constant schedule, KL off, one optimizer update per step. The benchmark
@@ -135,7 +137,7 @@ def reference_worker(args) -> None:
     preset = PRESETS[args.preset]
     rows_needed = preset.prompts * (args.warmup + max(args.steps, args.variant_steps)) * 3  # dynamic sampling's refills
     started = time.perf_counter()
-    counts = write_workspace(preset, rows_needed, args.out / "work")
+    counts = write_workspace(preset, rows_needed, args.out / "work", vary_widths=args.vary_prompt_widths)
     workspace_s = time.perf_counter() - started
     torch.save(reference_logprobs(args.out / "work", preset.device), args.out / "reference.probe.pt")
     write_json(args.out / "reference.json", {**measure_hardware(preset.device), "model": counts,
@@ -253,7 +255,9 @@ def render(report: dict) -> str:
     ours = systems.get("ours")
     lines = [
         f"GRPO step, preset `{preset['name']}` ({report['date']}, {hardware['device_name']}): "
-        f"{preset['prompts']} prompts x n={preset['n']}, P={preset['prompt_length']}, R={preset['response_length']}; "
+        f"{preset['prompts']} prompts x n={preset['n']}, P={preset['prompt_length']}"
+        f"{' (the longest; widths vary every step)' if report.get('vary_prompt_widths') else ''}, "
+        f"R={preset['response_length']}; "
         f"{hardware['matmul']} matrix rate {hardware['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s, "
         f"copy {hardware['copy_bytes_per_s'] / 1e9:.0f} GB/s; step floor {floor['step_floor_s']:.3f} s "
         f"(decode bound {floor['decode_bound_s']:.3f} s, prefill {floor['prefill_floor_s']:.3f} s, "
@@ -351,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--eos", action="store_true", help="our systems' responses end at EOS, as in training: "
                         "lengths and so shapes vary from step to step (the bound and MFU columns still count R tokens)")
+    parser.add_argument("--vary-prompt-widths", action="store_true", help="prompts of lengths drawn per step "
+                        "(seeded; grpo_step_lib.varying_prompt_lengths): every step's prompt width differs from the "
+                        "step before's, as with real data (the bound and MFU columns still count P tokens)")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="our systems run their first step under cProfile (<out>/<system>.first_step_profile.txt)")
     parser.add_argument("--torch-profile", default="", help="phases (comma-separated, e.g. train,logprobs) of one more "
@@ -378,7 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     common = ["--workspace", str(args.out / "work"), "--warmup", str(args.warmup), "--lr", str(args.lr)]
     if run_worker("reference", [sys.executable, __file__, "--reference-worker", "--preset", args.preset,
                                 "--out", str(args.out), "--steps", str(args.steps),
-                                "--variant-steps", str(args.variant_steps)], args.out, left())[0] is None:
+                                "--variant-steps", str(args.variant_steps)]
+                  + ["--vary-prompt-widths"] * args.vary_prompt_widths, args.out, left())[0] is None:
         sys.exit("the reference worker failed: nothing to compare against")
     hardware = json.loads((args.out / "reference.json").read_text())
     floor = floors(preset, hardware)
@@ -387,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     reference = torch.load(args.out / "reference.probe.pt")
     report = {"preset": preset.__dict__, "hardware": hardware, "floor": floor, "systems": {}, "variants": {},
               "logprob_check": {}, "failures": {}, "variant_engine": args.variant_engine,
+              "vary_prompt_widths": args.vary_prompt_widths,
               "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv[1:] if argv is None else argv)}
     for system in [s for s in args.systems.split(",") if s]:
         base, root = system.removeprefix(PREV_PREFIX), ROOT
