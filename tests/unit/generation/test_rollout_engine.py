@@ -2,7 +2,8 @@
 tokens and finishes identical on ragged batches for Llama, Qwen2 and Qwen3 whatever the slot count
 and prefill sharing (every family: test_rollout_families.py); sampling that follows the model's
 distribution and does not depend on the batch; stops, EOS, stop ids, max tokens and ignore_eos;
-clear configuration errors; the compiled decode step."""
+clear configuration errors; the compiled decode step, compiled once whatever the cache length; the
+cache's length a multiple of 16."""
 
 import math
 
@@ -345,6 +346,24 @@ def test_the_compiled_decode_step_writes_the_cache_and_computes_as_the_eager_one
     written[[0, 1, 2, 3], [3, 7, 10, 2]] = written[[0, 1, 2, 3, 4], [4, 8, 11, 3, 30]] = True
     changed = (caches[1].keys[0] != before[0]).any(dim=-1).any(dim=1)  # [slots, length]
     assert torch.equal(changed, written)
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_compiles_nothing_for_a_new_cache_length_slot_count_or_row_count(tiny_tokenizer):
+    """A new prompt width gives a call's cache another length (a new batch another slot count): the
+    decode step's compiled functions take those dimensions, and the rows, as dynamic from their first
+    call (`compile_varying`), so no call after the first compiles a graph (the GPU path; here for the CPU)."""
+    from torch._dynamo.utils import counters
+
+    from aligner_ext.generation.decoder import HFDecoder
+
+    decoder = HFDecoder(small_llama(tiny_tokenizer), compile=True)
+    graphs = []
+    with torch.inference_mode():
+        for slots, length, rows in ((8, 32, 8), (8, 48, 4), (12, 80, 12), (6, 112, 2)):
+            decoder.decode(torch.arange(rows) + 5, torch.arange(rows) + 3, decoder.new_cache(slots, length), length)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == [graphs[0]] * 3
 
 
 @pytest.mark.slow
