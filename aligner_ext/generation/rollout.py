@@ -3,7 +3,7 @@
 `generate` serves one call at a time, as the loop asks:
   1. allocate a `SlotKVCache` for the call (slots = min(max_batch_size, requests, what fits in
      `kv_cache_memory_share` of free GPU memory), length = longest prompt + max_new_tokens, rounded up
-     to a multiple of 16 so that prompts of another width compile nothing (models/kernels.py)); with
+     to a multiple of 16 so that prompts of another width compile nothing (aligner_ext/widths.py)); with
      `prefix_cache` it is kept after the call (`KeptCache`) until the next call ends, the weights
      change, or `release_memory` (which the loop calls before the policy trains, so training never
      shares memory with it);
@@ -84,7 +84,7 @@ from aligner_ext.generation.sampler import request_seed, sample
 from aligner_ext.generation.settings import RolloutEngineConfig
 from aligner_ext.generation.stopping import StopStringMatcher
 from aligner_ext.generation.turns import TurnSession
-from aligner_ext.models.kernels import padded_width
+from aligner_ext.widths import padded_width
 
 PREFIX_BLOCK = 16  # kept sequences are matched by whole blocks of this many tokens
 
@@ -241,7 +241,7 @@ class _Call(SlotBatcher):
         self.seeds = [request_seed(call_seed, index) for index in range(len(prompts))]
         count = len(prompts)
         self.max_new_tokens = [params.max_new_tokens] * count
-        # a multiple of 16, so that a new prompt width compiles no decode-attention kernel (models/kernels.py)
+        # a multiple of 16, so that a new prompt width compiles no decode-attention kernel (aligner_ext/widths.py)
         # and warms no new decode-step shape (positions past a sequence's own are never read)
         length = padded_width(max(map(len, self.prompts), default=0) + params.max_new_tokens)
         if engine.decoder.exchange is not None:

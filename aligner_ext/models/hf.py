@@ -34,12 +34,13 @@ from aligner_ext.models.attention import hf_packed_attention
 from aligner_ext.models.base import (
     POLICIES, NonFiniteGuard, Policy, record_applied, update_metrics, weights_norm,
 )
-from aligner_ext.models.kernels import apply_kernels, padded_width
+from aligner_ext.models.kernels import apply_kernels
 from aligner_ext.models.logprobs import fused_logprobs
 from aligner_ext.models.master_weights import MasterWeights
 from aligner_ext.models.packing import pack_end_to_end, token_micro_batches
 from aligner_ext.models.settings import OptimConfig, PolicyConfig
 from aligner_ext.weights_file import state_bytes
+from aligner_ext.widths import padded_width
 
 PACK_PAD_ID = 0  # fills a packed row's tail (a sequence of its own) and widened prompts' columns: attended to by no real token
 
@@ -161,7 +162,7 @@ def token_routing(batch: ExperienceBatch, packed: bool) -> torch.Tensor | None:
 def padded_to_multiple(batch: ExperienceBatch) -> ExperienceBatch:
     """`batch` with its prompts left-padded so that its width P + R is a multiple of WIDTH_MULTIPLE:
     whatever the prompts' width, Liger's Triton kernels see one pattern of the sequence length and
-    compile nothing new (models/kernels.py). Exact: pads are masked out and positions count real
+    compile nothing new (aligner_ext/widths.py). Exact: pads are masked out and positions count real
     tokens only, as for any shorter prompt of a batch."""
     width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
     return widen_prompts(batch, batch.prompt_ids.shape[1] + padded_width(width) - width, PACK_PAD_ID)

@@ -12,9 +12,8 @@ where it runs: a CUDA device, a supported decoder, the package installed; `none`
 modules.
 
 `start_compile_workers` starts torch.compile's worker processes early; `compiled_on_cuda` is how
-the library's own small elementwise functions become fused kernels on GPUs; `padded_width` is the
-width a forward's sequences and the rollout engine's KV cache are padded to, so that prompts of
-another width compile nothing (`WIDTH_MULTIPLE`).
+the library's own small elementwise functions become fused kernels on GPUs (what keeps Triton's
+kernels from compiling again for a new prompt width: aligner_ext/widths.py).
 """
 
 from __future__ import annotations
@@ -32,14 +31,6 @@ from aligner_ext.models.moe import is_moe
 
 KERNELS = ("auto", "none", "liger")
 logger = logging.getLogger(__name__)
-# Triton compiles a kernel once per pattern of its integer arguments' divisibility by 16 (and of
-# their being 1), and Liger's RoPE takes the sequence length, our decode attention the cache length,
-# as such arguments: a step whose width turns a multiple of 16 (a prompt of 24 tokens after ones of 25,
-# with 24 response tokens) compiles them again (3.4 s against 0.85 s at 358M on an H200). Widths padded
-# to a multiple of 16 keep one pattern for every width. The pads are exact: on the right of every real
-# token, or left padding masked out, never attended to by a real token (torch.compile's own functions
-# take these dimensions as dynamic from their first call and compile nothing for a new width).
-WIDTH_MULTIPLE = 16
 # model_type -> Liger-Kernel's patch of it (its name is apply_liger_kernel_to_<model_type>)
 LIGER_PATCHES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "phi3", "olmo2", "olmo3", "smollm3", "gemma3_text",
                  "qwen3_moe")
@@ -140,8 +131,3 @@ def compiled_on_cuda(fn, tensor_argument: int = 0):
         return compiled(*args, **kwargs)
 
     return call
-
-
-def padded_width(width: int) -> int:
-    """`width` rounded up to a multiple of WIDTH_MULTIPLE."""
-    return width + -width % WIDTH_MULTIPLE

@@ -5,9 +5,9 @@ for micro-batches that compute nothing on pads (both backends, `policy.micro_bat
 (prompt without its left padding, then the valid response) in one row, with each token's position
 in its own sequence (RoPE restarts at 0 per sequence) and the sequences' cumulative lengths (the
 boundaries attention must not cross, `models/attention.py`). The row may be padded at its end (the
-Megatron backend's: a multiple of 16 and of TP under sequence parallelism, models/kernels.py; the
-common width of a pipeline's micro-batches); the tail
-pad is a sequence of its own, so no real token attends to it.
+Megatron backend's: a multiple of 16, aligner_ext/widths.py, and of TP under sequence parallelism;
+the common width of a pipeline's micro-batches); the tail pad is a sequence of its own, so no real
+token attends to it.
 """
 
 from __future__ import annotations

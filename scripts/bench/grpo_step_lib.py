@@ -26,7 +26,7 @@ FIRST_WORD_ID = 7  # word tokenizer: ids below are specials and role names; rand
 SOLVED_SHARE = 0.5  # rows whose every response scores 1: their groups all agree (dynamic sampling drops them)
 # --vary-prompt-widths' draw. At the embedded preset its step widths are 74, 99, 117, 67, 99, 112, 122, 86,
 # 125, 112, 78: step 5's (from 0, the warm-up step included) is the first multiple of 16, a step that
-# compiled Triton kernels again before widths were padded (models/kernels.py::WIDTH_MULTIPLE); step 9's
+# compiled Triton kernels again before widths were padded (aligner_ext/widths.py); step 9's
 # is the same width again
 WIDTHS_SEED = 6
 

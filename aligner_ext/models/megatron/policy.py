@@ -73,7 +73,6 @@ from aligner_ext.losses.base import Loss
 from aligner_ext.models import lora as base_lora
 from aligner_ext.models.base import NonFiniteGuard, Policy, record_applied, update_metrics, weights_norm
 from aligner_ext.models.hf import cast_model, lr_lambda, resolve_dtype, split_rows
-from aligner_ext.models.kernels import WIDTH_MULTIPLE
 from aligner_ext.models.megatron import convert, dist_checkpoint, lora
 from aligner_ext.models.megatron.forward import (
     Packed, filler_rows, forward_backward, forward_logprobs, pack, pack_sequences, pad_rows,
@@ -89,6 +88,7 @@ from aligner_ext.models.moe import check_aux_loss
 from aligner_ext.models.packing import token_micro_batches
 from aligner_ext.models.settings import PolicyConfig
 from aligner_ext.weights_file import state_bytes
+from aligner_ext.widths import WIDTH_MULTIPLE
 
 PACK_PAD_ID = 0  # fills the columns after each row's real tokens; never attended to by a real token
 
@@ -211,7 +211,7 @@ class MegatronPolicy(Policy):
         start = parallel_state.get_data_parallel_rank() * per_rank
         rows = list(range(start, min(len(batch), start + per_rank)))
         local = batch.select(rows) if rows else filler_rows(batch, 1)  # fewer rows than DP ranks
-        # a multiple of 16 (one pattern of lengths for Triton's kernels, models/kernels.py) and, under
+        # a multiple of 16 (one pattern of lengths for Triton's kernels, aligner_ext/widths.py) and, under
         # sequence parallelism, of TP
         sequence_parallel = self.cfg.tensor_model_parallel_size if self.core.config.sequence_parallel else 1
         multiple = math.lcm(WIDTH_MULTIPLE, sequence_parallel)

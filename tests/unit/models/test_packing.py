@@ -69,7 +69,7 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_rows(tiny_model,
 @pytest.mark.parametrize("prompt_width", [4, 12, 13])
 def test_the_forward_width_is_a_multiple_of_16_and_changes_no_log_prob(tiny_model, tiny_tokenizer, prompt_width):
     """Prompts left-padded to width 4, 12 or 13 with responses of 4 (P + R = 8, 16, 17): the model sees
-    16, 16 and 32 columns (Triton compiles one pattern of lengths, models/kernels.py), and every
+    16, 16 and 32 columns (Triton compiles one pattern of lengths, aligner_ext/widths.py), and every
     log-prob is that of each row's real tokens alone through the model, float64 log-softmax."""
     model = copy.deepcopy(tiny_model).double()
     batch = widen_prompts(ragged_batch(len(tiny_tokenizer)), prompt_width, PAD)
