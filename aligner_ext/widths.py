@@ -14,9 +14,11 @@ their first call (models/kernels.py `compiled_on_cuda`, generation/decoder.py `c
 Where it pads, exactly (no log-prob or sample changes): the HF backend's padded micro-batches widen
 their prompts' left padding, masked out (models/hf.py `padded_to_multiple`); the Megatron backend's
 rows end in pads no real token attends to (models/megatron/policy.py); the rollout engine's KV cache
-holds positions past every sequence's own, never read (generation/rollout.py). Padding beats marking
-dimensions dynamic here because Triton's specialisation is not torch.compile's to turn off, and
-costs at most 15 positions a row.
+holds positions past every sequence's own, never read (generation/rollout.py); the HF engine
+left-pads its prompts, masked out (generation/hf.py). Padding, not marking dimensions dynamic:
+Triton's specialisation is not torch.compile's to turn off; it costs at most 15 positions a row.
+The HF backend's packed micro-batches are not padded (a tail pad would count as a sequence for a
+mixture of experts' routers); their row length follows the response lengths anyway.
 """
 
 WIDTH_MULTIPLE = 16
