@@ -42,7 +42,8 @@ from aligner_ext.models.settings import OptimConfig, PolicyConfig
 from aligner_ext.weights_file import state_bytes
 from aligner_ext.widths import padded_width
 
-PACK_PAD_ID = 0  # fills a packed row's tail (a sequence of its own) and widened prompts' columns: attended to by no real token
+# fills a packed row's tail (a sequence of its own) and a widened prompt's columns: attended to by no real token
+PACK_PAD_ID = 0
 
 
 def resolve_device(name: str) -> torch.device:
