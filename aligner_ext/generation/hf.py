@@ -120,7 +120,8 @@ class HFGenerationEngine(GenerationEngine):
 
     def _generate_chunk(self, prompts, params, matcher, generator, device, should_stop) -> list[GenerationOutput]:
         """The cached sampling loop for at most `batch_size` prompts."""
-        input_ids, attention_mask = (t.to(device) for t in left_pad(prompts, self.pad_id, WIDTH_MULTIPLE))  # [B, P] each
+        padded = left_pad(prompts, self.pad_id, WIDTH_MULTIPLE)  # [B, P] each: P a multiple of 16 (module docstring)
+        input_ids, attention_mask = (t.to(device) for t in padded)
         attention_mask = attention_mask.long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
         batch = len(prompts)

@@ -163,7 +163,8 @@ def test_the_cache_length_is_a_multiple_of_16_whatever_the_prompt_width(tiny_tok
     hf = HFGenerationEngine(model, tiny_tokenizer, HFEngineConfig())
     for prompts in (prompts_of(tiny_tokenizer, ["ab", "abcdefgh"]), prompts_of(tiny_tokenizer, ["abcdefghi", "a"])):
         assert max(map(len, prompts)) in (8, 9)  # one token per character
-        assert [o.token_ids for o in engine.generate(prompts, params)] == [e.token_ids for e in hf.generate(prompts, params)]
+        expected = [output.token_ids for output in hf.generate(prompts, params)]
+        assert [output.token_ids for output in engine.generate(prompts, params)] == expected
     assert lengths == [16, 32]
 
 
