@@ -173,9 +173,23 @@ def concat_batches(batches: Sequence[ExperienceBatch], pad_token_id: int) -> Exp
         else:
             left = f.name.startswith("prompt_")
             width = prompt_width if left else response_width
-            fill = pad_token_id if f.name.endswith("_ids") else NOT_RECORDED if f.name.endswith("_routing") else 0
-            values[f.name] = torch.cat([_pad_to(p, width, fill, left) for p in parts])
+            values[f.name] = torch.cat([_pad_to(p, width, _fill(f.name, pad_token_id), left) for p in parts])
     return ExperienceBatch(**values)
+
+
+def widen_prompts(batch: ExperienceBatch, width: int, pad_token_id: int) -> ExperienceBatch:
+    """`batch` with its prompts left-padded to `width` columns (masked out, as a shorter prompt's are):
+    responses, and so every log-prob and loss, keep their shapes."""
+    values = {f.name: getattr(batch, f.name) for f in dataclasses.fields(ExperienceBatch)}
+    for name, value in values.items():
+        if name.startswith("prompt_") and value is not None:
+            values[name] = _pad_to(value, width, _fill(name, pad_token_id), left=True)
+    return ExperienceBatch(**values)
+
+
+def _fill(name: str, pad_token_id: int) -> int:
+    """What pads a column of field `name`: the pad token for ids, NOT_RECORDED for routing, else 0."""
+    return pad_token_id if name.endswith("_ids") else NOT_RECORDED if name.endswith("_routing") else 0
 
 
 def routing_fields(routings: Sequence[torch.Tensor | None], prompt_lengths: Sequence[int], prompt_width: int,

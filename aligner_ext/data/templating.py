@@ -29,14 +29,14 @@ def encode_prompt(tokenizer, messages: list[dict[str, str]], tools: list[dict] |
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad on the left to the longest sequence.
+def left_pad(seqs: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad on the left to the longest sequence, rounded up to a multiple of `multiple`.
 
     Returns:
         ids: [B, P] int64, pads first then the sequence.
         mask: [B, P] bool, True on real tokens.
     """
-    return _pad(seqs, pad_id, left=True)
+    return _pad(seqs, pad_id, left=True, multiple=multiple)
 
 
 def right_pad(seqs: list[list[int]], pad_id: int, dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +49,10 @@ def right_pad(seqs: list[list[int]], pad_id: int, dtype: torch.dtype = torch.lon
     return _pad(seqs, pad_id, left=False, dtype=dtype)
 
 
-def _pad(seqs: list[list[int]], pad_id: int, left: bool, dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:
+def _pad(seqs: list[list[int]], pad_id: int, left: bool, dtype: torch.dtype = torch.long,
+         multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     width = max((len(seq) for seq in seqs), default=0)
+    width += -width % multiple
     ids = torch.full((len(seqs), width), pad_id, dtype=dtype)
     mask = torch.zeros((len(seqs), width), dtype=torch.bool)
     for row, seq in enumerate(seqs):

@@ -3,11 +3,11 @@
 Log-probs come from the base model's hidden states at the valid response tokens through the fused
 head of `models/logprobs.py`, so no [tokens, vocab] tensor of all tokens exists. A training call
 splits the step batch into mini-batches (one optimizer update each) and micro-batches (gradient
-accumulation): `policy.micro_batch_size` rows padded to a common width, or with
-`policy.micro_batch_tokens` rows packed end to end under that token budget (`models/packing.py`;
-attention kept within each sequence through `models/attention.hf_packed_attention`, no compute on
-pads). The loss divides by the mini-batch's global counts, so the gradient depends neither on the
-micro-batch size nor on packing.
+accumulation): `policy.micro_batch_size` rows padded to a common width (a multiple of 16,
+`padded_to_multiple`), or with `policy.micro_batch_tokens` rows packed end to end under that token
+budget (`models/packing.py`; attention kept within each sequence through
+`models/attention.hf_packed_attention`, no compute on pads). The loss divides by the mini-batch's
+global counts, so the gradient depends neither on the micro-batch size nor on packing.
 
 With `policy.lora.rank > 0` the model carries peft's adapters (`models/lora.py`): only they train and
 the optimizer holds only them; the KL reference is the same model with its adapters switched off
@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from aligner_ext.adapters import adapter_state, merged_state
-from aligner_ext.batch import ExperienceBatch, host_to_device
+from aligner_ext.batch import ExperienceBatch, host_to_device, widen_prompts
 from aligner_ext.distributed import map_split
 from aligner_ext.losses.base import Loss
 from aligner_ext.models import experts, lora, moe
@@ -40,8 +40,10 @@ from aligner_ext.models.master_weights import MasterWeights
 from aligner_ext.models.packing import pack_end_to_end, token_micro_batches
 from aligner_ext.models.settings import OptimConfig, PolicyConfig
 from aligner_ext.weights_file import state_bytes
+from aligner_ext.widths import padded_width
 
-PACK_PAD_ID = 0  # fills a packed row's tail; a sequence of its own, attended to by no real token
+# fills a packed row's tail (a sequence of its own) and a widened prompt's columns: attended to by no real token
+PACK_PAD_ID = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -105,7 +107,8 @@ def response_logprobs(
     the rows go through the model end to end in one row (`packing.pack_end_to_end`). `routers`: a
     mixture of experts' router logits (one [tokens, experts] per layer) and the attention mask of
     its real tokens ([b, s]) are appended to it (models/moe.py). `batch` on the host: the positions of
-    the valid tokens are found there, so that nothing here waits for the device."""
+    the valid tokens are found there, so that nothing here waits for the device. Unpacked, the width
+    the model sees is a multiple of 16 (`padded_to_multiple`)."""
     device = model.device
     router_kwargs = {"output_router_logits": True} if routers is not None else {}
     at_valid = batch.response_valid.flatten().nonzero().squeeze(1)  # row by row, as packing orders them
@@ -123,6 +126,7 @@ def response_logprobs(
         targets = host_to_device(row.response_ids, device)
         real = (torch.arange(row.ids.shape[-1], device=device) < boundaries[-1]).view(1, -1)
     else:
+        batch = padded_to_multiple(batch)
         prompt_width, response_width = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
         real = host_to_device(batch.attention_mask, device)
         out = model.base_model(
@@ -151,10 +155,18 @@ def token_routing(batch: ExperienceBatch, packed: bool) -> torch.Tensor | None:
     """The engine's experts [tokens, layers, k] of `batch` (a micro-batch) in the order the forward's
     routers see its tokens: row by row over the padded columns, or, `packed`, its real tokens end to
     end (`packing.pack_end_to_end`); None when the batch carries no routing."""
-    routing = batch.routing
-    if routing is None:
+    if batch.routing is None:
         return None
-    return routing[batch.attention_mask.bool()] if packed else routing.flatten(0, 1)
+    return batch.routing[batch.attention_mask.bool()] if packed else padded_to_multiple(batch).routing.flatten(0, 1)
+
+
+def padded_to_multiple(batch: ExperienceBatch) -> ExperienceBatch:
+    """`batch` with its prompts left-padded so that its width P + R is a multiple of WIDTH_MULTIPLE:
+    whatever the prompts' width, Liger's Triton kernels see one pattern of the sequence length and
+    compile nothing new (aligner_ext/widths.py). Exact: pads are masked out and positions count real
+    tokens only, as for any shorter prompt of a batch."""
+    width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
+    return widen_prompts(batch, batch.prompt_ids.shape[1] + padded_width(width) - width, PACK_PAD_ID)
 
 
 def micro_batch_rows(batch: ExperienceBatch, cfg: PolicyConfig) -> list[list[int]]:

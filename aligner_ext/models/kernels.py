@@ -12,7 +12,8 @@ where it runs: a CUDA device, a supported decoder, the package installed; `none`
 modules.
 
 `start_compile_workers` starts torch.compile's worker processes early; `compiled_on_cuda` is how
-the library's own small elementwise functions become fused kernels on GPUs.
+the library's own small elementwise functions become fused kernels on GPUs (what keeps Triton's
+kernels from compiling again for a new prompt width: aligner_ext/widths.py).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ for micro-batches that compute nothing on pads (both backends, `policy.micro_bat
 `token_micro_batches` groups rows under a token budget; `pack_end_to_end` lays a group's sequences
 (prompt without its left padding, then the valid response) in one row, with each token's position
 in its own sequence (RoPE restarts at 0 per sequence) and the sequences' cumulative lengths (the
-boundaries attention must not cross, `models/attention.py`). The row may be padded at its end (a
-multiple of TP under sequence parallelism, the common width of a pipeline's micro-batches); the tail
-pad is a sequence of its own, so no real token attends to it.
+boundaries attention must not cross, `models/attention.py`). The row may be padded at its end (the
+Megatron backend's: a multiple of 16, aligner_ext/widths.py, and of TP under sequence parallelism;
+the common width of a pipeline's micro-batches); the tail pad is a sequence of its own, so no real
+token attends to it.
 """
 
 from __future__ import annotations

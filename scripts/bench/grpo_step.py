@@ -35,7 +35,9 @@ the ratio after / before of the step and of each phase. `--torch-profile PHASES`
 more step after the measured ones with those phases under torch.profiler (<out>/<system>.torch_profile.txt:
 device time per phase, by kind of kernel, and the top kernels of each).
 
-Identical work: the same weights and prompts (every prompt exactly P tokens), n samples each,
+Identical work: the same weights and prompts (every prompt exactly P tokens; with
+`--vary-prompt-widths` lengths drawn per step, the longest of each step other than the step before's,
+up to P), n samples each,
 every response exactly R tokens (EOS ignored; checked from each system's own counts), bf16
 weights on the GPU (TRL's default mode keeps float32 weights under bf16 autocast, as it ships),
 the same learning rate, constant schedule, KL off, one optimizer update per step. The benchmark
@@ -148,7 +150,7 @@ def reference_worker(args) -> None:
     preset = PRESETS[args.preset]
     rows_needed = preset.prompts * (args.warmup + max(args.steps, args.variant_steps)) * 3  # dynamic sampling's refills
     started = time.perf_counter()
-    counts = write_workspace(preset, rows_needed, args.out / "work")
+    counts = write_workspace(preset, rows_needed, args.out / "work", vary_widths=args.vary_prompt_widths)
     workspace_s = time.perf_counter() - started
     torch.save(reference_logprobs(args.out / "work", preset.device), args.out / "reference.probe.pt")
     write_json(args.out / "reference.json", {**measure_hardware(preset.device), "model": counts,
@@ -335,9 +337,15 @@ def render(report: dict) -> str:
     ours = systems.get("ours")
     lines = [
         f"GRPO step, preset `{preset['name']}` ({report['date']}, {hardware['device_name']}): "
+<<<<<<< HEAD
         f"{preset['prompts']} prompts x n={preset['n']}, P={preset['prompt_length']}, R={preset['response_length']}"
         + (f" (long-tailed: {report['long_tail']['share']:.0%} of the responses R tokens, the others R / "
            f"{report['long_tail']['factor']})" if report.get("long_tail") else "") + "; "
+=======
+        f"{preset['prompts']} prompts x n={preset['n']}, P={preset['prompt_length']}"
+        f"{' (the longest; widths vary every step)' if report.get('vary_prompt_widths') else ''}, "
+        f"R={preset['response_length']}; "
+>>>>>>> pwidth
         f"{hardware['matmul']} matrix rate {hardware['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s, "
         f"copy {hardware['copy_bytes_per_s'] / 1e9:.0f} GB/s; step floor {floor['step_floor_s']:.3f} s "
         f"(decode bound {floor['decode_bound_s']:.3f} s, prefill {floor['prefill_floor_s']:.3f} s, "
@@ -443,12 +451,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--eos", action="store_true", help="our systems' responses end at EOS, as in training: "
                         "lengths and so shapes vary from step to step (the bound and MFU columns still count R tokens)")
+<<<<<<< HEAD
     parser.add_argument("--long-tail", action="store_true", help=f"our systems' responses are long-tailed: "
                         f"{LONG_SHARE:.0%} of them R tokens, the others R / {LONG_FACTOR} (module docstring)")
     parser.add_argument("--set", action="append", default=[], help="one more config override for our systems "
                         "(repeatable), e.g. generator.rollout.cuda_graphs=false")
     parser.add_argument("--asynchronous", type=staleness_bounds, default=[], help="K or K1,K2: each of our systems also runs generating "
                         "ahead of training at trainer.asynchronous.max_staleness=K, as NAME_async_kK")
+=======
+    parser.add_argument("--vary-prompt-widths", action="store_true", help="prompts of lengths drawn per step "
+                        "(seeded; grpo_step_lib.varying_prompt_lengths): every step's prompt width differs from the "
+                        "step before's, as with real data (the bound and MFU columns still count P tokens)")
+>>>>>>> pwidth
     parser.add_argument("--profile-first-step", action="store_true",
                         help="our systems run their first step under cProfile (<out>/<system>.first_step_profile.txt)")
     parser.add_argument("--torch-profile", default="", help="phases (comma-separated, e.g. train,logprobs) of one more "
@@ -481,7 +495,8 @@ def main(argv: list[str] | None = None) -> None:
     common = ["--workspace", str(args.out / "work"), "--warmup", str(args.warmup), "--lr", str(args.lr)]
     if run_worker("reference", [sys.executable, __file__, "--reference-worker", "--preset", args.preset,
                                 "--out", str(args.out), "--steps", str(args.steps),
-                                "--variant-steps", str(args.variant_steps)], args.out, left())[0] is None:
+                                "--variant-steps", str(args.variant_steps)]
+                  + ["--vary-prompt-widths"] * args.vary_prompt_widths, args.out, left())[0] is None:
         sys.exit("the reference worker failed: nothing to compare against")
     hardware = json.loads((args.out / "reference.json").read_text())
     lengths = long_tail_lengths(preset.prompts * preset.n, preset.response_length) if args.long_tail else None
@@ -491,7 +506,11 @@ def main(argv: list[str] | None = None) -> None:
     reference = torch.load(args.out / "reference.probe.pt")
     report = {"preset": preset.__dict__, "hardware": hardware, "floor": floor, "systems": {}, "variants": {},
               "logprob_check": {}, "failures": {}, "variant_engine": args.variant_engine,
+<<<<<<< HEAD
               "long_tail": {"share": LONG_SHARE, "factor": LONG_FACTOR} if args.long_tail else None,
+=======
+              "vary_prompt_widths": args.vary_prompt_widths,
+>>>>>>> pwidth
               "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv[1:] if argv is None else argv)}
     systems = []
     for system in [s for s in args.systems.split(",") if s]:

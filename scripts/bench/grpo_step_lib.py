@@ -27,6 +27,11 @@ SOLVED_SHARE = 0.5  # rows whose every response scores 1: their groups all agree
 # The long-tailed workload (--long-tail): LONG_SHARE of a step's responses run to R tokens, the others
 # stop at R / LONG_FACTOR, the median
 LONG_SHARE, LONG_FACTOR = 0.1, 8
+# --vary-prompt-widths' draw. At the embedded preset its step widths are 74, 99, 117, 67, 99, 112, 122, 86,
+# 125, 112, 78: step 5's (from 0, the warm-up step included) is the first multiple of 16, a step that
+# compiled Triton kernels again before widths were padded (aligner_ext/widths.py); step 9's
+# is the same width again
+WIDTHS_SEED = 6
 
 
 @dataclass(frozen=True)
@@ -118,14 +123,14 @@ def prompt_ids(tokenizer, content: str) -> list[int]:
 
 
 def write_workspace(preset: Preset, rows_needed: int, directory: Path, seed: int = 0,
-                    model_and_tokenizer: tuple | None = None) -> dict:
+                    model_and_tokenizer: tuple | None = None, vary_widths: bool = False) -> dict:
     """The model (safetensors), its tokenizer, `rows.jsonl` and `probe.pt`, written once for every system.
     The model is the preset's (`build_model_and_tokenizer`) unless `model_and_tokenizer` gives one
     (scripts/bench/families.py: each family's).
 
-    Every prompt renders to exactly `preset.prompt_length` tokens (checked). Rows carry what every
-    variant reads: a ground truth ("solved" for SOLVED_SHARE of them), a rubric of four items and a
-    gold solution (the CPO hint).
+    Every prompt renders to exactly `preset.prompt_length` tokens (checked), or, `vary_widths`, to the
+    lengths `varying_prompt_lengths` draws. Rows carry what every variant reads: a ground truth
+    ("solved" for SOLVED_SHARE of them), a rubric of four items and a gold solution (the CPO hint).
     """
     directory.mkdir(parents=True, exist_ok=True)
     model, tokenizer = model_and_tokenizer or build_model_and_tokenizer(preset)
@@ -135,11 +140,13 @@ def write_workspace(preset: Preset, rows_needed: int, directory: Path, seed: int
     tokenizer.save_pretrained(directory / "model")
     rng = random.Random(seed)
     overhead = len(prompt_ids(tokenizer, ""))
+    lengths = ([preset.prompt_length] * rows_needed if not vary_widths
+               else varying_prompt_lengths(preset, rows_needed, overhead + 1))
     rows = []
-    for index in range(rows_needed):
-        content = random_content(preset, tokenizer, rng, preset.prompt_length - overhead)
-        if len(prompt_ids(tokenizer, content)) != preset.prompt_length:
-            raise RuntimeError(f"row {index}: prompt is not {preset.prompt_length} tokens")
+    for index, length in enumerate(lengths):
+        content = random_content(preset, tokenizer, rng, length - overhead)
+        if len(prompt_ids(tokenizer, content)) != length:
+            raise RuntimeError(f"row {index}: prompt is not {length} tokens")
         rubrics = [{"criterion": f"mentions {random_content(preset, tokenizer, rng, 4)}", "points": points,
                     "tags": []} for points in (5, 3, 2, -2)]
         rows.append({"prompt": [{"role": "user", "content": content}], "data_source": DATA_SOURCE,
@@ -148,14 +155,30 @@ def write_workspace(preset: Preset, rows_needed: int, directory: Path, seed: int
                      "extra_info": {"gold_solution": random_content(preset, tokenizer, rng, 32)}})
     with open(directory / "rows.jsonl", "w", encoding="utf-8") as handle:
         handle.writelines(json.dumps(row) + "\n" for row in rows)
-    # The step-0 log-prob probe: 4 of the prompts with random responses of the full length.
+    # The step-0 log-prob probe: 4 prompts of P tokens (the first rows' where every prompt has P) with
+    # random responses of the full length.
     generator = torch.Generator().manual_seed(seed)
-    probe_prompts = torch.tensor([prompt_ids(tokenizer, row["prompt"][0]["content"]) for row in rows[:4]])
+    probe_contents = ([row["prompt"][0]["content"] for row in rows[:4]] if not vary_widths else
+                      [random_content(preset, tokenizer, rng, preset.prompt_length - overhead) for _ in range(4)])
+    probe_prompts = torch.tensor([prompt_ids(tokenizer, content) for content in probe_contents])
     probe_responses = torch.randint(FIRST_WORD_ID, model.config.vocab_size, (4, preset.response_length), generator=generator)
     torch.save({"prompt_ids": probe_prompts, "response_ids": probe_responses}, directory / "probe.pt")
     counts = model_counts(model.config)
     (directory / "preset.json").write_text(json.dumps({"preset": asdict(preset), "model": counts}, indent=2))
     return counts
+
+
+def varying_prompt_lengths(preset: Preset, rows: int, shortest: int, seed: int = WIDTHS_SEED) -> list[int]:
+    """Prompt lengths in tokens whose longest changes every step, as real data's do: per step of
+    `preset.prompts` rows, a width drawn from [P / 2, P] other than the step before's, the step's
+    first row that long and the others drawn from [width / 4, width] (at least `shortest`)."""
+    rng = random.Random(seed)
+    lengths, width = [], 0
+    while len(lengths) < rows:
+        width = rng.choice([w for w in range(max(shortest, preset.prompt_length // 2), preset.prompt_length + 1)
+                            if w != width])
+        lengths += [width] + [rng.randint(max(shortest, width // 4), width) for _ in range(preset.prompts - 1)]
+    return lengths[:rows]
 
 
 def model_counts(config) -> dict:

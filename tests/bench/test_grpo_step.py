@@ -14,7 +14,7 @@ sys.path.insert(0, str(BENCH))
 
 import grpo_step_ours  # noqa: E402
 from grpo_step import floors, overlap, overlap_lines, ratio_lines  # noqa: E402
-from grpo_step_lib import PRESETS, LongTail, PhaseClock, Preset, write_workspace  # noqa: E402
+from grpo_step_lib import PRESETS, LongTail, PhaseClock, Preset, prompt_ids, write_workspace  # noqa: E402
 
 from aligner_ext.generation.base import GenerationOutput, SamplingParams  # noqa: E402
 
@@ -161,6 +161,26 @@ def test_ratios_after_over_before_per_phase():
     # one row, for the system run from both trees; "-" where the phase took no time
     assert lines[-1] == "| ours | 0.750 | 0.500 | - | 1.000 | 1.000 | 1.000 | 1.000 | 1.200 |"
     assert sum(line.startswith(("| ours", "| other")) for line in lines) == 1
+
+
+def test_varying_prompt_widths_change_every_step_and_the_probe_keeps_p_tokens(tmp_path):
+    """--vary-prompt-widths: each step's 4 rows (the tiny preset) hold one prompt of the step's width,
+    a width in [P / 2, P] other than the step before's, and shorter ones; the probe's prompts have P."""
+    import torch
+    from transformers import AutoTokenizer
+
+    preset = PRESETS["tiny"]
+    write_workspace(preset, 5 * preset.prompts, tmp_path, vary_widths=True)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    lengths = [len(prompt_ids(tokenizer, row["prompt"][0]["content"])) for row in rows]
+    steps = [lengths[start : start + preset.prompts] for start in range(0, len(lengths), preset.prompts)]
+    widths = [max(step) for step in steps]
+    assert all(step[0] == width for step, width in zip(steps, widths))
+    assert all(preset.prompt_length // 2 <= width <= preset.prompt_length for width in widths)
+    assert all(before != after for before, after in zip(widths, widths[1:]))
+    assert any(length < width for step, width in zip(steps, widths) for length in step)
+    assert torch.load(tmp_path / "probe.pt")["prompt_ids"].shape == (4, preset.prompt_length)
 
 
 class ScriptedClock(PhaseClock):

@@ -65,6 +65,23 @@ def test_greedy_with_cache_matches_uncached_reference(model, tiny_tokenizer, bat
         assert engine.generate([prompt], params)[0].token_ids == expected  # alone == in a padded batch
 
 
+def test_the_prompt_forward_is_a_multiple_of_16_columns_wide(model, tiny_tokenizer):
+    """Prompts of 12 and 2 tokens, then of 19: prompt forwards of 16 and 32 columns (a new prompt width
+    compiles no Triton kernel, aligner_ext/widths.py), the tokens still the unpadded reference's."""
+    prompts = encode_all(tiny_tokenizer, ["What is 2+2?", "hi", "Name a colour, any."])
+    assert [len(prompt) for prompt in prompts] == [12, 2, 19]  # one token per character
+    widths = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    engine = HFGenerationEngine(model, tiny_tokenizer, HFEngineConfig())
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    outputs = engine.generate(prompts[:2], params) + engine.generate(prompts[2:], params)
+    hook.remove()
+    assert [width for width in widths if width > 1] == [16, 32]  # the decode steps feed one column
+    for prompt, output in zip(prompts, outputs):
+        assert output.token_ids == reference_greedy(model, prompt, 4, tiny_tokenizer.eos_token_id)
+
+
 def test_greedy_logprobs_are_temperature_one_log_softmax(model, tiny_tokenizer):
     prompts = encode_all(tiny_tokenizer, PROMPTS[:2])
     engine = HFGenerationEngine(model, tiny_tokenizer, HFEngineConfig())

@@ -2,7 +2,8 @@
 tokens and finishes identical on ragged batches for Llama, Qwen2 and Qwen3 whatever the slot count
 and prefill sharing (every family: test_rollout_families.py); sampling that follows the model's
 distribution and does not depend on the batch; stops, EOS, stop ids, max tokens and ignore_eos;
-clear configuration errors; the compiled decode step."""
+clear configuration errors; the compiled decode step, compiled once whatever the cache length; the
+cache's length a multiple of 16."""
 
 import math
 
@@ -147,6 +148,24 @@ def test_stops_eos_stop_ids_length_and_ignore_eos_match_the_hf_engine(tiny_token
     assert (ended[0].token_ids, ended[0].finish_reason) == (first[:end], "eos")
     kept_on = engine.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
     assert (kept_on[0].token_ids, kept_on[0].finish_reason) == (first, "length")
+
+
+def test_the_cache_length_is_a_multiple_of_16_whatever_the_prompt_width(tiny_tokenizer):
+    """Prompts of 8 and 9 tokens with 8 new tokens (16 and 17 positions) get caches of 16 and 32
+    positions: the decode-attention kernel sees one pattern of the cache length's divisibility and
+    compiles nothing for a new prompt width (aligner_ext/widths.py); the tokens stay the HF engine's."""
+    model = small_llama(tiny_tokenizer)
+    engine = rollout(model, tiny_tokenizer, max_batch_size=2)
+    lengths = []
+    new_cache = engine.decoder.new_cache
+    engine.decoder.new_cache = lambda slots, length, *rest: lengths.append(length) or new_cache(slots, length, *rest)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    hf = HFGenerationEngine(model, tiny_tokenizer, HFEngineConfig())
+    for prompts in (prompts_of(tiny_tokenizer, ["ab", "abcdefgh"]), prompts_of(tiny_tokenizer, ["abcdefghi", "a"])):
+        assert max(map(len, prompts)) in (8, 9)  # one token per character
+        expected = [output.token_ids for output in hf.generate(prompts, params)]
+        assert [output.token_ids for output in engine.generate(prompts, params)] == expected
+    assert lengths == [16, 32]
 
 
 def test_the_engine_samples_the_current_weights_without_a_copy(tiny_tokenizer):
@@ -328,6 +347,24 @@ def test_the_compiled_decode_step_writes_the_cache_and_computes_as_the_eager_one
     written[[0, 1, 2, 3], [3, 7, 10, 2]] = written[[0, 1, 2, 3, 4], [4, 8, 11, 3, 30]] = True
     changed = (caches[1].keys[0] != before[0]).any(dim=-1).any(dim=1)  # [slots, length]
     assert torch.equal(changed, written)
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_compiles_nothing_for_a_new_cache_length_slot_count_or_row_count(tiny_tokenizer):
+    """A new prompt width gives a call's cache another length (a new batch another slot count): the
+    decode step's compiled functions take those dimensions, and the rows, as dynamic from their first
+    call (`compile_varying`), so no call after the first compiles a graph (the GPU path; here for the CPU)."""
+    from torch._dynamo.utils import counters
+
+    from aligner_ext.generation.decoder import HFDecoder
+
+    decoder = HFDecoder(small_llama(tiny_tokenizer), compile=True)
+    graphs = []
+    with torch.inference_mode():
+        for slots, length, rows in ((8, 32, 8), (8, 48, 4), (12, 80, 12), (6, 112, 2)):
+            decoder.decode(torch.arange(rows) + 5, torch.arange(rows) + 3, decoder.new_cache(slots, length), length)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == [graphs[0]] * 3
 
 
 @pytest.mark.slow

@@ -187,3 +187,25 @@ def test_bad_arguments_are_named():
         fused_logprobs(hidden, weight, targets, 2, with_entropy=False, temperature=0.0)
     with pytest.raises(ValueError, match=r"\[N, H\]"):
         fused_logprobs(hidden[None], weight, targets[None], 2, with_entropy=False)
+
+
+def test_the_head_functions_compile_once_whatever_the_chunk_rows():
+    """On a GPU `compiled_on_cuda` compiles `chunk_statistics` and `logit_gradient` with dynamic shapes;
+    here the same torch.compile, with the AOT-eager backend on the CPU (TorchDynamo's and AOT
+    autograd's guards, without Inductor's code generation). A chunk's rows follow the response tokens
+    of each micro-batch, so a new prompt width or response length changes them: after the first call
+    nothing compiles again; the second graph is the other entropy setting (a Python bool)."""
+    from torch._dynamo.utils import counters
+
+    from aligner_ext.models.logprobs import logit_gradient
+
+    statistics = torch.compile(chunk_statistics.__wrapped__, dynamic=True, backend="aot_eager")
+    gradient = torch.compile(logit_gradient.__wrapped__, dynamic=True, backend="aot_eager")
+    graphs = []
+    for rows in (64, 37, 2, 5, 130):
+        logits, targets = torch.randn(rows, 50), torch.randint(0, 50, (rows,))
+        for with_entropy in (True, False):
+            statistics(logits, targets, 50, 1.0, with_entropy)
+        gradient(logits, torch.randn(rows), targets, torch.randn(rows), 50, 1.0)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == [graphs[0]] * 4

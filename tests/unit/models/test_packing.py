@@ -1,13 +1,14 @@
 """Sequences packed end to end (`models/packing.py`) and the HF backend's packed micro-batches:
 the layout by hand, and log-probs, entropy, gradients and a whole train call equal to the padded
-rows' in float64 (the reference: each row alone through the model with its padding mask)."""
+rows' in float64 (the reference: each row alone through the model with its padding mask); the padded
+rows' width a multiple of 16, their log-probs those of each row's real tokens alone."""
 
 import copy
 
 import pytest
 import torch
 
-from aligner_ext.batch import ExperienceBatch, SampleInfo
+from aligner_ext.batch import ExperienceBatch, SampleInfo, widen_prompts
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.hf import HFPolicy, response_logprobs
 from aligner_ext.models.packing import pack_end_to_end, token_micro_batches
@@ -63,6 +64,30 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_rows(tiny_model,
     for name, grad in padded[2].items():
         torch.testing.assert_close(packed[2][name], grad, rtol=0, atol=1e-12, msg=name)
     assert model.config._attn_implementation != "aligner_packed"  # restored for generation
+
+
+@pytest.mark.parametrize("prompt_width", [4, 12, 13])
+def test_the_forward_width_is_a_multiple_of_16_and_changes_no_log_prob(tiny_model, tiny_tokenizer, prompt_width):
+    """Prompts left-padded to width 4, 12 or 13 with responses of 4 (P + R = 8, 16, 17): the model sees
+    16, 16 and 32 columns (Triton compiles one pattern of lengths, aligner_ext/widths.py), and every
+    log-prob is that of each row's real tokens alone through the model, float64 log-softmax."""
+    model = copy.deepcopy(tiny_model).double()
+    batch = widen_prompts(ragged_batch(len(tiny_tokenizer)), prompt_width, PAD)
+    widths = []
+    hook = model.base_model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(
+        kwargs["input_ids"].shape[1]), with_kwargs=True)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, batch, 3, False, 0.7)
+    hook.remove()
+    assert widths == [{4: 16, 12: 16, 13: 32}[prompt_width]]
+    for row in range(len(batch)):
+        prompt = batch.prompt_ids[row][batch.prompt_mask[row]]
+        response = batch.response_ids[row][batch.response_valid[row]]
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, response])[None]).logits[0, len(prompt) - 1 : -1].double()
+        expected = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, response[:, None]).squeeze(-1)
+        torch.testing.assert_close(lp[row, : len(response)], expected, rtol=0, atol=1e-12)
+        assert (lp[row, len(response) :] == 0).all()
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text"])

@@ -24,7 +24,7 @@ from aligner_ext.errors import ConfigError
 from aligner_ext.generation.base import NOT_RECORDED
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.family_configs import decisive_experts, random_model
-from aligner_ext.models.hf import HFPolicy, micro_batch_rows
+from aligner_ext.models.hf import HFPolicy, micro_batch_rows, padded_to_multiple
 from aligner_ext.models.settings import OptimConfig, PolicyConfig
 from aligner_ext.support import check_routing_replay
 from probe_losses import SummedLogprobs
@@ -235,8 +235,9 @@ def test_replay_routes_every_recorded_token_to_the_engines_experts(kind, layout)
         hook.remove()
     # the rows in the order the forward takes them: packing lays the longest first (packing.token_micro_batches)
     [order] = micro_batch_rows(batch, policy.cfg)
-    mask = batch.attention_mask.bool()[order]
-    routing = batch.routing.long()[order]
+    forward = padded_to_multiple(batch)  # the columns of a padded forward; packing drops them all the same
+    mask = forward.attention_mask.bool()[order]
+    routing = forward.routing.long()[order]
     # the experts the MoE blocks computed: padded, for [B * S] tokens; packed, the real tokens end to end
     for layer, experts in seen:
         if layout == "padded":
