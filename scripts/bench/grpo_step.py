@@ -337,15 +337,11 @@ def render(report: dict) -> str:
     ours = systems.get("ours")
     lines = [
         f"GRPO step, preset `{preset['name']}` ({report['date']}, {hardware['device_name']}): "
-<<<<<<< HEAD
-        f"{preset['prompts']} prompts x n={preset['n']}, P={preset['prompt_length']}, R={preset['response_length']}"
-        + (f" (long-tailed: {report['long_tail']['share']:.0%} of the responses R tokens, the others R / "
-           f"{report['long_tail']['factor']})" if report.get("long_tail") else "") + "; "
-=======
         f"{preset['prompts']} prompts x n={preset['n']}, P={preset['prompt_length']}"
         f"{' (the longest; widths vary every step)' if report.get('vary_prompt_widths') else ''}, "
-        f"R={preset['response_length']}; "
->>>>>>> pwidth
+        f"R={preset['response_length']}"
+        + (f" (long-tailed: {report['long_tail']['share']:.0%} of the responses R tokens, the others R / "
+           f"{report['long_tail']['factor']})" if report.get("long_tail") else "") + "; "
         f"{hardware['matmul']} matrix rate {hardware['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s, "
         f"copy {hardware['copy_bytes_per_s'] / 1e9:.0f} GB/s; step floor {floor['step_floor_s']:.3f} s "
         f"(decode bound {floor['decode_bound_s']:.3f} s, prefill {floor['prefill_floor_s']:.3f} s, "
@@ -451,18 +447,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--eos", action="store_true", help="our systems' responses end at EOS, as in training: "
                         "lengths and so shapes vary from step to step (the bound and MFU columns still count R tokens)")
-<<<<<<< HEAD
     parser.add_argument("--long-tail", action="store_true", help=f"our systems' responses are long-tailed: "
                         f"{LONG_SHARE:.0%} of them R tokens, the others R / {LONG_FACTOR} (module docstring)")
     parser.add_argument("--set", action="append", default=[], help="one more config override for our systems "
                         "(repeatable), e.g. generator.rollout.cuda_graphs=false")
     parser.add_argument("--asynchronous", type=staleness_bounds, default=[], help="K or K1,K2: each of our systems also runs generating "
                         "ahead of training at trainer.asynchronous.max_staleness=K, as NAME_async_kK")
-=======
     parser.add_argument("--vary-prompt-widths", action="store_true", help="prompts of lengths drawn per step "
                         "(seeded; grpo_step_lib.varying_prompt_lengths): every step's prompt width differs from the "
                         "step before's, as with real data (the bound and MFU columns still count P tokens)")
->>>>>>> pwidth
     parser.add_argument("--profile-first-step", action="store_true",
                         help="our systems run their first step under cProfile (<out>/<system>.first_step_profile.txt)")
     parser.add_argument("--torch-profile", default="", help="phases (comma-separated, e.g. train,logprobs) of one more "
@@ -506,11 +499,8 @@ def main(argv: list[str] | None = None) -> None:
     reference = torch.load(args.out / "reference.probe.pt")
     report = {"preset": preset.__dict__, "hardware": hardware, "floor": floor, "systems": {}, "variants": {},
               "logprob_check": {}, "failures": {}, "variant_engine": args.variant_engine,
-<<<<<<< HEAD
               "long_tail": {"share": LONG_SHARE, "factor": LONG_FACTOR} if args.long_tail else None,
-=======
               "vary_prompt_widths": args.vary_prompt_widths,
->>>>>>> pwidth
               "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv[1:] if argv is None else argv)}
     systems = []
     for system in [s for s in args.systems.split(",") if s]:
