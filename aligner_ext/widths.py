@@ -11,7 +11,9 @@ the one pattern.
 torch.compile's own functions need nothing of the kind: they take these dimensions as dynamic from
 their first call (models/kernels.py `compiled_on_cuda`, generation/decoder.py `compile_varying`).
 
-Where it pads, exactly (no log-prob or sample changes): the HF backend's padded micro-batches widen
+Only on a GPU (`PADDED_DEVICE_TYPES`): elsewhere no kernel specialises on a width, and a pad would only
+cost compute (the CPU runs and their numbers stay as they were). Where it pads, exactly (no log-prob or
+sample changes): the HF backend's padded micro-batches widen
 their prompts' left padding, masked out (models/hf.py `padded_to_multiple`); the Megatron backend's
 rows end in pads no real token attends to (models/megatron/policy.py); the rollout engine's KV cache
 holds positions past every sequence's own, never read (generation/rollout.py); the HF engine
@@ -21,9 +23,17 @@ The HF backend's packed micro-batches are not padded (a tail pad would count as 
 mixture of experts' routers); their row length follows the response lengths anyway.
 """
 
+import torch
+
 WIDTH_MULTIPLE = 16
+PADDED_DEVICE_TYPES = ("cuda",)  # the devices whose kernels specialise on widths (tests add "cpu" to check the pads)
 
 
-def padded_width(width: int) -> int:
-    """`width` rounded up to a multiple of WIDTH_MULTIPLE."""
-    return width + -width % WIDTH_MULTIPLE
+def width_multiple(device: torch.device | str) -> int:
+    """What widths computed on `device` are rounded up to: WIDTH_MULTIPLE on a GPU, 1 elsewhere."""
+    return WIDTH_MULTIPLE if torch.device(device).type in PADDED_DEVICE_TYPES else 1
+
+
+def padded_width(width: int, device: torch.device | str) -> int:
+    """`width` rounded up to `width_multiple(device)`."""
+    return width + -width % width_multiple(device)

@@ -86,6 +86,14 @@ def tiny_model(tiny_tokenizer):
     return model.eval()
 
 
+@pytest.fixture
+def widths_padded_on_the_cpu(monkeypatch):
+    """The CPU padded as a GPU is (aligner_ext/widths.py pads on GPUs only), to check the pads are exact."""
+    import aligner_ext.widths
+
+    monkeypatch.setattr(aligner_ext.widths, "PADDED_DEVICE_TYPES", ("cuda", "cpu"))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

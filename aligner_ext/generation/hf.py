@@ -4,7 +4,7 @@ The engine holds a reference to the policy model (no copy), so `update_weights` 
 reference and sampling always sees the current weights.
 
 Per chunk of at most `cfg.batch_size` prompts:
-  1. left-pad the prompts, to a multiple of 16 columns (so that a new prompt width compiles no
+  1. left-pad the prompts, on a GPU to a multiple of 16 columns (so that a new prompt width compiles no
      Triton kernel again, aligner_ext/widths.py); `position_ids = cumsum(attention_mask) - 1`, so
      each sequence's first real token sits at position 0 whatever its padding;
   2. one forward over the padded prompts fills the KV cache (`cache`); afterwards each
@@ -52,7 +52,7 @@ from aligner_ext.data.templating import left_pad
 from aligner_ext.generation.base import ENGINES, GenerationEngine, GenerationOutput, SamplingParams, check_sampling
 from aligner_ext.generation.settings import HFEngineConfig
 from aligner_ext.generation.stopping import StopStringMatcher
-from aligner_ext.widths import WIDTH_MULTIPLE
+from aligner_ext.widths import width_multiple
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class HFGenerationEngine(GenerationEngine):
 
     def _generate_chunk(self, prompts, params, matcher, generator, device, should_stop) -> list[GenerationOutput]:
         """The cached sampling loop for at most `batch_size` prompts."""
-        padded = left_pad(prompts, self.pad_id, WIDTH_MULTIPLE)  # [B, P] each: P a multiple of 16 (module docstring)
+        padded = left_pad(prompts, self.pad_id, width_multiple(device))  # [B, P]: P a multiple of 16 on a GPU (module docstring)
         input_ids, attention_mask = (t.to(device) for t in padded)
         attention_mask = attention_mask.long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]

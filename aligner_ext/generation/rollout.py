@@ -3,7 +3,7 @@
 `generate` serves one call at a time, as the loop asks:
   1. allocate a `SlotKVCache` for the call (slots = min(max_batch_size, requests, what fits in
      `kv_cache_memory_share` of free GPU memory), length = longest prompt + max_new_tokens, rounded up
-     to a multiple of 16 so that prompts of another width compile nothing (aligner_ext/widths.py)); with
+     on a GPU to a multiple of 16 so that prompts of another width compile nothing (aligner_ext/widths.py)); with
      `prefix_cache` it is kept after the call (`KeptCache`) until the next call ends, the weights
      change, or `release_memory` (which the loop calls before the policy trains, so training never
      shares memory with it);
@@ -241,9 +241,9 @@ class _Call(SlotBatcher):
         self.seeds = [request_seed(call_seed, index) for index in range(len(prompts))]
         count = len(prompts)
         self.max_new_tokens = [params.max_new_tokens] * count
-        # a multiple of 16, so that a new prompt width compiles no decode-attention kernel (aligner_ext/widths.py)
+        # on a GPU a multiple of 16, so that a new prompt width compiles no decode-attention kernel (aligner_ext/widths.py)
         # and warms no new decode-step shape (positions past a sequence's own are never read)
-        length = padded_width(max(map(len, self.prompts), default=0) + params.max_new_tokens)
+        length = padded_width(max(map(len, self.prompts), default=0) + params.max_new_tokens, engine.decoder.device)
         if engine.decoder.exchange is not None:
             length = engine.group_length(length, params, record_routing)
         slot_total = engine.slot_count(count, length, record_routing)

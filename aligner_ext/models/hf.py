@@ -4,7 +4,7 @@ Log-probs come from the base model's hidden states at the valid response tokens 
 head of `models/logprobs.py`, so no [tokens, vocab] tensor of all tokens exists. A training call
 splits the step batch into mini-batches (one optimizer update each) and micro-batches (gradient
 accumulation): `policy.micro_batch_size` rows padded to a common width (a multiple of 16,
-`padded_to_multiple`), or with `policy.micro_batch_tokens` rows packed end to end under that token
+`padded_to_multiple`, on a GPU), or with `policy.micro_batch_tokens` rows packed end to end under that token
 budget (`models/packing.py`; attention kept within each sequence through
 `models/attention.hf_packed_attention`, no compute on pads). The loss divides by the mini-batch's
 global counts, so the gradient depends neither on the micro-batch size nor on packing.
@@ -126,7 +126,7 @@ def response_logprobs(
         targets = host_to_device(row.response_ids, device)
         real = (torch.arange(row.ids.shape[-1], device=device) < boundaries[-1]).view(1, -1)
     else:
-        batch = padded_to_multiple(batch)
+        batch = padded_to_multiple(batch, device)
         prompt_width, response_width = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
         real = host_to_device(batch.attention_mask, device)
         out = model.base_model(
@@ -151,22 +151,24 @@ def response_logprobs(
     return scatter(lp), scatter(ent) if with_entropy else None
 
 
-def token_routing(batch: ExperienceBatch, packed: bool) -> torch.Tensor | None:
+def token_routing(batch: ExperienceBatch, packed: bool, device: torch.device) -> torch.Tensor | None:
     """The engine's experts [tokens, layers, k] of `batch` (a micro-batch) in the order the forward's
-    routers see its tokens: row by row over the padded columns, or, `packed`, its real tokens end to
-    end (`packing.pack_end_to_end`); None when the batch carries no routing."""
+    routers on `device` see its tokens: row by row over the padded columns, or, `packed`, its real tokens
+    end to end (`packing.pack_end_to_end`); None when the batch carries no routing."""
     if batch.routing is None:
         return None
-    return batch.routing[batch.attention_mask.bool()] if packed else padded_to_multiple(batch).routing.flatten(0, 1)
+    if packed:
+        return batch.routing[batch.attention_mask.bool()]
+    return padded_to_multiple(batch, device).routing.flatten(0, 1)
 
 
-def padded_to_multiple(batch: ExperienceBatch) -> ExperienceBatch:
-    """`batch` with its prompts left-padded so that its width P + R is a multiple of WIDTH_MULTIPLE:
-    whatever the prompts' width, Liger's Triton kernels see one pattern of the sequence length and
-    compile nothing new (aligner_ext/widths.py). Exact: pads are masked out and positions count real
-    tokens only, as for any shorter prompt of a batch."""
+def padded_to_multiple(batch: ExperienceBatch, device: torch.device) -> ExperienceBatch:
+    """`batch` with its prompts left-padded so that its width P + R is a multiple of 16 on a GPU
+    (`widths.padded_width`): whatever the prompts' width, Liger's Triton kernels see one pattern of the
+    sequence length and compile nothing new (aligner_ext/widths.py). Exact: pads are masked out and
+    positions count real tokens only, as for any shorter prompt of a batch."""
     width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
-    return widen_prompts(batch, batch.prompt_ids.shape[1] + padded_width(width) - width, PACK_PAD_ID)
+    return widen_prompts(batch, batch.prompt_ids.shape[1] + padded_width(width, device) - width, PACK_PAD_ID)
 
 
 def micro_batch_rows(batch: ExperienceBatch, cfg: PolicyConfig) -> list[list[int]]:
@@ -189,7 +191,7 @@ def score(model: PreTrainedModel, batch: ExperienceBatch, cfg: PolicyConfig, wit
     parts = []  # brought to the host after the loop: a copy to the host waits for the device
     for rows in micro_batch_rows(batch, cfg):
         micro = batch.select(rows)
-        with moe.engine_routing(model, token_routing(micro, packed), cfg.routing_replay, mismatch):
+        with moe.engine_routing(model, token_routing(micro, packed, model.device), cfg.routing_replay, mismatch):
             parts.append((rows, *response_logprobs(model, micro, cfg.logprob_chunk_size, with_entropy, temperature,
                                                    packed=packed)))
     for rows, part_lp, part_ent in parts:
@@ -305,7 +307,7 @@ class HFPolicy(Policy):
             micro = on_host.to(self.model.device)
             routers = [] if self.moe else None
             # around the backward too: activation checkpointing runs the routers again in it
-            with moe.engine_routing(self.model, token_routing(on_host, packed), self.cfg.routing_replay,
+            with moe.engine_routing(self.model, token_routing(on_host, packed, self.model.device), self.cfg.routing_replay,
                                     self.mismatch if fill else None):
                 logprobs, entropy = response_logprobs(self.model, on_host, self.cfg.logprob_chunk_size, fill,
                                                       temperature, packed=packed, routers=routers)

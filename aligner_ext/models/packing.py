@@ -5,7 +5,7 @@ for micro-batches that compute nothing on pads (both backends, `policy.micro_bat
 (prompt without its left padding, then the valid response) in one row, with each token's position
 in its own sequence (RoPE restarts at 0 per sequence) and the sequences' cumulative lengths (the
 boundaries attention must not cross, `models/attention.py`). The row may be padded at its end (the
-Megatron backend's: a multiple of 16, aligner_ext/widths.py, and of TP under sequence parallelism;
+Megatron backend's: on a GPU a multiple of 16, aligner_ext/widths.py, and of TP under sequence parallelism;
 the common width of a pipeline's micro-batches); the tail pad is a sequence of its own, so no real
 token attends to it.
 """

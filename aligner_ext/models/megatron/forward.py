@@ -5,7 +5,7 @@ it is megatron-core's 1F1B pipeline, which passes [s, b, H] activations between 
 micro-batch enters as `Packed`, in one of two layouts:
 - `pack`: b rows of equal width, each rolled by `model.pack_rows` (pads after each sequence, computed);
 - `pack_sequences`: the sequences end to end in one row (b = 1) with their boundaries, so no
-  position is a pad (but the few that round the row up to a multiple of 16 and of TP); attention stays within
+  position is a pad (but the few that round the row up to a multiple of 16 on a GPU and of TP); attention stays within
   each sequence (`SDPAttention`), positions restart at 0 per sequence. `packing.token_micro_batches` groups
   rows under a token budget (`policy.micro_batch_tokens`).
 The last stage gathers the hidden states that predict the *valid* response tokens only (no output

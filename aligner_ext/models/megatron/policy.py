@@ -88,7 +88,7 @@ from aligner_ext.models.moe import check_aux_loss
 from aligner_ext.models.packing import token_micro_batches
 from aligner_ext.models.settings import PolicyConfig
 from aligner_ext.weights_file import state_bytes
-from aligner_ext.widths import WIDTH_MULTIPLE
+from aligner_ext.widths import width_multiple
 
 PACK_PAD_ID = 0  # fills the columns after each row's real tokens; never attended to by a real token
 
@@ -211,10 +211,10 @@ class MegatronPolicy(Policy):
         start = parallel_state.get_data_parallel_rank() * per_rank
         rows = list(range(start, min(len(batch), start + per_rank)))
         local = batch.select(rows) if rows else filler_rows(batch, 1)  # fewer rows than DP ranks
-        # a multiple of 16 (one pattern of lengths for Triton's kernels, aligner_ext/widths.py) and, under
+        # on a GPU a multiple of 16 (one pattern of lengths for Triton's kernels, aligner_ext/widths.py) and, under
         # sequence parallelism, of TP
         sequence_parallel = self.cfg.tensor_model_parallel_size if self.core.config.sequence_parallel else 1
-        multiple = math.lcm(WIDTH_MULTIPLE, sequence_parallel)
+        multiple = math.lcm(width_multiple(self.device), sequence_parallel)
         if self.cfg.micro_batch_tokens > 0:
             groups = token_micro_batches(local.attention_mask.sum(dim=1).tolist(), self.cfg.micro_batch_tokens)
             width = 0

@@ -65,7 +65,7 @@ def test_greedy_with_cache_matches_uncached_reference(model, tiny_tokenizer, bat
         assert engine.generate([prompt], params)[0].token_ids == expected  # alone == in a padded batch
 
 
-def test_the_prompt_forward_is_a_multiple_of_16_columns_wide(model, tiny_tokenizer):
+def test_the_prompt_forward_is_a_multiple_of_16_columns_wide(model, tiny_tokenizer, widths_padded_on_the_cpu):
     """Prompts of 12 and 2 tokens, then of 19: prompt forwards of 16 and 32 columns (a new prompt width
     compiles no Triton kernel, aligner_ext/widths.py), the tokens still the unpadded reference's."""
     prompts = encode_all(tiny_tokenizer, ["What is 2+2?", "hi", "Name a colour, any."])

@@ -150,7 +150,7 @@ def test_stops_eos_stop_ids_length_and_ignore_eos_match_the_hf_engine(tiny_token
     assert (kept_on[0].token_ids, kept_on[0].finish_reason) == (first, "length")
 
 
-def test_the_cache_length_is_a_multiple_of_16_whatever_the_prompt_width(tiny_tokenizer):
+def test_the_cache_length_is_a_multiple_of_16_whatever_the_prompt_width(tiny_tokenizer, widths_padded_on_the_cpu):
     """Prompts of 8 and 9 tokens with 8 new tokens (16 and 17 positions) get caches of 16 and 32
     positions: the decode-attention kernel sees one pattern of the cache length's divisibility and
     compiles nothing for a new prompt width (aligner_ext/widths.py); the tokens stay the HF engine's."""

@@ -13,6 +13,7 @@ from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.hf import HFPolicy, response_logprobs
 from aligner_ext.models.packing import pack_end_to_end, token_micro_batches
 from aligner_ext.models.settings import OptimConfig, PolicyConfig
+from aligner_ext.widths import padded_width, width_multiple
 from test_hf_policy import ragged_batch
 
 PAD = 99
@@ -67,7 +68,8 @@ def test_packed_logprobs_entropy_and_gradients_equal_the_padded_rows(tiny_model,
 
 
 @pytest.mark.parametrize("prompt_width", [4, 12, 13])
-def test_the_forward_width_is_a_multiple_of_16_and_changes_no_log_prob(tiny_model, tiny_tokenizer, prompt_width):
+def test_the_forward_width_is_a_multiple_of_16_and_changes_no_log_prob(tiny_model, tiny_tokenizer, prompt_width,
+                                                                       widths_padded_on_the_cpu):
     """Prompts left-padded to width 4, 12 or 13 with responses of 4 (P + R = 8, 16, 17): the model sees
     16, 16 and 32 columns (Triton compiles one pattern of lengths, aligner_ext/widths.py), and every
     log-prob is that of each row's real tokens alone through the model, float64 log-softmax."""
@@ -88,6 +90,13 @@ def test_the_forward_width_is_a_multiple_of_16_and_changes_no_log_prob(tiny_mode
         expected = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, response[:, None]).squeeze(-1)
         torch.testing.assert_close(lp[row, : len(response)], expected, rtol=0, atol=1e-12)
         assert (lp[row, len(response) :] == 0).all()
+
+
+def test_widths_are_padded_on_a_gpu_only():
+    """Triton specialises on a GPU's widths; on the CPU a pad would cost compute for nothing."""
+    assert [padded_width(width, "cuda") for width in (1, 16, 17, 40)] == [16, 16, 32, 48]
+    assert [padded_width(width, "cpu") for width in (1, 16, 17, 40)] == [1, 16, 17, 40]
+    assert (width_multiple(torch.device("cuda", 1)), width_multiple("cpu")) == (16, 1)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text"])

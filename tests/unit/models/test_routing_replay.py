@@ -235,7 +235,7 @@ def test_replay_routes_every_recorded_token_to_the_engines_experts(kind, layout)
         hook.remove()
     # the rows in the order the forward takes them: packing lays the longest first (packing.token_micro_batches)
     [order] = micro_batch_rows(batch, policy.cfg)
-    forward = padded_to_multiple(batch)  # the columns of a padded forward; packing drops them all the same
+    forward = padded_to_multiple(batch, policy.model.device)  # a padded forward's columns; packing drops them
     mask = forward.attention_mask.bool()[order]
     routing = forward.routing.long()[order]
     # the experts the MoE blocks computed: padded, for [B * S] tokens; packed, the real tokens end to end
