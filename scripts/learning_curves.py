@@ -239,6 +239,21 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
                               "agents.limits.max_total_tokens=320"), "the agent learns to call the tool"),
     ), name="calculator", diagnostics=("reward/mean", "agent/tool_calls", "agent/malformed_calls", "agent/turns"),
        note=CALCULATOR_NOTE),
+    # generation ahead of training (docs/async.md): the demo one and two versions stale, with the decoupled objective
+    Comparison("arithmetic", (
+        Method("GRPO", ()),
+        Method("async k=1", ("trainer.asynchronous.enabled=true", "trainer.asynchronous.max_staleness=1",
+                             "loss.importance_sampling_cap=2"), "learns as the synchronous run does"),
+        Method("async k=2", ("trainer.asynchronous.enabled=true", "trainer.asynchronous.max_staleness=2",
+                             "loss.importance_sampling_cap=2"), "learns as the synchronous run does"),
+    ), name="arithmetic_async", diagnostics=("staleness/mean", "staleness/max", "async/trainer_wait_s",
+                                              "actor/approx_kl_old", "reward/mean"),
+       note="Generation ahead of training (`trainer.asynchronous.enabled=true`, docs/async.md) at a staleness bound "
+            "of 1 and 2 versions, with the decoupled objective (`loss.importance_sampling_cap=2`: each token "
+            "weighted by its capped proximal-to-behaviour probability ratio), against the synchronous demo run (GRPO, "
+            "the runs of the arithmetic comparison; the bound 0 reproduces it bit for bit, "
+            "tests/e2e/test_async_runs.py). One update per step, so a batch generated ahead is one or two versions "
+            "behind when it is trained on; staleness/mean says how far behind they were."),
     # LoRA at ten times full training's learning rate (the usual finding for LoRA in RL), alpha 32 at both ranks
     Comparison("arithmetic", (
         Method("GRPO", ()),
