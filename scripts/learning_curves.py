@@ -242,9 +242,9 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
     # generation ahead of training (docs/async.md): the demo one and two versions stale, with the decoupled objective
     Comparison("arithmetic", (
         Method("GRPO", ()),
-        Method("async k=1", ("trainer.asynchronous.enabled=true", "trainer.asynchronous.max_staleness=1",
+        Method("async k1", ("trainer.asynchronous.enabled=true", "trainer.asynchronous.max_staleness=1",
                              "loss.importance_sampling_cap=2"), "learns as the synchronous run does"),
-        Method("async k=2", ("trainer.asynchronous.enabled=true", "trainer.asynchronous.max_staleness=2",
+        Method("async k2", ("trainer.asynchronous.enabled=true", "trainer.asynchronous.max_staleness=2",
                              "loss.importance_sampling_cap=2"), "learns as the synchronous run does"),
     ), name="arithmetic_async", diagnostics=("staleness/mean", "staleness/max", "async/trainer_wait_s",
                                               "actor/approx_kl_old", "reward/mean"),
