@@ -108,6 +108,7 @@ def test_serving_on_the_cpu(tmp_path):
 @pytest.mark.slow
 def test_the_first_step_on_the_cpu(tmp_path):
     report = run_subcommand(tmp_path, "first-step", "--preset", "tiny", "--systems", "ours")
+    assert report["failures"] == {}, report["failures"]  # the worker's exit and log, if it failed
     ours = report["systems"]["ours"]
     assert ours["first_step_s"] > 0 and len(ours["steps"]) == 1
     assert (tmp_path / "ours.first_step_profile.txt").exists()

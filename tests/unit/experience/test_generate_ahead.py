@@ -193,7 +193,8 @@ class Sampling(ExperienceMaker):
 def test_with_partial_rollouts_a_refit_parks_the_batch_in_progress_and_it_resumes_under_the_new_version():
     inner = Decoding()
     engine = ResumableEngine(inner, tokenizer=None)  # no stop strings to decode
-    policy, snapshot = SimpleNamespace(version=0), SimpleNamespace(refit=lambda: None)
+    policy = SimpleNamespace(version=0)
+    snapshot = SimpleNamespace(refit=lambda: None, stream=GenerationStream(torch.device("cpu")))
     maker = Sampling(engine)
     ahead = GenerateAhead(maker, AsynchronousConfig(enabled=True, max_staleness=2, partial_rollouts=True), snapshot,
                           engine, policy, total_steps=3, updates_per_step=1)
