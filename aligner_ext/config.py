@@ -300,7 +300,7 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
     overrides = merge_variant_overrides(rewritten)
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
-    from hydra.errors import ConfigCompositionException
+    from hydra.errors import ConfigCompositionException, OverrideParseException
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=_schema())
     directory = Path(config_dir or CONF_DIR).resolve()
@@ -311,6 +311,8 @@ def load_config(name: str = "base", overrides: list[str] | None = None, config_d
             composed = compose(config_name=name, overrides=list(overrides or []))
         except ConfigCompositionException as err:  # Hydra names the override; its cause says what is wrong
             raise ValueError(_one_line(err, name, overrides)) from err
+        except OverrideParseException as err:  # Hydra's grammar names no override: find the one it cannot read
+            raise ValueError(_unreadable(overrides, err)) from err
     if OmegaConf.get_type(composed) is not RunConfig:
         raise ValueError(f"{directory / name}.yaml must list '{SCHEMA_NAME}' first in its defaults")
     tree = OmegaConf.to_container(composed)
@@ -340,6 +342,26 @@ def _prefixes(dotted: str) -> list[str]:
     """`a.b.c` -> [`a`, `a.b`, `a.b.c`]: a misspelt section is matched against sections."""
     parts = dotted.split(".")
     return [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
+
+
+def _unreadable(overrides: list[str], err: Exception) -> str:
+    """One line naming the override Hydra's grammar cannot read (a value holding '=', brackets, quotes or
+    spaces), and how to write it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+
+    def readable(override: str) -> bool:
+        try:
+            parser.parse_override(override)
+        except Exception:  # noqa: BLE001 - any parse failure marks the culprit
+            return False
+        return True
+
+    culprit = next((override for override in overrides if not readable(override)), " ".join(overrides))
+    key, _, value = culprit.partition("=")
+    return (f"cannot read the override {culprit!r} ({str(err).splitlines()[0]}): quote a value holding '=', "
+            f"brackets, quotes or spaces, e.g. {key}='{value}'")
 
 
 def _one_line(err: BaseException, name: str, overrides: list[str]) -> str:

@@ -102,6 +102,7 @@ def test_a_negative_value_is_refused_or_means_something(key):
     ("policy.optim.lrr=1", "policy.optim.lrr: no such setting (did you mean policy.optim.lr?)"),
     ("polcy.backend=hf", "polcy.backend: no such setting (did you mean policy.backend?)"),
     ("policy.optim.lr=abc", "policy.optim.lr: Value 'abc' of type 'str' could not be converted to Float"),
+    ("trainer.output_dir=/tmp/a=b", "cannot read the override 'trainer.output_dir=/tmp/a=b' (mismatched input '='"),
 ])
 def test_a_bad_setting_is_one_line_naming_it(override, message, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -110,6 +111,10 @@ def test_a_bad_setting_is_one_line_naming_it(override, message, capsys):
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_quoted_value_holding_an_equals_sign_is_read():
+    assert load_config("base", ["trainer.output_dir='/tmp/a=b'"]).trainer.output_dir == "/tmp/a=b"
 
 
 def test_a_dotted_plugin_path_is_accepted_at_load():
