@@ -32,11 +32,12 @@ def pytest_pycollect_makemodule(module_path, parent):
 
 @pytest.hookimpl(trylast=True)  # after `-k` and `-m` deselected theirs
 def pytest_collection_modifyitems(items):
-    """The modules that run in .venv312 last, packed into batches, so that its build (a minute or more, in the
-    background from `pytest_collection_finish`) overlaps the other tests rather than holding both workers at
-    the start."""
-    items[:] = [item for item in items if not isinstance(item, ModuleRun)] + batches(
-        [item for item in items if isinstance(item, ModuleRun)])
+    """The modules that run in .venv312 last, packed into batches, and the tests against a real vLLM just before
+    them, so that the environments' builds (minutes, in the background from `pytest_collection_finish`) overlap
+    the other tests rather than hold a worker waiting for them."""
+    rest = sorted((item for item in items if not isinstance(item, ModuleRun)),
+                  key=lambda item: item.path.name == "test_real_vllm.py")  # stable: the others keep their order
+    items[:] = rest + batches([item for item in items if isinstance(item, ModuleRun)])
 
 
 def _build_in_background(session, name: str, build) -> None:
