@@ -120,7 +120,7 @@ class HFGenerationEngine(GenerationEngine):
 
     def _generate_chunk(self, prompts, params, matcher, generator, device, should_stop) -> list[GenerationOutput]:
         """The cached sampling loop for at most `batch_size` prompts."""
-        padded = left_pad(prompts, self.pad_id, width_multiple(device))  # [B, P]: P a multiple of 16 on a GPU (module docstring)
+        padded = left_pad(prompts, self.pad_id, width_multiple(device))  # [B, P]: 16k wide on a GPU
         input_ids, attention_mask = (t.to(device) for t in padded)
         attention_mask = attention_mask.long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]

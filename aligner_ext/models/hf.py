@@ -168,7 +168,8 @@ def padded_to_multiple(batch: ExperienceBatch, device: torch.device) -> Experien
     sequence length and compile nothing new (aligner_ext/widths.py). Exact: pads are masked out and
     positions count real tokens only, as for any shorter prompt of a batch."""
     width = batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
-    return widen_prompts(batch, batch.prompt_ids.shape[1] + padded_width(width, device) - width, PACK_PAD_ID)
+    missing = padded_width(width, device) - width
+    return widen_prompts(batch, batch.prompt_ids.shape[1] + missing, PACK_PAD_ID) if missing else batch
 
 
 def micro_batch_rows(batch: ExperienceBatch, cfg: PolicyConfig) -> list[list[int]]:
@@ -307,8 +308,8 @@ class HFPolicy(Policy):
             micro = on_host.to(self.model.device)
             routers = [] if self.moe else None
             # around the backward too: activation checkpointing runs the routers again in it
-            with moe.engine_routing(self.model, token_routing(on_host, packed, self.model.device), self.cfg.routing_replay,
-                                    self.mismatch if fill else None):
+            routing = token_routing(on_host, packed, self.model.device)
+            with moe.engine_routing(self.model, routing, self.cfg.routing_replay, self.mismatch if fill else None):
                 logprobs, entropy = response_logprobs(self.model, on_host, self.cfg.logprob_chunk_size, fill,
                                                       temperature, packed=packed, routers=routers)
                 if fill:
