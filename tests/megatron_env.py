@@ -85,28 +85,34 @@ class ModuleInMegatronEnv(pytest.File):
         yield ModuleRun.from_parent(self, name="in_venv312", paths=[self.path])
 
 
-def batches(runs: list["ModuleRun"]) -> list["ModuleRun"]:
-    """The modules of `runs` packed first-fit, longest first, into runs of at most BATCH_SECONDS in all
-    (by SECONDS_IN_CI), longest first: fewer processes to start, and the longest start first where the
-    suite ends with them. A batch is one item, named after its first module and listing the others."""
+def packed(paths: list[Path]) -> list[list[Path]]:
+    """`paths` packed first-fit, longest first, into groups of at most BATCH_SECONDS in all (by
+    SECONDS_IN_CI; a longer module alone), the groups longest first: fewer processes to start, and the
+    longest start first where the suite ends with them."""
     def seconds(path: Path) -> int:
         return SECONDS_IN_CI.get(path.name, DEFAULT_SECONDS)
 
-    packed: list[list[ModuleRun]] = []
-    for run in sorted(runs, key=lambda run: -seconds(run.path)):
-        fits = next((batch for batch in packed
-                     if sum(seconds(other.path) for other in batch) + seconds(run.path) <= BATCH_SECONDS), None)
+    groups: list[list[Path]] = []
+    for path in sorted(paths, key=lambda path: -seconds(path)):
+        fits = next((group for group in groups if sum(map(seconds, group)) + seconds(path) <= BATCH_SECONDS), None)
         if fits is None:
-            packed.append([run])
+            groups.append([path])
         else:
-            fits.append(run)
+            fits.append(path)
+    return groups
+
+
+def batches(runs: list["ModuleRun"]) -> list["ModuleRun"]:
+    """The one-module items of `runs` as one item per `packed` group, named after its first module and
+    listing the others."""
+    by_path = {run.path: run for run in runs}
     merged = []
-    for first, *others in packed:
+    for first, *others in packed(list(by_path)):
         if not others:
-            merged.append(first)
+            merged.append(by_path[first])
             continue
-        name = "in_venv312_with_" + "+".join(other.path.stem for other in others)
-        merged.append(ModuleRun.from_parent(first.parent, name=name, paths=[first.path, *(o.path for o in others)]))
+        name = "in_venv312_with_" + "+".join(other.stem for other in others)
+        merged.append(ModuleRun.from_parent(by_path[first].parent, name=name, paths=[first, *others]))
     return merged
 
 
