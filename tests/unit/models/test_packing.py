@@ -13,7 +13,7 @@ from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.models.hf import HFPolicy, response_logprobs
 from aligner_ext.models.packing import pack_end_to_end, token_micro_batches
 from aligner_ext.models.settings import OptimConfig, PolicyConfig
-from aligner_ext.widths import padded_width, width_multiple
+from aligner_ext.widths import WIDTH_MULTIPLE, padded_width, width_multiple
 from test_hf_policy import ragged_batch
 
 PAD = 99
@@ -123,6 +123,29 @@ def test_packed_sliding_windows_equal_the_padded_rows(tiny_tokenizer, family, mo
         unwindowed, _ = response_logprobs(model, batch, 3, False, 1.0, packed=True)
     torch.testing.assert_close(packed, padded, rtol=0, atol=1e-12)
     assert (unwindowed - padded).abs().max() > 1e-3  # the window changed the log-probs
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text", "qwen3"])
+def test_padded_widths_change_no_log_prob_of_other_families(tiny_tokenizer, family, monkeypatch):
+    """The pads a GPU adds (left, masked) leave every log-prob as it is without them, with sliding windows
+    that bite (Mistral, Gemma 3) and with q/k norms (Qwen 3)."""
+    from transformers import AutoModelForCausalLM
+
+    import aligner_ext.widths
+    from aligner_ext.models.family_configs import family_config
+
+    config = family_config(family, hidden_size=16, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=8, intermediate_size=32, vocab_size=len(tiny_tokenizer), max_position_embeddings=64,
+                           sliding_window=3)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    batch = ragged_batch(len(tiny_tokenizer))
+    assert (batch.prompt_ids.shape[1] + batch.response_ids.shape[1]) % WIDTH_MULTIPLE  # the pads do something
+    with torch.no_grad():
+        plain, _ = response_logprobs(model, batch, 3, False, 1.0)
+        monkeypatch.setattr(aligner_ext.widths, "PADDED_DEVICE_TYPES", ("cuda", "cpu"))
+        padded, _ = response_logprobs(model, batch, 3, False, 1.0)
+    torch.testing.assert_close(padded, plain, rtol=0, atol=1e-12)
 
 
 def test_one_attention_over_the_whole_row_would_differ(tiny_model, tiny_tokenizer, monkeypatch):
