@@ -112,6 +112,16 @@ def start_compile_workers() -> None:
     maybe_warm_pool()
 
 
+def attention_without_plans() -> None:
+    """SDPA without cuDNN's attention, which torch tries first on a GPU: cuDNN builds an execution plan
+    for every new shape (about 0.5 s forward and 0.5 s backward at 358M on an H200), so a run whose prompt
+    widths vary paid it at each new width, in training and in the rollout engine's prefill
+    (docs/benchmarks.md, "A new prompt width"). FlashAttention and the memory-efficient kernel need no
+    plan. Process-wide, as torch's switch is: the trainer's process owns its GPU
+    (`policy.cudnn_attention=true` leaves torch's choice)."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def compiled_on_cuda(fn, tensor_argument: int = 0):
     """`fn` compiled by torch.compile (shapes dynamic, compiled once, on first use) when its argument at
     `tensor_argument` (the first by default) is a CUDA tensor, and run as it is elsewhere (the CPU tests

@@ -42,7 +42,7 @@ from aligner_ext.losses.base import LOSSES, Loss
 from aligner_ext.models import warmup_cache
 from aligner_ext.models.base import POLICIES, Policy, Reference
 from aligner_ext.models.hf import resolve_device
-from aligner_ext.models.kernels import start_compile_workers
+from aligner_ext.models.kernels import attention_without_plans, start_compile_workers
 from aligner_ext.models.tiny import build_char_tokenizer, build_tiny_model
 from aligner_ext.models.warmup import supervised_warmup
 from aligner_ext.registry import load_dotted
@@ -188,6 +188,8 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
                                                                        resolve_device(cfg.policy.device)))
     if resolve_device(cfg.policy.device).type == "cuda":
         start_compile_workers()  # ready for the first compilation (models/kernels.py)
+        if not cfg.policy.cudnn_attention:
+            attention_without_plans()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -198,6 +200,7 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         rows = train_loader.rows + [row for loader in val_loaders.values() for row in loader.rows]
         rewards.check(EXPERIENCE_MAKERS.get(cfg.algorithm.experience_maker).rows_scored_by_rewards(cfg, rows))
         model = AutoModelForCausalLM.from_pretrained(model_dir)
+        vocab_size = model.get_output_embeddings().weight.shape[0]
         backend = cfg.policy.backend
         policy = construct(cfg, "policy backend", "policy.backend", backend, POLICIES.get(backend),
                            lambda cls: cls(model, cfg.policy, cfg.trainer.total_steps), section="policy")
@@ -210,7 +213,8 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         maker_engine = engine if snapshot is None else build_engine(cfg, engine_name, snapshot.model, tokenizer)
         if snapshot is not None and cfg.trainer.asynchronous.partial_rollouts:
             maker_engine = ResumableEngine(maker_engine, tokenizer)  # parks at a refit of the copy (experience/ahead.py)
-        ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=maker_engine, rewards=rewards)
+        ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=maker_engine, rewards=rewards,
+                           vocab_size=vocab_size)
         advantage = construct(cfg, "advantage estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator,
                               ADVANTAGES.get(cfg.algorithm.adv_estimator), lambda cls: cls.from_context(ctx))
         loss = construct(cfg, "loss", "algorithm.loss", cfg.algorithm.loss, LOSSES.get(cfg.algorithm.loss),
