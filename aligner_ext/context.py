@@ -27,4 +27,5 @@ class BuildContext:
     policy: "Policy"  # the trained policy (log-prob passes of wrappers go through it)
     engine: "GenerationEngine"  # the generation engine sampling from the policy
     rewards: "RewardManager"  # scores responses by data_source
+    vocab_size: int = 0  # the policy's logits per token (its output layer's rows; the policy may hold no HF model: Megatron with LoRA or generating on its shards)
     reads_after_experience: frozenset[str] = field(default_factory=frozenset)  # batch fields the advantage and loss read (a wrapper that only adds fields turns itself on for them)

@@ -176,8 +176,7 @@ class CPOAdvantage:
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "CPOAdvantage":
-        vocab_size = int(ctx.policy.model.get_output_embeddings().weight.shape[0])
-        return cls(ctx.cfg.cpo, ctx.cfg.cpo.wrap_method, GroupAdvantage.from_context(ctx), vocab_size)
+        return cls(ctx.cfg.cpo, ctx.cfg.cpo.wrap_method, GroupAdvantage.from_context(ctx), ctx.vocab_size)
 
     def __call__(self, batch: ExperienceBatch) -> torch.Tensor:
         """[B, R] float32: the shaped advantage on loss-masked tokens, 0 elsewhere."""

@@ -53,8 +53,8 @@ def only(batch: ExperienceBatch, fields) -> ExperienceBatch:
 @pytest.mark.parametrize("name", ADVANTAGES.names())
 def test_estimator_contract(name, tiny_model):
     overrides = ["rollout.n=4"] + (["+variant=cpo", "cpo.wrap_method=mi3"] if name == "cpo" else [])
-    ctx = BuildContext(cfg=load_config("base", overrides), tokenizer=None, policy=SimpleNamespace(model=tiny_model),
-                       engine=None, rewards=None)
+    ctx = BuildContext(cfg=load_config("base", overrides), tokenizer=None, policy=SimpleNamespace(model=None),
+                       engine=None, rewards=None, vocab_size=tiny_model.config.vocab_size)
     estimator = ADVANTAGES.get(name).from_context(ctx)
     batch = only(batch_with_everything(), estimator.reads)
     advantages = estimator(batch)

@@ -116,7 +116,8 @@ def test_rows_without_a_hint_are_skipped_and_counted(policy, tiny_tokenizer):
 def context(policy, tokenizer, *overrides, reads=CPOAdvantage.reads):
     """What build gives a plug-in; `reads`: the fields the advantage and loss read."""
     return BuildContext(cfg=load_config("base", list(overrides)), tokenizer=tokenizer, policy=policy,
-                        engine=None, rewards=None, reads_after_experience=frozenset(reads))
+                        engine=None, rewards=None, reads_after_experience=frozenset(reads),
+                        vocab_size=policy.model.config.vocab_size)
 
 
 def test_the_wrapper_turns_itself_on_only_when_a_later_stage_reads_hints(policy, tiny_tokenizer):
