@@ -453,11 +453,15 @@ def main(argv: list[str] | None = None) -> None:
                         "(repeatable), e.g. generator.rollout.cuda_graphs=false")
     parser.add_argument("--asynchronous", type=staleness_bounds, default=[], help="K or K1,K2: each of our systems also runs generating "
                         "ahead of training at trainer.asynchronous.max_staleness=K, as NAME_async_kK")
+    parser.add_argument("--partial-rollouts", action="store_true", help="with --asynchronous: the runs generating "
+                        "ahead park and resume their unfinished responses at each refit (trainer.asynchronous.partial_rollouts)")
     parser.add_argument("--vary-prompt-widths", action="store_true", help="prompts of lengths drawn per step "
                         "(seeded; grpo_step_lib.varying_prompt_lengths): every step's prompt width differs from the "
                         "step before's, as with real data (the bound and MFU columns still count P tokens)")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="our systems run their first step under cProfile (<out>/<system>.first_step_profile.txt)")
+    parser.add_argument("--profile-slow-steps", action="store_true", help="our systems run every measured step under "
+                        "cProfile and keep the profiles of those above 1.3x the median (<out>/<system>.step<K>_profile.txt)")
     parser.add_argument("--torch-profile", default="", help="phases (comma-separated, e.g. train,logprobs) of one more "
                         "step of our systems (this tree's) to run under torch.profiler (<out>/<system>.torch_profile.txt)")
     parser.add_argument("--prev", type=prev_tree, default=None,
@@ -518,10 +522,12 @@ def main(argv: list[str] | None = None) -> None:
             engine, settings = OURS[base]
             if staleness:
                 settings = [*settings, "trainer.asynchronous.enabled=true",
-                            f"trainer.asynchronous.max_staleness={staleness}"]
+                            f"trainer.asynchronous.max_staleness={staleness}",
+                            *(["trainer.asynchronous.partial_rollouts=true"] if args.partial_rollouts else [])]
             script, extra = "grpo_step_ours.py", ["--engine", engine, "--system", system,
                                                   *[arg for setting in [*settings, *args.set] for arg in ("--set", setting)]]
             extra += ["--profile-first-step"] if args.profile_first_step else []
+            extra += ["--profile-slow-steps"] if args.profile_slow_steps and base == system else []
             extra += ["--eos"] if args.eos else []
             extra += ["--long-tail"] if args.long_tail else []
             extra += ["--torch-profile", args.torch_profile] if args.torch_profile and base == system else []  # this tree's side

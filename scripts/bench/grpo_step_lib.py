@@ -220,17 +220,22 @@ class LongTail:
     most responses end at EOS, and the tail runs alone: what generation ahead can overlap."""
 
     def __init__(self, engine):
-        self.generate = engine.generate
+        self.engine, self.generate = engine, engine.generate
         engine.generate = self
 
     def __call__(self, prompts, params):
         median = params.max_new_tokens // LONG_FACTOR
         long = sorted(random.Random(params.seed).sample(range(len(prompts)), round(LONG_SHARE * len(prompts))))
+        version = self.engine.weights_version  # of the first part's tokens where its outputs carry none
         outputs = self.generate(prompts, replace(params, max_new_tokens=median))
+        tail_version = self.engine.weights_version  # a refit between the two parts (partial rollouts) moves it
         tails = self.generate([list(prompts[index]) + outputs[index].token_ids for index in long],
                               replace(params, max_new_tokens=params.max_new_tokens - median))
         for index, tail in zip(long, tails):
             output = outputs[index]
+            if output.versions is not None or tail.versions is not None or tail_version != version:
+                output.versions = ((output.versions or [version] * len(output.token_ids))
+                                   + (tail.versions or [tail_version] * len(tail.token_ids)))
             output.token_ids = output.token_ids + tail.token_ids
             if output.logprobs is not None:
                 output.logprobs = output.logprobs + tail.logprobs

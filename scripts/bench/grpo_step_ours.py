@@ -24,6 +24,7 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from common import slow_steps  # noqa: E402
 from grpo_step_lib import (DATA_SOURCE, LongTail, PhaseClock, Preset, clock_loop_phases,  # noqa: E402
                            clock_trainer_phases, profiled_step, write_json, write_profile)
 
@@ -138,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-tail", action="store_true", help="long-tailed response lengths (grpo_step_lib.LongTail)")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="run the first step under cProfile: its heaviest calls in <out>.first_step_profile.txt")
+    parser.add_argument("--profile-slow-steps", action="store_true",
+                        help="run every measured step under cProfile and keep those above 1.3x the median: where "
+                             "a slow step's host time went, in <out>.step<K>_profile.txt")
     parser.add_argument("--torch-profile", default="", help="phases (comma-separated: train, logprobs, generation, "
                         "...) of one more step after the measured ones to run under torch.profiler: where their "
                         "device time went, in <out>.torch_profile.txt (generation's 10^5 kernels take a minute)")
@@ -171,9 +175,9 @@ def main(argv: list[str] | None = None) -> None:
         clock_trainer_phases(clock, parts)
     else:
         clock_loop_phases(clock, parts, (parts.engine, "generate"))
-    steps = []
+    steps, profiles = [], {}
     for step in range(args.warmup + args.steps):
-        profiler = cProfile.Profile() if args.profile_first_step and step == 0 else None
+        profiler = cProfile.Profile() if (args.profile_first_step and step == 0) or args.profile_slow_steps else None
         if profiler is not None:
             profiler.enable()
         started = time.perf_counter()
@@ -183,7 +187,9 @@ def main(argv: list[str] | None = None) -> None:
             metrics.update(update_policy(parts, batch, StageTimer(), cfg.rollout.temperature))
         if profiler is not None:
             profiler.disable()
-            write_profile(profiler, args.out.with_suffix(".first_step_profile.txt"))
+            if step == 0 and args.profile_first_step:
+                write_profile(profiler, args.out.with_suffix(".first_step_profile.txt"))
+            profiles[step] = profiler
         record = clock.take_step()
         record["ended_at_s"] = time.perf_counter() - STARTED
         record["generate_calls"] = calls.steps.pop(step)
@@ -192,15 +198,18 @@ def main(argv: list[str] | None = None) -> None:
         record["trained_sequences"] = len(batch)
         record["trained_tokens"] = int((batch.prompt_mask.sum() + batch.response_valid.sum()).item()) if len(batch) else 0
         record["metrics"] = {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
+        record["engine_last_call"] = dict(getattr(parts.engine, "last_call", {}))  # its graph captures
         if step == 0:  # where the warm-up went: torch.compile's time per compiled function, the engine's graphs
             from torch._dynamo.utils import compile_times
 
             record["compile_times"] = compile_times(repr="str", aggregate=True)
-            record["engine_last_call"] = dict(getattr(parts.engine, "last_call", {}))
             print(record["compile_times"], record["engine_last_call"], flush=True)
         steps.append(record)
         print(f"[ours {args.engine} {args.variant}] step {step}: {record['step_s']:.2f} s "
               + " ".join(f"{k}={v:.2f}" for k, v in sorted(record["phases_s"].items())), flush=True)
+    if args.profile_slow_steps:
+        for index in slow_steps([record["step_s"] for record in steps[args.warmup:]]):
+            write_profile(profiles[args.warmup + index], args.out.with_suffix(f".step{index}_profile.txt"))
     skipped = old_logprobs_from_training(parts, preset.prompts * preset.n)
     forward_passes = ("1 training forward/backward (its log-probs are the old ones)" if skipped
                       else "1 log-prob forward + 1 training forward/backward")

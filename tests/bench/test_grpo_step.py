@@ -54,6 +54,8 @@ def test_floors_count_each_response_length():
 class CountingEngine:
     """Each response continues its prompt: token i of the sequence is i, its log-prob -i."""
 
+    weights_version = 0
+
     def __init__(self):
         self.calls = []
 
@@ -84,6 +86,32 @@ def test_a_tenth_of_the_responses_runs_8x_the_median():
     assert [len(o.token_ids) for o in again.generate(prompts, SamplingParams(max_new_tokens=16, seed=5))] == lengths
     other = [len(o.token_ids) for o in again.generate(prompts, SamplingParams(max_new_tokens=16, seed=6))]
     assert sorted(other) == sorted(lengths) and other != lengths
+
+
+class RefittedEngine(CountingEngine):
+    """The first call samples at version 4 (its outputs carry no versions) and ends with a refit to 5; the
+    second, a long response's tail, is parked once after its first token (versions 4, 5, 5, ...)."""
+
+    weights_version = 4
+
+    def generate(self, prompts, params):
+        outputs = super().generate(prompts, params)
+        if len(self.calls) == 2:
+            for output in outputs:
+                output.versions = [4] + [5] * (len(output.token_ids) - 1)
+        self.weights_version = 5
+        return outputs
+
+
+def test_a_long_response_keeps_each_parts_versions():
+    """With partial rollouts the weights may change between the two parts of a long response: each part's
+    tokens keep the version that sampled them, one per token (a list as long as the response)."""
+    engine = RefittedEngine()
+    LongTail(engine)
+    outputs = engine.generate([[index] * 3 for index in range(20)], SamplingParams(max_new_tokens=16, seed=5))
+    long = [output for output in outputs if len(output.token_ids) == 16]
+    assert len(long) == 2 and all(output.versions == [4, 4] + [4] + [5] * 13 for output in long)
+    assert all(output.versions is None for output in outputs if len(output.token_ids) == 2)
 
 
 def test_overlap_of_the_measured_steps():
