@@ -21,7 +21,7 @@ seconds, training MFU (families.train_flops of the step's sequences over the tra
 matrix rate of each GPU, x the processes), peak GiB of every rank, the final checkpoint's bytes and write
 time and the stall of each background save (save_stall.summarise: the checkpointer's "the loop waited"
 line plus the next step's excess over the median). Writes multi_gpu.json and multi_gpu.md under --out,
-rewritten after every run.
+rewritten after every row.
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ def settings(row: Row, layout: Layout, preset: Preset, workspace: Path, run_name
     return [o for o in given if o.split("=", 1)[0] not in mine] + [f"{key}={value}" for key, value in mine.items()]
 
 
-def launch(name: str, processes: int, overrides: list[str], out: Path, timeout: float) -> tuple[int | str, str, dict]:
+def launch(name: str, processes: int, overrides: list[str], out: Path, args) -> tuple[int | str, str, dict]:
     """One `aligner-ext train` under torchrun: its exit status (or why none), its output (out/<name>.log) and
-    every rank's peak memory (multi_gpu_rank.py)."""
+    every rank's peak memory (multi_gpu_rank.py). Stopped after --timeout seconds, or at the call's deadline
+    (--budget): a call that a time limit would kill would leave no report."""
     from aligner_ext.distributed import free_port
 
     peaks = out / f"{name}.peaks"
@@ -113,6 +114,7 @@ def launch(name: str, processes: int, overrides: list[str], out: Path, timeout: 
                **({} if os.environ.get("OMP_NUM_THREADS") else {"OMP_NUM_THREADS": "1"}))
     print(f"== {name}: {' '.join(command)}", flush=True)
     started = time.perf_counter()
+    timeout = max(0.0, min(args.timeout, args.deadline - started))
     with open(out / f"{name}.log", "w") as log:
         launcher = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                     start_new_session=True)
@@ -173,10 +175,10 @@ def run_row(row: Row, preset: Preset, model: dict, workspace: Path, out: Path, a
     result = {"layout": row.layout.describe(), "dp": row.layout.dp, "shape": row.shape,
               "batch": f"{row.prompts} x {row.n}, P {preset.prompt_length} + R {preset.response_length}"}
     run_dir = workspace / "runs" / row.name
-    shutil.rmtree(run_dir, ignore_errors=True)  # an earlier call's, cut short
+    shutil.rmtree(workspace / "runs", ignore_errors=True)  # an earlier call's, cut short
     code, log, result["peak_gib"] = launch(row.name, row.layout.processes,
                                            settings(row, row.layout, preset, workspace, row.name, row.steps),
-                                           out, args.timeout)
+                                           out, args)
     if code != 0 or not (run_dir / "metrics.jsonl").exists():
         return {**result, "failed": failure_line(log, code)}
     result.update(summarise(run_dir, log, row, model, preset, matmul_rate))
@@ -184,27 +186,25 @@ def run_row(row: Row, preset: Preset, model: dict, workspace: Path, out: Path, a
         result["variants"] = {}
     for variant in row.variants:
         name = f"{row.name}-{variant}"
-        shutil.rmtree(workspace / "runs" / name, ignore_errors=True)
-        code, log, peaks = launch(name, row.layout.processes, settings(row, row.layout, preset, workspace, name,
-                                                                       row.variant_steps, variant), out, args.timeout)
+        weights_only = {"trainer.save_optimizer": "false", "trainer.save_every": 0}  # the main run measures saves
+        overrides = settings(row, row.layout, preset, workspace, name, row.variant_steps, variant, weights_only)
+        code, log, peaks = launch(name, row.layout.processes, overrides, out, args)
         history = workspace / "runs" / name / "metrics.jsonl"
         steps = [json.loads(line) for line in history.read_text().splitlines()] if history.exists() else []
         result["variants"][variant] = {"steps": len(steps), "step_s": [r["timing/step_s"] for r in steps],
                                        "peak_gib": peaks, **({"failed": failure_line(log, code)} if code else {})}
-        shutil.rmtree(workspace / "runs" / name, ignore_errors=True)
     if row.resume:
-        result["resume"] = resume(row, preset, workspace, out, args.timeout)
-    shutil.rmtree(run_dir, ignore_errors=True)
+        result["resume"] = resume(row, preset, workspace, out, args)
     return result
 
 
-def resume(row: Row, preset: Preset, workspace: Path, out: Path, timeout: float) -> dict:
+def resume(row: Row, preset: Preset, workspace: Path, out: Path, args) -> dict:
     """The row's final checkpoint resumed at `row.resume` for one more step, whose checkpoint holds the weights
     alone (the optimizer's state is loaded all the same): the disk holds one full checkpoint, not two."""
     name = f"{row.name}-resumed"
     overrides = settings(row, row.resume, preset, workspace, row.name, row.steps + 1,
                          extra={"trainer.resume": "true", "trainer.save_optimizer": "false"})
-    code, log, peaks = launch(name, row.resume.processes, overrides, out, timeout)
+    code, log, peaks = launch(name, row.resume.processes, overrides, out, args)
     result = {"layout": row.resume.describe(), "peak_gib": peaks}
     if code != 0:
         return {**result, "failed": failure_line(log, code)}
@@ -264,9 +264,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="table-2gpu", help="comma-separated rows or presets of multi_gpu_rows.py")
     parser.add_argument("--processes", type=int, default=2, help="on the CPU: processes a row may use (gloo)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    parser.add_argument("--budget", type=float, default=7200, help="seconds for the call: no row starts after")
+    parser.add_argument("--budget", type=float, default=7200, help="seconds for the call: no row starts after, "
+                        "no run goes on past them (where a lent machine's command has a time limit, less than it)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    args.deadline = time.perf_counter() + args.budget
     rows = named_rows(args.rows)
     import torch
     from grpo_step import measure_hardware
@@ -278,13 +280,13 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"date": datetime.date.today().isoformat(), "hardware": hardware, "capacity": capacity,
               "command": "multi-gpu " + " ".join(sys.argv[1:] if argv is None else argv), "rows": {}}
-    started, prepared = time.perf_counter(), {}
+    prepared = {}
     for index, row in enumerate(rows):
         unit = "GPUs" if device == "cuda" else "processes (--processes)"
         if row.processes > capacity:
             report["rows"][row.name] = {"layout": row.layout.describe(), "shape": row.shape,
                                         "skipped": f"skipped: needs {row.processes} {unit}, this machine has {capacity}"}
-        elif time.perf_counter() - started > args.budget:
+        elif time.perf_counter() > args.deadline:
             report["rows"][row.name] = {"layout": row.layout.describe(), "shape": row.shape,
                                         "skipped": f"not started: the call's --budget of {args.budget:.0f} s was spent"}
         else:
@@ -292,8 +294,10 @@ def main(argv: list[str] | None = None) -> None:
                 needed = max(r.prompts * (r.steps + r.variant_steps + 1) for r in rows if r.shape == row.shape)
                 prepared[row.shape] = prepare(row.shape, needed, args.out / "work", device)
             preset, model = prepared[row.shape]
-            report["rows"][row.name] = run_row(row, preset, model, args.out / "work" / row.shape, args.out, args,
+            workspace = args.out / "work" / row.shape
+            report["rows"][row.name] = run_row(row, preset, model, workspace, args.out, args,
                                                hardware["matmul_flops_per_s"])
+            shutil.rmtree(workspace / "runs", ignore_errors=True)  # the row's checkpoints, failed or not
             if all(later.shape != row.shape for later in rows[index + 1:]):
                 shutil.rmtree(args.out / "work" / row.shape, ignore_errors=True)
         write_json(args.out / "multi_gpu.json", report)
