@@ -92,7 +92,8 @@ def settings(row: Row, layout: Layout, preset: Preset, workspace: Path, run_name
     mine = {"policy.backend": "megatron", "policy.micro_batch_tokens": row.micro_batch_tokens,
             "trainer.run_name": run_name, "trainer.total_steps": steps, "trainer.save_every": row.save_every,
             "trainer.async_save": "true", "trainer.save_optimizer": str(row.save).lower(), "trainer.keep_last": 1,
-            "trainer.export_hf": "false", "trainer.log_samples_every": 0, "trainer.resume": "false", **(extra or {})}
+            "trainer.export_hf": "false", "trainer.log_samples_every": 0, "trainer.resume": "false",
+            **({"reward.num_workers": 1} if row.tiny else {}), **(extra or {})}  # a process less per rank on the CPU
     given = workload_overrides(batch, workspace, variant, 1e-6, "rollout") + layout.overrides()
     return [o for o in given if o.split("=", 1)[0] not in mine] + [f"{key}={value}" for key, value in mine.items()]
 
