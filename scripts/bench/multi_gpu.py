@@ -56,6 +56,7 @@ USER_ERROR = re.compile(r"aligner-ext: (?:config )?error: .*")  # the CLI's one 
 # a traceback's last line (torchrun's own ChildFailedError, which follows any worker's, says nothing more)
 RAISED = re.compile(r"^(?:\[rank\d+\]: )?((?:\w+\.)*(?!ChildFailedError)\w+(?:Error|Exception): .*)$", re.M)
 RESUMED = re.compile(r"resumed from \S+ \(step (\d+)\)")
+ROW_LEAST_S = 90  # a row starts only with this much of --budget left: its checkpoint is built and loaded first
 
 
 def prepare(name: str, rows_needed: int, work: Path, device: str) -> tuple[Preset, dict]:
@@ -287,9 +288,10 @@ def main(argv: list[str] | None = None) -> None:
         if row.processes > capacity:
             report["rows"][row.name] = {"layout": row.layout.describe(), "shape": row.shape,
                                         "skipped": f"skipped: needs {row.processes} {unit}, this machine has {capacity}"}
-        elif time.perf_counter() > args.deadline:
+        elif args.deadline - time.perf_counter() < ROW_LEAST_S:
             report["rows"][row.name] = {"layout": row.layout.describe(), "shape": row.shape,
-                                        "skipped": f"not started: the call's --budget of {args.budget:.0f} s was spent"}
+                                        "skipped": f"not started: less than {ROW_LEAST_S} s of the call's --budget of "
+                                                   f"{args.budget:.0f} s was left"}
         else:
             if row.shape not in prepared:  # distinct prompts for every step of the shape's longest run
                 needed = max(r.prompts * (r.steps + r.variant_steps + 1) for r in rows if r.shape == row.shape)

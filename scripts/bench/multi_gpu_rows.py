@@ -26,8 +26,8 @@ SHAPES = {
     "8b": ("llama3", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                           head_dim=128, intermediate_size=14336, tie_word_embeddings=False,
                           max_position_embeddings=GPU_POSITIONS)),
-    # Qwen3-30B-A3B with 12 of its 48 layers: 128 experts of 768, top 8; 7.6B parameters (0.9B active), so its
-    # weights and Adam state (~140 GB) need the experts split over two GPUs at least
+    # Qwen3-30B-A3B with 12 of its 48 layers: 128 experts of 768, top 8; 8.1B parameters (1.0B a token uses), so
+    # its weights, gradients and Adam state (~146 GB at 18 bytes a parameter) need the experts split over two GPUs
     "moe": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4,
                               head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                               max_position_embeddings=GPU_POSITIONS)),
@@ -140,9 +140,12 @@ ROWS = {row.name: row for row in [
         save=True, resume=Layout(1)),  # another layout and world size: 1 process at TP=1
     Row("tiny-moe-ep4", "tiny_moe", Layout(4, ep=4), prompts=2, n=2, steps=2, micro_batch_tokens=0),
 ]}
-# Named sets of rows, one call per machine kind (docs/benchmarks.md, "Multi-GPU table")
+# Named sets of rows, one call per machine kind (docs/benchmarks.md, "Multi-GPU table"); the two halves of the
+# two-GPU table for calls with a time limit
 PRESETS = {
     "table-2gpu": ("1.5b-1gpu", "1.5b-dp2", "1.5b-tp2-sp", "8b-tp2-sp", "8b-pp2", "moe-ep2"),
+    "table-2gpu-1.5b": ("1.5b-1gpu", "1.5b-dp2", "1.5b-tp2-sp"),
+    "table-2gpu-8b": ("8b-tp2-sp", "8b-pp2", "moe-ep2"),
     "table-4gpu": ("8b-tp2-dp2", "moe-ep4"),
     "table-cpu": ("tiny-tp2", "tiny-moe-ep4"),
 }

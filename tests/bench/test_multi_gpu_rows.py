@@ -2,6 +2,7 @@
 with (multi_gpu.py), without running one: the presets name runnable rows, a bad row or name is one line
 before any model is built."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 
-from multi_gpu import failure_line  # noqa: E402
+from multi_gpu import failure_line, main  # noqa: E402
 from multi_gpu_rows import PRESETS, ROWS, Layout, Row, named_rows  # noqa: E402
 
 
@@ -55,4 +56,13 @@ def test_a_failed_run_is_reported_with_the_librarys_line_else_the_exception():
              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\n")
     assert failure_line(crash, 1) == "exit 1: torch.OutOfMemoryError: CUDA out of memory."
     assert failure_line(crash[crash.index("[rank1]"):], 1) == "exit 1: RuntimeError: NCCL communicator was aborted"
-    assert failure_line("torchrun: ChildFailedError\n", "ran past 900 s") == "exit ran past 900 s: no error line in the log"
+    torchrun_only = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    assert failure_line(torchrun_only, "ran past 900 s") == "exit ran past 900 s: no error line in the log"
+
+
+def test_rows_past_the_budget_or_the_machine_are_reported_and_not_run(tmp_path):
+    main(["--rows", "table-cpu", "--processes", "2", "--budget", "0", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "multi_gpu.json").read_text())["rows"]
+    assert rows["tiny-tp2"]["skipped"] == "not started: less than 90 s of the call's --budget of 0 s was left"
+    assert rows["tiny-moe-ep4"]["skipped"] == "skipped: needs 4 processes (--processes), this machine has 2"
+    assert not (tmp_path / "work").exists() and not list(tmp_path.glob("*.log"))  # nothing built, nothing launched
