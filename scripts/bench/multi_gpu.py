@@ -226,8 +226,8 @@ def render(report: dict) -> str:
     rows = report["rows"]
     for name, r in rows.items():
         head = f"| {name} | {r.get('shape', '')}, {r.get('layout', '')} | {r.get('batch', '')} |"
-        if "step_s" not in r:
-            lines.append(head + " |" * 8 + f" {r.get('failed') or r.get('skipped')} |")
+        if "step_s" not in r:  # failed (its ranks' peaks say whether memory ran out) or skipped
+            lines.append(head + " |" * 5 + f" {peaks(r.get('peak_gib', {}))} | | | {r.get('failed') or r.get('skipped')} |")
             continue
         single = next((s for s in rows.values() if s.get("shape") == r["shape"] and s.get("layout", "").startswith("1 GPU")
                        and s.get("batch") == r["batch"] and "samples_per_s" in s), None)
@@ -266,12 +266,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="table-2gpu", help="comma-separated rows or presets of multi_gpu_rows.py")
     parser.add_argument("--processes", type=int, default=2, help="on the CPU: processes a row may use (gloo)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    parser.add_argument("--budget", type=float, default=7200, help="seconds for the call: no row starts after, "
-                        "no run goes on past them (where a lent machine's command has a time limit, less than it)")
+    parser.add_argument("--budget", type=float, default=7200, help="seconds for the call: no row starts with less "
+                        f"than {ROW_LEAST_S} s of them left, no run goes on past them (where a lent machine's command "
+                        "has a time limit, less than it)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.deadline = time.perf_counter() + args.budget
-    rows = named_rows(args.rows)
+    try:
+        rows = named_rows(args.rows)
+    except ValueError as err:
+        parser.error(str(err))  # one line, exit 2
     import torch
     from grpo_step import measure_hardware
 
@@ -308,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     print(render(report))
     failed = [name for name, row in report["rows"].items() if "failed" in row]
     if failed:  # the table is written all the same; a skipped row is no failure
-        sys.exit(f"rows that failed: {', '.join(failed)} (the table's last column says why)")
+        print(f"rows that failed: {', '.join(failed)} (the table's last column says why)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

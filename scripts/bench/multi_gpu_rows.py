@@ -153,14 +153,14 @@ PRESETS = {
 
 def named_rows(spec: str) -> list[Row]:
     """`--rows`: comma-separated row or preset names, in order, each row once; an unknown name or a row that
-    cannot run is one line (SystemExit) before any model is built."""
+    cannot run is one line (ValueError) before any model is built."""
     names: list[str] = []
     for name in filter(None, spec.split(",")):
         if name not in ROWS and name not in PRESETS:
-            raise SystemExit(f"--rows {name}: no such row or preset; rows: {', '.join(ROWS)}; presets: "
+            raise ValueError(f"--rows {name}: no such row or preset; rows: {', '.join(ROWS)}; presets: "
                              f"{', '.join(PRESETS)}")
         names += [n for n in PRESETS.get(name, (name,)) if n not in names]
     for name in names:
         if ROWS[name].problem():
-            raise SystemExit(f"row {name}: {ROWS[name].problem()}")
+            raise ValueError(f"row {name}: {ROWS[name].problem()}")
     return [ROWS[name] for name in names]

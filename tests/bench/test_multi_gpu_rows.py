@@ -33,16 +33,16 @@ def test_a_layout_names_its_data_parallel_size_and_what_it_cannot_be():
 
 
 def test_a_row_that_cannot_run_is_refused_in_one_line(monkeypatch):
-    with pytest.raises(SystemExit, match=r"--rows 70b: no such row or preset; rows: 1.5b-1gpu, "):
+    with pytest.raises(ValueError, match=r"--rows 70b: no such row or preset; rows: 1.5b-1gpu, "):
         named_rows("70b")
     bad = Row("moe-packed", "moe", Layout(2, ep=2), prompts=1, n=1, steps=2)  # packed micro-batches at EP=2
     switched = Row("switched", "1.5b", Layout(2), prompts=1, n=1, steps=2, save=True,
                    resume=Layout(2, distributed_optimizer=True))
     monkeypatch.setitem(ROWS, bad.name, bad)
     monkeypatch.setitem(ROWS, switched.name, switched)
-    with pytest.raises(SystemExit, match=r"^row moe-packed: EP > 1 needs row micro-batches"):
+    with pytest.raises(ValueError, match=r"^row moe-packed: EP > 1 needs row micro-batches"):
         named_rows("moe-packed")
-    with pytest.raises(SystemExit, match=r"^row switched: a resume keeps use_distributed_optimizer"):
+    with pytest.raises(ValueError, match=r"^row switched: a resume keeps use_distributed_optimizer"):
         named_rows("switched")
 
 
