@@ -6,7 +6,7 @@
 Subcommands (SUBCOMMANDS below): the GRPO step against TRL's GRPOTrainer, the first step on empty
 compile caches, the rollout engine alone, the Megatron backend's training step per family, every
 family's table (engine, decode, MFU, GRPO step, memory), sliding windows that bite, the log-prob
-head, serving, the GRPO step with LoRA, the GRPO step on multi-turn agent episodes, the stall of a checkpoint. Each writes its report (markdown and JSON) under --out (default bench_out/<subcommand>)
+head, serving, the GRPO step with LoRA, the GRPO step on multi-turn agent episodes, the stall of a checkpoint, the multi-GPU table. Each writes its report (markdown and JSON) under --out (default bench_out/<subcommand>)
 and result.json there: the report with the date, machine, GPU, commit and command it was measured
 with. Every step's time is in the report, a step above 1.3x the median of its series starred with
 what happened in it (compilations, garbage collections, the allocator, new Triton kernels:
@@ -51,6 +51,8 @@ SUBCOMMANDS = {
     "moe-experts": ("moe_experts", "moe_experts.json", "one MoE layer's forward and backward per experts implementation"),
     "agents": ("agent_step", "agent_step.json", "the GRPO step on agent episodes with a 50 ms tool: ours, turn by turn, TRL"),
     "save-stall": ("save_stall", "save_stall.json", "the stall a checkpoint costs training, foreground and background saves"),
+    "multi-gpu": ("multi_gpu", "multi_gpu.json", "the multi-GPU table: `aligner-ext train` per layout under torchrun, "
+                  "--rows table-2gpu or table-4gpu"),
 }
 
 

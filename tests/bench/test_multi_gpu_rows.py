@@ -1,0 +1,68 @@
+"""The rows of the multi-GPU table (scripts/bench/multi_gpu_rows.py) and the line a failed run is reported
+with (multi_gpu.py), without running one: the presets name runnable rows, a bad row or name is one line
+before any model is built."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
+sys.path.insert(0, str(BENCH))
+
+from multi_gpu import failure_line, main  # noqa: E402
+from multi_gpu_rows import PRESETS, ROWS, Layout, Row, named_rows  # noqa: E402
+
+
+def test_the_presets_expand_in_order_without_repeating_a_row():
+    rows = named_rows("1.5b-dp2,table-2gpu")
+    assert [row.name for row in rows] == ["1.5b-dp2", "1.5b-1gpu", "1.5b-tp2-sp", "8b-tp2-sp", "8b-pp2", "moe-ep2"]
+    assert max(row.processes for row in named_rows("table-2gpu")) == 2
+    assert max(row.processes for row in named_rows("table-4gpu")) == 4
+    assert all(not ROWS[name].problem() for names in PRESETS.values() for name in names)
+
+
+def test_a_layout_names_its_data_parallel_size_and_what_it_cannot_be():
+    layout = Layout(4, tp=2, distributed_optimizer=True)
+    assert layout.dp == 2 and layout.describe() == "4 GPUs: TP=2 + DP=2 + distributed optimizer"
+    assert Layout(1).describe() == "1 GPU"
+    assert Layout(4, pp=3).problem() == "TP=1 x PP=3 does not divide 4 processes"
+    assert Layout(4, tp=2, ep=4).problem() == "EP=4 does not divide DP=2"
+    assert Layout(1, sequence_parallel=True).problem() == "sequence parallelism needs TP > 1"
+
+
+def test_a_row_that_cannot_run_is_refused_in_one_line(monkeypatch):
+    with pytest.raises(ValueError, match=r"--rows 70b: no such row or preset; rows: 1.5b-1gpu, "):
+        named_rows("70b")
+    bad = Row("moe-packed", "moe", Layout(2, ep=2), prompts=1, n=1, steps=2)  # packed micro-batches at EP=2
+    switched = Row("switched", "1.5b", Layout(2), prompts=1, n=1, steps=2, save=True,
+                   resume=Layout(2, distributed_optimizer=True))
+    monkeypatch.setitem(ROWS, bad.name, bad)
+    monkeypatch.setitem(ROWS, switched.name, switched)
+    with pytest.raises(ValueError, match=r"^row moe-packed: EP > 1 needs row micro-batches"):
+        named_rows("moe-packed")
+    with pytest.raises(ValueError, match=r"^row switched: a resume keeps use_distributed_optimizer"):
+        named_rows("switched")
+
+
+def test_a_failed_run_is_reported_with_the_librarys_line_else_the_exception():
+    disk = ("INFO loading\n[rank1]: aligner-ext: error: /x/runs/8b: the run needs 210.0 GB for 2 checkpoint(s) "
+            "(DiskSpaceError; ALIGNER_EXT_TRACEBACK=1 shows the traceback)\nE torchrun: ChildFailedError\n")
+    assert failure_line(disk, 2) == ("exit 2: aligner-ext: error: /x/runs/8b: the run needs 210.0 GB for 2 "
+                                     "checkpoint(s) (DiskSpaceError; ALIGNER_EXT_TRACEBACK=1 shows the traceback)")
+    crash = ("Traceback (most recent call last):\n  File x\n[rank0]: torch.OutOfMemoryError: CUDA out of memory.\n"
+             "[rank1]: RuntimeError: NCCL communicator was aborted\n"
+             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\n")
+    assert failure_line(crash, 1) == "exit 1: torch.OutOfMemoryError: CUDA out of memory."
+    assert failure_line(crash[crash.index("[rank1]"):], 1) == "exit 1: RuntimeError: NCCL communicator was aborted"
+    torchrun_only = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    assert failure_line(torchrun_only, "ran past 900 s") == "exit ran past 900 s: no error line in the log"
+
+
+def test_rows_past_the_budget_or_the_machine_are_reported_and_not_run(tmp_path):
+    main(["--rows", "table-cpu", "--processes", "2", "--budget", "0", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "multi_gpu.json").read_text())["rows"]
+    assert rows["tiny-tp2"]["skipped"] == "not started: less than 90 s of the call's --budget of 0 s was left"
+    assert rows["tiny-moe-ep4"]["skipped"] == "skipped: needs 4 processes (--processes), this machine has 2"
+    assert not (tmp_path / "work").exists() and not list(tmp_path.glob("*.log"))  # nothing built, nothing launched
