@@ -86,7 +86,8 @@ BUILTIN_PLUGINS: dict[str, dict[str, str]] = {
         "number_facts": "aligner_ext.data.tasks.number_facts",
         "python_digits": "aligner_ext.data.tasks.python_digits",
         "rubric_qa": "aligner_ext.data.tasks.rubric_qa",
-        "short_qa": "aligner_ext.data.tasks.short_qa"
+        "short_qa": "aligner_ext.data.tasks.short_qa",
+        "three_digit_sums": "aligner_ext.data.tasks.chain_sums"
     },
     "aligner_ext.experience.base:EXPERIENCE_MAKERS": {
         "agent_episodes": "aligner_ext.experience.agent_episodes",

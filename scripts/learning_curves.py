@@ -10,7 +10,7 @@ stopped, and a run being trained by another call is refused rather than trained 
     python scripts/learning_curves.py                     # every comparison: about 5 h on 2 cores
     python scripts/learning_curves.py --only arithmetic   # one task's comparisons (or one comparison by name)
     python scripts/learning_curves.py --parallel 16       # on a machine of 16 cores: about an hour
-    python scripts/learning_curves.py --only mixed_arithmetic number_facts chain_sums --parallel 18
+    python scripts/learning_curves.py --only mixed_arithmetic number_facts chain_sums three_digit_sums --parallel 18
                                                           # the tasks built for DAPO, the graded prompt and CPO
     python scripts/learning_curves.py --render            # the page from the runs finished, training nothing
     python scripts/learning_curves.py --quick             # 2 steps, 1 seed, small sets: checks the script
@@ -142,6 +142,42 @@ CHAIN_SUMS_NOTE = (
     "the advantages by 0.002 on average. A 1M-parameter model that learned to read a hint only from a warm-up on half "
     "the rows gives CPO nothing to sharpen; its mechanism needs a model that can use a worked solution in its "
     "context, which suggests a pretrained model rather than another task at this size.")
+THREE_DIGIT_SUMS = ("+variant=cpo", "data.builtin_task=three_digit_sums", "cpo.hint.warmup_share=0.5",
+                    "model.warmup.steps=600", "rollout.max_response_length=32")
+THREE_DIGIT_SUMS_NOTE = (
+    "Built for the other side of CPO's precondition: two terms up to 999 (`three_digit_sums`), one step, the "
+    "hint `418+276=694`, `\\boxed{694}`; the same warm-up as `chain_sums` (600 steps, half the rows on their "
+    "hinted prompt). Measured before this comparison ran (2026-11-29, one seed each, 20 steps, on one H200): of "
+    "ten sizes and warm-ups of these sums (three and four terms up to 99 or 999, warm-up shares 0.5-0.9, 600-2000 "
+    "steps), every warmed model that got 12% or more of the held-out sums right had a hint gain on correct "
+    "responses between -0.031 and +0.001 nats a token; only the models that could barely add (1%: two or four "
+    "terms up to 999) had a positive one, +0.17 for this task. So the precondition holds here, where the model "
+    "cannot do the task, and nowhere the model can. Ran on one H200 (2026-11-29; the 6 runs at once, 161 s; `--set "
+    "policy.dtype=float32 --set generator.rollout.cuda_graphs=false`, as `chain_sums`). The warm-ups ran there too, "
+    "where 600 steps are not bit-reproducible, so the two methods' seeds start from different models (held-out "
+    "0.01, 0.07, 0.01 for GRPO's; 0.03, 0.015, 0.02 for CPO's). Measured: the precondition held throughout (hint "
+    "gain on correct responses +0.089 and +0.086, falling as the policies learn; 0.80 of the groups all wrong), and "
+    "CPO ends -0.052 against GRPO, within the spread: GRPO's mean is one seed, the one whose warmed model already "
+    "got 7% right and rose to 24%, while its other two stayed at 1-2%. All three of CPO's seeds rose on the "
+    "training reward (mean of the first and of the last ten steps: 0.017 to 0.077, 0.006 to 0.039, 0.021 to 0.054; "
+    "GRPO's: 0.013 to 0.022, 0.055 to 0.170, 0.005 to 0.012), but three seeds from different starts cannot separate "
+    "CPO's shaping of the all-wrong groups from the start each seed got. With `chain_sums` this brackets the "
+    "mechanism at this size: where the model can do the task the hint adds nothing to its correct responses, and "
+    "where the hint does add, the model is too weak to learn much either way. It needs a model that can do part of "
+    "the task and read a worked solution, which suggests a pretrained one.")
+
+
+def hinted_comparison(task: str, overrides: tuple[str, ...], note: str) -> Comparison:
+    """CPO against GRPO from the same hinted warm-up (`cpo.wrap_method=none`: the same hint pass, GRPO's
+    advantages), with the hint's gains that say whether CPO's precondition held."""
+    return Comparison(task, (
+        Method("GRPO", (*overrides, "cpo.wrap_method=none")),
+        Method("CPO", overrides, "gold-solution hints sharpen the advantage per token"),
+    ), diagnostics=("cpo/hint_gain_correct", "cpo/hint_gain_wrong", "cpo/mi_mean", "cpo/difficulty_all_wrong",
+                    "cpo/advantage_change_abs_mean", "reward/mean"),
+       note=note)
+
+
 COMPARISONS = (  # the two-method comparisons first: they finish sooner
     Comparison("mtpo_qa", (
         Method("GRPO", ("+variant=mtpo", "mtpo.rewards.calibration_weight=0")),
@@ -183,12 +219,8 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
        diagnostics=("reward/mean", "reward/zero_std_group_fraction", "graded_prompt/reward_gap_full_minus_none",
                     "response/length_mean", "actor/entropy"),
        note=NUMBER_FACTS_NOTE),
-    Comparison("chain_sums", (
-        Method("GRPO", (*CHAIN_SUMS, "cpo.wrap_method=none")),
-        Method("CPO", CHAIN_SUMS, "gold-solution hints sharpen the advantage per token"),
-    ), diagnostics=("cpo/hint_gain_correct", "cpo/hint_gain_wrong", "cpo/mi_mean", "cpo/difficulty_all_wrong",
-                    "cpo/advantage_change_abs_mean", "reward/mean"),
-       note=CHAIN_SUMS_NOTE),
+    hinted_comparison("chain_sums", CHAIN_SUMS, CHAIN_SUMS_NOTE),
+    hinted_comparison("three_digit_sums", THREE_DIGIT_SUMS, THREE_DIGIT_SUMS_NOTE),
     Comparison("arithmetic", (
         GRPO,
         Method("DAPO", ("+variant=dapo",), "reaches GRPO's accuracy in fewer optimizer steps"),

@@ -35,8 +35,8 @@ from aligner_ext.data.types import PromptRow
 from aligner_ext.rewards.base import RewardResult, register_reward
 
 MATH_DATA_SOURCES = (
-    "arithmetic", "calculator_arithmetic", "chain_sums", "mixed_arithmetic", "python_digits", "math", "MATH",
-    "hendrycks_math", "math500", "lighteval/MATH",
+    "arithmetic", "calculator_arithmetic", "chain_sums", "three_digit_sums", "mixed_arithmetic", "python_digits",
+    "math", "MATH", "hendrycks_math", "math500", "lighteval/MATH",
     "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo", "aime2024", "aime2025", "amc23",
 )
 _GOLD_CONFIG = (LatexExtractionConfig(), ExprExtractionConfig())

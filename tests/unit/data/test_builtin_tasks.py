@@ -13,7 +13,7 @@ from aligner_ext.data.tasks.rubric_qa import check_passes, rubric_and_gold
 from aligner_ext.data.types import PromptRow
 
 TASK_NAMES = ["arithmetic", "calculator_arithmetic", "chain_sums", "mixed_arithmetic", "number_facts",
-              "python_digits", "rubric_qa", "short_qa"]  # guess_number: tests/unit/agents
+              "python_digits", "rubric_qa", "short_qa", "three_digit_sums"]  # guess_number: tests/unit/agents
 
 
 def user_text(row):
@@ -29,7 +29,7 @@ def boxed(text):
 def test_registry_lists_the_tasks():
     assert set(TASK_NAMES) <= set(TASKS.names())
     with pytest.raises(KeyError, match="arithmetic, calculator_arithmetic, chain_sums, guess_number, "
-                                       "mixed_arithmetic, number_facts, python_digits, rubric_qa, short_qa"):
+                                       "mixed_arithmetic, number_facts, python_digits, rubric_qa, short_qa, three_digit_sums"):
         builtin_rows("nope", "train", 3, 0)
     with pytest.raises(ValueError, match="unknown split 'test'"):
         builtin_rows("arithmetic", "test", 3, 0)

@@ -1,5 +1,5 @@
 """The built-in tasks built for the variants' comparisons (docs/learning.md): mixed_arithmetic (dynamic
-sampling), number_facts (graded system prompt), chain_sums (CPO). Rows and rewards checked by hand."""
+sampling), number_facts (graded system prompt), chain_sums and three_digit_sums (CPO). Rows and rewards checked by hand."""
 
 import dataclasses
 import re
@@ -62,6 +62,19 @@ def test_chain_sums_gold_adds_one_term_per_line():
         assert all(0 <= x <= 99 for x in (a, b, c))
         assert row.ground_truth == str(a + b + c)
         assert sft_target(row) == f"{a}+{b}={a + b}\n{a + b}+{c}={a + b + c}\n\\boxed{{{a + b + c}}}"
+
+
+def test_three_digit_sums_gold_is_one_line_and_the_answer():
+    rows = builtin_rows("three_digit_sums", "train", 300, seed=0)
+    assert rows[0].messages[0]["content"] == "530+891="
+    assert sft_target(rows[0]) == "530+891=1421\n\\boxed{1421}"
+    assert reward(rows[0], "530+891=1421\n\\boxed{1421}") == 1.0
+    assert reward(rows[0], "530+891=1321\n\\boxed{1321}") == 0.0  # the hundreds' carry lost
+    for row in rows:
+        a, b = terms(row)
+        assert 0 <= a <= 999 and 0 <= b <= 999 and row.ground_truth == str(a + b)
+        assert sft_target(row) == f"{a}+{b}={a + b}\n\\boxed{{{a + b}}}"
+    assert max(max(terms(row)) for row in rows) >= 900  # three-digit terms, not chain_sums' two
 
 
 def test_number_facts_rubric_of_418():
