@@ -5,7 +5,10 @@ key needed) and /metrics (Prometheus text), and SGLang's weight-update endpoints
 /update_weights_from_disk (a directory under `serve.weights_root` holding model.safetensors, written
 by the trainer with aligner_ext/weights_file.py::save_weights; refused when that setting is unset),
 /init_weights_update_group and /update_weights_from_distributed (tensors broadcast from trainer rank 0
-over generation/weight_group.py).
+over generation/weight_group.py). An update's `weight_version` (the policy version the trainer pushed)
+becomes the server's, reported by /health, the update's answer and every completion response
+(`metadata.weight_version`, as SGLang's: the version its tokens were sampled under); an update without
+one counts up from 0.
 
 The engine runs one call at a time: a request waits for the engine at most `request_timeout_s`
 (then 503). A request's prompts x n run as one engine call, so the rollout engine batches them.
@@ -120,9 +123,10 @@ class GenerationServer:
                                max_sessions=MAX_SESSIONS, max_chars=self.max_prompt_chars)
 
     def run_engine(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                   cancelled: threading.Event) -> list[GenerationOutput]:
-        """Every prompt n times (prompt i's samples at i*n ... i*n+n-1), in one engine call; a set
-        `cancelled` (the client left) gives up the wait for the engine or stops the call."""
+                   cancelled: threading.Event) -> tuple[list[GenerationOutput], int]:
+        """Every prompt n times (prompt i's samples at i*n ... i*n+n-1), in one engine call, and the weight
+        version they were sampled under (an update waits for the call); a set `cancelled` (the client left)
+        gives up the wait for the engine or stops the call."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         while not self.engine_lock.acquire(timeout=0.1):
             if cancelled.is_set():
@@ -132,8 +136,8 @@ class GenerationServer:
         try:
             repeated = [prompt for prompt in prompts for _ in range(n)]
             if self.cancellable:
-                return self.engine.generate(repeated, params, should_stop=cancelled.is_set)
-            return self.engine.generate(repeated, params)
+                return self.engine.generate(repeated, params, should_stop=cancelled.is_set), self.weight_version
+            return self.engine.generate(repeated, params), self.weight_version
         finally:
             self.engine_lock.release()
 
@@ -194,7 +198,7 @@ class GenerationServer:
         params = request.sampling_params(return_logprobs)
         started = time.perf_counter()
         try:
-            outputs = self.run_engine(prompts, params, request.n, cancelled)
+            outputs, version = self.run_engine(prompts, params, request.n, cancelled)
         except ValueError as err:  # the engine's check of the sampling settings
             raise HTTPException(400, str(err)) from err
         if cancelled.is_set():
@@ -204,7 +208,7 @@ class GenerationServer:
                           request_seconds_total=time.perf_counter() - started)
         return {"id": f"cmpl-{time.time_ns()}", "created": int(time.time()), "model": self.cfg.model_name,
                 "choices": [make_choice(index, output, params, self.tokenizer) for index, output in enumerate(outputs)],
-                "usage": used}
+                "usage": used, "metadata": {"weight_version": str(version)}}
 
     def weights_file(self, model_path: str) -> Path:
         """The model.safetensors of `model_path`, a directory under serve.weights_root (symlinks and `..`
@@ -226,9 +230,9 @@ class GenerationServer:
             raise HTTPException(400, f"model_path {quoted!r} holds no model.safetensors")
         return file
 
-    def load_from_disk(self, model_path: str) -> None:
+    def load_from_disk(self, model_path: str, version: int | None = None) -> None:
         """Load the weights of `model_path` (weights_file) in place, once their names and shapes (the
-        file's header) are known to fit the served model."""
+        file's header) are known to fit the served model; `version`: theirs (weights_changed)."""
         file = self.weights_file(model_path)
         state = self.model.state_dict()
         try:
@@ -248,7 +252,7 @@ class GenerationServer:
             if missing or unexpected:
                 raise HTTPException(400, f"weights at {file} do not match the served model: missing {missing[:5]}, "
                                          f"unexpected {unexpected[:5]}")
-            self.weights_changed()
+            self.weights_changed(version)
 
     def receive_broadcast(self, request: DistributedWeightsRequest) -> None:
         group = self.weight_groups.get(request.group_name)
@@ -273,14 +277,16 @@ class GenerationServer:
                     params[name].data.copy_(received)
                 else:
                     unknown.append(name)
-            self.weights_changed()
+            self.weights_changed(request.weight_version)
         if unknown:
             raise HTTPException(400, f"{len(unknown)} tensors do not match a parameter of the served model: {unknown[:5]}")
 
-    def weights_changed(self) -> None:
+    def weights_changed(self, version: int | None = None) -> None:
+        """After an update: the weights' `version`, the policy version the trainer pushed (reported in
+        /health and every response), or with none given the count of updates."""
         self.engine.update_weights(self.model)
         self.sessions.weights_changed()
-        self.weight_version += 1
+        self.weight_version = self.weight_version + 1 if version is None else version
         self.counters.add(weight_updates_total=1)
 
 
@@ -419,7 +425,7 @@ def build_app(server: GenerationServer) -> FastAPI:
 
     @app.post("/update_weights_from_disk", dependencies=keyed)
     def update_weights_from_disk(request: DiskWeightsRequest) -> dict:
-        server.load_from_disk(request.model_path)
+        server.load_from_disk(request.model_path, request.weight_version)
         return {"success": True, "message": f"loaded {request.model_path}", "weight_version": server.weight_version}
 
     @app.post("/init_weights_update_group", dependencies=keyed)

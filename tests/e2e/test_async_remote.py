@@ -1,0 +1,76 @@
+"""Generation ahead of training on a generation server (the disaggregated placement: generator.engine=remote
+with trainer.asynchronous, experience/ahead.py's ServedWeights) in tiny CPU runs through a local `aligner-ext
+serve`: at max_staleness=0 the synchronous run through the same server, bit for bit; at 1 every later batch
+sampled one version behind, the versions the server reported, the weights pushed between two batches."""
+
+import json
+import math
+
+import pytest
+
+from aligner_ext.config import load_config
+from aligner_ext.serving.server import GenerationServer, build_server
+from aligner_ext.trainer.loop import train
+from served_engine import serve_in_thread
+from small_run import SMALL_MODEL
+from test_async_runs import assert_the_same_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SMALL = SMALL_MODEL + ["rollout.max_response_length=8", "trainer.export_hf=false", "trainer.tensorboard=false",
+                       "trainer.log_samples_every=0", "policy.optim.lr=1e-3", "loss.importance_sampling_cap=2",
+                       "+reward.sources.arithmetic=e2e_rewards.digit_fraction", "trainer.total_steps=3"]
+AHEAD = ["trainer.asynchronous.enabled=true"]
+
+
+@pytest.fixture
+def server_url(tmp_path):
+    """(the server, its URL): the embedded model on the rollout engine, taking weights from under tmp_path."""
+    server = build_server(load_config("base", SMALL + ["generator.engine=rollout", f"trainer.output_dir={tmp_path}",
+                                                       "trainer.run_name=served", f"serve.weights_root={tmp_path}"]))
+    with serve_in_thread(server) as url:
+        yield server, url
+
+
+def run(tmp_path, url, name, *extra):
+    """A run through the server at `url` (its embedded model the server's: the same warm-up, cached)."""
+    train(load_config("base", SMALL + [
+        f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}", "generator.engine=remote",
+        f"generator.remote.urls=[{url}]", "generator.remote.weight_sync=disk",
+        f"generator.remote.weight_sync_dir={tmp_path / name / 'push'}", *extra]))
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return records, tmp_path / name
+
+
+def test_staleness_zero_on_a_server_reproduces_the_synchronous_run_through_it(tmp_path, server_url):
+    server, url = server_url
+    steps = ["trainer.eval.every=2"]  # an evaluation mid-run, between two batches
+    synchronous, sync_dir = run(tmp_path, url, "sync", *steps)  # first: the server starts on the loaded weights
+    ahead, ahead_dir = run(tmp_path, url, "ahead", *steps, *AHEAD, "trainer.asynchronous.max_staleness=0")
+    assert_the_same_run(synchronous, sync_dir, ahead, ahead_dir, steps=3)
+    assert server.weight_version == 3  # the evaluation after the last step pushed the final policy
+
+
+def test_staleness_one_on_a_server_trains_one_version_behind_the_versions_it_reported(tmp_path, server_url,
+                                                                                      monkeypatch):
+    server, url = server_url
+    generate, reported = GenerationServer.generate, []
+
+    def recorded(served, *args):
+        answer = generate(served, *args)
+        reported.append(answer["metadata"]["weight_version"])
+        return answer
+
+    monkeypatch.setattr(GenerationServer, "generate", recorded)
+    records, _ = run(tmp_path, url, "ahead", *AHEAD, "trainer.asynchronous.max_staleness=1")
+    # one request per engine call (16 prompts): the evaluation before training, the three batches, the
+    # evaluation after the last step, on the weights pushed before each
+    assert reported == ["0", "0", "0", "1", "3"]
+    steps = records[1:]
+    # step 1's batch was sampled before any update; step 2's while step 1 trained (version 0, trained at 1),
+    # step 3's on version 1 while step 2 trained
+    assert [r["staleness/max"] for r in steps] == [0, 1, 1]
+    assert [r.get("staleness/share_lag_1", 0.0) for r in steps] == [0.0, 1.0, 1.0]
+    assert all(math.isfinite(r["rollout/logprob_diff_mean_lag_1"]) for r in steps[1:])
+    assert all(r["actor/grad_norm"] > 0 for r in steps)
+    assert server.weight_version == 3  # the evaluation after the last step pushed the final policy
