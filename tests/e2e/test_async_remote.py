@@ -5,11 +5,13 @@ sampled one version behind, the versions the server reported, the weights pushed
 
 import json
 import math
+import threading
 
 import pytest
 
 from aligner_ext.config import load_config
 from aligner_ext.serving.server import GenerationServer, build_server
+from aligner_ext.trainer import loop
 from aligner_ext.trainer.loop import train
 from served_engine import serve_in_thread
 from small_run import SMALL_MODEL
@@ -53,15 +55,24 @@ def test_staleness_zero_on_a_server_reproduces_the_synchronous_run_through_it(tm
 
 def test_staleness_one_on_a_server_trains_one_version_behind_the_versions_it_reported(tmp_path, server_url,
                                                                                       monkeypatch):
+    """Step 2's batch is sampled after step 1's update has ended (the server holds its request until then),
+    so a push by the loop after the update, rather than between two batches, would show in its version."""
     server, url = server_url
-    generate, reported = GenerationServer.generate, []
+    generate, reported, refit, updated = GenerationServer.generate, [], loop.refit_engine, threading.Event()
 
-    def recorded(served, *args):
+    def after_the_first_update(served, *args):
+        if len(reported) == 2:  # the evaluation before training, step 1's batch: this one is step 2's
+            assert updated.wait(timeout=60)  # only a broken run waits this long
         answer = generate(served, *args)
         reported.append(answer["metadata"]["weight_version"])
         return answer
 
-    monkeypatch.setattr(GenerationServer, "generate", recorded)
+    def refit_then_say_so(parts):  # the loop's refit after each update
+        refit(parts)
+        updated.set()
+
+    monkeypatch.setattr(GenerationServer, "generate", after_the_first_update)
+    monkeypatch.setattr(loop, "refit_engine", refit_then_say_so)
     records, _ = run(tmp_path, url, "ahead", *AHEAD, "trainer.asynchronous.max_staleness=1")
     # one request per engine call (16 prompts): the evaluation before training, the three batches, the
     # evaluation after the last step, on the weights pushed before each
