@@ -234,6 +234,8 @@ class LongTail:
             output.token_ids = output.token_ids + tail.token_ids
             if output.logprobs is not None:
                 output.logprobs = output.logprobs + tail.logprobs
+            if output.versions is not None:  # each token's, where the engine stamps them (remote: the server's)
+                output.versions = output.versions + tail.versions
             output.finish_reason, output.routing = tail.finish_reason, tail.routing  # the routing of every token
         return outputs
 
