@@ -263,7 +263,7 @@ def generation_ahead_engines(cfg: RunConfig, engine_name: str, engine: Generatio
     generation ahead pushes to them, between two batches."""
     if not cfg.trainer.asynchronous.enabled:
         return engine, engine, None
-    if snapshot is None:
+    if engine_name == "remote":
         return PushedBetweenBatches(engine), engine, ServedWeights(generation_model, engine)
     maker_engine = build_engine(cfg, engine_name, snapshot.model, tokenizer)
     if cfg.trainer.asynchronous.partial_rollouts:
