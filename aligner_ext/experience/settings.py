@@ -211,9 +211,11 @@ def check_served_ahead(cfg) -> None:
     if cfg.generator.remote.weight_sync == "none":
         raise ValueError(f"generator.remote.weight_sync=none and {on}: the servers would never receive the policy's "
                          "weights, so no staleness bound holds; set generator.remote.weight_sync=disk or distributed")
-    if cfg.trainer.asynchronous.partial_rollouts:
-        raise ValueError(f"trainer.asynchronous.partial_rollouts=true and {on}: a server's requests are not parked "
-                         "and resumed yet; set trainer.asynchronous.partial_rollouts=false")
+    if cfg.trainer.asynchronous.partial_rollouts and cfg.generator.remote.server_kind != "sglang":
+        raise ValueError(f"trainer.asynchronous.partial_rollouts=true and generator.remote.server_kind="
+                         f"{cfg.generator.remote.server_kind} with {on}: parking aborts the servers' requests through "
+                         "SGLang's /abort_request, which vLLM does not serve; set trainer.asynchronous."
+                         "partial_rollouts=false or use SGLang or aligner-ext serve")
 
 
 def check_partial_rollouts(cfg) -> None:

@@ -34,6 +34,13 @@ error naming the server and both versions, never trained on silently. Every outp
 version (`GenerationOutput.versions`). A server that reports none (vLLM) is stamped with the pushed
 version, said once in the log; before this engine's first push a server samples from the weights it
 loaded, which are not checked.
+
+Stopping a call (`should_stop`, polled while its requests are in flight; partial rollouts park at a
+weight push, generation/resumable.py): every server is asked to abort its requests (SGLang's
+/abort_request, `abort_all`; ours speaks it), which answer with the tokens sampled so far, an unfinished
+choice's finish_reason "abort"; such a response comes back cut where it stood ("length" with fewer tokens
+than asked), to be resumed as a new request, re-prefilled. Every request on the server stops: give a run
+servers of its own.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ import itertools
 import logging
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -58,6 +66,8 @@ from aligner_ext.generation.weight_group import WeightGroup, describe
 from aligner_ext.weights_file import save_state
 
 logger = logging.getLogger(__name__)
+
+STOP_POLL_S = 0.05  # how often a call with `should_stop` asks it while its requests are in flight
 
 # what a server without the weight-update endpoints of `server_kind` is told
 MISSING_ENDPOINT_HINTS = {
@@ -155,7 +165,7 @@ def parse_choice(choice, server_url: str, return_logprobs: bool) -> GenerationOu
     if token_ids is None:
         raise ServerError(f"generation server {server_url} returned no token ids: the remote engine needs "
                           "`return_token_ids` (our server, vLLM >= 0.10.2)")
-    if choice.finish_reason == "length":
+    if choice.finish_reason in ("length", "abort"):  # abort: cut short where it stood (module docstring)
         reason = "length"
     else:
         reason = "eos" if extra.get("stop_reason") is None else "stop"
@@ -194,10 +204,18 @@ class RemoteEngine(GenerationEngine):
             logger.warning("generator.remote.weight_sync=none: the servers keep sampling from the weights they "
                            "loaded; the policy's updates do not reach them")
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 should_stop: Callable[[], bool] | None = None) -> list[GenerationOutput]:
+        """Continue every prompt once; a `should_stop` that turns true while the requests are in flight
+        aborts them on every server, outputs cut where they stood (module docstring)."""
         size = self.cfg.max_prompts_per_request
         futures = [self._pool.submit(self._complete, prompts[begin:begin + size], params, begin)
                    for begin in range(0, len(prompts), size)]
+        if should_stop is not None:
+            while wait(futures, timeout=STOP_POLL_S).not_done:
+                if should_stop():
+                    self._on_every_server("/abort_request", lambda index: {"rid": "", "abort_all": True})
+                    break
         return [output for future in futures for output in future.result()]
 
     def _pick(self) -> _Server:

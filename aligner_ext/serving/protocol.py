@@ -70,6 +70,14 @@ class DiskWeightsRequest(BaseModel):
     weight_version: int | None = Field(None, ge=0)
 
 
+class AbortRequest(BaseModel):
+    """SGLang's /abort_request payload (`rid`: one request's id, which this server does not give; served:
+    `abort_all`)."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
 class WeightGroupRequest(BaseModel):
     """SGLang's /init_weights_update_group payload."""
 

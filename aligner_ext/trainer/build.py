@@ -258,16 +258,17 @@ def generation_ahead_engines(cfg: RunConfig, engine_name: str, engine: Generatio
                              generation_model: torch.nn.Module, snapshot: WeightsSnapshot | None,
                              tokenizer) -> tuple[GenerationEngine, GenerationEngine, GenerationWeights | None]:
     """(the loop's engine, the experience maker's, the weights generation ahead refits; None: it is off).
-    Colocated, the maker samples from the copy with an engine of its own (resumable with partial rollouts:
-    it parks at a refit of the copy). Disaggregated (remote), both sample from the servers, and only
-    generation ahead pushes to them, between two batches."""
+    Colocated, the maker samples from the copy with an engine of its own. Disaggregated (remote), both sample
+    from the servers, and only generation ahead pushes to them, between two batches. With partial rollouts
+    the maker's engine is resumable: it parks at a refit."""
     if not cfg.trainer.asynchronous.enabled:
         return engine, engine, None
-    if engine_name == "remote":
-        return PushedBetweenBatches(engine), engine, ServedWeights(generation_model, engine)
-    maker_engine = build_engine(cfg, engine_name, snapshot.model, tokenizer)
+    served = engine_name == "remote"
+    maker_engine = engine if served else build_engine(cfg, engine_name, snapshot.model, tokenizer)
     if cfg.trainer.asynchronous.partial_rollouts:
         maker_engine = ResumableEngine(maker_engine, tokenizer)
+    if served:
+        return PushedBetweenBatches(engine), maker_engine, ServedWeights(generation_model, maker_engine)
     return engine, maker_engine, snapshot
 
 

@@ -18,8 +18,9 @@ REFUSED = {
     "megatron": (["policy.backend=megatron"], "policy.backend=megatron with trainer.asynchronous.enabled=true"),
     "servers without pushes": (SERVED[:2], "generator.remote.weight_sync=none and generator.engine=remote with "
                                            "trainer.asynchronous.enabled=true"),
-    "partial rollouts on servers": ([*SERVED, PARTIAL], f"{PARTIAL} and generator.engine=remote with "
-                                                        "trainer.asynchronous.enabled=true"),
+    "partial rollouts on vLLM servers": ([*SERVED, "generator.remote.server_kind=vllm", PARTIAL],
+                                         f"{PARTIAL} and generator.remote.server_kind=vllm with generator.engine="
+                                         "remote with trainer.asynchronous.enabled=true"),
     "vllm": (["generator.engine=vllm"], "generator.engine=vllm with trainer.asynchronous.enabled=true"),
     "surplus": (["+variant=dapo", "dynamic_sampling.keep_surplus=true"],
                 "dynamic_sampling.keep_surplus=true with trainer.asynchronous.enabled=true"),
@@ -53,6 +54,6 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
 @pytest.mark.parametrize("overrides", [["+variant=dapo", "+variant=mtpo"], ["+variant=graded_prompt", "policy.lora.rank=4"],
                                        ["policy.num_iterations=2", "trainer.asynchronous.max_staleness=2"],
                                        [PARTIAL, "generator.engine=rollout", "rollout.stop=[END]"],
-                                       SERVED, [*SERVED, "generator.remote.server_kind=vllm"]])
+                                       SERVED, [*SERVED, "generator.remote.server_kind=vllm"], [*SERVED, PARTIAL]])
 def test_what_it_runs_with_loads(overrides):
     assert load_config("base", AHEAD + overrides).trainer.asynchronous.enabled
