@@ -3,9 +3,11 @@ with trainer.asynchronous, experience/ahead.py's ServedWeights) in tiny CPU runs
 serve`: at max_staleness=0 the synchronous run through the same server, bit for bit; at 1 every later batch
 sampled one version behind, the versions the server reported, the weights pushed between two batches."""
 
+import itertools
 import json
 import math
 import threading
+from contextlib import contextmanager
 
 import pytest
 
@@ -25,13 +27,19 @@ SMALL = SMALL_MODEL + ["rollout.max_response_length=8", "trainer.export_hf=false
 AHEAD = ["trainer.asynchronous.enabled=true"]
 
 
-@pytest.fixture
-def server_url(tmp_path):
-    """(the server, its URL): the embedded model on the rollout engine, taking weights from under tmp_path."""
-    server = build_server(load_config("base", SMALL + ["generator.engine=rollout", f"trainer.output_dir={tmp_path}",
+@contextmanager
+def serving_the_embedded_model(tmp_path, engine):
+    """(the server, its URL): the embedded model on `engine`, taking weights from under tmp_path."""
+    server = build_server(load_config("base", SMALL + [f"generator.engine={engine}", f"trainer.output_dir={tmp_path}",
                                                        "trainer.run_name=served", f"serve.weights_root={tmp_path}"]))
     with serve_in_thread(server) as url:
         yield server, url
+
+
+@pytest.fixture
+def server_url(tmp_path):
+    with serving_the_embedded_model(tmp_path, "rollout") as served:
+        yield served
 
 
 def run(tmp_path, url, name, *extra):
@@ -85,3 +93,31 @@ def test_staleness_one_on_a_server_trains_one_version_behind_the_versions_it_rep
     assert all(math.isfinite(r["rollout/logprob_diff_mean_lag_1"]) for r in steps[1:])
     assert all(r["actor/grad_norm"] > 0 for r in steps)
     assert server.weight_version == 3  # the evaluation after the last step pushed the final policy
+
+
+def test_partial_rollouts_on_a_server_park_at_the_push_and_resume_under_the_new_weights(tmp_path, monkeypatch):
+    """The batches of steps 2 and 3 are held on the server (the hf engine, polled after each decode step) at
+    their third step until the trainer's refit aborts them (no timing): their first three tokens are
+    sampled one version behind, the other five, resumed in a new request, under the weights they train at."""
+    requests, held = [], {3, 5}  # in order: the evaluation, batch 1, batch 2, its resumption, batch 3, ...
+
+    def held_at_the_third_step(server, cancelled, aborted):
+        if aborted not in requests:
+            requests.append(aborted)
+            polls[aborted] = itertools.count(1)
+        if requests.index(aborted) + 1 in held and next(polls[aborted]) == 3:
+            assert aborted.wait(timeout=60)  # only a run whose refit does not abort the request waits this long
+        return cancelled.is_set() or aborted.is_set()
+
+    polls = {}
+    monkeypatch.setattr(GenerationServer, "stop_wanted", held_at_the_third_step)
+    with serving_the_embedded_model(tmp_path, "hf") as (server, url):
+        records, _ = run(tmp_path, url, "partial", *AHEAD, "trainer.asynchronous.partial_rollouts=true",
+                         "trainer.asynchronous.max_staleness=1", "rollout.ignore_eos=true")  # all 8 tokens long
+    steps = records[1:]
+    assert len(requests) == 7 and server.weight_version == 3  # the two resumptions; the last evaluation's push
+    assert [r["async/parked_share"] for r in steps] == [0.0, 1.0, 1.0]
+    assert [r["staleness/max"] for r in steps] == [0, 1, 1]
+    assert [r.get("staleness/share_lag_1", 0.0) for r in steps] == [0.0, 3 / 8, 3 / 8]
+    assert all(math.isfinite(r["rollout/logprob_diff_mean_lag_1"]) for r in steps[1:])
+    assert all(r["actor/grad_norm"] > 0 for r in steps)
