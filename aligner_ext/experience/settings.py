@@ -146,11 +146,11 @@ def check_rollouts(cfg) -> None:
 
 @dataclass
 class AsynchronousConfig:
-    """Generation ahead of training in the trainer's process, on a copy of the policy (docs/async.md)."""
+    """Generation ahead of training in the trainer's process, on a copy of the policy or on servers (docs/async.md)."""
 
     enabled: bool = False  # generate ahead of training; false: each step generates, then trains (the synchronous loop)
     max_staleness: int = number(1, ge=0)  # k: a batch starts only while it cannot be trained more than k policy versions (optimizer updates) after the weights it samples with; 0 = each batch waits for the previous update, the synchronous run bit for bit
-    partial_rollouts: bool = False  # at a refit of the generation copy, park the unfinished responses of the batch in progress and resume them under the new weights (re-prefilled): the trainer does not wait for the batch's tail, a response's later tokens are fresher; false: a refit waits for the batch in progress
+    partial_rollouts: bool = False  # at a refit of the generation weights (the copy, or a push to the servers, whose requests are aborted), park the unfinished responses of the batch in progress and resume them under the new weights (re-prefilled): the trainer does not wait for the batch's tail, a response's later tokens are fresher; false: a refit waits for the batch in progress
 
 
 def planned_updates_per_step(cfg) -> int:
