@@ -80,7 +80,8 @@ def served_on(gpu: str, settings: list[str], sequences: int, directory: Path, ti
 
     from aligner_ext.distributed import free_port
 
-    port, url = free_port(), ""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent),
                                                         str(Path(__file__).resolve().parents[2]),
                                                         os.environ.get("PYTHONPATH", "")])}
@@ -93,7 +94,6 @@ def served_on(gpu: str, settings: list[str], sequences: int, directory: Path, ti
     with open(directory / "server.log", "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         deadline = time.monotonic() + timeout_s
         while True:
