@@ -22,7 +22,8 @@ Each route reads its request as vLLM's does, taking the strictest release where 
 
 What differs from vLLM: the weight group is gloo over generation/weight_group.py (vLLM's is NCCL over
 its StatelessProcessGroup, so the tests stand in for the trainer's end too), and generation is our
-engine's (serving/server.py). Every call is recorded in `calls` as (method, path, query, body).
+engine's (serving/server.py), its answers without the weight version ours report (vLLM has none). Every
+call is recorded in `calls` as (method, path, query, body).
 """
 
 import threading
@@ -66,6 +67,13 @@ class FakeVllm:
         self.received: list[list[str]] = [[] for _ in range(workers)]  # names each worker received
         self.paused = False
         self.update_active = False
+        generate = server.generate
+
+        def unversioned(*args) -> dict:
+            """A completion answer without our `metadata.weight_version`: vLLM reports no version."""
+            return {key: value for key, value in generate(*args).items() if key != "metadata"}
+
+        server.generate = unversioned
 
     def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True) -> None:
         if weights_iterator is not None:

@@ -1,25 +1,30 @@
-"""Generation ahead of training (asynchronous training, colocated): while the policy trains on step t's
-batch, a thread of the trainer's process generates the next steps' batches (docs/async.md).
+"""Generation ahead of training (asynchronous training): while the policy trains on step t's batch, a
+thread of the trainer's process generates the next steps' batches (docs/async.md).
 
 How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each step's batch):
-- Weights. The thread runs the configured experience maker (wrappers and rewards included) with an
-  engine of its own over `WeightsSnapshot`, a copy of the generation model. The trainer refits the
-  copy to the policy's weights, at a version boundary, when it asks for a batch or evaluates, and
-  only between two batches (a refit waits for the batch in progress), so a batch is sampled under one
-  version, stamped on its tokens (`GenerationEngine.weights_version`).
+- Weights, by placement (`GenerationWeights`). The thread runs the configured experience maker (wrappers
+  and rewards included) with an engine of its own. Colocated (hf, rollout): the engine samples from
+  `WeightsSnapshot`, a copy of the generation model on the trainer's device. Disaggregated (remote):
+  the engine drives generation servers, which hold the weights (`ServedWeights`: no copy here). The
+  trainer refits those weights to the policy's (a copy in place, or a push to the servers carrying the
+  version), at a version boundary, when it asks for a batch or evaluates, and only between two batches
+  (a refit waits for the batch in progress), so a batch is sampled under one version, stamped on its
+  tokens (`GenerationEngine.weights_version`; a server reports the version it sampled under and the
+  remote engine checks it, generation/remote.py).
 - Partial rollouts (`partial_rollouts`). A refit does not wait for the batch in progress: its engine
   call parks the unfinished responses, the copy is refitted, and they resume under the new weights,
   re-prefilled (generation/resumable.py); their tokens keep the version that sampled them, so a
   response's versions may vary. Admission is unchanged: a batch's oldest tokens are those of the
   version it started on, which admission bounds, so parking never ages a token past k.
-- Admission. The batch of step t starts only once the copy's version v satisfies V(t) - v <= k, with
+- Admission. The batch of step t starts only once the engine's weights' version v satisfies V(t) - v <= k, with
   k = `trainer.asynchronous.max_staleness` and V(t) the version step t trains at, bounded by the
   trainer's version at its latest request plus `updates_per_step` for each step in between (a step
   makes no more updates; a skipped one makes fewer). So no token reaches training more than k versions
   behind the proximal policy, and none can age past the bound: there is nothing to drop or wait for
   at training time. With k = 0 each batch waits for the previous update: the synchronous run, bit for
   bit (tests/e2e/test_async_runs.py). A batch also starts on the newest weights: once the policy has
-  moved past the copy, the thread waits for the trainer's refit rather than sample from the old copy.
+  moved past the engine's weights, the thread waits for the trainer's refit rather than sample from the
+  old ones.
 - The prompt stream. The thread draws from its own view of the loader; when the trainer takes step t's
   batch, its loader and this wrapper's maker state are set to where they stood after that batch was
   made. A checkpoint thus saves the synchronous run's position, and a resume regenerates the batches
@@ -44,7 +49,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -52,7 +57,7 @@ from aligner_ext.batch import ExperienceBatch
 from aligner_ext.data.loader import PromptLoader
 from aligner_ext.experience.base import ExperienceMaker, ExperienceWrapper
 from aligner_ext.experience.settings import AsynchronousConfig
-from aligner_ext.generation.base import GenerationEngine
+from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 
 if TYPE_CHECKING:
     from aligner_ext.models.base import Policy
@@ -86,9 +91,19 @@ class GenerationStream:
             self.stream.wait_stream(trainer)
 
 
+class GenerationWeights(Protocol):
+    """Where the generation thread's engine reads its weights, by placement: a copy in the trainer's process
+    (colocated, `WeightsSnapshot`) or generation servers (disaggregated, `ServedWeights`)."""
+
+    stream: GenerationStream  # the generation thread's device work, ordered with the refit and the evaluation
+
+    def refit(self) -> None:
+        """Give the engine's weights the live policy's, between two batches (the engine's version already set)."""
+
+
 class WeightsSnapshot:
-    """A copy of the generation model `live` that a second engine samples from, refitted in place, and
-    the stream the generation thread samples from it on."""
+    """Colocated: a copy of the generation model `live` that a second engine samples from, refitted in
+    place, and the stream the generation thread samples from it on."""
 
     def __init__(self, live: torch.nn.Module):
         self.live = live
@@ -106,6 +121,34 @@ class WeightsSnapshot:
                 mine.copy_(theirs)
 
 
+class ServedWeights:
+    """Disaggregated: the generation servers that `engine` (the remote engine) drives hold the weights, so
+    none are copied here; a refit pushes the live policy's weights to them with their version (the engine's
+    weight_sync: disk or distributed)."""
+
+    def __init__(self, live: torch.nn.Module, engine: GenerationEngine):
+        self.live, self.engine = live, engine
+        self.stream = GenerationStream(torch.device("cpu"))  # none: the thread queues no device work of its own
+
+    def refit(self) -> None:
+        self.engine.update_weights(self.live)
+
+
+class PushedBetweenBatches(GenerationEngine):
+    """The loop's handle on the servers generation ahead drives (disaggregated): it samples from them (the
+    evaluation) and leaves every push to generation ahead's refit, between two batches: the loop's push after
+    each update would change the servers' weights under the batch in progress."""
+
+    def __init__(self, servers: GenerationEngine):
+        self.servers = servers
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        return self.servers.generate(prompts, params)
+
+    def update_weights(self, policy_model) -> None:
+        """Nothing: `ServedWeights.refit` pushes, when generation ahead refits."""
+
+
 @dataclass
 class MadeBatch:
     """One step's batch as the thread made it, and the positions the synchronous run would have after it."""
@@ -119,10 +162,10 @@ class MadeBatch:
 class GenerateAhead(ExperienceWrapper):
     """The configured maker run ahead of training in a thread (module docstring)."""
 
-    def __init__(self, inner: ExperienceMaker, cfg: AsynchronousConfig, snapshot: WeightsSnapshot,
+    def __init__(self, inner: ExperienceMaker, cfg: AsynchronousConfig, weights: GenerationWeights,
                  engine: GenerationEngine, policy: "Policy", total_steps: int, updates_per_step: int):
         super().__init__(inner)
-        self.cfg, self.snapshot, self.engine, self.policy = cfg, snapshot, engine, policy
+        self.cfg, self.weights, self.engine, self.policy = cfg, weights, engine, policy
         self.total_steps, self.updates_per_step = total_steps, updates_per_step
         self.taken_state = inner.state_dict()  # the inner maker's state after the latest batch the trainer took
         self._changed = threading.Condition()  # guards everything below; notified on every change
@@ -167,7 +210,7 @@ class GenerateAhead(ExperienceWrapper):
         """The inner maker's evaluation between two batches, on the current weights (a maker that
         evaluates its own way samples from the copy), the thread held back until it ends (the rewards
         and the device are the trainer's)."""
-        with self._changed, self.snapshot.stream.joined():
+        with self._changed, self.weights.stream.joined():
             self._refit()
             return self.inner.evaluate(loader, single_round)
 
@@ -180,13 +223,13 @@ class GenerateAhead(ExperienceWrapper):
 
     def _refit(self) -> float:
         """Under the lock: wait for the batch in progress (with partial rollouts, for it to park), then give
-        the copy the policy's weights and version; returns the seconds the copy took."""
+        the engine the policy's version and weights; returns the seconds the copy (or the push) took."""
         self._refit_wanted = self.cfg.partial_rollouts
         self._changed.notify_all()
         self._changed.wait_for(lambda: not self._generating)
         started = time.perf_counter()
-        self.snapshot.refit()
-        self.engine.weights_version = self.policy.version
+        self.engine.weights_version = self.policy.version  # before the weights: a push to servers carries it
+        self.weights.refit()
         self._refit_wanted = False
         self._changed.notify_all()  # a parked batch resumes
         return time.perf_counter() - started
@@ -207,7 +250,7 @@ class GenerateAhead(ExperienceWrapper):
         self._thread.start()
 
     def _admitted(self, step: int) -> bool:
-        """Whether step `step`'s batch may start on the copy now (module docstring, admission)."""
+        """Whether step `step`'s batch may start on the engine's weights now (module docstring, admission)."""
         trainer_step, trainer_version = self._trainer_at
         trains_at = trainer_version + (step - trainer_step) * self.updates_per_step  # at most
         newest = self.policy.version == self.engine.weights_version
@@ -218,7 +261,7 @@ class GenerateAhead(ExperienceWrapper):
         compute threads (a new thread starts with OpenMP's default, and another count sums floats in
         another order)."""
         torch.set_num_threads(threads)
-        self.snapshot.stream.enter()
+        self.weights.stream.enter()
         try:
             for step in range(first_step, self.total_steps):
                 with self._changed:

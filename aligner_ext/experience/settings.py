@@ -146,11 +146,11 @@ def check_rollouts(cfg) -> None:
 
 @dataclass
 class AsynchronousConfig:
-    """Generation ahead of training in the trainer's process, on a copy of the policy (docs/async.md)."""
+    """Generation ahead of training in the trainer's process, on a copy of the policy or on servers (docs/async.md)."""
 
     enabled: bool = False  # generate ahead of training; false: each step generates, then trains (the synchronous loop)
     max_staleness: int = number(1, ge=0)  # k: a batch starts only while it cannot be trained more than k policy versions (optimizer updates) after the weights it samples with; 0 = each batch waits for the previous update, the synchronous run bit for bit
-    partial_rollouts: bool = False  # at a refit of the generation copy, park the unfinished responses of the batch in progress and resume them under the new weights (re-prefilled): the trainer does not wait for the batch's tail, a response's later tokens are fresher; false: a refit waits for the batch in progress
+    partial_rollouts: bool = False  # at a refit of the generation weights (the copy, or a push to the servers, whose requests are aborted), park the unfinished responses of the batch in progress and resume them under the new weights (re-prefilled): the trainer does not wait for the batch's tail, a response's later tokens are fresher; false: a refit waits for the batch in progress
 
 
 def planned_updates_per_step(cfg) -> int:
@@ -180,10 +180,12 @@ def check_asynchronous(cfg, variants: set[str]) -> None:
         raise ValueError(f"policy.backend={cfg.policy.backend} with {on}: generation ahead copies an HF module of the "
                          "policy; the Megatron backend generates on its training shards, under collectives a second "
                          "thread would interleave with training's; use policy.backend=hf")
-    if cfg.generator.engine not in ("auto", "hf", "rollout"):
+    if cfg.generator.engine not in ("auto", "hf", "rollout", "remote"):
         raise ValueError(f"generator.engine={cfg.generator.engine} with {on}: generation ahead runs an in-process engine "
-                         "(hf or rollout) on a copy of the policy; an engine holding its own weights (servers, vLLM: "
-                         "the disaggregated placement) is not driven ahead yet")
+                         "(hf or rollout) on a copy of the policy, or generation servers (generator.engine=remote); "
+                         "colocated vLLM sleeps while the policy trains, so it is not driven ahead")
+    if cfg.generator.engine == "remote":
+        check_served_ahead(cfg)
     if cfg.dynamic_sampling.enabled and cfg.dynamic_sampling.keep_surplus:
         raise ValueError(f"dynamic_sampling.keep_surplus=true with {on}: a carried group reaches training up to "
                          "dynamic_sampling.max_surplus_age steps after the batch it was sampled for, past the bound "
@@ -200,6 +202,20 @@ def check_asynchronous(cfg, variants: set[str]) -> None:
                          f"{updates // cfg.policy.num_iterations} mini-batch(es), policy.mini_batch_size="
                          f"{cfg.policy.mini_batch_size}): no batch could start before the update preceding it; set it "
                          f"to 0 or at least {updates}")
+
+
+def check_served_ahead(cfg) -> None:
+    """What generation ahead on generation servers (the disaggregated placement) does not run with, refused
+    naming both settings."""
+    on = "generator.engine=remote with trainer.asynchronous.enabled=true"
+    if cfg.generator.remote.weight_sync == "none":
+        raise ValueError(f"generator.remote.weight_sync=none and {on}: the servers would never receive the policy's "
+                         "weights, so no staleness bound holds; set generator.remote.weight_sync=disk or distributed")
+    if cfg.trainer.asynchronous.partial_rollouts and cfg.generator.remote.server_kind != "sglang":
+        raise ValueError(f"trainer.asynchronous.partial_rollouts=true and generator.remote.server_kind="
+                         f"{cfg.generator.remote.server_kind} with {on}: parking aborts the servers' requests through "
+                         "SGLang's /abort_request, which vLLM does not serve; set trainer.asynchronous."
+                         "partial_rollouts=false or use SGLang or aligner-ext serve")
 
 
 def check_partial_rollouts(cfg) -> None:

@@ -74,7 +74,7 @@ class GenerationEngine(abc.ABC):
     report a per-sequence finish reason; accept prompts of different lengths in one call.
     """
 
-    weights_version: int = 0  # the policy version (optimizer updates applied) of the weights it samples with; set by whoever hands it weights (the loop's refit, trainer/loop.py; the generation-ahead snapshot, experience/ahead.py)
+    weights_version: int = 0  # the policy version (optimizer updates applied) of the weights it samples with; set by whoever hands it weights, before `update_weights` (a push to servers carries it: generation/remote.py), by the loop's refit (trainer/loop.py) and generation ahead's (experience/ahead.py)
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:

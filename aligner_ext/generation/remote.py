@@ -25,6 +25,22 @@ NCCL on GPUs, gloo on CPU) through /init_weights_update_group once and
 the weights they loaded). Those are SGLang's endpoints, which ours speaks too (`server_kind=sglang`);
 `server_kind=vllm` drives vLLM's own weight-update routes instead (generation/remote_vllm.py).
 docs/serving.md gives the costs.
+
+Versions: a push carries the engine's `weights_version` (set before it by whoever hands the engine
+weights; SGLang's `weight_version` field), and a server that reports one (ours, SGLang:
+`metadata.weight_version` in every response) must report the version pushed last: tokens sampled under
+other weights (another trainer pushing to the server, a server restarted on its initial weights) are an
+error naming the server and both versions, never trained on silently. Every output is stamped with that
+version (`GenerationOutput.versions`). A server that reports none (vLLM) is stamped with the pushed
+version, said once in the log; before this engine's first push a server samples from the weights it
+loaded, which are not checked.
+
+Stopping a call (`should_stop`, polled while its requests are in flight; partial rollouts park at a
+weight push, generation/resumable.py): every server is asked to abort its requests (SGLang's
+/abort_request, `abort_all`; ours speaks it), which answer with the tokens sampled so far, an unfinished
+choice's finish_reason "abort"; such a response comes back cut where it stood ("length" with fewer tokens
+than asked), to be resumed as a new request, re-prefilled. Every request on the server stops: give a run
+servers of its own.
 """
 
 from __future__ import annotations
@@ -33,7 +49,8 @@ import itertools
 import logging
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -49,6 +66,8 @@ from aligner_ext.generation.weight_group import WeightGroup, describe
 from aligner_ext.weights_file import save_state
 
 logger = logging.getLogger(__name__)
+
+STOP_POLL_S = 0.05  # how often a call with `should_stop` asks it while its requests are in flight
 
 # what a server without the weight-update endpoints of `server_kind` is told
 MISSING_ENDPOINT_HINTS = {
@@ -146,7 +165,7 @@ def parse_choice(choice, server_url: str, return_logprobs: bool) -> GenerationOu
     if token_ids is None:
         raise ServerError(f"generation server {server_url} returned no token ids: the remote engine needs "
                           "`return_token_ids` (our server, vLLM >= 0.10.2)")
-    if choice.finish_reason == "length":
+    if choice.finish_reason in ("length", "abort"):  # abort: cut short where it stood (module docstring)
         reason = "length"
     else:
         reason = "eos" if extra.get("stop_reason") is None else "stop"
@@ -179,14 +198,24 @@ class RemoteEngine(GenerationEngine):
         self._lock = threading.Lock()
         self._next = itertools.cycle(range(len(self.servers)))
         self._group: WeightGroup | None = None
+        self.pushed_version: int | None = None  # the version of the latest push, checked in every response
+        self._unversioned: set[str] = set()  # servers said to report no version
         if cfg.weight_sync == "none":
             logger.warning("generator.remote.weight_sync=none: the servers keep sampling from the weights they "
                            "loaded; the policy's updates do not reach them")
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 should_stop: Callable[[], bool] | None = None) -> list[GenerationOutput]:
+        """Continue every prompt once; a `should_stop` that turns true while the requests are in flight
+        aborts them on every server, outputs cut where they stood (module docstring)."""
         size = self.cfg.max_prompts_per_request
         futures = [self._pool.submit(self._complete, prompts[begin:begin + size], params, begin)
                    for begin in range(0, len(prompts), size)]
+        if should_stop is not None:
+            while wait(futures, timeout=STOP_POLL_S).not_done:
+                if should_stop():
+                    self._on_every_server("/abort_request", lambda index: {"rid": "", "abort_all": True})
+                    break
         return [output for future in futures for output in future.result()]
 
     def _pick(self) -> _Server:
@@ -230,19 +259,46 @@ class RemoteEngine(GenerationEngine):
         if len(choices) != len(prompts) * n:
             raise ServerError(f"generation server {server.url} returned {len(choices)} choices for {len(prompts)} "
                               f"prompts x n={n}")
-        return [parse_choice(choice, server.url, params.return_logprobs) for choice in choices]
+        outputs = [parse_choice(choice, server.url, params.return_logprobs) for choice in choices]
+        version = self._sampled_under(server, response)
+        for output in outputs:
+            output.versions = [version] * len(output.token_ids)
+        return outputs
+
+    def _sampled_under(self, server: _Server, response) -> int:
+        """The policy version `response`'s tokens were sampled under: the one pushed last, checked against
+        the version the server reports (module docstring)."""
+        if self.pushed_version is None:
+            return self.weights_version
+        reported = ((response.model_extra or {}).get("metadata") or {}).get("weight_version")
+        if reported is None:
+            if server.url not in self._unversioned:
+                self._unversioned.add(server.url)
+                logger.warning("generation server %s reports no weight version (vLLM, SGLang before its "
+                               "weight_version): its tokens are stamped with the version pushed last, %d",
+                               server.url, self.pushed_version)
+            return self.pushed_version
+        if str(reported) != str(self.pushed_version):
+            raise ServerError(f"generation server {server.url} sampled under weight version {reported}, but this "
+                              f"trainer pushed version {self.pushed_version} last: check that no other trainer "
+                              "pushes weights to it (give each run servers of its own) and that it did not "
+                              "restart (a restarted server samples from the weights it loaded)")
+        return self.pushed_version
 
     def update_weights(self, policy_model) -> None:
-        """Push the policy's weights to every server (rank 0 pushes; every rank waits for it). A policy
-        with LoRA adapters pushes its merged weights (`adapters.merged_state`: new tensors, the base
-        untouched), which every server kind loads as it loads a full model."""
-        if self.cfg.weight_sync != "none" and distributed.is_main_process():
+        """Push the policy's weights, version `weights_version`, to every server (rank 0 pushes; every rank
+        waits for it). A policy with LoRA adapters pushes its merged weights (`adapters.merged_state`: new
+        tensors, the base untouched), which every server kind loads as it loads a full model."""
+        pushing = self.cfg.weight_sync != "none"
+        if pushing and distributed.is_main_process():
             with torch.no_grad():
                 if self.cfg.weight_sync == "disk":
                     self._push_from_disk(policy_model)
                 else:
                     self._push_distributed(policy_model)
         distributed.barrier()
+        if pushing:
+            self.pushed_version = self.weights_version
 
     def _push_from_disk(self, model) -> None:
         directory = Path(self.cfg.weight_sync_dir)
@@ -254,7 +310,8 @@ class RemoteEngine(GenerationEngine):
         if self.cfg.server_kind == "vllm":
             remote_vllm.reload_from_disk(self._on_every_server, str(directory))
         else:
-            self._on_every_server("/update_weights_from_disk", lambda index: {"model_path": str(directory)})
+            self._on_every_server("/update_weights_from_disk", lambda index: {"model_path": str(directory),
+                                                                              "weight_version": str(self.weights_version)})
 
     def _push_distributed(self, model) -> None:
         named = merged_parameters(model)
@@ -275,7 +332,8 @@ class RemoteEngine(GenerationEngine):
         else:
             names, dtypes, shapes = describe(named)
             broadcast_while("/update_weights_from_distributed",
-                            {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": "weight_sync"})
+                            {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": "weight_sync",
+                             "weight_version": str(self.weights_version)})
 
     def _join_group(self, device: torch.device):
         """The trainer's end (rank 0) of the weight group, joined with every server."""

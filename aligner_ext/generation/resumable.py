@@ -2,9 +2,10 @@
 weights and resumed under the new ones (generation ahead of training, experience/ahead.py; docs/async.md).
 
 `ResumableEngine` wraps the generation thread's engine (hf or rollout, both stop between two decode steps
-when their `should_stop` turns true). A call runs the inner engine with `should_stop = refit_wanted`;
-when it stops with responses unfinished, it parks them and calls `await_refit` (the thread lets the
-trainer refit the copy and returns once it has), then resumes every parked response as a request of
+when their `should_stop` turns true; remote, whose servers abort their requests then). A call runs the
+inner engine with `should_stop = refit_wanted`; when it stops with responses unfinished, it parks them and
+calls `await_refit` (the thread lets the trainer refit the copy, or push to the servers, and returns once
+it has), then resumes every parked response as a request of
 its own: the prompt followed by the response so far, prefilled whole under the new weights, for the
 tokens it has left. So:
 - a token keeps the log-prob and the version of the weights that sampled it: tokens sampled before the
@@ -83,6 +84,7 @@ class ResumableEngine(GenerationEngine):
         self.inner.release_memory()
 
     def update_weights(self, policy_model) -> None:
+        self.inner.weights_version = self.weights_version  # a push to servers carries it (generation/remote.py)
         self.inner.update_weights(policy_model)
 
 

@@ -60,6 +60,7 @@ class RankSplitEngine(GenerationEngine):
         self.inner.release_memory()
 
     def update_weights(self, policy_model) -> None:
+        self.inner.weights_version = self.weights_version  # a push to servers carries it (generation/remote.py)
         self.inner.update_weights(policy_model)
 
 

@@ -7,7 +7,9 @@ a trainer never re-tokenises text. `finish_reason` is "stop" or "length" as Open
 does. Log-probs are those of the sampled tokens only (`logprobs` 0 or 1; top-k alternatives are not
 served). Fields other servers accept and these models do not know are ignored. Numbers must be
 finite; as vLLM does, a temperature below SAMPLING_EPS samples greedily and a top_p below it keeps
-the most likely token only, and a seed is a signed 64-bit integer.
+the most likely token only, and a seed is a signed 64-bit integer. Every completion response carries
+`metadata.weight_version`, as SGLang's does (a string): the version of the weights its tokens were
+sampled under, the one the latest weight push gave (its `weight_version`), else the count of updates.
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ class DiskWeightsRequest(BaseModel):
 
     model_path: str
     load_format: str | None = None
+    # SGLang's (a string there): the policy version of the pushed weights, which the server reports from then
+    # on; here a count (digits accepted). Unset: the server counts its updates
+    weight_version: int | None = Field(None, ge=0)
+
+
+class AbortRequest(BaseModel):
+    """SGLang's /abort_request payload (`rid`: one request's id, which this server does not give; served:
+    `abort_all`)."""
+
+    rid: str = ""
+    abort_all: bool = False
 
 
 class WeightGroupRequest(BaseModel):
@@ -87,6 +100,7 @@ class DistributedWeightsRequest(BaseModel):
     dtype: str | None = None
     shape: list[int] | None = None
     group_name: str = "weight_sync"
+    weight_version: int | None = Field(None, ge=0)  # as DiskWeightsRequest's
 
     def tensors(self) -> list[tuple[str, str, list[int]]]:
         if self.names is not None:

@@ -5,7 +5,13 @@ key needed) and /metrics (Prometheus text), and SGLang's weight-update endpoints
 /update_weights_from_disk (a directory under `serve.weights_root` holding model.safetensors, written
 by the trainer with aligner_ext/weights_file.py::save_weights; refused when that setting is unset),
 /init_weights_update_group and /update_weights_from_distributed (tensors broadcast from trainer rank 0
-over generation/weight_group.py).
+over generation/weight_group.py). An update's `weight_version` (the policy version the trainer pushed)
+becomes the server's, reported by /health, the update's answer and every completion response
+(`metadata.weight_version`, as SGLang's: the version its tokens were sampled under); an update without
+one counts up from 0. POST /abort_request (SGLang's, `abort_all` only) stops every completion request in
+flight between two decode steps: each answers with the tokens sampled so far, its unfinished choices'
+finish_reason "abort" (a trainer parks them at a weight push and resumes them re-prefilled,
+generation/resumable.py); a request still waiting for the engine answers with no tokens.
 
 The engine runs one call at a time: a request waits for the engine at most `request_timeout_s`
 (then 503). A request's prompts x n run as one engine call, so the rollout engine batches them.
@@ -30,6 +36,7 @@ import inspect
 import logging
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,8 +54,8 @@ from aligner_ext.errors import ConfigError
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.weight_group import DTYPES, WeightGroup
 from aligner_ext.serving.protocol import (
-    ChatCompletionRequest, CompletionRequest, DiskWeightsRequest, DistributedWeightsRequest, WeightGroupRequest,
-    chat_choice, completion_choice, usage,
+    AbortRequest, ChatCompletionRequest, CompletionRequest, DiskWeightsRequest, DistributedWeightsRequest,
+    WeightGroupRequest, chat_choice, completion_choice, usage,
 )
 from aligner_ext.weights_file import load_weights
 
@@ -92,6 +99,8 @@ class GenerationServer:
     def __init__(self, engine: GenerationEngine, model: torch.nn.Module, tokenizer, cfg: ServeConfig):
         self.engine, self.model, self.tokenizer, self.cfg = engine, model, tokenizer, cfg
         self.engine_lock = threading.Lock()
+        self.aborts: set[threading.Event] = set()  # one per completion request in flight, set by /abort_request
+        self.aborts_lock = threading.Lock()
         self.counters = _Counters()
         self.weight_groups: dict[str, WeightGroup] = {}
         self.weight_version = 0
@@ -119,23 +128,39 @@ class GenerationServer:
                                self.cfg.model_name, self.cfg.max_tokens, run_step=locked_step, open_on_request=True,
                                max_sessions=MAX_SESSIONS, max_chars=self.max_prompt_chars)
 
-    def run_engine(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                   cancelled: threading.Event) -> list[GenerationOutput]:
-        """Every prompt n times (prompt i's samples at i*n ... i*n+n-1), in one engine call; a set
-        `cancelled` (the client left) gives up the wait for the engine or stops the call."""
+    def run_engine(self, prompts: list[list[int]], params: SamplingParams, n: int, cancelled: threading.Event,
+                   aborted: threading.Event) -> tuple[list[GenerationOutput], int]:
+        """Every prompt n times (prompt i's samples at i*n ... i*n+n-1), in one engine call, and the weight
+        version they were sampled under (an update waits for the call); a set `cancelled` (the client left)
+        gives up the wait for the engine or stops the call, a set `aborted` (/abort_request) too, the call's
+        outputs cut where they are (none before the call)."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
+        repeated = [prompt for prompt in prompts for _ in range(n)]
         while not self.engine_lock.acquire(timeout=0.1):
             if cancelled.is_set():
                 raise HTTPException(499, "the client disconnected")
+            if aborted.is_set():
+                return [GenerationOutput(token_ids=[], finish_reason="length") for _ in repeated], self.weight_version
             if time.monotonic() > deadline:
                 raise HTTPException(503, f"the engine stayed busy for serve.request_timeout_s={self.cfg.request_timeout_s} s")
         try:
-            repeated = [prompt for prompt in prompts for _ in range(n)]
             if self.cancellable:
-                return self.engine.generate(repeated, params, should_stop=cancelled.is_set)
-            return self.engine.generate(repeated, params)
+                stop = partial(self.stop_wanted, cancelled, aborted)
+                return self.engine.generate(repeated, params, should_stop=stop), self.weight_version
+            return self.engine.generate(repeated, params), self.weight_version
         finally:
             self.engine_lock.release()
+
+    def stop_wanted(self, cancelled: threading.Event, aborted: threading.Event) -> bool:
+        """Polled by the engine between two decode steps: the client left, or its request was aborted."""
+        return cancelled.is_set() or aborted.is_set()
+
+    def abort_all(self) -> int:
+        """/abort_request: stop every completion request in flight (run_engine); returns how many."""
+        with self.aborts_lock:
+            for aborted in self.aborts:
+                aborted.set()
+            return len(self.aborts)
 
     def check_bounds(self, request, prompts: list[list[int]]) -> None:
         if request.stream:
@@ -192,19 +217,28 @@ class GenerationServer:
                  cancelled: threading.Event) -> dict:
         self.check_bounds(request, prompts)
         params = request.sampling_params(return_logprobs)
-        started = time.perf_counter()
+        started, aborted = time.perf_counter(), threading.Event()
+        with self.aborts_lock:
+            self.aborts.add(aborted)
         try:
-            outputs = self.run_engine(prompts, params, request.n, cancelled)
+            outputs, version = self.run_engine(prompts, params, request.n, cancelled, aborted)
         except ValueError as err:  # the engine's check of the sampling settings
             raise HTTPException(400, str(err)) from err
+        finally:
+            with self.aborts_lock:
+                self.aborts.discard(aborted)
         if cancelled.is_set():
             raise HTTPException(499, "the client disconnected")
         used = usage(prompts, outputs)
         self.counters.add(prompt_tokens_total=used["prompt_tokens"], generation_tokens_total=used["completion_tokens"],
                           request_seconds_total=time.perf_counter() - started)
+        choices = [make_choice(index, output, params, self.tokenizer) for index, output in enumerate(outputs)]
+        if aborted.is_set():  # cut short: SGLang's finish_reason for an aborted request
+            for choice, output in zip(choices, outputs):
+                if output.finish_reason == "length" and len(output.token_ids) < params.max_new_tokens:
+                    choice["finish_reason"] = "abort"
         return {"id": f"cmpl-{time.time_ns()}", "created": int(time.time()), "model": self.cfg.model_name,
-                "choices": [make_choice(index, output, params, self.tokenizer) for index, output in enumerate(outputs)],
-                "usage": used}
+                "choices": choices, "usage": used, "metadata": {"weight_version": str(version)}}
 
     def weights_file(self, model_path: str) -> Path:
         """The model.safetensors of `model_path`, a directory under serve.weights_root (symlinks and `..`
@@ -226,9 +260,9 @@ class GenerationServer:
             raise HTTPException(400, f"model_path {quoted!r} holds no model.safetensors")
         return file
 
-    def load_from_disk(self, model_path: str) -> None:
+    def load_from_disk(self, model_path: str, version: int | None = None) -> None:
         """Load the weights of `model_path` (weights_file) in place, once their names and shapes (the
-        file's header) are known to fit the served model."""
+        file's header) are known to fit the served model; `version`: theirs (weights_changed)."""
         file = self.weights_file(model_path)
         state = self.model.state_dict()
         try:
@@ -248,7 +282,7 @@ class GenerationServer:
             if missing or unexpected:
                 raise HTTPException(400, f"weights at {file} do not match the served model: missing {missing[:5]}, "
                                          f"unexpected {unexpected[:5]}")
-            self.weights_changed()
+            self.weights_changed(version)
 
     def receive_broadcast(self, request: DistributedWeightsRequest) -> None:
         group = self.weight_groups.get(request.group_name)
@@ -273,14 +307,16 @@ class GenerationServer:
                     params[name].data.copy_(received)
                 else:
                     unknown.append(name)
-            self.weights_changed()
+            self.weights_changed(request.weight_version)
         if unknown:
             raise HTTPException(400, f"{len(unknown)} tensors do not match a parameter of the served model: {unknown[:5]}")
 
-    def weights_changed(self) -> None:
+    def weights_changed(self, version: int | None = None) -> None:
+        """After an update: the weights' `version`, the policy version the trainer pushed (reported in
+        /health and every response), or with none given the count of updates."""
         self.engine.update_weights(self.model)
         self.sessions.weights_changed()
-        self.weight_version += 1
+        self.weight_version = self.weight_version + 1 if version is None else version
         self.counters.add(weight_updates_total=1)
 
 
@@ -419,8 +455,14 @@ def build_app(server: GenerationServer) -> FastAPI:
 
     @app.post("/update_weights_from_disk", dependencies=keyed)
     def update_weights_from_disk(request: DiskWeightsRequest) -> dict:
-        server.load_from_disk(request.model_path)
+        server.load_from_disk(request.model_path, request.weight_version)
         return {"success": True, "message": f"loaded {request.model_path}", "weight_version": server.weight_version}
+
+    @app.post("/abort_request", dependencies=keyed)
+    def abort_request(request: AbortRequest) -> dict:
+        if not request.abort_all:
+            raise HTTPException(400, "only abort_all=true is served: every completion request in flight stops")
+        return {"success": True, "aborted": server.abort_all()}
 
     @app.post("/init_weights_update_group", dependencies=keyed)
     def init_weights_update_group(request: WeightGroupRequest) -> dict:

@@ -31,7 +31,8 @@ from aligner_ext.data.tasks.base import DRILLS
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import main_process_first, world_size
 from aligner_ext.errors import ConfigError, ModelPathError, UserError, error_line
-from aligner_ext.experience.ahead import GenerateAhead, WeightsSnapshot
+from aligner_ext.experience.ahead import (GenerateAhead, GenerationWeights, PushedBetweenBatches, ServedWeights,
+                                          WeightsSnapshot)
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
 from aligner_ext.experience.settings import own_evaluation_refusal, planned_updates_per_step
 from aligner_ext.files import follow_umask
@@ -207,12 +208,11 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         reference = policy.frozen_reference() if cfg.loss.kl_coef > 0 else None
         engine_name = generation_engine_name(cfg, model.config, policy.device)
         generation_model = policy.generation_model(engine_name)
-        snapshot = weights_snapshot(cfg, generation_model)  # before an engine re-points the model's tensors
+        snapshot = weights_snapshot(cfg, engine_name, generation_model)  # before an engine re-points the model's tensors
         engine = split_across_ranks(build_engine(cfg, engine_name, generation_model, tokenizer),
                                     cfg.generator.split_across_ranks, getattr(generation_model, "split_group", None))
-        maker_engine = engine if snapshot is None else build_engine(cfg, engine_name, snapshot.model, tokenizer)
-        if snapshot is not None and cfg.trainer.asynchronous.partial_rollouts:
-            maker_engine = ResumableEngine(maker_engine, tokenizer)  # parks at a refit of the copy (experience/ahead.py)
+        engine, maker_engine, ahead_weights = generation_ahead_engines(cfg, engine_name, engine, generation_model,
+                                                                       snapshot, tokenizer)
         ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=maker_engine, rewards=rewards,
                            vocab_size=vocab_size)
         advantage = construct(cfg, "advantage estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator,
@@ -221,8 +221,8 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
                          lambda cls: cls.from_context(ctx), section="loss")  # every loss reads the whole section
         ctx.reads_after_experience = frozenset(advantage.reads) | frozenset(loss.reads)
         maker = build_experience_maker(ctx)
-        if snapshot is not None:
-            maker = GenerateAhead(maker, cfg.trainer.asynchronous, snapshot, maker_engine, policy,
+        if ahead_weights is not None:
+            maker = GenerateAhead(maker, cfg.trainer.asynchronous, ahead_weights, maker_engine, policy,
                                   cfg.trainer.total_steps, planned_updates_per_step(cfg))
         check_stages(step_stages(maker, reference is not None, advantage, cfg.algorithm.adv_estimator, loss,
                                  cfg.algorithm.loss))
@@ -244,17 +244,36 @@ def build_engine(cfg: RunConfig, name: str, model: torch.nn.Module, tokenizer) -
                      lambda cls: cls(model, tokenizer, getattr(cfg.generator, name)), section=f"generator.{name}")
 
 
-def weights_snapshot(cfg: RunConfig, generation_model: torch.nn.Module) -> WeightsSnapshot | None:
-    """The copy of the generation model that generation ahead of training samples from (experience/ahead.py),
-    or None when `trainer.asynchronous` is off. Refused under torchrun: the generation thread's collectives
-    would interleave with training's."""
+def weights_snapshot(cfg: RunConfig, engine_name: str, generation_model: torch.nn.Module) -> WeightsSnapshot | None:
+    """The copy of the generation model that generation ahead of training samples from when colocated
+    (experience/ahead.py), or None: `trainer.asynchronous` off, or the engine drives servers that hold the
+    weights (`remote`). Refused under torchrun: the generation thread's collectives would interleave with
+    training's."""
     if not cfg.trainer.asynchronous.enabled:
         return None
     if world_size() > 1:
         raise ConfigError(f"trainer.asynchronous.enabled=true under torchrun ({world_size()} processes): the "
                           "generation thread's collectives would interleave with training's; run one process, or "
                           "set trainer.asynchronous.enabled=false")
-    return WeightsSnapshot(generation_model)
+    return None if engine_name == "remote" else WeightsSnapshot(generation_model)
+
+
+def generation_ahead_engines(cfg: RunConfig, engine_name: str, engine: GenerationEngine,
+                             generation_model: torch.nn.Module, snapshot: WeightsSnapshot | None,
+                             tokenizer) -> tuple[GenerationEngine, GenerationEngine, GenerationWeights | None]:
+    """(the loop's engine, the experience maker's, the weights generation ahead refits; None: it is off).
+    Colocated, the maker samples from the copy with an engine of its own. Disaggregated (remote), both sample
+    from the servers, and only generation ahead pushes to them, between two batches. With partial rollouts
+    the maker's engine is resumable: it parks at a refit."""
+    if not cfg.trainer.asynchronous.enabled:
+        return engine, engine, None
+    served = engine_name == "remote"
+    maker_engine = engine if served else build_engine(cfg, engine_name, snapshot.model, tokenizer)
+    if cfg.trainer.asynchronous.partial_rollouts:
+        maker_engine = ResumableEngine(maker_engine, tokenizer)
+    if served:
+        return PushedBetweenBatches(engine), maker_engine, ServedWeights(generation_model, maker_engine)
+    return engine, maker_engine, snapshot
 
 
 def build_experience_maker(ctx: BuildContext) -> ExperienceMaker:

@@ -200,9 +200,10 @@ def update_policy(parts: Components, batch: ExperienceBatch, timer: StageTimer, 
 
 
 def refit_engine(parts: Components) -> None:
-    """The engine samples from the policy's current weights, and knows their version."""
-    parts.engine.update_weights(parts.generation_model)
+    """The engine samples from the policy's current weights, and knows their version (before the weights:
+    a push to generation servers carries it)."""
     parts.engine.weights_version = parts.policy.version
+    parts.engine.update_weights(parts.generation_model)
 
 
 def old_logprobs_from_training(parts: Components, batch_size: int) -> bool:

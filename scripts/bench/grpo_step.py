@@ -24,7 +24,12 @@ trainer.asynchronous.max_staleness=K` (generation ahead of training, docs/async.
 gives each against its synchronous run: samples/s, generation and training time, the trainer's wait
 (its time in make_experience: making the batch, or waiting for the one made ahead), the generator's idle
 time (synchronous: the rest of the step; asynchronous: the thread waiting for admission) and the
-tokens' staleness. `--long-tail` makes the work long-tailed, for our systems: LONG_SHARE (10%) of each
+tokens' staleness. On two GPUs, `--disaggregated K` (or K1,K2) runs each of our systems twice more with
+its engine in `aligner-ext serve` on the second GPU (SERVING_GPU) and training on the first, the weights
+pushed over NCCL (grpo_step_ours.served_on): NAME_served, synchronous (each step generates through the
+server, then trains, then pushes), and NAME_served_async_kK, generating ahead at max_staleness=K (the
+disaggregated placement, docs/async.md), reported against NAME_served; NAME itself is the one-GPU
+synchronous run. `--long-tail` makes the work long-tailed, for our systems: LONG_SHARE (10%) of each
 step's responses run to R tokens, the others stop at R / 8 (the median), the long rows drawn by the
 step's sampling seed (grpo_step_lib.LongTail); the bounds below count those lengths.
 
@@ -96,6 +101,8 @@ OURS = {"ours": ("hf", []), "ours_rollout": ("rollout", []),
 VARIANTS = ("dapo", "cpo", "mtpo", "graded_prompt")
 PREV_PREFIX = "prev:"  # a system run with the library of --prev (module docstring)
 ASYNC_SUFFIX = "_async_k"  # NAME_async_kK: our system NAME generating ahead at max_staleness K (module docstring)
+SERVED_SUFFIX = "_served"  # NAME_served[_async_kK]: our system NAME generating through a server on SERVING_GPU
+SERVING_GPU = {"cuda": "1", "cpu": "cpu"}  # where --disaggregated serves, by the preset's device
 PHASES = ("generation", "logprobs", "train", "weight_sync", "rewards", "other")
 
 
@@ -455,6 +462,9 @@ def main(argv: list[str] | None = None) -> None:
                         "ahead of training at trainer.asynchronous.max_staleness=K, as NAME_async_kK")
     parser.add_argument("--partial-rollouts", action="store_true", help="with --asynchronous: the runs generating "
                         "ahead park and resume their unfinished responses at each refit (trainer.asynchronous.partial_rollouts)")
+    parser.add_argument("--disaggregated", type=staleness_bounds, default=[], help="K or K1,K2: each of our systems "
+                        "also runs generating through `aligner-ext serve` on the second GPU, synchronous (NAME_served) "
+                        "and ahead of training at max_staleness=K (NAME_served_async_kK)")
     parser.add_argument("--vary-prompt-widths", action="store_true", help="prompts of lengths drawn per step "
                         "(seeded; grpo_step_lib.varying_prompt_lengths): every step's prompt width differs from the "
                         "step before's, as with real data (the bound and MFU columns still count P tokens)")
@@ -508,9 +518,7 @@ def main(argv: list[str] | None = None) -> None:
               "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv[1:] if argv is None else argv)}
     systems = []
     for system in [s for s in args.systems.split(",") if s]:
-        systems.append(system)
-        if system.startswith("ours"):  # this tree's own: generation ahead is this tree's
-            systems += [f"{system}{ASYNC_SUFFIX}{k}" for k in args.asynchronous]
+        systems += with_ahead_runs(system, args.asynchronous, args.disaggregated)
     for system in systems:
         base, root = system.removeprefix(PREV_PREFIX), ROOT
         if base != system:
@@ -519,13 +527,15 @@ def main(argv: list[str] | None = None) -> None:
             root = args.prev
         if base.startswith("ours"):
             base, _, staleness = base.partition(ASYNC_SUFFIX)
-            engine, settings = OURS[base]
+            served = base.endswith(SERVED_SUFFIX)
+            engine, settings = OURS[base.removesuffix(SERVED_SUFFIX)]
             if staleness:
                 settings = [*settings, "trainer.asynchronous.enabled=true",
                             f"trainer.asynchronous.max_staleness={staleness}",
                             *(["trainer.asynchronous.partial_rollouts=true"] if args.partial_rollouts else [])]
             script, extra = "grpo_step_ours.py", ["--engine", engine, "--system", system,
                                                   *[arg for setting in [*settings, *args.set] for arg in ("--set", setting)]]
+            extra += ["--serve-on", SERVING_GPU[preset.device]] if served else []
             extra += ["--profile-first-step"] if args.profile_first_step else []
             extra += ["--profile-slow-steps"] if args.profile_slow_steps and base == system else []
             extra += ["--eos"] if args.eos else []
@@ -555,6 +565,15 @@ def main(argv: list[str] | None = None) -> None:
                                            "note": variant_note(variant, result)}
         write_report(report, args.out, started)
     print(write_report(report, args.out, started))
+
+
+def with_ahead_runs(system: str, asynchronous: list[int], disaggregated: list[int]) -> list[str]:
+    """`system` and, for one of ours (this tree's: generation ahead is this tree's), its runs generating ahead
+    at each bound of --asynchronous, and through a server, synchronous then at each bound of --disaggregated."""
+    if not system.startswith("ours"):
+        return [system]
+    served = [f"{system}{SERVED_SUFFIX}"] + [f"{system}{SERVED_SUFFIX}{ASYNC_SUFFIX}{k}" for k in disaggregated]
+    return [system, *[f"{system}{ASYNC_SUFFIX}{k}" for k in asynchronous], *(served if disaggregated else [])]
 
 
 def staleness_bounds(text: str) -> list[int]:

@@ -9,6 +9,11 @@ thread (aligner_ext/experience/ahead.py): the clock times the trainer's thread o
 records its batch's generation time in that thread, the trainer's wait and the generator's idle time.
 `--long-tail`: the responses' lengths are long-tailed (grpo_step_lib.LongTail).
 
+`--serve-on GPU` (the disaggregated placement, docs/async.md): the `--engine` runs in `aligner-ext serve`,
+a process of its own that sees GPU alone (`cpu`: on the CPU), and the trainer generates through it
+(`generator.engine=remote`), the weights pushed over a weight group (NCCL between two GPUs, gloo on the
+CPU): after each update, or with generation ahead between two batches, carrying their version.
+
     python scripts/bench/grpo_step_ours.py --workspace DIR --out FILE [--variant dapo] [--steps 5]
 """
 
@@ -21,6 +26,10 @@ STARTED = time.perf_counter()
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -61,6 +70,46 @@ def overrides(preset: Preset, workspace: Path, variant: str, lr: float, engine: 
         common += [f"mtpo.max_answer_length={preset.response_length}",
                    f"mtpo.max_confidence_length={preset.response_length // 2}"]
     return VARIANT_OVERRIDES[variant] + common
+
+
+@contextmanager
+def served_on(gpu: str, settings: list[str], sequences: int, directory: Path, timeout_s: float = 300):
+    """`aligner-ext serve` of the run's model and engine (`settings`) in a process of its own that sees `gpu`
+    alone (`cpu`: on the CPU), its log in `directory`/server.log; yields the overrides that make the trainer
+    generate through it, each engine call one request (the server batches it whole)."""
+    import openai
+
+    from aligner_ext.distributed import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent),
+                                                        str(Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    device = ["policy.device=cpu"] if gpu == "cpu" else ["policy.device=cuda"]
+    if gpu != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    directory.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "aligner_ext", "serve", *settings, *device, f"serve.port={port}",
+               f"serve.max_prompts_per_request={sequences}", f"trainer.output_dir={directory}"]
+    with open(directory / "server.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.get("/health", cast_to=object)
+                break
+            except openai.APIConnectionError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"aligner-ext serve did not start; see {directory / 'server.log'}") from None
+                time.sleep(0.5)
+        yield ["generator.engine=remote", f"generator.remote.urls=[{url}]", "generator.remote.weight_sync=distributed",
+               "generator.remote.weight_sync_address=127.0.0.1", f"generator.remote.max_prompts_per_request={sequences}"]
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
 
 
 def probe_logprobs(policy, probe_path: Path) -> torch.Tensor:
@@ -137,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], help="one more config override (repeatable)")
     parser.add_argument("--eos", action="store_true", help="responses end at EOS (lengths vary from step to step)")
     parser.add_argument("--long-tail", action="store_true", help="long-tailed response lengths (grpo_step_lib.LongTail)")
+    parser.add_argument("--serve-on", default=None, help="a GPU index (or cpu): the engine runs in `aligner-ext serve` "
+                        "there and the trainer generates through it (module docstring)")
     parser.add_argument("--profile-first-step", action="store_true",
                         help="run the first step under cProfile: its heaviest calls in <out>.first_step_profile.txt")
     parser.add_argument("--profile-slow-steps", action="store_true",
@@ -146,17 +197,24 @@ def main(argv: list[str] | None = None) -> None:
                         "...) of one more step after the measured ones to run under torch.profiler: where their "
                         "device time went, in <out>.torch_profile.txt (generation's 10^5 kernels take a minute)")
     args = parser.parse_args(argv)
-
-    from aligner_ext.config import load_config
-    from aligner_ext.trainer.build import build_components
-    from aligner_ext.trainer.loop import old_logprobs_from_training, update_policy
-    from aligner_ext.trainer.metrics import StageTimer
-
     preset = Preset(**json.loads((args.workspace / "preset.json").read_text())["preset"])
     settings = overrides(preset, args.workspace, args.variant, args.lr, args.engine, args.eos) + args.set
     # one step more than measured: generation ahead stops there, and the step after the measured ones
     # (the profiled one, or else the batch taken below) leaves no batch in flight at exit
     settings.append(f"trainer.total_steps={args.warmup + args.steps + 1}")
+    if args.serve_on is None:
+        return measure(args, preset, settings)
+    with served_on(args.serve_on, settings, preset.prompts * preset.n, args.out.with_suffix(".server")) as remote:
+        return measure(args, preset, settings + remote)
+
+
+def measure(args, preset: Preset, settings: list[str]) -> None:
+    """Build the run of `settings` and measure its steps; writes `args.out`."""
+    from aligner_ext.config import load_config
+    from aligner_ext.trainer.build import build_components
+    from aligner_ext.trainer.loop import old_logprobs_from_training, update_policy
+    from aligner_ext.trainer.metrics import StageTimer
+
     cfg = load_config("base", settings)
     torch.manual_seed(cfg.trainer.seed)
     parts = build_components(cfg, args.workspace / "runs" / cfg.trainer.run_name)

@@ -38,7 +38,8 @@ TARGET = 0.85  # every family within 15% of Llama's share of the decode bound an
 # subcommand: (module, the report its main writes under --out, what it measures)
 SUBCOMMANDS = {
     "grpo": ("grpo_step", "grpo_step.json", "the whole GRPO step, ours against TRL's GRPOTrainer, against its floor; "
-             "--asynchronous K: ours generating ahead against synchronous, --long-tail: long-tailed lengths"),
+             "--asynchronous K: ours generating ahead against synchronous, --disaggregated K: the same with "
+             "generation on a second GPU's server, --long-tail: long-tailed lengths"),
     "first-step": ("grpo_step", "grpo_step.json", "the first GRPO step on empty torch.compile / Triton caches"),
     "rollout": ("rollout_engine", "rollout_engine.json", "generation alone: the rollout engine's settings and the HF engine"),
     "megatron": ("megatron_families", "megatron_families.json", "the Megatron backend's train call per family, profiled"),

@@ -13,7 +13,7 @@ BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 
 import grpo_step_ours  # noqa: E402
-from grpo_step import floors, overlap, overlap_lines, ratio_lines  # noqa: E402
+from grpo_step import floors, overlap, overlap_lines, ratio_lines, with_ahead_runs  # noqa: E402
 from grpo_step_lib import PRESETS, LongTail, PhaseClock, Preset, prompt_ids, write_workspace  # noqa: E402
 
 from aligner_ext.generation.base import GenerationOutput, SamplingParams  # noqa: E402
@@ -179,6 +179,36 @@ def test_generation_ahead_on_the_long_tail_on_the_cpu(tmp_path):
         assert "generation" not in step["phases_s"] and "async/generator_idle_s" in step["metrics"]
         assert step["metrics"]["staleness/max"] <= 1
     assert steps[0]["metrics"]["staleness/max"] == 0  # the first batch: nothing trained before it
+
+
+@pytest.mark.slow
+def test_the_disaggregated_placement_on_the_cpu(tmp_path):
+    """Generation ahead through `aligner-ext serve` in a process of its own (--serve-on; the second GPU's
+    part of `--disaggregated`), on the long tail: the server made every batch, the weights pushed to it."""
+    preset = PRESETS["tiny"]  # 4 prompts x n = 8
+    write_workspace(preset, 3 * preset.prompts, tmp_path)
+    out = tmp_path / "ours_rollout_served_async_k1.json"
+    grpo_step_ours.main(["--workspace", str(tmp_path), "--out", str(out), "--warmup", "1", "--steps", "1",
+                         "--engine", "rollout", "--serve-on", "cpu", "--long-tail", "--set", "rollout.max_response_length=16",
+                         "--set", "trainer.asynchronous.enabled=true", "--set", "trainer.asynchronous.max_staleness=1"])
+    result = json.loads(out.read_text())
+    assert "generator.engine=remote" in result["settings"]["overrides"]
+    steps = result["steps"]
+    assert [step["metrics"]["staleness/max"] for step in steps] == [0, 1]  # the second batch made while step 1 trained
+    for step in steps:
+        (call,) = step["generate_calls"]  # the long tail's two requests, as one engine call: R = 16, the median 2
+        assert sorted(call["lengths"]) == [2] * 29 + [16] * 3
+        assert "generation" not in step["phases_s"] and step["metrics"]["async/refit_s"] >= 0
+    assert (tmp_path / "ours_rollout_served_async_k1.server" / "server.log").exists()
+
+
+def test_each_of_our_systems_runs_ahead_and_through_a_server_too():
+    assert with_ahead_runs("ours_rollout", [1], [1, 2]) == [
+        "ours_rollout", "ours_rollout_async_k1", "ours_rollout_served", "ours_rollout_served_async_k1",
+        "ours_rollout_served_async_k2"]
+    assert with_ahead_runs("ours", [], []) == ["ours"]
+    assert with_ahead_runs("trl_fast", [1], [1]) == ["trl_fast"]
+    assert with_ahead_runs("prev:ours", [1], [1]) == ["prev:ours"]  # generation ahead is this tree's
 
 
 def test_ratios_after_over_before_per_phase():

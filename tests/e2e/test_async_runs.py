@@ -46,13 +46,19 @@ def test_staleness_zero_reproduces_the_synchronous_run_bit_for_bit(tmp_path):
     steps = ["trainer.total_steps=3", "trainer.eval.every=2"]  # an evaluation mid-run, between two batches
     synchronous, sync_dir = run(tmp_path, "sync", *steps)
     ahead, ahead_dir = run(tmp_path, "ahead", *steps, *AHEAD, "trainer.asynchronous.max_staleness=0")
+    assert_the_same_run(synchronous, sync_dir, ahead, ahead_dir, steps=3)
+
+
+def assert_the_same_run(synchronous, sync_dir, ahead, ahead_dir, steps):
+    """The run ahead (its metrics records and directory) is the synchronous one: the same metrics but the
+    clocks, every token at staleness 0, the same weights after `steps` steps, which all moved them."""
     assert [learning_metrics(r) for r in ahead] == [learning_metrics(r) for r in synchronous]
     assert all(r["staleness/max"] == 0 for r in ahead[1:])
-    expected, got = weights(sync_dir, 3), weights(ahead_dir, 3)
+    expected, got = weights(sync_dir, steps), weights(ahead_dir, steps)
     assert set(got) == set(expected)
     for name, tensor in got.items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
-    assert all(r["actor/grad_norm"] > 0 for r in synchronous[1:])  # every step moved the weights
+    assert all(r["actor/grad_norm"] > 0 for r in synchronous[1:])
 
 
 class Interrupted(Exception):

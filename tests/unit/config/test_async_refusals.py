@@ -1,5 +1,6 @@
 """Generation ahead of training (trainer.asynchronous) beside what it does not run with yet: refused when the
-config loads, in one line naming both settings (`aligner-ext config` exits 2); what it runs with loads."""
+config loads, in one line naming both settings (`aligner-ext config` exits 2); what it runs with loads (generation
+servers among them: the disaggregated placement)."""
 
 import pytest
 
@@ -8,14 +9,18 @@ from aligner_ext.config import load_config
 
 AHEAD = ["trainer.asynchronous.enabled=true"]
 PARTIAL = "trainer.asynchronous.partial_rollouts=true"
+SERVED = ["generator.engine=remote", "generator.remote.urls=[http://a:1]", "generator.remote.weight_sync=distributed"]
 
 REFUSED = {
     "agents": (["algorithm.experience_maker=agent_episodes", "agents.limits.max_total_tokens=512"],
                "algorithm.experience_maker=agent_episodes with trainer.asynchronous.enabled=true"),
     "cpo": (["+variant=cpo"], "CPO (algorithm.adv_estimator=cpo"),
     "megatron": (["policy.backend=megatron"], "policy.backend=megatron with trainer.asynchronous.enabled=true"),
-    "remote": (["generator.engine=remote", "generator.remote.urls=[http://a:1]"],
-               "generator.engine=remote with trainer.asynchronous.enabled=true"),
+    "servers without pushes": (SERVED[:2], "generator.remote.weight_sync=none and generator.engine=remote with "
+                                           "trainer.asynchronous.enabled=true"),
+    "partial rollouts on vLLM servers": ([*SERVED, "generator.remote.server_kind=vllm", PARTIAL],
+                                         f"{PARTIAL} and generator.remote.server_kind=vllm with generator.engine="
+                                         "remote with trainer.asynchronous.enabled=true"),
     "vllm": (["generator.engine=vllm"], "generator.engine=vllm with trainer.asynchronous.enabled=true"),
     "surplus": (["+variant=dapo", "dynamic_sampling.keep_surplus=true"],
                 "dynamic_sampling.keep_surplus=true with trainer.asynchronous.enabled=true"),
@@ -48,6 +53,7 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
 
 @pytest.mark.parametrize("overrides", [["+variant=dapo", "+variant=mtpo"], ["+variant=graded_prompt", "policy.lora.rank=4"],
                                        ["policy.num_iterations=2", "trainer.asynchronous.max_staleness=2"],
-                                       [PARTIAL, "generator.engine=rollout", "rollout.stop=[END]"]])
+                                       [PARTIAL, "generator.engine=rollout", "rollout.stop=[END]"],
+                                       SERVED, [*SERVED, "generator.remote.server_kind=vllm"], [*SERVED, PARTIAL]])
 def test_what_it_runs_with_loads(overrides):
     assert load_config("base", AHEAD + overrides).trainer.asynchronous.enabled

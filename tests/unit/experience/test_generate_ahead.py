@@ -152,7 +152,7 @@ def test_evaluation_samples_the_current_weights_between_two_batches():
     policy.version += 1  # step 0's update; step 1's batch may be in progress on version 0
     assert ahead.evaluate(stream, None) == {"val/accuracy": 1.0}
     # on version 1, no batch in progress; refitted at the first request, then before the evaluation
-    assert seen == [(1, False)] and ahead.snapshot.refits == 2
+    assert seen == [(1, False)] and ahead.weights.refits == 2
 
 
 class Decoding(GenerationEngine):

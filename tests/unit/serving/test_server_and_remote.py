@@ -118,10 +118,13 @@ def test_weights_pushed_after_an_update_change_the_servers_outputs(tiny_tokenize
         updated = engine_on(policy, tok).generate(prompts, greedy)
         assert [o.token_ids for o in updated] != [o.token_ids for o in before]
         assert [o.token_ids for o in engine.generate(prompts, greedy)] == [o.token_ids for o in before]  # not pushed yet
+        engine.weights_version = 3  # the policy version the push carries
         engine.update_weights(policy)
         after = engine.generate(prompts, greedy)
+        assert server_b.weight_version == 3 and all(o.versions == [3] * len(o.token_ids) for o in after)
+        engine.weights_version = 4
         engine.update_weights(policy)  # a second push reuses the weight group / directory
-        assert server_b.weight_version == 2
+        assert server_b.weight_version == 4
         served_params = dict(server_b.model.named_parameters())
         assert all(torch.equal(served_params[name], param) for name, param in policy.named_parameters())
     assert [o.token_ids for o in after] == [o.token_ids for o in updated]
@@ -232,6 +235,7 @@ def two_rank_worker(rank: int, directory: str, urls: list[str]) -> None:
     with torch.no_grad():
         for param in policy.parameters():
             param.add_(torch.randn_like(param) * 0.5)
+    engine.weights_version = 1  # the push carries it, and every rank then checks it in the servers' answers
     engine.update_weights(policy)  # rank 0 pushes over its own group; rank 1 waits at the barrier
     after = engine.generate(prompts, greedy)
     torch.save({"before": [o.token_ids for o in before], "after": [o.token_ids for o in after]},
@@ -258,4 +262,4 @@ def test_two_trainer_ranks_share_the_servers_and_rank_0_pushes_the_weights(tiny_
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got == {"before": expected_before, "after": expected_after}  # every rank has every output
-    assert server_a.weight_version == server_b.weight_version == 1  # one push, from rank 0 only
+    assert server_a.weight_version == server_b.weight_version == 1  # one push, from rank 0 only, of version 1
