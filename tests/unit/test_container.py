@@ -1,5 +1,6 @@
 """docker/constraints.txt pins every requirement the Dockerfile installs (setup.py's install_requires,
-the megatron and dev extras; torch is the base image's), and the Dockerfile installs under it."""
+the megatron and dev extras; torch is installed before them), and the Dockerfile installs under it, on a
+base whose Python megatron-core 0.19 accepts."""
 
 import re
 from pathlib import Path
@@ -31,3 +32,13 @@ def test_the_dockerfile_installs_under_the_constraints():
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
     assert "COPY docker/constraints.txt" in dockerfile
     assert re.search(r'pip install .*-c docker/constraints.txt .*"\.\[dev,megatron\]"', dockerfile)
+
+
+def test_the_image_has_python_3_12_and_the_measured_torch_before_the_project():
+    """megatron-core 0.19 needs Python >= 3.12 (pytorch/pytorch's release images have 3.11): Ubuntu 24.04's;
+    torch 2.11 with CUDA 13.0, the benchmarks' build, installed before the project so that pip keeps it."""
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert re.search(r"^FROM ubuntu:24\.04$", dockerfile, re.M)
+    torch_at = dockerfile.index("pip install --no-cache-dir torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130")
+    assert torch_at < dockerfile.index('-e ".[dev,megatron]"')
+    assert "sys.version_info >= (3, 12)" in dockerfile
