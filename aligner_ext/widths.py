@@ -18,7 +18,9 @@ their prompts' left padding, masked out (models/hf.py `padded_to_multiple`); the
 rows end in pads no real token attends to (models/megatron/policy.py); the rollout engine's KV cache
 holds positions past every sequence's own, never read (generation/rollout.py); the HF engine
 left-pads its prompts, masked out (generation/hf.py). Padding, not marking dimensions dynamic:
-Triton's specialisation is not torch.compile's to turn off; it costs at most 15 positions a row.
+Triton's specialisation is not torch.compile's to turn off; it costs at most 15 positions a row. (cuDNN's
+attention, which plans per shape whatever the padding, is left out of SDPA instead: models/kernels.py
+`attention_without_plans`.)
 The HF backend's packed micro-batches are not padded (a tail pad would count as a sequence for a
 mixture of experts' routers); their row length follows the response lengths anyway.
 """
