@@ -157,3 +157,20 @@ def test_a_stop_string_straddling_the_park_ends_the_response_where_it_completes(
     assert [("".join(map(chr, o.token_ids)), o.finish_reason) for o in outputs] == [
         ("x</a>", "stop"), ("ab</a>", "stop"), ("</b>a</a", "length")]
     assert outputs[0].versions == [0, 0, 0, 2, 2] and outputs[0].logprobs == [-float(t) for t in chars("x</a>")]
+
+
+def test_a_refit_wanted_between_two_calls_parks_the_next_before_its_first_token():
+    """Dynamic sampling's refills are calls of their own: a refit wanted between two stops the next at its
+    first poll, before any token (the rollout engine polls before its first decode step); its responses all
+    resume under the new weights."""
+    inner = Scripted([out([5, 6], "eos")], [out([], "length"), out([], "length")],  # the second call stopped at once
+                     [out([7, 2], "eos"), out([8], "eos")])
+    engine = resumed_once(inner)
+    params = SamplingParams(max_new_tokens=4, return_logprobs=True, seed=11)
+    first, = engine.generate([[1]], params)
+    second = engine.generate([[1], [3]], params)
+    assert (first.token_ids, first.versions) == ([5, 6], [0, 0])
+    assert [(o.token_ids, o.finish_reason, o.versions) for o in second] == [
+        ([7, 2], "eos", [2, 2]), ([8], "eos", [2])]
+    prompts, resumed = inner.asked[2]
+    assert prompts == [[1], [3]] and resumed.max_new_tokens == 4 and resumed.seed == request_seed(11, 1)
