@@ -1,7 +1,8 @@
 """Generation ahead of training (trainer.asynchronous, experience/ahead.py) in tiny CPU runs: at
 max_staleness=0 the synchronous run bit for bit; at 1 every later batch one version behind, within the
 bound, and a resume that neither repeats nor skips a prompt; with partial rollouts, batches parked at the
-trainer's refit and resumed under its new weights, each token's staleness its own."""
+trainer's refit and resumed under its new weights, each token's staleness its own, dynamic sampling's refills
+included."""
 
 import itertools
 import json
@@ -183,4 +184,21 @@ def test_dynamic_sampling_refills_park_in_a_call_and_between_two_calls(tmp_path,
     # step 3 trains at version 2: its three groups of version 1 one behind, the resumed one's first token too
     assert [r.get("staleness/share_lag_1", 0.0) for r in steps] == [0.0, 3 / 8, (12 * 8 + 4) / (16 * 8)]
     assert all(r["actor/grad_norm"] > 0 for r in steps)
-    assert all(math.isfinite(value) for r in records for value in r.values() if isinstance(value, float))
+    assert_every_value_a_number(records)
+
+
+def test_a_step_whose_groups_were_all_dropped_logs_no_parked_share(tmp_path):
+    """Every group dropped (every sample wrong) after two refills: the steps train on no response, and the
+    share of parked responses among none is left out, not NaN."""
+    records, _ = run(tmp_path, "dropped", *AHEAD, "trainer.asynchronous.partial_rollouts=true",
+                     "trainer.total_steps=2", "trainer.no_learning_steps=3", "dynamic_sampling.enabled=true",
+                     "dynamic_sampling.max_gen_batches=2", "reward.sources.arithmetic=e2e_rewards.always_wrong")
+    steps = records[1:]
+    assert [r["dynamic_sampling/filtered_fraction"] for r in steps] == [1.0, 1.0]
+    assert not any("async/parked_share" in r or "actor/grad_norm" in r for r in steps)
+    assert_every_value_a_number(records)
+
+
+def assert_every_value_a_number(records):
+    """No metric NaN or infinite (metrics.jsonl writes one as null)."""
+    assert all(isinstance(value, (int, float)) and math.isfinite(value) for r in records for value in r.values())
