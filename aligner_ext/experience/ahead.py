@@ -16,8 +16,8 @@ How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each 
   re-prefilled (generation/resumable.py); their tokens keep the version that sampled them, so a
   response's versions may vary. A batch made over several engine calls (dynamic sampling's refills)
   parks in the call in progress, or, wanted between two calls, at the next call's first decode step; the
-  maker sees each call's responses whole, once resumed. Admission is unchanged: a batch's oldest tokens are those of the
-  version it started on, which admission bounds, so parking never ages a token past k.
+  maker sees each call's responses whole, once resumed. Admission is unchanged: a batch's oldest tokens
+  are those of the version it started on, which admission bounds, so parking never ages a token past k.
 - Admission. The batch of step t starts only once the engine's weights' version v satisfies V(t) - v <= k, with
   k = `trainer.asynchronous.max_staleness` and V(t) the version step t trains at, bounded by the
   trainer's version at its latest request plus `updates_per_step` for each step in between (a step

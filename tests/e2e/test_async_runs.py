@@ -184,6 +184,10 @@ def test_dynamic_sampling_refills_park_in_a_call_and_between_two_calls(tmp_path,
     # step 3 trains at version 2: its three groups of version 1 one behind, the resumed one's first token too
     assert [r.get("staleness/share_lag_1", 0.0) for r in steps] == [0.0, 3 / 8, (12 * 8 + 4) / (16 * 8)]
     assert all(r["actor/grad_norm"] > 0 for r in steps)
+    # the behaviour log-prob of each token is its version's: those resumed under the weights trained at match
+    # the trainer's up to numerics (float32, 1e-7 here), those one version behind differ by the update
+    assert all(r["rollout/logprob_diff_mean_lag_0"] < 1e-5 for r in steps)
+    assert all(r["rollout/logprob_diff_mean_lag_1"] > 1e-2 for r in steps[1:])
     assert_every_value_a_number(records)
 
 
