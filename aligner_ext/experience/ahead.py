@@ -14,8 +14,10 @@ How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each 
 - Partial rollouts (`partial_rollouts`). A refit does not wait for the batch in progress: its engine
   call parks the unfinished responses, the copy is refitted, and they resume under the new weights,
   re-prefilled (generation/resumable.py); their tokens keep the version that sampled them, so a
-  response's versions may vary. Admission is unchanged: a batch's oldest tokens are those of the
-  version it started on, which admission bounds, so parking never ages a token past k.
+  response's versions may vary. A batch made over several engine calls (dynamic sampling's refills)
+  parks in the call in progress, or, wanted between two calls, at the next call's first decode step; the
+  maker sees each call's responses whole, once resumed. Admission is unchanged: a batch's oldest tokens
+  are those of the version it started on, which admission bounds, so parking never ages a token past k.
 - Admission. The batch of step t starts only once the engine's weights' version v satisfies V(t) - v <= k, with
   k = `trainer.asynchronous.max_staleness` and V(t) the version step t trains at, bounded by the
   trainer's version at its latest request plus `updates_per_step` for each step in between (a step
@@ -38,7 +40,8 @@ How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each 
 Metrics per step: async/trainer_wait_s (the trainer waiting for the refit and the batch),
 async/generator_idle_s (the thread waiting for admission since the previous step), async/refit_s,
 async/batches_ready (made and not yet taken), async/parked_share (with partial rollouts: the share of the
-batch's responses sampled under more than one version); the tokens' staleness per lag comes from the loop
+batch's responses sampled under more than one version; left out of a batch of no response, as the staleness
+metrics of no token are); the tokens' staleness per lag comes from the loop
 (trainer/step_metrics.py).
 """
 
@@ -201,7 +204,7 @@ class GenerateAhead(ExperienceWrapper):
         self.taken_state = made.maker_state
         metrics = {**made.metrics, "async/trainer_wait_s": time.perf_counter() - started,
                    "async/generator_idle_s": idle, "async/refit_s": refit_s, "async/batches_ready": ready}
-        if self.cfg.partial_rollouts:
+        if self.cfg.partial_rollouts and len(made.batch):  # dynamic sampling may have dropped every group
             metrics["async/parked_share"] = parked_share(made.batch)
         return made.batch, metrics
 

@@ -220,13 +220,11 @@ def check_served_ahead(cfg) -> None:
 
 def check_partial_rollouts(cfg) -> None:
     """What partial rollouts (`trainer.asynchronous.partial_rollouts`) do not run with yet, refused naming
-    both settings: they resume the responses of plain group sampling's single engine call."""
+    both settings: they resume the responses of group sampling's engine calls (dynamic sampling's refills
+    included, each parked and resumed on its own)."""
     on = "trainer.asynchronous.partial_rollouts=true"
     if cfg.algorithm.experience_maker not in ("group_sampling", "grpo"):
-        raise ValueError(f"algorithm.experience_maker={cfg.algorithm.experience_maker} with {on}: only plain group "
-                         "sampling (group_sampling) parks and resumes its responses yet; set "
-                         "trainer.asynchronous.partial_rollouts=false")
-    if cfg.dynamic_sampling.enabled:
-        raise ValueError(f"dynamic_sampling.enabled=true with {on}: a batch refilled over several engine calls is "
-                         "not parked and resumed yet; set trainer.asynchronous.partial_rollouts=false")
+        raise ValueError(f"algorithm.experience_maker={cfg.algorithm.experience_maker} with {on}: only group sampling "
+                         "(group_sampling, dynamic sampling's refills included) parks and resumes its responses "
+                         "yet; set trainer.asynchronous.partial_rollouts=false")
 

@@ -28,3 +28,12 @@ def character_parity(response, row):
 def always_raises(response, row):
     """A reward function broken for every call: each one falls back to reward.fallback_score."""
     raise RuntimeError("this reward function always fails")
+
+
+def thirds_agree(response, row):
+    """Rows numbered a multiple of 3 score 0 in every sample (a group dynamic sampling drops); the others score
+    the sum of the response's character codes mod 97 (samples differ, a group it keeps on `seq_reward`), so
+    which groups are dropped follows from the prompt stream alone."""
+    if int(row.row_id.rsplit(":", 1)[1]) % 3 == 0:
+        return RewardResult(score=0.0, correct=0.0)
+    return RewardResult(score=sum(map(ord, response)) % 97 / 97, correct=0.0)

@@ -1,7 +1,8 @@
 """Generation ahead of training (trainer.asynchronous, experience/ahead.py) in tiny CPU runs: at
 max_staleness=0 the synchronous run bit for bit; at 1 every later batch one version behind, within the
 bound, and a resume that neither repeats nor skips a prompt; with partial rollouts, batches parked at the
-trainer's refit and resumed under its new weights, each token's staleness its own."""
+trainer's refit and resumed under its new weights, each token's staleness its own, dynamic sampling's refills
+included."""
 
 import itertools
 import json
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 from aligner_ext.config import load_config
 from aligner_ext.data.loader import build_loader
+from aligner_ext.experience.dynamic_sampling import DynamicSampling
 from aligner_ext.generation.resumable import ResumableEngine
 from aligner_ext.models.tiny import build_char_tokenizer
 from aligner_ext.trainer import loop
@@ -130,3 +132,77 @@ def test_partial_rollouts_park_at_the_refit_and_resume_under_the_new_weights(tmp
     assert [r.get("staleness/share_lag_1", 0.0) for r in steps] == [0.0, 3 / 8, 3 / 8]
     assert all(math.isfinite(r["rollout/logprob_diff_mean_lag_1"]) for r in steps[1:])
     assert all(r["actor/grad_norm"] > 0 for r in steps)
+
+
+def test_dynamic_sampling_refills_park_in_a_call_and_between_two_calls(tmp_path, monkeypatch):
+    """Dynamic sampling with partial rollouts at k = 1, groups dropped by rule (e2e_rewards.thirds_agree:
+    the rows numbered a multiple of 3). The stream's rows 16 36 27 8 | 44 23 | 53 4 58 50 | 10 2 42 34 | 19
+    make step 1 two engine calls (36 and 27 dropped), step 2 one, step 3 two (42 dropped). Step 2's call
+    parks at its third token; step 3's first call runs whole on version 1 and the refit, wanted after it,
+    parks the second at its first token (the hf engine polls after each). The filter judges every response
+    whole: 8 tokens, resumed."""
+    generate, calls, judged = ResumableEngine.generate, [], []
+    filter_groups = DynamicSampling._filter
+
+    def parked_by_rule(engine, prompts, params):
+        ahead = engine.await_refit.__self__
+        polls, call = itertools.count(1), len(calls)
+        calls.append(len(prompts) // 4)  # groups of rollout.n=4
+        park_at = {2: 3, 4: 1}.get(call)  # step 2's call, step 3's second call
+
+        def refit_wanted():
+            poll = next(polls)
+            if call == 3 or (park_at and poll < park_at):
+                return False  # the refit waits (for the end of step 3's first call)
+            if poll == park_at:
+                with ahead._changed:
+                    ahead._changed.wait_for(lambda: ahead._refit_wanted, timeout=60)  # only a broken park waits
+                return True
+            return ahead._refit_wanted
+
+        engine.refit_wanted = refit_wanted
+        return generate(engine, prompts, params)
+
+    def recorded(sampling, batch, stats):
+        rows = zip(batch.generation_versions, batch.sampled)
+        judged.append([versions[sampled].tolist() for versions, sampled in rows])
+        return filter_groups(sampling, batch, stats)
+
+    monkeypatch.setattr(ResumableEngine, "generate", parked_by_rule)
+    monkeypatch.setattr(DynamicSampling, "_filter", recorded)
+    records, _ = run(tmp_path, "refills", *AHEAD, "trainer.asynchronous.partial_rollouts=true",
+                     "trainer.asynchronous.max_staleness=1", "trainer.total_steps=3", "rollout.ignore_eos=true",
+                     "dynamic_sampling.enabled=true", "dynamic_sampling.filter_metric=seq_reward",
+                     "reward.sources.arithmetic=e2e_rewards.thirds_agree")
+    steps = records[1:]
+    assert calls == [4, 2, 4, 4, 1]
+    old, parked, new, between = [0] * 8, [0] * 3 + [1] * 5, [1] * 8, [1] + [2] * 7
+    assert judged == [[old] * 16, [old] * 8, [parked] * 16, [new] * 16, [between] * 4]
+    assert [r["dynamic_sampling/num_gen_batches"] for r in steps] == [2, 1, 2]
+    assert [r["dynamic_sampling/filtered_fraction"] for r in steps] == [2 / 6, 0.0, 1 / 5]
+    assert [r["async/parked_share"] for r in steps] == [0.0, 1.0, 1 / 4]
+    # step 3 trains at version 2: its three groups of version 1 one behind, the resumed one's first token too
+    assert [r.get("staleness/share_lag_1", 0.0) for r in steps] == [0.0, 3 / 8, (12 * 8 + 4) / (16 * 8)]
+    assert all(r["actor/grad_norm"] > 0 for r in steps)
+    # the behaviour log-prob of each token is its version's: those resumed under the weights trained at match
+    # the trainer's up to numerics (float32, 1e-7 here), those one version behind differ by the update
+    assert all(r["rollout/logprob_diff_mean_lag_0"] < 1e-5 for r in steps)
+    assert all(r["rollout/logprob_diff_mean_lag_1"] > 1e-2 for r in steps[1:])
+    assert_every_value_a_number(records)
+
+
+def test_a_step_whose_groups_were_all_dropped_logs_no_parked_share(tmp_path):
+    """Every group dropped (every sample wrong) after two refills: the steps train on no response, and the
+    share of parked responses among none is left out, not NaN."""
+    records, _ = run(tmp_path, "dropped", *AHEAD, "trainer.asynchronous.partial_rollouts=true",
+                     "trainer.total_steps=2", "trainer.no_learning_steps=3", "dynamic_sampling.enabled=true",
+                     "dynamic_sampling.max_gen_batches=2", "reward.sources.arithmetic=e2e_rewards.always_wrong")
+    steps = records[1:]
+    assert [r["dynamic_sampling/filtered_fraction"] for r in steps] == [1.0, 1.0]
+    assert not any("async/parked_share" in r or "actor/grad_norm" in r for r in steps)
+    assert_every_value_a_number(records)
+
+
+def assert_every_value_a_number(records):
+    """No metric NaN or infinite (metrics.jsonl writes one as null)."""
+    assert all(isinstance(value, (int, float)) and math.isfinite(value) for r in records for value in r.values())

@@ -27,8 +27,6 @@ REFUSED = {
     "routing replay": (["policy.routing_replay=true"], "policy.routing_replay=true with trainer.asynchronous"),
     "partial rollouts of two rounds": ([PARTIAL, "+variant=mtpo"],
                                        f"algorithm.experience_maker=two_round with {PARTIAL}"),
-    "partial rollouts of dynamic sampling": ([PARTIAL, "+variant=dapo"],
-                                             f"dynamic_sampling.enabled=true with {PARTIAL}"),
     # two updates a step (two mini-batches of the 16 x 8 sequences): a bound of 1 admits no batch ahead
     "below the updates": (["policy.mini_batch_size=64"],
                           "trainer.asynchronous.max_staleness=1 is below the 2 optimizer updates one step makes"),
@@ -53,7 +51,7 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
 
 @pytest.mark.parametrize("overrides", [["+variant=dapo", "+variant=mtpo"], ["+variant=graded_prompt", "policy.lora.rank=4"],
                                        ["policy.num_iterations=2", "trainer.asynchronous.max_staleness=2"],
-                                       [PARTIAL, "generator.engine=rollout", "rollout.stop=[END]"],
+                                       [PARTIAL, "generator.engine=rollout", "rollout.stop=[END]"], [PARTIAL, "+variant=dapo"],
                                        SERVED, [*SERVED, "generator.remote.server_kind=vllm"], [*SERVED, PARTIAL]])
 def test_what_it_runs_with_loads(overrides):
     assert load_config("base", AHEAD + overrides).trainer.asynchronous.enabled

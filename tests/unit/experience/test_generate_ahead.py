@@ -172,19 +172,28 @@ class Decoding(GenerationEngine):
         return [GenerationOutput(token_ids=tokens, finish_reason="length")]
 
 
-class Sampling(ExperienceMaker):
-    """One 4-token response per step (prompt [step]): a batch of the fields partial rollouts read."""
+class Responses(SimpleNamespace):
+    """The fields of a batch partial rollouts read, and its length."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __len__(self):
+        return len(self.sampled)
+
+
+class Sampling(ExperienceMaker):
+    """One 4-token response per step (prompt [step]): a batch of the fields partial rollouts read; with
+    `keep=False` the response is dropped (as dynamic sampling drops a group), leaving a batch of none."""
+
+    def __init__(self, engine, keep=True):
+        self.engine, self.keep = engine, keep
         self.made = {step: threading.Event() for step in range(10)}
 
     def make_experience(self, loader, step):
         loader.draws += 4
         output, = self.engine.generate([[step]], SamplingParams(max_new_tokens=4))
         self.made[step].set()
-        return SimpleNamespace(generation_versions=torch.tensor([output.versions]),
-                               sampled=torch.ones(1, 4, dtype=torch.bool)), {}
+        rows = 1 if self.keep else 0
+        return Responses(generation_versions=torch.tensor([output.versions] * rows).view(rows, 4),
+                         sampled=torch.ones(rows, 4, dtype=torch.bool)), {}
 
     def state_dict(self):
         return {}
@@ -219,3 +228,13 @@ def test_with_partial_rollouts_a_refit_parks_the_batch_in_progress_and_it_resume
         policy.version += 1
     # step 1's batch was ready at the first refit, taken while step 2's was parked after its first token
     assert taken == [([0, 0, 0, 0], 0.0), ([0, 0, 0, 0], 0.0), ([0, 1, 1, 1], 1.0)]
+
+
+def test_with_partial_rollouts_a_batch_of_no_response_leaves_the_parked_share_out():
+    """A share of no responses is undefined (NaN): left out, as the staleness metrics of no token are."""
+    engine = ResumableEngine(Decoding(), tokenizer=None)
+    snapshot = SimpleNamespace(refit=lambda: None, stream=GenerationStream(torch.device("cpu")))
+    ahead = GenerateAhead(Sampling(engine, keep=False), AsynchronousConfig(enabled=True, partial_rollouts=True),
+                          snapshot, engine, SimpleNamespace(version=0), total_steps=1, updates_per_step=1)
+    batch, metrics = ahead.make_experience(Stream(), 0)
+    assert len(batch) == 0 and "async/parked_share" not in metrics and "async/refit_s" in metrics

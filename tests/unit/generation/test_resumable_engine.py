@@ -85,6 +85,22 @@ def test_a_parked_response_resumes_under_the_new_weights_with_its_versions_and_l
         assert (under_old[parked_at:] - under_new[parked_at:]).abs().max() > 1e-2  # the versions differ plainly
 
 
+def test_a_refit_wanted_before_the_first_token_resumes_every_response_whole_under_the_new_weights(
+        tiny_tokenizer, tiny_model):
+    """A refit wanted between two calls (dynamic sampling's refills) stops the next at its first poll, which on
+    the rollout engine comes before its first decode step: no token of the old weights, every response
+    resumed whole under the new ones."""
+    new = updated(tiny_model)
+    generating = copy.deepcopy(tiny_model)
+    engine = ResumableEngine(RolloutEngine(generating, tiny_tokenizer, RolloutEngineConfig()), tiny_tokenizer)
+    RefitAt(engine, generating, new, at=1)
+    prompts = [tiny_tokenizer.encode(text) for text in TEXTS]
+    outputs = engine.generate(prompts, PARAMS)
+    for prompt, output in zip(prompts, outputs):
+        assert output.versions == [1] * 8 and output.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(output.logprobs, dtype=torch.float64),
+                                   reference_logprobs(new, prompt, output.token_ids), rtol=0, atol=1e-4)
+
 def test_without_a_refit_it_is_the_inner_engine(tiny_tokenizer, tiny_model):
     prompts = [tiny_tokenizer.encode(text) for text in TEXTS]
     params = SamplingParams(max_new_tokens=6, temperature=1.0, return_logprobs=True, seed=3)
@@ -157,3 +173,4 @@ def test_a_stop_string_straddling_the_park_ends_the_response_where_it_completes(
     assert [("".join(map(chr, o.token_ids)), o.finish_reason) for o in outputs] == [
         ("x</a>", "stop"), ("ab</a>", "stop"), ("</b>a</a", "length")]
     assert outputs[0].versions == [0, 0, 0, 2, 2] and outputs[0].logprobs == [-float(t) for t in chars("x</a>")]
+
