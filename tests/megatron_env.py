@@ -33,7 +33,7 @@ SECONDS_IN_CI = {
     "test_megatron_lora.py": 107, "test_megatron_train_loop.py": 100, "test_megatron_rollout.py": 99,
     "test_dist_checkpoint.py": 95, "test_diverging_run.py": 81, "test_megatron_agent_episodes.py": 57,
     "test_runs_that_cannot_learn.py": 57, "test_moe_ep_gpus.py": 52, "test_megatron_routing.py": 48,
-    "test_families.py": 45, "test_megatron_families.py": 32, "test_sliding_window.py": 21,
+    "test_families.py": 40, "test_megatron_families.py": 25, "test_sliding_window.py": 15,
     "test_planted_checkpoint.py": 18, "test_support.py": 14, "test_unsupported_model.py": 12,
     "test_process_groups.py": 12, "test_checkpoint_from_0_16.py": 11, "test_megatron_convert_cli.py": 8,
 }

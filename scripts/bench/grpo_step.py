@@ -118,14 +118,18 @@ def measure_hardware(device: str, matmul_size: int | None = None, copy_elements:
 
     size, dtype = (8192, torch.bfloat16) if device == "cuda" else (2048, torch.float32)
     size = matmul_size or size
+    # a GPU's products and copies are timed 10 to a call (their launches queue), the median of 5 calls; on the
+    # CPU one 2048^3 product takes a third of a second or more: one to a call, the median of 3 calls (with 10
+    # x 5 each CPU run of a benchmark in the tests spent 15 s of both cores here)
+    warmup, per_call, calls = (3, 10, 5) if device == "cuda" else (1, 1, 3)
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    best_of(lambda: a @ b, 3)
-    matmul_s = best_of(lambda: [a @ b for _ in range(10)], 5) / 10
+    best_of(lambda: a @ b, warmup)
+    matmul_s = best_of(lambda: [a @ b for _ in range(per_call)], calls) / per_call
     elements = copy_elements or (2**28 if device == "cuda" else 2**26)  # 1 GiB / 256 MiB of float32
     source = torch.randn(elements, device=device)
     target = torch.empty_like(source)
-    best_of(lambda: target.copy_(source), 3)
-    copy_s = best_of(lambda: [target.copy_(source) for _ in range(10)], 5) / 10
+    best_of(lambda: target.copy_(source), warmup)
+    copy_s = best_of(lambda: [target.copy_(source) for _ in range(per_call)], calls) / per_call
     info = {"matmul_flops_per_s": 2 * size**3 / matmul_s, "matmul": f"{size}^3 {dtype}".replace("torch.", ""),
             "copy_bytes_per_s": 2 * source.numel() * source.element_size() / copy_s}
     if device == "cuda":

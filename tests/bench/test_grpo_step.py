@@ -267,8 +267,8 @@ def test_phase_clock_charges_each_interval_to_the_innermost_phase():
 def test_our_side_on_the_cpu(tmp_path):
     preset = PRESETS["tiny"]
     command = [sys.executable, str(BENCH / "run.py"), "grpo", "--preset", "tiny", "--systems", "prev:ours,ours",
-               "--variants", "mtpo", "--steps", "1", "--variant-steps", "1", "--profile-first-step", "--torch-profile", "train",
-               "--prev", str(BENCH.parents[1]), "--out", str(tmp_path)]
+               "--variants", "mtpo", "--warmup", "0", "--steps", "1", "--variant-steps", "1", "--profile-first-step",
+               "--torch-profile", "train", "--prev", str(BENCH.parents[1]), "--out", str(tmp_path)]
     subprocess.run(command, check=True, capture_output=True, timeout=900)
     result = json.loads((tmp_path / "result.json").read_text())
     assert {"date", "machine", "commit", "command"} <= set(result["env"]) and result["subcommand"] == "grpo"

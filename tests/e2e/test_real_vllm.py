@@ -7,7 +7,6 @@ SGLang's names the setting. Each test pushes the weights it compares against. An
 engine in process, without the sleep mode vLLM's CPU platform refuses (vllm_colocated_worker.py)."""
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from aligner_ext.models.tiny import TinyModelConfig, build_char_tokenizer, build
 from aligner_ext.trainer.build import model_directory
 from aligner_ext.trainer.loop import train
 from aligner_ext.distributed import free_port
-from real_vllm import ROOT, vllm_python, vllm_server
+from real_vllm import ROOT, vllm_environment, vllm_python, vllm_server
 from small_run import SMALL_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -135,9 +134,9 @@ def test_a_vllm_server_driven_as_sglang_names_the_setting(served):
 
 def test_the_colocated_engine_generates_and_loads_the_policys_weights_in_process(served, tmp_path):
     _, model_dir, _ = served
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # external_launcher: a one-process group
+    env = vllm_environment(PYTHONPATH=str(ROOT), VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                           RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port()))  # external_launcher: a one-process group
     result = tmp_path / "result.json"
     with open(tmp_path / "worker.log", "w") as log:
         subprocess.run([str(vllm_python()), str(Path(__file__).parent / "vllm_colocated_worker.py"), str(model_dir),
