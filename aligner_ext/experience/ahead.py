@@ -324,7 +324,7 @@ class GenerateAhead(ExperienceWrapper):
                     self._generating = True
                 batch, metrics = self.inner.make_experience(loader, step)
                 made = MadeBatch(batch, metrics, loader.state_dict(), copy.deepcopy(self.inner.state_dict()))
-                with self._changed:  # at once: a save must not find it neither in progress nor ready
+                with self._changed:  # in one step: a save finds the batch in progress or ready, never between
                     self._ready[step] = made
                     self._next_step = step + 1
                     self._generating = False
