@@ -29,8 +29,13 @@ How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each 
   old ones.
 - The prompt stream. The thread draws from its own view of the loader; when the trainer takes step t's
   batch, its loader and this wrapper's maker state are set to where they stood after that batch was
-  made. A checkpoint thus saves the synchronous run's position, and a resume regenerates the batches
-  that were in flight, under the restored weights: no prompt is repeated or skipped.
+  made. A checkpoint thus saves the synchronous run's position, and beside it every batch made and not yet
+  taken (`state_dict`): the save first lets the thread make every batch admission allows (the one in
+  progress; the trainer changes nothing admission reads while it saves, and no refit means nothing is
+  parked). A resume trains on those first, their tokens' versions and behaviour log-probs those they were
+  sampled with, and the thread goes on from the last one's loader and maker state: the uninterrupted run,
+  and no prompt repeated or skipped. Batches saved under other settings (`batch_settings`) are dropped and
+  regenerated under the restored weights, as are those of a checkpoint that holds none.
 - Failures. An error in the thread is raised again in the trainer at its next request.
 - The device. On a GPU the thread queues its work on a CUDA stream of its own (`GenerationStream`), so
   that its kernels run beside training's rather than behind them in one queue; the refit and the
@@ -48,6 +53,7 @@ metrics of no token are); the tokens' staleness per lag comes from the loop
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -64,6 +70,21 @@ from aligner_ext.generation.base import GenerationEngine, GenerationOutput, Samp
 
 if TYPE_CHECKING:
     from aligner_ext.models.base import Policy
+
+logger = logging.getLogger(__name__)
+
+# Settings that cannot change a batch once made: a checkpoint's batches made ahead are kept when all others
+# match (`batch_settings`); the exceptions within them change which batches admission allows.
+BOOKKEEPING = ("trainer.", "policy.optim.", "serve.")
+SHAPING_AMONG_BOOKKEEPING = ("trainer.seed", "trainer.asynchronous.max_staleness")
+
+
+def batch_settings(flat_settings: dict[str, object]) -> dict[str, object]:
+    """Of the run's settings (flattened keys), those a batch made ahead depends on: what the maker, the
+    engines, the rewards and the data read, the policy's model, and the staleness bound it was admitted under.
+    Conservative: a batch dropped needlessly costs its regeneration; one kept wrongly would train unseen."""
+    return {key: value for key, value in flat_settings.items()
+            if not key.startswith(BOOKKEEPING) or key.startswith(SHAPING_AMONG_BOOKKEEPING)}
 
 
 class GenerationStream:
@@ -166,14 +187,17 @@ class GenerateAhead(ExperienceWrapper):
     """The configured maker run ahead of training in a thread (module docstring)."""
 
     def __init__(self, inner: ExperienceMaker, cfg: AsynchronousConfig, weights: GenerationWeights,
-                 engine: GenerationEngine, policy: "Policy", total_steps: int, updates_per_step: int):
+                 engine: GenerationEngine, policy: "Policy", total_steps: int, updates_per_step: int,
+                 settings: dict[str, object]):
         super().__init__(inner)
         self.cfg, self.weights, self.engine, self.policy = cfg, weights, engine, policy
         self.total_steps, self.updates_per_step = total_steps, updates_per_step
+        self.settings = settings  # `batch_settings`: saved with the batches, which a resume under others drops
         self.taken_state = inner.state_dict()  # the inner maker's state after the latest batch the trainer took
         self._changed = threading.Condition()  # guards everything below; notified on every change
         self._thread: threading.Thread | None = None
         self._ready: dict[int, MadeBatch] = {}
+        self._next_step = 0  # the step the thread makes next
         self._generating = False
         self._refit_wanted = False  # the trainer waits to refit: with partial rollouts the batch in progress parks
         self._failure: BaseException | None = None
@@ -218,11 +242,32 @@ class GenerateAhead(ExperienceWrapper):
             return self.inner.evaluate(loader, single_round)
 
     def state_dict(self) -> dict:
-        return {"inner": self.taken_state}
+        """The taken maker state and every batch made and not taken, once the thread made all admission allows
+        (module docstring, the prompt stream): the trainer waits for the batch in progress."""
+        with self._changed:
+            self._changed.wait_for(self._settled)
+            ready = [{"step": step, **vars(made)} for step, made in sorted(self._ready.items())]
+        return {"inner": self.taken_state, "ready": ready, "settings": self.settings}
 
     def load_state_dict(self, state: dict) -> None:
+        """The taken state, and the saved batches to be taken first, the thread to start after the last of them
+        from its loader and maker state; dropped (regenerated) if made under other settings."""
         self.inner.load_state_dict(state["inner"])
         self.taken_state = state["inner"]
+        if "ready" not in state:
+            logger.info("the checkpoint holds no batches made ahead (saved before checkpoints did): the batches "
+                        "that were in flight are regenerated under the restored weights")
+            return
+        changed = sorted(key for key in state["settings"].keys() | self.settings.keys()
+                         if state["settings"].get(key) != self.settings.get(key))
+        if state["ready"] and changed:
+            logger.warning("dropping the checkpoint's %d batch(es) made ahead, made under other settings (%s): "
+                           "regenerating them under the restored weights", len(state["ready"]), ", ".join(changed))
+            return
+        self._ready = {saved["step"]: MadeBatch(**{key: value for key, value in saved.items() if key != "step"})
+                       for saved in state["ready"]}
+        if self._ready:
+            self.inner.load_state_dict(copy.deepcopy(self._ready[max(self._ready)].maker_state))
 
     def _refit(self) -> float:
         """Under the lock: wait for the batch in progress (with partial rollouts, for it to park), then give
@@ -247,7 +292,12 @@ class GenerateAhead(ExperienceWrapper):
             self._generating = True
 
     def _start(self, loader: PromptLoader, step: int) -> None:
+        """The thread, from step `step` and `loader`'s position, or after the batches a resume restored."""
         ahead = copy.copy(loader)  # its own position in the stream; the rows are shared, read only
+        if self._ready:
+            ahead.load_state_dict(self._ready[max(self._ready)].loader_state)
+            step = max(self._ready) + 1
+        self._next_step = step
         self._thread = threading.Thread(target=self._produce, args=(ahead, step, torch.get_num_threads()),
                                         name="generate-ahead", daemon=True)
         self._thread.start()
@@ -272,20 +322,27 @@ class GenerateAhead(ExperienceWrapper):
                     self._changed.wait_for(lambda: self._admitted(step))
                     self._idle_s += time.perf_counter() - waiting
                     self._generating = True
-                try:
-                    batch, metrics = self.inner.make_experience(loader, step)
-                    made = MadeBatch(batch, metrics, loader.state_dict(), copy.deepcopy(self.inner.state_dict()))
-                finally:
-                    with self._changed:
-                        self._generating = False
-                        self._changed.notify_all()
-                with self._changed:
+                batch, metrics = self.inner.make_experience(loader, step)
+                made = MadeBatch(batch, metrics, loader.state_dict(), copy.deepcopy(self.inner.state_dict()))
+                with self._changed:  # in one step: a save finds the batch in progress or ready, never between
                     self._ready[step] = made
+                    self._next_step = step + 1
+                    self._generating = False
                     self._changed.notify_all()
         except BaseException as err:  # raised again in the trainer at its next request
             with self._changed:
                 self._failure = err
+                self._generating = False
                 self._changed.notify_all()
+
+    def _settled(self) -> bool:
+        """Under the lock: whether the thread makes nothing more until the trainer moves on (not started, ended,
+        failed, or waiting for admission)."""
+        if self._generating:
+            return False
+        if self._thread is None or self._failure is not None:
+            return True
+        return self._next_step >= self.total_steps or not self._admitted(self._next_step)
 
 
 def parked_share(batch: ExperienceBatch) -> float:

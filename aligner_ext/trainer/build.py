@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 from aligner_ext.algorithms.advantages import ADVANTAGES
-from aligner_ext.config import RunConfig
+from aligner_ext.config import RunConfig, settings
 from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader, build_loader, build_val_loaders
 from aligner_ext.data.tasks import builtin_rows
@@ -32,7 +32,7 @@ from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import main_process_first, world_size
 from aligner_ext.errors import ConfigError, ModelPathError, UserError, error_line
 from aligner_ext.experience.ahead import (GenerateAhead, GenerationWeights, PushedBetweenBatches, ServedWeights,
-                                          WeightsSnapshot)
+                                          WeightsSnapshot, batch_settings)
 from aligner_ext.experience.base import EXPERIENCE_MAKERS, EXPERIENCE_WRAPPERS, ExperienceMaker
 from aligner_ext.experience.settings import own_evaluation_refusal, planned_updates_per_step
 from aligner_ext.files import follow_umask
@@ -223,7 +223,7 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         maker = build_experience_maker(ctx)
         if ahead_weights is not None:
             maker = GenerateAhead(maker, cfg.trainer.asynchronous, ahead_weights, maker_engine, policy,
-                                  cfg.trainer.total_steps, planned_updates_per_step(cfg))
+                                  cfg.trainer.total_steps, planned_updates_per_step(cfg), batch_settings(settings(cfg)))
         check_stages(step_stages(maker, reference is not None, advantage, cfg.algorithm.adv_estimator, loss,
                                  cfg.algorithm.loss))
         maker.check_rows(train_loader.rows)

@@ -1,8 +1,9 @@
 """Checkpoints: written atomically, resumed exactly.
 
 A checkpoint is `checkpoints/step_<N>/` holding the weights (`model.safetensors`), the tokenizer,
-and `trainer_state.pt` (optimizer, LR schedule, prompt-loader position, experience-maker state,
-RNG states), and `manifest.json` (every file's size and SHA-256, written last); a policy with LoRA
+and `trainer_state.pt` (optimizer, LR schedule, prompt-loader position, experience-maker state: with
+generation ahead, the batches made and not yet trained; RNG states),
+and `manifest.json` (every file's size and SHA-256, written last); a policy with LoRA
 adapters saves them alone (`adapters.safetensors`) with `base.json`, the path and checksum of the
 base model they belong to, and resuming them on another base is refused (models/lora.py). It is written under
 a temporary name and renamed into place only when complete, so every `step_<N>` directory is a
@@ -43,7 +44,8 @@ Every process resumes from `trainer_state.pt`, so the number of processes may ch
 and resume (the Megatron backend reshards its own state: docs/megatron.md).
 
 `trainer_state.pt` is read with `torch.load(weights_only=True)`: tensors, numbers, strings and
-containers, plus the library's own record types (`SAFE_TYPES`: a dynamic-sampling surplus batch).
+containers, plus the library's own record types (`SAFE_TYPES`: a dynamic-sampling surplus batch, the
+batches made ahead).
 Nothing else is unpickled, so a checkpoint handed over by someone else cannot run code on resume;
 the RNG states are saved as plain numbers for that reason. The Megatron backend's distributed
 checkpoint is read the same way (models/megatron/dist_checkpoint.py).

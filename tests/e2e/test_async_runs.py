@@ -67,26 +67,42 @@ class Interrupted(Exception):
     """Stops a run right after it saved a checkpoint, batches in flight (as a kill would)."""
 
 
-def test_staleness_one_trains_one_version_behind_and_resumes_without_repeating_a_prompt(tmp_path, monkeypatch):
-    ahead = [*AHEAD, "trainer.asynchronous.max_staleness=1", "trainer.total_steps=4", "trainer.save_every=2",
-             "trainer.log_samples_every=1", "trainer.num_log_samples=16"]  # every sample of every step
+def interrupted_at_the_first_save(tmp_path, monkeypatch, caplog, name, *overrides):
+    """Run `name` until it saved its first checkpoint, stopping it there; returns generation ahead's log lines
+    while resuming it with `overrides` as well, its metrics records and its directory."""
     save = loop.save
 
     def save_then_stop(cfg, parts, checkpointer, step, before, **kwargs):
         save(cfg, parts, checkpointer, step, before, **kwargs)
-        raise Interrupted  # step 3's batch, made while step 2 trained, is in flight: lost with the run
+        raise Interrupted  # the batches made ahead are in flight: the checkpoint holds them
 
     monkeypatch.setattr(loop, "save", save_then_stop)
     with pytest.raises(Interrupted):
-        run(tmp_path, "ahead", *ahead)
+        run(tmp_path, name, *RESUMED)
     monkeypatch.setattr(loop, "save", save)
-    records, run_dir = run(tmp_path, "ahead", *ahead)  # resumes from step 2
+    caplog.set_level("INFO", logger="aligner_ext.experience.ahead")
+    caplog.clear()
+    records, run_dir = run(tmp_path, name, *RESUMED, *overrides)  # resumes from step 2
+    return [r.getMessage() for r in caplog.records if r.name == "aligner_ext.experience.ahead"], records, run_dir
 
-    # step 1's batch was made before any update, step 2's while step 1 trained; the resume makes step 3's
-    # batch on the restored weights, and step 4's while step 3 trains
-    assert [r["staleness/max"] for r in records[1:]] == [0, 1, 0, 1]
-    assert records[2]["staleness/share_lag_1"] == records[4]["staleness/share_lag_1"] == 1.0
-    assert math.isfinite(records[4]["rollout/logprob_diff_mean_lag_1"])
+
+RESUMED = [*AHEAD, "trainer.asynchronous.max_staleness=1", "trainer.total_steps=4", "trainer.save_every=2",
+           "trainer.log_samples_every=1", "trainer.num_log_samples=16"]  # every sample of every step
+
+
+def test_staleness_one_trains_one_version_behind_and_resumes_as_if_never_stopped(tmp_path, monkeypatch, caplog):
+    lines, records, run_dir = interrupted_at_the_first_save(tmp_path, monkeypatch, caplog, "stopped")
+    straight, straight_dir = run(tmp_path, "straight", *RESUMED)
+
+    # step 1's batch was made before any update, each later one while the step before it trained, step 3's
+    # before the save: the checkpoint holds it, and the resume trains on it as the uninterrupted run does
+    assert [r["staleness/max"] for r in records[1:]] == [0, 1, 1, 1]
+    assert records[2]["staleness/share_lag_1"] == records[3]["staleness/share_lag_1"] == 1.0
+    assert math.isfinite(records[3]["rollout/logprob_diff_mean_lag_1"])
+    assert [learning_metrics(r) for r in records] == [learning_metrics(r) for r in straight]
+    expected, got = weights(straight_dir, 4), weights(run_dir, 4)
+    assert set(got) == set(expected) and all(got[name].equal(expected[name]) for name in got)
+    assert lines == []  # nothing dropped or regenerated
     # the prompts of each step are the stream's next four, in order: none repeated or skipped by the resume
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     cfg = load_config("base", SMALL)
@@ -94,6 +110,14 @@ def test_staleness_one_trains_one_version_behind_and_resumes_without_repeating_a
     for step in range(1, 5):
         expected = [draw.row.row_id for draw in stream.next_batch() for _ in range(4)]  # rollout.n=4
         assert [s["row_id"] for s in samples if s["step"] == step] == expected
+
+
+def test_a_resume_at_another_staleness_bound_regenerates_the_saved_batches(tmp_path, monkeypatch, caplog):
+    lines, records, _ = interrupted_at_the_first_save(tmp_path, monkeypatch, caplog, "changed",
+                                                      "trainer.asynchronous.max_staleness=0")
+    assert lines == ["dropping the checkpoint's 1 batch(es) made ahead, made under other settings "
+                     "(trainer.asynchronous.max_staleness): regenerating them under the restored weights"]
+    assert [r["staleness/max"] for r in records[1:]] == [0, 1, 0, 0]  # step 3's batch made again, on the weights
 
 
 def test_partial_rollouts_park_at_the_refit_and_resume_under_the_new_weights(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ allows it, the trainer's prompt stream moves as the synchronous run's, an error 
 the trainer, and with partial rollouts a refit parks the batch in progress rather than wait for it.
 Waits are on events, never on the clock."""
 
+import logging
 import threading
 from types import SimpleNamespace
 
@@ -39,9 +40,12 @@ class Recording(ExperienceMaker):
         self.engine, self.fail_at = engine, fail_at
         self.sampled_at: dict[int, int] = {}
         self.started = {step: threading.Event() for step in range(10)}
+        self.hold_at: dict[int, threading.Event] = {}  # a step's batch ends only once its event is set
 
     def make_experience(self, loader, step):
         self.started[step].set()
+        if step in self.hold_at:
+            assert self.hold_at[step].wait(TIMEOUT_S)
         if step == self.fail_at:
             raise RuntimeError(f"step {step} failed")
         loader.draws += 4
@@ -51,6 +55,9 @@ class Recording(ExperienceMaker):
     def state_dict(self):
         return {"made": sorted(self.sampled_at)}
 
+    def load_state_dict(self, state):
+        self.sampled_at = dict.fromkeys(state["made"])
+
 
 def ahead_of(max_staleness, steps=6, updates_per_step=1, fail_at=None):
     engine = SimpleNamespace(weights_version=0)
@@ -59,7 +66,7 @@ def ahead_of(max_staleness, steps=6, updates_per_step=1, fail_at=None):
     snapshot.refit = lambda: setattr(snapshot, "refits", snapshot.refits + 1)
     inner = Recording(engine, fail_at)
     ahead = GenerateAhead(inner, AsynchronousConfig(enabled=True, max_staleness=max_staleness), snapshot, engine,
-                          policy, total_steps=steps, updates_per_step=updates_per_step)
+                          policy, total_steps=steps, updates_per_step=updates_per_step, settings={})
     return ahead, inner, policy
 
 
@@ -109,12 +116,60 @@ def test_two_updates_a_step_and_a_bound_of_two():
     assert [trained_at[step] - inner.sampled_at[step] for step in range(6)] == [0, 2, 2, 2, 2, 2]
 
 
-def test_the_saved_maker_state_is_the_one_after_the_batch_taken():
+def saved_with_two_batches_ahead(settings):
+    """A checkpoint's maker state after step 0, k = 2: steps 1 and 2 made ahead (the save waits for step 2's,
+    held until the save asks)."""
     ahead, inner, policy = ahead_of(2)
+    ahead.settings = settings
+    saving, settled = threading.Event(), ahead._settled
+    ahead._settled = lambda: saving.set() or settled()
+    inner.hold_at[2] = saving
+    ahead.make_experience(Stream(), 0)
+    assert inner.started[2].wait(TIMEOUT_S)
+    return ahead.state_dict()
+
+
+def test_a_save_waits_for_the_batch_in_progress_and_holds_every_batch_not_taken():
+    state = saved_with_two_batches_ahead({"rollout.n": 4})
+    assert state["inner"] == {"made": [0]}  # the maker after the batch the trainer took
+    assert [(made["step"], made["batch"], made["metrics"], made["loader_state"], made["maker_state"])
+            for made in state["ready"]] == [(1, "batch 1", {"made": 1.0}, {"draws": 8}, {"made": [0, 1]}),
+                                            (2, "batch 2", {"made": 2.0}, {"draws": 12}, {"made": [0, 1, 2]})]
+    assert state["settings"] == {"rollout.n": 4}
+
+
+def resumed_from(state, settings):
+    """A fresh wrapper (k = 2) given `state` as a resume would, its trainer's loader where step 0 left it."""
+    ahead, inner, policy = ahead_of(2)
+    ahead.settings = settings
+    ahead.load_state_dict(state)
     stream = Stream()
-    ahead.make_experience(stream, 0)
-    assert inner.started[1].wait(TIMEOUT_S) and inner.started[2].wait(TIMEOUT_S)  # steps 1 and 2 made ahead
-    assert ahead.state_dict() == {"inner": {"made": [0]}}  # not what the thread made since
+    stream.load_state_dict({"draws": 4})
+    return ahead, inner, policy, stream
+
+
+def test_a_resume_takes_the_saved_batches_first_then_makes_the_next_from_the_last_ones_position():
+    ahead, inner, policy, stream = resumed_from(saved_with_two_batches_ahead({"rollout.n": 4}), {"rollout.n": 4})
+    for step in (1, 2, 3):
+        assert ahead.make_experience(stream, step)[0] == f"batch {step}"
+        assert stream.draws == 4 * (step + 1)
+        policy.version += 1
+    assert not inner.started[1].is_set() and not inner.started[2].is_set()  # restored, not made again
+    assert ahead.taken_state == {"made": [0, 1, 2, 3]}  # step 3 made from step 2's maker state
+
+
+def test_a_resume_under_other_settings_or_from_an_older_checkpoint_regenerates_the_batches(caplog):
+    caplog.set_level(logging.INFO, logger="aligner_ext.experience.ahead")
+    saved = saved_with_two_batches_ahead({"rollout.n": 4})
+    older = {"inner": saved["inner"]}
+    for state, settings, line in ((saved, {"rollout.n": 8}, "dropping the checkpoint's 2 batch(es) made ahead, "
+                                   "made under other settings (rollout.n)"),
+                                  (older, {"rollout.n": 4}, "the checkpoint holds no batches made ahead")):
+        caplog.clear()
+        ahead, inner, policy, stream = resumed_from(state, settings)
+        assert [line in record.getMessage() for record in caplog.records] == [True]  # one line, this one
+        assert ahead.make_experience(stream, 1)[0] == "batch 1" and inner.started[1].is_set()
+        assert stream.draws == 8 and ahead.taken_state == {"made": [0, 1]}
 
 
 def test_an_error_in_the_thread_is_raised_in_the_trainer():
@@ -206,7 +261,7 @@ def test_with_partial_rollouts_a_refit_parks_the_batch_in_progress_and_it_resume
     snapshot = SimpleNamespace(refit=lambda: None, stream=GenerationStream(torch.device("cpu")))
     maker = Sampling(engine)
     ahead = GenerateAhead(maker, AsynchronousConfig(enabled=True, max_staleness=2, partial_rollouts=True), snapshot,
-                          engine, policy, total_steps=3, updates_per_step=1)
+                          engine, policy, total_steps=3, updates_per_step=1, settings={})
 
     holding = threading.Event()
 
@@ -235,6 +290,7 @@ def test_with_partial_rollouts_a_batch_of_no_response_leaves_the_parked_share_ou
     engine = ResumableEngine(Decoding(), tokenizer=None)
     snapshot = SimpleNamespace(refit=lambda: None, stream=GenerationStream(torch.device("cpu")))
     ahead = GenerateAhead(Sampling(engine, keep=False), AsynchronousConfig(enabled=True, partial_rollouts=True),
-                          snapshot, engine, SimpleNamespace(version=0), total_steps=1, updates_per_step=1)
+                          snapshot, engine, SimpleNamespace(version=0), total_steps=1, updates_per_step=1,
+                          settings={})
     batch, metrics = ahead.make_experience(Stream(), 0)
     assert len(batch) == 0 and "async/parked_share" not in metrics and "async/refit_s" in metrics
