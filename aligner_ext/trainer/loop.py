@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from aligner_ext.batch import ExperienceBatch
 from aligner_ext.config import RunConfig, as_tree, changed_settings, settings, to_yaml
 from aligner_ext.distributed import init_from_env, is_main_process
 from aligner_ext.errors import CheckpointError
+from aligner_ext.experience.ahead import maker_state_across
 from aligner_ext.files import attempt_write, follow_umask
 from aligner_ext.models.base import DivergedRun
 from aligner_ext.threads import compute_threads, usable_cores
@@ -306,6 +308,8 @@ def resume(cfg: RunConfig, parts: Components, checkpointer: Checkpointer) -> tup
     parts.policy.load_sharded(path, optimizer=holds_optimizer(cfg, path, state))
     parts.policy.load_state_dict(state["policy"])
     parts.train_loader.load_state_dict(state["loader"])
-    parts.maker.load_state_dict(state["maker"])
+    saved_ahead = "config" in state and bool(OmegaConf.select(OmegaConf.create(state["config"]),
+                                                               "trainer.asynchronous.enabled", default=False))
+    parts.maker.load_state_dict(maker_state_across(state["maker"], saved_ahead, cfg.trainer.asynchronous.enabled))
     refit_engine(parts)
     return state["step"], state["eval_before"]
