@@ -122,6 +122,14 @@ def attention_without_plans() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def prepare_gpu_process(cudnn_attention: bool) -> None:
+    """What a process that trains or generates on a GPU sets up first (`train` and `serve`): the compile
+    workers, and SDPA without cuDNN's plans unless `policy.cudnn_attention`."""
+    start_compile_workers()
+    if not cudnn_attention:
+        attention_without_plans()
+
+
 def compiled_on_cuda(fn, tensor_argument: int = 0):
     """`fn` compiled by torch.compile (shapes dynamic, compiled once, on first use) when its argument at
     `tensor_argument` (the first by default) is a CUDA tensor, and run as it is elsewhere (the CPU tests

@@ -489,6 +489,7 @@ def build_server(cfg) -> GenerationServer:
 
     from aligner_ext.generation.base import ENGINES
     from aligner_ext.models.hf import cast_model, resolve_device, resolve_dtype
+    from aligner_ext.models.kernels import prepare_gpu_process
     from aligner_ext.support import check_engine
     from aligner_ext.trainer.build import generation_engine_name, model_directory
 
@@ -499,6 +500,8 @@ def build_server(cfg) -> GenerationServer:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     device = resolve_device(cfg.policy.device)
+    if device.type == "cuda":
+        prepare_gpu_process(cfg.policy.cudnn_attention)
     model = cast_model(AutoModelForCausalLM.from_pretrained(model_dir), device, resolve_dtype(cfg.policy.dtype, device))
     model.eval()
     name = generation_engine_name(cfg, model.config, device)

@@ -43,7 +43,7 @@ from aligner_ext.losses.base import LOSSES, Loss
 from aligner_ext.models import warmup_cache
 from aligner_ext.models.base import POLICIES, Policy, Reference
 from aligner_ext.models.hf import resolve_device
-from aligner_ext.models.kernels import attention_without_plans, start_compile_workers
+from aligner_ext.models.kernels import prepare_gpu_process
 from aligner_ext.models.tiny import build_char_tokenizer, build_tiny_model
 from aligner_ext.models.warmup import supervised_warmup
 from aligner_ext.registry import load_dotted
@@ -188,9 +188,7 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         check_routing_replay(cfg, model_config, generation_engine_name(cfg, model_config,
                                                                        resolve_device(cfg.policy.device)))
     if resolve_device(cfg.policy.device).type == "cuda":
-        start_compile_workers()  # ready for the first compilation (models/kernels.py)
-        if not cfg.policy.cudnn_attention:
-            attention_without_plans()
+        prepare_gpu_process(cfg.policy.cudnn_attention)  # compile workers ready for the first compilation
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

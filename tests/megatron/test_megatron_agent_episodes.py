@@ -1,11 +1,10 @@
 """Agent episodes on the Megatron backend: `aligner-ext train` under torchrun with the rollout engine on the
 backend's own decoder, each episode's later turns continuing on its kept KV cache; the engine's log-probs
-of the sampled tokens are the trainer's. Two launches: one process (TP=1), and four at TP=2 x PP=2. In
-the second, the episodes are split over the two pipeline ranks (each decodes with every stage's weights,
-gathered) and in each TP pair the first rank plays its share and runs the environment while the other
-repeats its turn-session calls (agents/ranks.py). Together the two playing ranks read the model turns
-of the one-process run's episodes, each once; before any update, the held-out evaluation's and the
-first step's episode counts and rewards are the one-process run's (the shards sum floats in another
+of the sampled tokens are the trainer's. Two launches: one process (TP=1), and two at TP=2. In the
+second, the first rank of the TP pair plays the episodes and runs the environment while the other repeats
+its turn-session calls (agents/ranks.py). The playing rank reads the model turns of the one-process run's
+episodes, each once; before any update, the held-out evaluation's and the first step's episode counts and
+rewards are the one-process run's (the shards sum floats in another
 order, which samples the same tokens here)."""
 
 import json

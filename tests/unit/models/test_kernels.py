@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 from aligner_ext.config import load_config
 from aligner_ext.errors import ConfigError
 from aligner_ext.models.family_configs import family_config
-from aligner_ext.models.kernels import (apply_kernels, attention_without_plans, compile_partial_rotary, patch_projection_qk_norms,
-                                       patch_with_liger)
+from aligner_ext.models import kernels
+from aligner_ext.models.kernels import apply_kernels, compile_partial_rotary, patch_projection_qk_norms, patch_with_liger
 
 
 @pytest.fixture
@@ -147,14 +147,17 @@ def test_on_a_gpu_the_patched_olmo_norms_and_compiled_partial_rotary_compute_tra
     assert q.grad is not None and k.grad is not None
 
 
-def test_attention_without_plans_takes_cudnn_out_of_sdpa():
-    """A GPU run (policy.cudnn_attention=false) leaves SDPA FlashAttention and the memory-efficient kernel:
-    cuDNN's plan per new shape made every new prompt width a slow step (docs/benchmarks.md)."""
+@pytest.mark.parametrize("cudnn_attention", [False, True])
+def test_a_gpu_process_leaves_cudnn_out_of_sdpa_unless_asked(cudnn_attention, monkeypatch):
+    """A GPU run (`train` and `serve`) leaves SDPA FlashAttention and the memory-efficient kernel
+    (policy.cudnn_attention=false): cuDNN's plan per new shape made every new prompt width a slow step
+    (docs/benchmarks.md); true keeps torch's choice."""
+    monkeypatch.setattr(kernels, "start_compile_workers", lambda: None)
     enabled = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
-        attention_without_plans()
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        kernels.prepare_gpu_process(cudnn_attention)
+        assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_attention
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(enabled)
