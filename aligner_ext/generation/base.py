@@ -93,3 +93,26 @@ class GenerationEngine(abc.ABC):
 
     def update_weights(self, policy_model) -> None:  # noqa: B027 - engines sharing the model do nothing
         """Make the engine sample from the policy's current weights (called after each update)."""
+
+
+class EngineWrapper(GenerationEngine):
+    """An engine around `inner` that samples with its weights (parking its calls, splitting them across
+    ranks): the weights, their version (which a push to servers carries) and the device memory are the
+    inner engine's."""
+
+    def __init__(self, inner: GenerationEngine):
+        self.inner = inner
+
+    @property
+    def weights_version(self) -> int:
+        return self.inner.weights_version
+
+    @weights_version.setter
+    def weights_version(self, version: int) -> None:
+        self.inner.weights_version = version
+
+    def release_memory(self) -> None:
+        self.inner.release_memory()
+
+    def update_weights(self, policy_model) -> None:
+        self.inner.update_weights(policy_model)

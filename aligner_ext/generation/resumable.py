@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.base import EngineWrapper, GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.generation.sampler import request_seed
 from aligner_ext.generation.stopping import StopStringMatcher
 
@@ -43,14 +43,14 @@ class Partial:
     finish_reason: str | None = None  # None while it goes on
 
 
-class ResumableEngine(GenerationEngine):
+class ResumableEngine(EngineWrapper):
     """`inner`, whose calls park at a refit and resume under the new weights (module docstring).
 
     Whoever refits the weights sets `refit_wanted` (polled between decode steps) and `await_refit`
     (called with responses parked; returns once `weights_version` is the new weights')."""
 
     def __init__(self, inner: GenerationEngine, tokenizer):
-        self.inner = inner
+        super().__init__(inner)
         self.tokenizer = tokenizer  # decodes responses for the stop strings that straddle a park
         self.refit_wanted: Callable[[], bool] = lambda: False
         self.await_refit: Callable[[], None] = lambda: None
@@ -80,12 +80,6 @@ class ResumableEngine(GenerationEngine):
                                  logprobs=response.logprobs if params.return_logprobs else None,
                                  versions=response.versions) for response in responses]
 
-    def release_memory(self) -> None:
-        self.inner.release_memory()
-
-    def update_weights(self, policy_model) -> None:
-        self.inner.weights_version = self.weights_version  # a push to servers carries it (generation/remote.py)
-        self.inner.update_weights(policy_model)
 
 
 def extend(response: Partial, output: GenerationOutput, max_new_tokens: int, version: int) -> None:

@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from aligner_ext import distributed
-from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.base import EngineWrapper, GenerationEngine, GenerationOutput, SamplingParams
 
 
-class RankSplitEngine(GenerationEngine):
+class RankSplitEngine(EngineWrapper):
     """`inner` on this rank's share of each call's prompts; every rank returns all outputs, in order.
 
     A collective: every rank must call `generate` with the same number of prompts and the same params.
@@ -48,7 +48,7 @@ class RankSplitEngine(GenerationEngine):
     """
 
     def __init__(self, inner: GenerationEngine, group=None):
-        self.inner = inner
+        super().__init__(inner)
         self.group = group
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
@@ -56,12 +56,6 @@ class RankSplitEngine(GenerationEngine):
         share_params = replace(params, seed=rank_seed(params, rank_index, world))
         return distributed.map_split(lambda share: self.inner.generate(share, share_params), prompts, self.group)
 
-    def release_memory(self) -> None:
-        self.inner.release_memory()
-
-    def update_weights(self, policy_model) -> None:
-        self.inner.weights_version = self.weights_version  # a push to servers carries it (generation/remote.py)
-        self.inner.update_weights(policy_model)
 
 
 def rank_seed(params: SamplingParams, rank_index: int, world: int) -> int | None:
