@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eos", action="store_true", help="our systems' responses end at EOS, as in training: "
                         "lengths and so shapes vary from step to step (the bound and MFU columns still count R tokens)")
     parser.add_argument("--long-tail", action="store_true", help=f"our systems' responses are long-tailed: "
-                        f"{LONG_SHARE:.0%} of them R tokens, the others R / {LONG_FACTOR} (module docstring)")
+                        f"{LONG_SHARE:.0%}% of them R tokens, the others R / {LONG_FACTOR} (module docstring)")
     parser.add_argument("--set", action="append", default=[], help="one more config override for our systems "
                         "(repeatable), e.g. generator.rollout.cuda_graphs=false")
     parser.add_argument("--asynchronous", type=staleness_bounds, default=[], help="K or K1,K2: each of our systems also runs generating "

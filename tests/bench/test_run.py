@@ -166,3 +166,14 @@ def test_the_families_table_takes_each_family_from_the_latest_file_by_its_number
     monkeypatch.setattr(run, "RESULTS", tmp_path)
     olmo2 = next(line for line in run.families_table().splitlines() if line.startswith("| olmo2 "))
     assert "| 60.0% (1.00x) |" in olmo2 and "10_families_after.json" in olmo2 and "9_families" not in olmo2
+
+
+@pytest.mark.parametrize("module_name", sorted({module for module, _, _ in run.SUBCOMMANDS.values()}))
+def test_every_subcommands_help_prints(module_name, capsys):
+    """argparse formats help strings with %: a bare one (a percentage in an f-string) breaks --help."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(module_name).main(["--help"])
+    assert exited.value.code == 0
+    assert "usage:" in capsys.readouterr().out
