@@ -62,6 +62,10 @@ PRESETS = {
     # Qwen2.5-1.5B's shape (hidden 1536, 28 layers, 12 / 2 heads, MLP 8960, tied 151,936 vocabulary).
     "qwen1_5b": Preset("qwen1_5b", "words", 1536, 28, 12, 2, 8960, 151936, prompts=32, n=8, prompt_length=256,
                        response_length=512, micro_batch=16, device="cuda", variant_steps=3),
+    # The same at half its prompts: one rank's share of `qwen1_5b` under DP=2, so that one GPU tells what the
+    # multi-GPU table's DP=2 row can gain at most (its generation and training less the gradients' all-reduce).
+    "qwen1_5b_half": Preset("qwen1_5b_half", "words", 1536, 28, 12, 2, 8960, 151936, prompts=16, n=8,
+                            prompt_length=256, response_length=512, micro_batch=16, device="cuda", variant_steps=3),
     # Qwen2.5-3B's shape (hidden 2048, 36 layers, 16 / 2 heads, MLP 11008, tied 151,936 vocabulary): does
     # it train and generate on one GPU (the Megatron backend with the distributed optimizer)?
     "qwen3b": Preset("qwen3b", "words", 2048, 36, 16, 2, 11008, 151936, prompts=16, n=8, prompt_length=256,

@@ -229,8 +229,9 @@ def render(report: dict) -> str:
         if "step_s" not in r:  # failed (its ranks' peaks say whether memory ran out) or skipped
             lines.append(head + " |" * 5 + f" {peaks(r.get('peak_gib', {}))} | | | {r.get('failed') or r.get('skipped')} |")
             continue
-        single = next((s for s in rows.values() if s.get("shape") == r["shape"] and s.get("layout", "").startswith("1 GPU")
-                       and s.get("batch") == r["batch"] and "samples_per_s" in s), None)
+        singles = [s for s in rows.values() if s.get("shape") == r["shape"] and s.get("layout", "").startswith("1 GPU")
+                   and "samples_per_s" in s]  # the same batch's first, else the shape's: a rate compares across batches
+        single = next((s for s in singles if s.get("batch") == r["batch"]), singles[0] if singles else None)
         ratio = f" ({r['samples_per_s'] / single['samples_per_s']:.2f}x)" if single and single is not r else ""
         save = r["checkpoint"]
         stall = (f"; stall per background save {save['mean_stall_per_save_s']:.1f} s"

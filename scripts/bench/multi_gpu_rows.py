@@ -126,6 +126,9 @@ TP2_SP = Layout(2, tp=2, sequence_parallel=True)
 ROWS = {row.name: row for row in [
     Row("1.5b-1gpu", "1.5b", Layout(1), prompts=32, n=8, steps=6),
     Row("1.5b-dp2", "1.5b", Layout(2, distributed_optimizer=True), prompts=32, n=8, steps=6),
+    # each rank the one-GPU row's batch: a decode step reads all the weights whatever a rank's share of the batch,
+    # so DP=2 at the same batch gains at most 1.67x at this shape (one GPU at half the batch, docs/benchmarks.md)
+    Row("1.5b-dp2-2x", "1.5b", Layout(2, distributed_optimizer=True), prompts=64, n=8, steps=6),
     Row("1.5b-tp2-sp", "1.5b", TP2_SP, prompts=32, n=8, steps=6, save=True, variants=VARIANTS,
         resume=Layout(2, pp=2)),
     Row("8b-tp2-sp", "8b", TP2_SP, prompts=16, n=8, steps=4, save=True),
@@ -143,8 +146,8 @@ ROWS = {row.name: row for row in [
 # Named sets of rows, one call per machine kind (docs/benchmarks.md, "Multi-GPU table"); the two halves of the
 # two-GPU table for calls with a time limit
 PRESETS = {
-    "table-2gpu": ("1.5b-1gpu", "1.5b-dp2", "1.5b-tp2-sp", "8b-tp2-sp", "8b-pp2", "moe-ep2"),
-    "table-2gpu-1.5b": ("1.5b-1gpu", "1.5b-dp2", "1.5b-tp2-sp"),
+    "table-2gpu": ("1.5b-1gpu", "1.5b-dp2", "1.5b-dp2-2x", "1.5b-tp2-sp", "8b-tp2-sp", "8b-pp2", "moe-ep2"),
+    "table-2gpu-1.5b": ("1.5b-1gpu", "1.5b-dp2", "1.5b-dp2-2x", "1.5b-tp2-sp"),
     "table-2gpu-8b": ("8b-tp2-sp", "8b-pp2", "moe-ep2"),
     "table-4gpu": ("8b-tp2-dp2", "moe-ep4"),
     "table-cpu": ("tiny-tp2", "tiny-moe-ep4"),

@@ -11,13 +11,14 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 
-from multi_gpu import failure_line, main  # noqa: E402
+from multi_gpu import failure_line, main, render  # noqa: E402
 from multi_gpu_rows import PRESETS, ROWS, Layout, Row, named_rows  # noqa: E402
 
 
 def test_the_presets_expand_in_order_without_repeating_a_row():
     rows = named_rows("1.5b-dp2,table-2gpu")
-    assert [row.name for row in rows] == ["1.5b-dp2", "1.5b-1gpu", "1.5b-tp2-sp", "8b-tp2-sp", "8b-pp2", "moe-ep2"]
+    assert [row.name for row in rows] == ["1.5b-dp2", "1.5b-1gpu", "1.5b-dp2-2x", "1.5b-tp2-sp", "8b-tp2-sp", "8b-pp2",
+                                             "moe-ep2"]
     assert max(row.processes for row in named_rows("table-2gpu")) == 2
     assert max(row.processes for row in named_rows("table-4gpu")) == 4
     assert all(not ROWS[name].problem() for names in PRESETS.values() for name in names)
@@ -66,3 +67,18 @@ def test_rows_past_the_budget_or_the_machine_are_reported_and_not_run(tmp_path):
     assert rows["tiny-tp2"]["skipped"] == "not started: less than 90 s of the call's --budget of 0 s was left"
     assert rows["tiny-moe-ep4"]["skipped"] == "skipped: needs 4 processes (--processes), this machine has 2"
     assert not (tmp_path / "work").exists() and not list(tmp_path.glob("*.log"))  # nothing built, nothing launched
+
+
+def test_samples_per_second_are_a_multiple_of_the_one_gpu_row_of_the_same_batch_else_of_the_shape():
+    def row(layout, batch, samples_per_s):
+        return {"shape": "Qwen2.5-1.5B", "layout": layout, "batch": batch, "step_s": [1.0, 1.0, 1.0],
+                "samples_per_s": samples_per_s, "generation_s": 0.5, "train_s": 0.5, "train_mfu": 0.5, "peak_gib": {},
+                "checkpoint": {"bytes": 0, "optimizer": False, "write_s": 0, "mean_stall_per_save_s": None}}
+    rows = {"one": row("1 GPU", "32 x 8", 40.0), "one-small": row("1 GPU", "16 x 8", 30.0),
+            "same": row("2 GPUs: DP=2", "16 x 8", 45.0), "twice": row("2 GPUs: DP=2", "64 x 8", 76.0)}
+    report = {"hardware": {"device_name": "cpu", "device": "cpu", "matmul": "float32", "matmul_flops_per_s": 1e12},
+              "date": "today", "capacity": 2, "command": "run.py multi-gpu", "rows": rows}
+    lines = {line.split(" | ")[0][2:]: line for line in render(report).splitlines() if line.startswith("| ")}
+    assert "| 45.0 (1.50x) |" in lines["same"]  # against the one-GPU row of its batch: 45 / 30
+    assert "| 76.0 (1.90x) |" in lines["twice"]  # no one-GPU row of 64 x 8: against the shape's first, 76 / 40
+    assert "| 40.0 |" in lines["one"]
