@@ -158,23 +158,34 @@ def request_fields(params: SamplingParams, seed: int | None) -> tuple[dict, dict
     return standard, extra
 
 
-def parse_choice(choice, server_url: str, return_logprobs: bool) -> GenerationOutput:
-    """One OpenAI completion choice as a GenerationOutput (EOS: finish "stop" without a stop_reason, as vLLM)."""
+def parse_choice(choice, server_url: str, return_logprobs: bool, stop_token_ids=()) -> GenerationOutput:
+    """One OpenAI completion choice as a GenerationOutput; finish "stop" is "eos" unless a stop string or one of
+    the call's `stop_token_ids` ended it (`ended_at_a_stop`)."""
     extra = choice.model_extra or {}
     token_ids = extra.get("token_ids")
     if token_ids is None:
         raise ServerError(f"generation server {server_url} returned no token ids: the remote engine needs "
-                          "`return_token_ids` (our server, vLLM >= 0.10.2)")
+                          "`return_token_ids` (our server, vLLM >= 0.10.2, SGLang)")
     if choice.finish_reason in ("length", "abort"):  # abort: cut short where it stood (module docstring)
         reason = "length"
     else:
-        reason = "eos" if extra.get("stop_reason") is None else "stop"
+        reason = "stop" if ended_at_a_stop(extra, stop_token_ids) else "eos"
     logprobs = None
     if return_logprobs:
         if choice.logprobs is None or choice.logprobs.token_logprobs is None:
             raise ServerError(f"generation server {server_url} returned no log-probs although they were asked for")
         logprobs = [float(value) for value in choice.logprobs.token_logprobs]
     return GenerationOutput(token_ids=list(token_ids), finish_reason=reason, logprobs=logprobs)
+
+
+def ended_at_a_stop(extra: dict, stop_token_ids) -> bool:
+    """Whether a choice that finished "stop" ended at a stop string or stop token id rather than at EOS. vLLM and
+    ours say it in `stop_reason` (the string or id; None at EOS); SGLang in `matched_stop`, the string or the
+    token id that matched, EOS's included, so an id there is a stop only if the call asked for it."""
+    if extra.get("stop_reason") is not None:
+        return True
+    matched = extra.get("matched_stop")
+    return isinstance(matched, str) or matched in stop_token_ids
 
 
 @ENGINES.register("remote")
@@ -259,7 +270,7 @@ class RemoteEngine(GenerationEngine):
         if len(choices) != len(prompts) * n:
             raise ServerError(f"generation server {server.url} returned {len(choices)} choices for {len(prompts)} "
                               f"prompts x n={n}")
-        outputs = [parse_choice(choice, server.url, params.return_logprobs) for choice in choices]
+        outputs = [parse_choice(choice, server.url, params.return_logprobs, params.stop_token_ids) for choice in choices]
         version = self._sampled_under(server, response)
         for output in outputs:
             output.versions = [version] * len(output.token_ids)

@@ -95,6 +95,13 @@ def test_finish_reasons_map_back_from_openai_fields():
     assert parse_choice(Choice("stop", "###"), "u", False).finish_reason == "stop"
     assert parse_choice(Choice("stop", 17), "u", False).finish_reason == "stop"
     assert parse_choice(Choice("length", None), "u", False).finish_reason == "length"
+    # SGLang's choices carry `matched_stop` instead: the stop string, or the token id that matched, EOS's included
+    sglang = Choice("stop", None)
+    for matched, stop_token_ids, reason in (("###", (), "stop"), (17, (17,), "stop"), (2, (17,), "eos"), (None, (), "eos")):
+        sglang.model_extra = {"token_ids": [1, 2], "matched_stop": matched}
+        assert parse_choice(sglang, "u", False, stop_token_ids).finish_reason == reason
+    sglang.finish_reason = "abort"  # an aborted request (partial rollouts): cut short where it stood
+    assert parse_choice(sglang, "u", False).finish_reason == "length"
     missing = Choice("stop", None)
     missing.model_extra = {}
     with pytest.raises(ServerError, match="no token ids"):
