@@ -31,8 +31,9 @@ How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each 
   batch, its loader and this wrapper's maker state are set to where they stood after that batch was
   made. A checkpoint thus saves the synchronous run's position, and beside it every batch made and not yet
   taken (`state_dict`): the save first lets the thread make every batch admission allows (the one in
-  progress; the trainer changes nothing admission reads while it saves, and no refit means nothing is
-  parked). A resume trains on those first, their tokens' versions and behaviour log-probs those they were
+  progress, parked or not: one parked at the latest refit counts as in progress until it ends, resumed,
+  since no refit is wanted while the trainer saves; the trainer changes nothing admission reads meanwhile).
+  A resume trains on those first, their tokens' versions and behaviour log-probs those they were
   sampled with, and the thread goes on from the last one's loader and maker state: the uninterrupted run,
   and no prompt repeated or skipped. Batches saved under other settings (`batch_settings`) are dropped and
   regenerated under the restored weights, as are those of a checkpoint that holds none.
@@ -198,7 +199,8 @@ class GenerateAhead(ExperienceWrapper):
         self._thread: threading.Thread | None = None
         self._ready: dict[int, MadeBatch] = {}
         self._next_step = 0  # the step the thread makes next
-        self._generating = False
+        self._generating = False  # a batch in progress, parked or not
+        self._parked = False  # with partial rollouts: the batch in progress waits for the trainer's refit
         self._refit_wanted = False  # the trainer waits to refit: with partial rollouts the batch in progress parks
         self._failure: BaseException | None = None
         self._trainer_at = (0, 0)  # (step, policy version) at the trainer's latest request
@@ -274,7 +276,7 @@ class GenerateAhead(ExperienceWrapper):
         the engine the policy's version and weights; returns the seconds the copy (or the push) took."""
         self._refit_wanted = self.cfg.partial_rollouts
         self._changed.notify_all()
-        self._changed.wait_for(lambda: not self._generating)
+        self._changed.wait_for(lambda: not self._generating or self._parked)
         started = time.perf_counter()
         self.engine.weights_version = self.policy.version  # before the weights: a push to servers carries it
         self.weights.refit()
@@ -284,12 +286,12 @@ class GenerateAhead(ExperienceWrapper):
 
     def _park(self) -> None:
         """The thread, its engine call's unfinished responses parked: the trainer refits the copy, then the
-        call resumes."""
+        call resumes. It stays in progress meanwhile: a save that comes before it resumed waits for it."""
         with self._changed:
-            self._generating = False
+            self._parked = True
             self._changed.notify_all()
             self._changed.wait_for(lambda: not self._refit_wanted)
-            self._generating = True
+            self._parked = False
 
     def _start(self, loader: PromptLoader, step: int) -> None:
         """The thread, from step `step` and `loader`'s position, or after the batches a resume restored."""

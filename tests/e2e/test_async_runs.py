@@ -1,12 +1,14 @@
 """Generation ahead of training (trainer.asynchronous, experience/ahead.py) in tiny CPU runs: at
 max_staleness=0 the synchronous run bit for bit; at 1 every later batch one version behind, within the
-bound, and a resume that neither repeats nor skips a prompt; with partial rollouts, batches parked at the
+bound, and a run SIGKILLed while a checkpoint holding a batch made ahead is written resumes from the one before
+as if never stopped, no prompt repeated or skipped; with partial rollouts, batches parked at the
 trainer's refit and resumed under its new weights, each token's staleness its own, dynamic sampling's refills
 included."""
 
 import itertools
 import json
 import math
+import signal
 
 import pytest
 import torch
@@ -18,8 +20,9 @@ from aligner_ext.experience.dynamic_sampling import DynamicSampling
 from aligner_ext.generation.resumable import ResumableEngine
 from aligner_ext.models.tiny import build_char_tokenizer
 from aligner_ext.trainer import loop
+from aligner_ext.trainer.checkpoint import STATE_FILE, Checkpointer, load_trainer_state
 from aligner_ext.trainer.loop import train
-from small_run import SMALL_MODEL
+from small_run import SMALL_MODEL, train_in_child
 
 pytestmark = pytest.mark.slow
 
@@ -92,19 +95,74 @@ SAVED_AT_2_OF_4 = ["trainer.total_steps=4", "trainer.save_every=2", "trainer.log
 RESUMED = [*AHEAD, "trainer.asynchronous.max_staleness=1", *SAVED_AT_2_OF_4]
 
 
-def test_staleness_one_trains_one_version_behind_and_resumes_as_if_never_stopped(tmp_path, monkeypatch, caplog):
-    lines, records, run_dir = interrupted_at_the_first_save(tmp_path, monkeypatch, caplog, "stopped")
-    straight, straight_dir = run(tmp_path, "straight", *RESUMED)
+# Killed while saving: step_2's writer (in the background, trainer.async_save) stops after the trainer state,
+# and step 3's log kills the process once it has stopped (bounded, so a run where no writer starts fails)
+WRITER_STOPS_AT_STEP_2 = """
+import threading
+import aligner_ext.trainer.checkpoint as c
+from aligner_ext.trainer.metrics import MetricsLogger
+stopped = threading.Event()
+real_write, real_log = c._write_from_memory, MetricsLogger.log
+def write(tmp, step, files):
+    if step == 2:
+        (tmp / c.STATE_FILE).write_bytes(files[c.STATE_FILE])
+        stopped.set()
+        threading.Event().wait()
+    real_write(tmp, step, files)
+def log(self, step, metrics):
+    real_log(self, step, metrics)
+    if step == 3:
+        if not stopped.wait(timeout=120):
+            sys.exit(3)
+        kill()
+c._write_from_memory = write
+MetricsLogger.log = log
+"""
+SAVED_EVERY_STEP = [*AHEAD, "trainer.asynchronous.max_staleness=1", "trainer.total_steps=4", "trainer.save_every=1",
+                    "trainer.keep_last=0", "trainer.log_samples_every=1", "trainer.num_log_samples=16"]
 
-    # step 1's batch was made before any update, each later one while the step before it trained, step 3's
-    # before the save: the checkpoint holds it, and the resume trains on it as the uninterrupted run does
+
+def test_a_run_killed_while_saving_batches_made_ahead_resumes_as_if_never_stopped(tmp_path, caplog):
+    """k = 1, SIGKILLed while step_2 is written in the background, one batch made ahead in each checkpoint: the
+    previous checkpoint stays `latest` and whole, and the same command resumes from it to the uninterrupted run,
+    bit for bit, each step's prompts the stream's next four. Step 3 trains and is logged while step_2's write
+    cannot finish: a background save does not hold training up. Nothing waits on time (the patch waits on the
+    event the writer sets when it stops) and both runs start one compute thread (small_run.py)."""
+    killed = train_in_child([*SMALL, *SAVED_EVERY_STEP, f"trainer.output_dir={tmp_path}", "trainer.run_name=killed"],
+                            WRITER_STOPS_AT_STEP_2)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run_dir, checkpoints = tmp_path / "killed", tmp_path / "killed" / "checkpoints"
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [0, 1, 2, 3]  # step 3 trained while step_2's write could not finish
+    assert sorted(path.name for path in checkpoints.iterdir()) == [".step_2.tmp", "latest", "step_1"]
+    assert [path.name for path in (checkpoints / ".step_2.tmp").iterdir()] == [STATE_FILE]
+    assert (checkpoints / "latest").read_text() == "step_1"
+    Checkpointer(run_dir, keep_last=0).verify(checkpoints / "step_1")
+    # each checkpoint holds the next step's batch, made ahead while its step trained: one version behind
+    for checkpoint, step in ((checkpoints / "step_1", 1), (checkpoints / ".step_2.tmp", 2)):
+        ready = load_trainer_state(checkpoint / STATE_FILE)["maker"]["ready"]
+        assert [saved["step"] for saved in ready] == [step]  # counted from 0: the step after `step`
+        batch = ready[0]["batch"]
+        assert batch.generation_versions[batch.sampled].unique().tolist() == [step - 1]
+
+    caplog.set_level("INFO")
+    records, run_dir = run(tmp_path, "killed", *SAVED_EVERY_STEP)
+    assert "resumed from" in caplog.text and "step_1 (step 1)" in caplog.text
+    assert not [r for r in caplog.records if r.name == "aligner_ext.experience.ahead"]  # nothing dropped or regenerated
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", "step_1", "step_2", "step_3", "step_4"]
+    assert (checkpoints / "latest").read_text() == "step_4"
+    for step in (2, 3, 4):
+        Checkpointer(run_dir, keep_last=0).verify(checkpoints / f"step_{step}")
+    straight, straight_dir = run(tmp_path, "straight", *SAVED_EVERY_STEP)
+
+    # step 1's batch was made before any update, each later one while the step before it trained; step 2's is
+    # the one step_1 holds, and the resume trains on it as the uninterrupted run does
     assert [r["staleness/max"] for r in records[1:]] == [0, 1, 1, 1]
     assert records[2]["staleness/share_lag_1"] == records[3]["staleness/share_lag_1"] == 1.0
-    assert math.isfinite(records[3]["rollout/logprob_diff_mean_lag_1"])
+    assert math.isfinite(records[2]["rollout/logprob_diff_mean_lag_1"])
     assert [learning_metrics(r) for r in records] == [learning_metrics(r) for r in straight]
     expected, got = weights(straight_dir, 4), weights(run_dir, 4)
     assert set(got) == set(expected) and all(got[name].equal(expected[name]) for name in got)
-    assert lines == []  # nothing dropped or regenerated
     # the prompts of each step are the stream's next four, in order: none repeated or skipped by the resume
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     cfg = load_config("base", SMALL)

@@ -1,7 +1,8 @@
 """GenerateAhead's admission and hand-over with fake parts (no model): the batch of each step is sampled at
 most max_staleness versions behind the version it trains at, generation overlaps training when the bound
 allows it, the trainer's prompt stream moves as the synchronous run's, an error in the thread reaches
-the trainer, and with partial rollouts a refit parks the batch in progress rather than wait for it.
+the trainer, and with partial rollouts a refit parks the batch in progress rather than wait for it, and a save
+holds a parked batch.
 Waits are on events, never on the clock."""
 
 import logging
@@ -254,7 +255,9 @@ class Sampling(ExperienceMaker):
         return {}
 
 
-def test_with_partial_rollouts_a_refit_parks_the_batch_in_progress_and_it_resumes_under_the_new_version():
+def parking_step_2():
+    """k = 2 with partial rollouts, three steps: step 2's batch (two ahead) waits after its first token for a refit,
+    and `holding` is set when it does. Returns the wrapper, its maker, the policy and `holding`."""
     inner = Decoding()
     engine = ResumableEngine(inner, tokenizer=None)  # no stop strings to decode
     policy = SimpleNamespace(version=0)
@@ -262,16 +265,20 @@ def test_with_partial_rollouts_a_refit_parks_the_batch_in_progress_and_it_resume
     maker = Sampling(engine)
     ahead = GenerateAhead(maker, AsynchronousConfig(enabled=True, max_staleness=2, partial_rollouts=True), snapshot,
                           engine, policy, total_steps=3, updates_per_step=1, settings={})
-
     holding = threading.Event()
 
-    def hold_step_2(prompt, count):  # step 2's batch, two ahead, waits after its first token for a refit
+    def hold_step_2(prompt, count):
         if prompt == [2] and count == 1:
             holding.set()
             with ahead._changed:
                 assert ahead._changed.wait_for(lambda: ahead._refit_wanted, timeout=TIMEOUT_S)
 
     inner.after_token = hold_step_2
+    return ahead, maker, policy, holding
+
+
+def test_with_partial_rollouts_a_refit_parks_the_batch_in_progress_and_it_resumes_under_the_new_version():
+    ahead, maker, policy, holding = parking_step_2()
     stream, taken = Stream(), []
     for step in range(3):
         batch, metrics = ahead.make_experience(stream, step)
@@ -294,3 +301,20 @@ def test_with_partial_rollouts_a_batch_of_no_response_leaves_the_parked_share_ou
                           settings={})
     batch, metrics = ahead.make_experience(Stream(), 0)
     assert len(batch) == 0 and "async/parked_share" not in metrics and "async/refit_s" in metrics
+
+
+def test_a_save_holds_a_parked_batch_that_has_not_resumed_yet():
+    """k = 2, partial rollouts: step 2's batch parks at the refit of step 1's request and the trainer takes step 1's
+    batch, ready. The test keeps the lock past the update, so the parked call cannot resume before the save asks
+    (as a thread slow to wake would): the save still waits for it and holds it, its first token one version behind."""
+    ahead, maker, policy, holding = parking_step_2()
+    stream = Stream()
+    ahead.make_experience(stream, 0)
+    assert holding.wait(TIMEOUT_S) and maker.made[1].is_set()
+    policy.version += 1
+    with ahead._changed:  # re-entrant: held across the request, the update and the save
+        ahead.make_experience(stream, 1)
+        policy.version += 1
+        state = ahead.state_dict()
+    assert [(made["step"], made["batch"].generation_versions.tolist()) for made in state["ready"]] == [
+        (2, [[0, 1, 1, 1]])]
