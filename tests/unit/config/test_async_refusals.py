@@ -30,6 +30,10 @@ REFUSED = {
                                             "agents.limits.max_total_tokens=512"],
                                            "algorithm.experience_maker=agent_episodes with trainer.asynchronous.enabled"
                                            "=true"),
+    # the graded prompt's engine log-probs are under its system prompts: no behaviour log-probs, parked or not
+    "importance sampling of the graded prompt's partial rollouts": (
+        [PARTIAL, "+variant=graded_prompt", "loss.importance_sampling_cap=2"],
+        "loss.off_policy_correction=token_tis and variant graded_prompt do not compose"),
     "partial rollouts of a maker of user code": ([PARTIAL, "algorithm.experience_maker=my_pkg.makers:Sampling"],
                                                  f"algorithm.experience_maker=my_pkg.makers:Sampling with {PARTIAL}"),
     # two updates a step (two mini-batches of the 16 x 8 sequences): a bound of 1 admits no batch ahead
@@ -58,7 +62,8 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(capsys, case):
 @pytest.mark.parametrize("overrides", [["+variant=dapo", "+variant=mtpo"], ["+variant=graded_prompt", "policy.lora.rank=4"],
                                        ["policy.num_iterations=2", "trainer.asynchronous.max_staleness=2"],
                                        [PARTIAL, "generator.engine=rollout", "rollout.stop=[END]"], [PARTIAL, "+variant=dapo"],
-                                       [PARTIAL, "+variant=mtpo", "+variant=dapo"], [PARTIAL, "+variant=graded_prompt"],
+                                       [PARTIAL, "+variant=mtpo", "+variant=dapo"],
+                                       [PARTIAL, "+variant=graded_prompt"],
                                        SERVED, [*SERVED, "generator.remote.server_kind=vllm"], [*SERVED, PARTIAL]])
 def test_what_it_runs_with_loads(overrides):
     assert load_config("base", AHEAD + overrides).trainer.asynchronous.enabled
