@@ -14,10 +14,13 @@ How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each 
 - Partial rollouts (`partial_rollouts`). A refit does not wait for the batch in progress: its engine
   call parks the unfinished responses, the copy is refitted, and they resume under the new weights,
   re-prefilled (generation/resumable.py); their tokens keep the version that sampled them, so a
-  response's versions may vary. A batch made over several engine calls (dynamic sampling's refills)
-  parks in the call in progress, or, wanted between two calls, at the next call's first decode step; the
-  maker sees each call's responses whole, once resumed. Admission is unchanged: a batch's oldest tokens
-  are those of the version it started on, which admission bounds, so parking never ages a token past k.
+  response's versions may vary. Every built-in maker that generates ahead parks so (group sampling, the
+  graded system prompt, MTPO's two rounds; a maker of user code is refused, experience/settings.py). A
+  batch made over several engine calls (dynamic sampling's refills, MTPO's two rounds) parks in the call
+  in progress, or, wanted between two calls, at the next call's first decode step; the maker sees each
+  call's responses whole, once resumed (MTPO's round 2 continues round 1's answers whole). Admission is
+  unchanged: a batch's oldest tokens are those of the version it started on, which admission bounds, so
+  parking never ages a token past k.
 - Admission. The batch of step t starts only once the engine's weights' version v satisfies V(t) - v <= k, with
   k = `trainer.asynchronous.max_staleness` and V(t) the version step t trains at, bounded by the
   trainer's version at its latest request plus `updates_per_step` for each step in between (a step

@@ -21,8 +21,11 @@ The policy trains on the draw's original prompt tokens (GroupSampling.assemble s
 `draw.prompt_ids`, untouched here), and the loop recomputes old and reference log-probs on them
 with the policy. So the responses are sampled from pi(. | x, s_i) and trained as if from
 pi(. | x): a deliberately off-policy update with no importance correction (as RuscaRL). The
-engine's sampling log-probs (`rollout.return_logprobs`) were computed under s_i: diagnostics only.
+engine's sampling log-probs (`rollout.return_logprobs`) were computed under s_i: diagnostics only
+(every off-policy correction is refused with this maker, variants.py, generation ahead or not).
 `keep_in_training` instead trains on the prompt the generator saw (system message included).
+With partial rollouts (docs/async.md) a response parked at a refit resumes from its own generator
+prompt, and each token's version is the one its engine call reports (`GroupSampling.assemble`).
 
 Decisions (docs/variants/graded_prompt.md; tests/unit/experience/test_graded_prompt_*.py):
 - Active only when `enabled`, sampling (`rollout.temperature` > 0) and `rollout.n` > 1; otherwise

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aligner_ext.generation.settings import MIN_TEMPERATURE
-from aligner_ext.plugin_names import OWN_EVALUATION
+from aligner_ext.plugin_names import BUILTIN_PLUGINS, OWN_EVALUATION
 from aligner_ext.rewards.settings import SegmentRewardsConfig
 from aligner_ext.rules import choice, number
 
@@ -219,12 +219,14 @@ def check_served_ahead(cfg) -> None:
 
 
 def check_partial_rollouts(cfg) -> None:
-    """What partial rollouts (`trainer.asynchronous.partial_rollouts`) do not run with yet, refused naming
-    both settings: they resume the responses of group sampling's engine calls (dynamic sampling's refills
-    included, each parked and resumed on its own)."""
-    on = "trainer.asynchronous.partial_rollouts=true"
-    if cfg.algorithm.experience_maker not in ("group_sampling", "grpo"):
-        raise ValueError(f"algorithm.experience_maker={cfg.algorithm.experience_maker} with {on}: only group sampling "
-                         "(group_sampling, dynamic sampling's refills included) parks and resumes its responses "
-                         "yet; set trainer.asynchronous.partial_rollouts=false")
-
+    """What partial rollouts (`trainer.asynchronous.partial_rollouts`) do not run with, refused naming both
+    settings: they resume the engine calls of every built-in maker generation ahead runs (group sampling,
+    dynamic sampling's refills, the graded system prompt, MTPO's two rounds), whose batches stamp each token
+    with the version its call's outputs report (`GroupSampling.assemble`); a maker of user code may stamp
+    one version per batch instead, so it is refused."""
+    maker = cfg.algorithm.experience_maker
+    if maker not in BUILTIN_PLUGINS["aligner_ext.experience.base:EXPERIENCE_MAKERS"]:
+        raise ValueError(f"algorithm.experience_maker={maker} with trainer.asynchronous.partial_rollouts=true: a "
+                         "maker of user code is not known to stamp each token with the version its engine call "
+                         "reports (experience.base.sampled_versions with the call's outputs), which a parked and "
+                         "resumed response needs; set trainer.asynchronous.partial_rollouts=false")

@@ -33,6 +33,16 @@ Decisions (docs/variants/mtpo.md; tests/unit/experience/test_mtpo_two_round.py p
   kept cache (`generator.rollout.prefix_cache`), copies round 1's K/V of prompt + answer instead of
   prefilling them again. `timing/mtpo_round{1,2}_s` and
   `mtpo/round2_time_ratio` measure both rounds every step.
+- Generation ahead with partial rollouts (docs/async.md): either round's engine call may park at a
+  refit and resume under the new weights (generation/resumable.py); each token keeps the version and
+  log-prob of the weights that sampled it, round 1's and round 2's joined per sample (`_joined`).
+  Round 2's prompt holds round 1's tokens, prefilled under whatever weights round 2 runs on, which is
+  right: they are its context, not its samples, so each round-2 token's behaviour log-prob is that of
+  the weights that sampled it given the exact tokens before it (as for a resumed response); a kept
+  cache computed under older weights is never reused (`weights_fingerprint`). Both rounds' stop
+  strings are their calls' `stop`, so one that straddles a park is matched there too
+  (tests/unit/experience/test_mtpo_two_round.py, `test_rounds_parked_at_a_refit_*`). The round
+  timings then include the wait for the refit.
 """
 
 from __future__ import annotations
@@ -241,19 +251,25 @@ class TwoRoundSampling(GroupSampling):
 
 
 def _joined(sample: TwoRoundSample) -> GenerationOutput:
-    """Round-1 + round-2 ids as one output; the finish reason of the last round that ran. Its routing:
-    round 1's over the prompt and the answer (the experts its tokens were sampled under), round 2's from
-    the answer's last token on (which round 1 never fed back; round 2 fed it as part of its prompt)."""
+    """Round-1 + round-2 ids as one output; the finish reason of the last round that ran; each token's
+    log-prob and version (partial rollouts) those of the round that sampled it. Its routing: round 1's
+    over the prompt and the answer (the experts its tokens were sampled under), round 2's from the
+    answer's last token on (which round 1 never fed back; round 2 fed it as part of its prompt)."""
     answer, confidence = sample.answer, sample.confidence
     last = confidence or answer
     ids = answer.token_ids + (confidence.token_ids if confidence else [])
-    logprobs = None
-    if answer.logprobs is not None:
-        logprobs = answer.logprobs + (confidence.logprobs if confidence else [])
+    logprobs = _both_rounds(answer.logprobs, confidence and confidence.logprobs)
+    versions = _both_rounds(answer.versions, confidence and confidence.versions)
     routing = answer.routing
     if routing is not None and confidence is not None:
         routing = torch.cat([routing[:-1], confidence.routing[len(routing) - 1 :]])
-    return GenerationOutput(token_ids=ids, finish_reason=last.finish_reason, logprobs=logprobs, routing=routing)
+    return GenerationOutput(token_ids=ids, finish_reason=last.finish_reason, logprobs=logprobs, routing=routing,
+                            versions=versions)
+
+
+def _both_rounds(answer: list | None, confidence: list | None) -> list | None:
+    """A per-token list of round 1 followed by round 2's (none without round 2); None if round 1 has none."""
+    return None if answer is None else answer + (confidence or [])
 
 
 def segment_token_rewards(answer_rewards: torch.Tensor, confidence_rewards: torch.Tensor, answer_lengths: torch.Tensor,

@@ -2,7 +2,9 @@
 weights and resumed under the new ones (generation ahead of training, experience/ahead.py; docs/async.md).
 
 `ResumableEngine` wraps the generation thread's engine (hf or rollout, both stop between two decode steps
-when their `should_stop` turns true; remote, whose servers abort their requests then). A call runs the
+when their `should_stop` turns true; remote, whose servers abort their requests then), so every call of the
+experience maker parks: group sampling's (dynamic sampling's refills each a call), the graded system
+prompt's (each response resumes from its own generator prompt) and both of MTPO's rounds. A call runs the
 inner engine with `should_stop = refit_wanted`; when it stops with responses unfinished, it parks them and
 calls `await_refit` (the thread lets the trainer refit the copy, or push to the servers, and returns once
 it has), then resumes every parked response as a request of
@@ -18,9 +20,10 @@ tokens it has left. So:
   parked call's again.
 A resumption asks for as many tokens as the response with the most left needs; each response is cut
 at its own cap ("length"). The inner engine matches stop strings within one call's tokens; one that
-straddles a park (it starts before it and ends after) is matched here, on the tokens after the park
-whose text, with the newest token's, could still reach back past it (`cut_at_straddling_stop`). Routing
-records are not joined across a park (routing replay is refused with generation ahead).
+straddles a park (it starts before it and ends after; MTPO's round stops are its calls' `stop` too) is
+matched here, on the tokens after the park whose text, with the newest token's, could still reach back
+past it (`cut_at_straddling_stop`). Routing records are not joined across a park (routing replay is
+refused with generation ahead).
 """
 
 from __future__ import annotations

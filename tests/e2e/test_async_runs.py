@@ -3,12 +3,13 @@ max_staleness=0 the synchronous run bit for bit; at 1 every later batch one vers
 bound, and a run SIGKILLed while a checkpoint holding a batch made ahead is written resumes from the one before
 as if never stopped, no prompt repeated or skipped; with partial rollouts, batches parked at the
 trainer's refit and resumed under its new weights, each token's staleness its own, dynamic sampling's refills
-included."""
+and MTPO's two rounds included."""
 
 import itertools
 import json
 import math
 import signal
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from aligner_ext.config import load_config
 from aligner_ext.data.loader import build_loader
 from aligner_ext.experience.dynamic_sampling import DynamicSampling
+from aligner_ext.experience.two_round import TwoRoundSampling
 from aligner_ext.generation.resumable import ResumableEngine
 from aligner_ext.models.tiny import build_char_tokenizer
 from aligner_ext.trainer import loop
@@ -273,6 +275,66 @@ def test_dynamic_sampling_refills_park_in_a_call_and_between_two_calls(tmp_path,
     assert all(r["rollout/logprob_diff_mean_lag_0"] < 1e-5 for r in steps)
     assert all(r["rollout/logprob_diff_mean_lag_1"] > 1e-2 for r in steps[1:])
     assert_every_value_a_number(records)
+
+
+MTPO = ["+variant=mtpo", "mtpo.answer_stop_str='>'", "mtpo.confidence_stop_str='<'", "mtpo.max_answer_length=8",
+        "mtpo.max_confidence_length=8", "mtpo.num_confidence_generations=2",  # G x H = rollout.n = 4
+        "+reward.sources.short_qa=e2e_rewards.character_parity"]  # answers of the tiny model differ: it learns
+
+
+def test_mtpo_rounds_park_at_the_refit_each_token_keeping_its_version(tmp_path, monkeypatch):
+    """MTPO's two rounds with partial rollouts at k = 1 (one-character stop strings, which the tiny model
+    meets): round 1 of each batch after the first waits at its third decode step for the trainer's refit.
+    Its first three tokens (fewer where the answer ended sooner) keep the version before, the rest of the
+    answer and every round-2 token (sampled after the park) carry the next; the engine's log-prob of each
+    token is that of its version's weights."""
+    generate, round_1_calls, assembled = ResumableEngine.generate, [], []
+    assemble_samples = TwoRoundSampling.assemble_samples
+
+    def round_1_parked_at_the_third_token(engine, prompts, params):
+        ahead, polls = engine.await_refit.__self__, itertools.count(1)
+        round_1 = params.stop == [">"] and threading.current_thread().name == "generate-ahead"  # not evaluating
+        first = round_1 and not round_1_calls  # the first batch is made before any update: no refit comes
+        round_1_calls.extend([len(prompts)] if round_1 else [])
+
+        def refit_wanted():
+            if not round_1 or first or next(polls) != 3:
+                return ahead._refit_wanted
+            with ahead._changed:
+                ahead._changed.wait_for(lambda: ahead._refit_wanted, timeout=60)  # only a broken park waits
+            return True
+
+        engine.refit_wanted = refit_wanted
+        return generate(engine, prompts, params)
+
+    def recorded(maker, samples, scored):
+        batch = assemble_samples(maker, samples, scored)
+        assembled.append(batch)
+        return batch
+
+    monkeypatch.setattr(ResumableEngine, "generate", round_1_parked_at_the_third_token)
+    monkeypatch.setattr(TwoRoundSampling, "assemble_samples", recorded)
+    cfg = load_config("base", SMALL_MODEL + MTPO + [
+        f"trainer.output_dir={tmp_path}", "trainer.run_name=mtpo", "trainer.export_hf=false",
+        "trainer.tensorboard=false", "policy.optim.lr=1e-3", "rollout.ignore_eos=true", "trainer.total_steps=3",
+        "trainer.seed=1",  # its first step updates (seed 0's groups all agree: no update for lag 1 to show)
+        *AHEAD, "trainer.asynchronous.partial_rollouts=true", "trainer.asynchronous.max_staleness=1"])
+    train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "mtpo" / "metrics.jsonl").read_text().splitlines()]
+    assert round_1_calls == [8, 8, 8] and len(assembled) == 3  # 4 prompts x G = 2 answers a batch
+    for new, batch in enumerate(assembled):  # batch k (from 0) ends on version k; after the first, parked once
+        old = max(new - 1, 0)
+        answers = (batch.segment_ids == 0) & batch.sampled
+        for versions, answer, sampled in zip(batch.generation_versions, answers, batch.sampled):
+            length = int(answer.sum())
+            expected = [old] * min(3, length) + [new] * (int(sampled.sum()) - min(3, length))
+            assert versions[sampled].tolist() == expected
+        assert (batch.segment_ids[batch.sampled] == 1).any()  # round 2 ran
+    steps = records[1:]
+    assert [r["staleness/max"] for r in steps] == [0, 1, 1]
+    assert all(r["rollout/logprob_diff_mean_lag_0"] < 1e-5 for r in steps)
+    assert all(r["rollout/logprob_diff_mean_lag_1"] > 1e-2 for r in steps[1:])
+    assert [r["async/parked_share"] for r in steps] == [0.0, 1.0, 1.0]
 
 
 def test_a_step_whose_groups_were_all_dropped_logs_no_parked_share(tmp_path):

@@ -25,8 +25,17 @@ REFUSED = {
     "surplus": (["+variant=dapo", "dynamic_sampling.keep_surplus=true"],
                 "dynamic_sampling.keep_surplus=true with trainer.asynchronous.enabled=true"),
     "routing replay": (["policy.routing_replay=true"], "policy.routing_replay=true with trainer.asynchronous"),
-    "partial rollouts of two rounds": ([PARTIAL, "+variant=mtpo"],
-                                       f"algorithm.experience_maker=two_round with {PARTIAL}"),
+    # agent episodes are not generated ahead at all, so neither parked
+    "partial rollouts of agent episodes": (["algorithm.experience_maker=agent_episodes", PARTIAL,
+                                            "agents.limits.max_total_tokens=512"],
+                                           "algorithm.experience_maker=agent_episodes with trainer.asynchronous.enabled"
+                                           "=true"),
+    # the graded prompt's engine log-probs are under its system prompts: no behaviour log-probs, parked or not
+    "importance sampling of the graded prompt's partial rollouts": (
+        [PARTIAL, "+variant=graded_prompt", "loss.importance_sampling_cap=2"],
+        "loss.off_policy_correction=token_tis and variant graded_prompt do not compose"),
+    "partial rollouts of a maker of user code": ([PARTIAL, "algorithm.experience_maker=my_pkg.makers:Sampling"],
+                                                 f"algorithm.experience_maker=my_pkg.makers:Sampling with {PARTIAL}"),
     # two updates a step (two mini-batches of the 16 x 8 sequences): a bound of 1 admits no batch ahead
     "below the updates": (["policy.mini_batch_size=64"],
                           "trainer.asynchronous.max_staleness=1 is below the 2 optimizer updates one step makes"),
@@ -40,8 +49,9 @@ def test_refused_at_load_naming_both(case):
         load_config("base", AHEAD + overrides)
 
 
-def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
-    overrides, message = REFUSED["megatron"]
+@pytest.mark.parametrize("case", ["megatron", "partial rollouts of a maker of user code"])
+def test_the_command_line_says_it_in_one_line_and_exits_2(capsys, case):
+    overrides, message = REFUSED[case]
     with pytest.raises(SystemExit) as stopped:
         main(["config", *AHEAD, *overrides])
     assert stopped.value.code == 2
@@ -52,6 +62,8 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(capsys):
 @pytest.mark.parametrize("overrides", [["+variant=dapo", "+variant=mtpo"], ["+variant=graded_prompt", "policy.lora.rank=4"],
                                        ["policy.num_iterations=2", "trainer.asynchronous.max_staleness=2"],
                                        [PARTIAL, "generator.engine=rollout", "rollout.stop=[END]"], [PARTIAL, "+variant=dapo"],
+                                       [PARTIAL, "+variant=mtpo", "+variant=dapo"],
+                                       [PARTIAL, "+variant=graded_prompt"],
                                        SERVED, [*SERVED, "generator.remote.server_kind=vllm"], [*SERVED, PARTIAL]])
 def test_what_it_runs_with_loads(overrides):
     assert load_config("base", AHEAD + overrides).trainer.asynchronous.enabled

@@ -1,5 +1,6 @@
 """GradedPromptSampling: n graded generator inputs per prompt, one group, the original prompt trained
-on token for token, plain sampling when inactive (each condition), metrics per disclosure ratio."""
+on token for token, plain sampling when inactive (each condition), metrics per disclosure ratio, and
+responses parked at a refit resumed from the generator's prompt (partial rollouts)."""
 
 import logging
 
@@ -13,6 +14,7 @@ from aligner_ext.data.types import PromptRow
 from aligner_ext.experience.base import RolloutConfig
 from aligner_ext.experience.graded_prompt import GradedPromptConfig, GradedPromptSampling
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
+from aligner_ext.generation.resumable import ResumableEngine
 from aligner_ext.models.tiny import build_char_tokenizer
 from aligner_ext.rewards.manager import RewardConfig, RewardManager
 from aligner_ext.trainer.evaluate import evaluate
@@ -191,6 +193,44 @@ def test_batch_tensors_are_well_formed(tiny_tokenizer, rewards):
     assert batch.prompt_ids.shape == batch.prompt_mask.shape and batch.prompt_ids.dtype == torch.long
     assert batch.response_mask.equal(batch.response_valid)
     assert [s.response_text for s in batch.samples] == [GOLD_12] * 3
+
+
+class ParkedAfterThree(GenerationEngine):
+    """Answers prompt k with texts[k] and EOS, stopped after three tokens (a refit wanted: a response not
+    ended by then is cut there, finish "length"); the next call, the resumption, gives the parked ones
+    the rest. Records each call's prompts."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts, self.calls = tokenizer, texts, []
+
+    def generate(self, prompts, params, should_stop=None):
+        self.calls.append([list(p) for p in prompts])
+        if len(self.calls) > 1:
+            return [GenerationOutput(rest, "eos") for rest in self.rests]
+        whole = [self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+                 for text in self.texts]
+        self.rests = [tokens[3:] for tokens in whole if len(tokens) > 3]
+        return [GenerationOutput(tokens[:3], "eos" if len(tokens) <= 3 else "length") for tokens in whole]
+
+
+def test_a_response_parked_at_a_refit_resumes_from_the_generators_prompt_with_its_versions(tiny_tokenizer, rewards):
+    """n = 2: sample 0 sees every criterion, sample 1 none. Sample 0 parks after "12 " and resumes under
+    version 1 from its own generator prompt; sample 1 ("no", EOS) ended before the refit: version 0 throughout."""
+    tok, row = tiny_tokenizer, rubric_row(12)
+    inner = ParkedAfterThree(tok, ["12 is even.", "no"])
+    engine = ResumableEngine(inner, tok)
+    engine.await_refit = lambda: setattr(engine, "weights_version", 1)
+    maker = GradedPromptSampling(RolloutConfig(n=2, max_response_length=80), GradedPromptConfig(**COMPACT), engine,
+                                 rewards, tok, seed=3)
+    batch, _ = maker.make_experience(PromptLoader([row], tok, DataConfig(), batch_size=1, shuffle=False), 0)
+    graded = inner.calls[0][0]
+    assert graded != encode_prompt(tok, row.messages) and len(inner.calls) == 2
+    assert inner.calls[1] == [graded + tok("12 ", add_special_tokens=False)["input_ids"]]
+    assert [real_prompt(batch, i) for i in range(2)] == [encode_prompt(tok, row.messages)] * 2  # trained on
+    assert [s.response_text for s in batch.samples] == ["12 is even.", "no"]
+    # "12 is even." + EOS: 12 tokens, 3 sampled before the park; "no" + EOS: 3, padded with 0
+    assert batch.generation_versions.tolist() == [[0] * 3 + [1] * 9, [0] * 12]
+    assert batch.response_valid.sum(dim=1).tolist() == [12, 3]
 
 
 LLAMA3_STYLE = (  # another template family: headers instead of ChatML turns

@@ -1,7 +1,9 @@
 """TwoRoundSampling (MTPO) through the real HF engine driven by a scripted model: stop strings in
 both rounds, round 2 continuing the exact round-1 ids, nested group ids, segment ids, the
-first-confidence-only mask and its denominators, segment rewards, and the two-round evaluation."""
+first-confidence-only mask and its denominators, segment rewards, the two-round evaluation, and
+both rounds parked at a refit and resumed (partial rollouts), each token keeping its version."""
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -11,10 +13,12 @@ from torch import nn
 
 from aligner_ext.config import load_config
 from aligner_ext.data.loader import DataConfig, PromptLoader
+from aligner_ext.data.templating import encode_prompt
 from aligner_ext.data.types import PromptRow
 from aligner_ext.experience.base import RolloutConfig
 from aligner_ext.experience.two_round import TwoRoundSampling
 from aligner_ext.generation.hf import HFEngineConfig, HFGenerationEngine
+from aligner_ext.generation.resumable import ResumableEngine
 from aligner_ext.losses.clipped_pg import ClippedPGLoss
 from aligner_ext.rewards.manager import RewardConfig, RewardManager
 
@@ -212,6 +216,60 @@ def test_evaluation_where_no_confidence_is_stated_leaves_calibration_undefined(t
     assert metrics["val/accuracy"] == 1.0 and metrics["val/confidence_parsed_ratio"] == 0.0
     for name in ("brier", "ece", "auroc", "mean_confidence"):  # not 0.000: nothing was calibrated
         assert math.isnan(metrics[f"val/{name}"]), name
+
+
+class ParkedAt(HFGenerationEngine):
+    """The HF engine whose k-th call stops after `park_after[k]` tokens (a refit wanted then, as the
+    generation thread's engine sees it); records each call's prompts."""
+
+    def __init__(self, *args, park_after):
+        super().__init__(*args)
+        self.park_after, self.prompts = park_after, []
+
+    def generate(self, prompts, params, should_stop=None):
+        polls, park_after = itertools.count(1), self.park_after.get(len(self.prompts))
+        self.prompts.append(prompts)
+        return super().generate(prompts, params, should_stop=lambda: next(polls) == park_after)
+
+
+RESUMED_ANSWER, RESUMED_CONFIDENCE = "<answer>red</answer>XX", "<confidence>0.8</confidence>ZZ"
+
+
+def resumed_script(text, row):
+    """The rest of the round's text after what the prefill already holds of it (a resumed call's prefill
+    ends with the response so far): a continuation that depends on the text alone, not on the row."""
+    target = RESUMED_CONFIDENCE if "</answer>" in text else RESUMED_ANSWER
+    written = max(k for k in range(len(target)) if text.endswith(target[:k]))
+    return target[written:]
+
+
+def test_rounds_parked_at_a_refit_keep_each_tokens_version_and_match_stop_strings_across_the_park(
+        tiny_tokenizer, rewards):
+    """Round 1 parks after 14 tokens, inside its stop string ("<answer>red</a" | "nswer>"), round 2 after 17,
+    inside its own ("<confidence>0.8</" | "confidence>"); each refit adds a version. Every sample holds the
+    answer's 20 tokens (14 of version 0, 6 of 1), then the confidence's 28 (17 of 1, 11 of 2)."""
+    tok = tiny_tokenizer
+    inner = ParkedAt(ContextLM(tok, resumed_script), tok, HFEngineConfig(), park_after={0: 14, 2: 17})
+    engine = ResumableEngine(inner, tok)
+    engine.await_refit = lambda: setattr(engine, "weights_version", engine.weights_version + 1)
+    cfg = TwoRoundSampling.Config(num_answer_generations=2, num_confidence_generations=2,
+                                  max_answer_length=MAX_ANSWER, max_confidence_length=MAX_CONFIDENCE)
+    maker = TwoRoundSampling(cfg, RolloutConfig(n=4, return_logprobs=True), engine, rewards, tok, seed=3)
+    loader = PromptLoader([qa_row(0, "Q1", "red")], tok, DataConfig(), batch_size=1, shuffle=False)
+    batch, _ = maker.make_experience(loader, step=0)
+
+    prompt = encode_prompt(tok, [{"role": "user", "content": "Q1"}])
+    answer, confidence = ids(tok, "<answer>red</answer>"), ids(tok, "<confidence>0.8</confidence>")
+    # each call resumes prompt + response so far; round 2 continues the whole answer, its stop found across the park
+    assert inner.prompts == [[prompt] * 2, [prompt + answer[:14]] * 2, [prompt + answer] * 4,
+                             [prompt + answer + confidence[:17]] * 4]
+    assert [s.finish_reason for s in batch.samples] == ["stop"] * 4
+    assert all(s.reward_info["answer_finish"] == "stop" for s in batch.samples)
+    assert batch.response_ids.tolist() == [answer + confidence] * 4
+    versions = [0] * 14 + [1] * 6 + [1] * 17 + [2] * 11
+    assert batch.generation_versions.tolist() == [versions] * 4
+    assert batch.segment_ids.tolist() == [[0] * 20 + [1] * 28] * 4
+    assert batch.generation_logprobs.shape == (4, 48)
 
 
 def test_configuration_errors(tiny_tokenizer, rewards):
