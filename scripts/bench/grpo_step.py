@@ -33,6 +33,10 @@ synchronous run. `--long-tail` makes the work long-tailed, for our systems: LONG
 step's responses run to R tokens, the others stop at R / 8 (the median), the long rows drawn by the
 step's sampling seed (grpo_step_lib.LongTail); the bounds below count those lengths.
 
+Memory: each step's peak allocated memory per phase; a system whose quietest peak rises at every step
+after the first is named in the report with its rate (a run keeping something of each step fills the
+device in time).
+
 Before / after in one call: with `--prev COMMIT` (or a folder holding its tree), a system written
 `prev:NAME` runs this harness's worker with the library of that tree (its `aligner_ext` and `conf/` first on
 the path), on the same workspace and reference; the report then gives, per system with both sides,
@@ -104,6 +108,7 @@ ASYNC_SUFFIX = "_async_k"  # NAME_async_kK: our system NAME generating ahead at 
 SERVED_SUFFIX = "_served"  # NAME_served[_async_kK]: our system NAME generating through a server on SERVING_GPU
 SERVING_GPU = {"cuda": "1", "cpu": "cpu"}  # where --disaggregated serves, by the preset's device
 PHASES = ("generation", "logprobs", "train", "weight_sync", "rewards", "other")
+GROWTH_GIB = 0.25  # a step's rise of allocated memory above which it counts as growth (the allocator's noise is less)
 
 
 # ---------------------------------------------------------------- the reference worker
@@ -267,6 +272,7 @@ def summarise(result: dict, preset: Preset, floor: dict, hardware: dict) -> dict
         "first_step_phases_s": first["phases_s"], "settings": result["settings"],
         "steps": [{"step_s": step["step_s"], "phases_s": step["phases_s"], "events": step.get("events", {})}
                   for step in measured],
+        "baseline_gib": baseline_memory(result["steps"]),
     }
     if result["system"].removeprefix(PREV_PREFIX).startswith("ours"):
         summary["overlap"] = overlap(measured, sequences, ahead)
@@ -307,6 +313,26 @@ def overlap(measured: list[dict], sequences: int, ahead: bool) -> dict:
             "train_s": median(step["phases_s"].get("train", 0.0) for step in measured),
             "trainer_wait_s": median(step["trainer_wait_s"] for step in measured), "generator_idle_s": idle,
             "staleness": staleness}
+
+
+def baseline_memory(steps: list[dict]) -> list[float]:
+    """Each step's quietest peak of allocated memory (the least over its phases; none on the CPU): what
+    stays allocated from step to step, which a run that keeps nothing of a step holds flat."""
+    return [min(step["peak_gib"].values()) for step in steps if step.get("peak_gib")]
+
+
+def memory_growth_lines(systems: dict) -> list[str]:
+    """A line per system whose memory grew at every step after the first (something each step left
+    allocated: a run at the same rate fills the device in time), with the rate."""
+    lines = []
+    for name, s in systems.items():
+        baseline = s.get("baseline_gib", [])[1:]  # step 0 compiles and allocates the run's state
+        rises = [later - earlier for earlier, later in zip(baseline, baseline[1:])]
+        if len(rises) >= 2 and min(rises) > GROWTH_GIB:
+            lines.append(f"- {name}: the allocated memory grew at every step, {sum(rises) / len(rises):.2f} GiB a "
+                         f"step ({baseline[0]:.1f} to {baseline[-1]:.1f} GiB at each step's quietest phase): each "
+                         "step leaves something allocated")
+    return ["", "Memory that grew at every step:", "", *lines] if lines else []
 
 
 def overlap_lines(systems: dict) -> list[str]:
@@ -390,6 +416,7 @@ def render(report: dict) -> str:
                          f"| {s['generated_tokens']:,.0f} | {s['note']} |")
     lines += ["", "Every measured step, seconds (* above 1.3x the median, with what happened in it):", ""]
     lines += [f"- {steps_line(name, s['steps'])}" for name, s in {**systems, **report["variants"]}.items()]
+    lines += memory_growth_lines(systems)
     lines += ratio_lines(systems)
     lines += overlap_lines(systems)
     for name, error in report["failures"].items():

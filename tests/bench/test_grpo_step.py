@@ -13,7 +13,8 @@ BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 
 import grpo_step_ours  # noqa: E402
-from grpo_step import floors, overlap, overlap_lines, ratio_lines, with_ahead_runs  # noqa: E402
+from grpo_step import (baseline_memory, floors, memory_growth_lines, overlap, overlap_lines, ratio_lines,  # noqa: E402
+                        with_ahead_runs)
 from grpo_step_lib import PRESETS, LongTail, PhaseClock, Preset, prompt_ids, write_workspace  # noqa: E402
 
 from aligner_ext.generation.base import GenerationOutput, SamplingParams  # noqa: E402
@@ -209,6 +210,21 @@ def test_each_of_our_systems_runs_ahead_and_through_a_server_too():
     assert with_ahead_runs("ours", [], []) == ["ours"]
     assert with_ahead_runs("trl_fast", [1], [1]) == ["trl_fast"]
     assert with_ahead_runs("prev:ours", [1], [1]) == ["prev:ours"]  # generation ahead is this tree's
+
+
+def test_memory_that_grows_at_every_step_is_reported_with_its_rate():
+    def steps(quietest):  # step 0 allocates the run's state; each step's phases peak above its quietest
+        return [{"peak_gib": {"rewards": low, "train": low + 20.0}} for low in quietest]
+
+    # the GPU runs that kept each call's KV cache: 5.25 GiB more at every step (docs/benchmarks.md)
+    leaking = {"baseline_gib": baseline_memory(steps([14.0, 36.5, 41.75, 47.0, 52.25]))}
+    flat = {"baseline_gib": baseline_memory(steps([14.0, 36.5, 36.6, 36.5, 36.6]))}
+    lines = memory_growth_lines({"ours": leaking, "ours_packed": flat, "trl_fast": {}})
+    assert lines[1] == "Memory that grew at every step:"
+    assert lines[3:] == ["- ours: the allocated memory grew at every step, 5.25 GiB a step (36.5 to 52.2 GiB at each "
+                         "step's quietest phase): each step leaves something allocated"]
+    assert memory_growth_lines({"ours": flat}) == []
+    assert baseline_memory([{"peak_gib": {}}, {}]) == []  # the CPU records no peaks
 
 
 def test_ratios_after_over_before_per_phase():
