@@ -29,7 +29,9 @@ How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each 
   at training time. With k = 0 each batch waits for the previous update: the synchronous run, bit for
   bit (tests/e2e/test_async_runs.py). A batch also starts on the newest weights: once the policy has
   moved past the engine's weights, the thread waits for the trainer's refit rather than sample from the
-  old ones.
+  old ones. And the trainer, handed a batch, goes on only once the thread has started the next one where
+  admission allows it (a thread switch): that batch samples the weights the step is about to update
+  whatever the threads' scheduling, so a run's versions, and its numbers, do not depend on the machine's load.
 - The prompt stream. The thread draws from its own view of the loader; when the trainer takes step t's
   batch, its loader and this wrapper's maker state are set to where they stood after that batch was
   made. A checkpoint thus saves the synchronous run's position, and beside it every batch made and not yet
@@ -229,6 +231,8 @@ class GenerateAhead(ExperienceWrapper):
             made = self._ready.pop(step)
             idle, self._idle_s = self._idle_s, 0.0
             ready = len(self._ready)
+            # the next batch starts on the weights this step updates, however the threads are scheduled
+            self._changed.wait_for(lambda: self._generating or self._settled())
         loader.load_state_dict(made.loader_state)
         self.taken_state = made.maker_state
         metrics = {**made.metrics, "async/trainer_wait_s": time.perf_counter() - started,
@@ -327,6 +331,7 @@ class GenerateAhead(ExperienceWrapper):
                     self._changed.wait_for(lambda: self._admitted(step))
                     self._idle_s += time.perf_counter() - waiting
                     self._generating = True
+                    self._changed.notify_all()  # the trainer that took the batch before may go on
                 batch, metrics = self.inner.make_experience(loader, step)
                 made = MadeBatch(batch, metrics, loader.state_dict(), copy.deepcopy(self.inner.state_dict()))
                 with self._changed:  # in one step: a save finds the batch in progress or ready, never between

@@ -318,3 +318,12 @@ def test_a_save_holds_a_parked_batch_that_has_not_resumed_yet():
         state = ahead.state_dict()
     assert [(made["step"], made["batch"].generation_versions.tolist()) for made in state["ready"]] == [
         (2, [[0, 1, 1, 1]])]
+
+
+def test_the_next_batch_has_started_when_the_trainer_gets_its_batch():
+    """No hold in the update: the trainer, handed step s's batch, returns only once step s + 1's has started, so
+    it samples the weights before the update however the threads are scheduled (before, a trainer that updated
+    before the thread woke had it wait for the refit and sample the new weights: lag 0 instead of 1)."""
+    ahead, inner, policy = ahead_of(1)
+    trained_at = train(ahead, inner, policy)
+    assert [trained_at[step] - inner.sampled_at[step] for step in range(6)] == [0, 1, 1, 1, 1, 1]
