@@ -44,10 +44,16 @@ def environment(argv: list[str]) -> dict:
            "command": "python scripts/bench/run.py " + " ".join(argv),
            "torch": torch.__version__, "transformers": transformers.__version__, "gpu": None}
     if torch.cuda.is_available():
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True).stdout.strip()
-        env["gpu"] = f"{torch.cuda.get_device_name()} (driver {driver})"
+        count = torch.cuda.device_count()
+        env["gpu"] = f"{f'{count} x ' if count > 1 else ''}{torch.cuda.get_device_name()} (driver {driver_version()})"
     return env
+
+
+def driver_version() -> str:
+    """The NVIDIA driver's version (nvidia-smi answers one line per GPU: the first)."""
+    answer = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout
+    return (answer.splitlines() or [""])[0].strip()
 
 
 def device_times(fn, repeats: int, device: str) -> list[float]:

@@ -83,7 +83,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
-from common import device_times, prev_tree, steps_line  # noqa: E402
+from common import device_times, driver_version, prev_tree, steps_line  # noqa: E402
 from grpo_step_lib import (LONG_FACTOR, LONG_SHARE, PRESETS, Preset, long_tail_lengths, write_json,  # noqa: E402
                            write_workspace)
 
@@ -139,8 +139,7 @@ def measure_hardware(device: str, matmul_size: int | None = None, copy_elements:
             "copy_bytes_per_s": 2 * source.numel() * source.element_size() / copy_s}
     if device == "cuda":
         info["device_name"] = torch.cuda.get_device_name()
-        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True).stdout.strip()
+        info["driver"] = driver_version()
     else:
         info["device_name"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     return info

@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE))
 from common import ROOT  # noqa: E402
 from families import shape as model_shape  # noqa: E402
 from families import train_flops  # noqa: E402
-from grpo_step_lib import Preset, write_json  # noqa: E402
+from grpo_step_lib import LONG_FACTOR, LONG_SHARE, Preset, write_json  # noqa: E402
 from grpo_step_ours import overrides as workload_overrides  # noqa: E402
 from multi_gpu_rows import (GPU_PROMPT, GPU_RESPONSE, SHAPES, TINY_PROMPT, TINY_RESPONSE, Layout, Row,  # noqa: E402
                             named_rows)
@@ -99,10 +99,12 @@ def settings(row: Row, layout: Layout, preset: Preset, workspace: Path, run_name
     return [o for o in given if o.split("=", 1)[0] not in mine] + [f"{key}={value}" for key, value in mine.items()]
 
 
-def launch(name: str, processes: int, overrides: list[str], out: Path, args) -> tuple[int | str, str, dict]:
+def launch(name: str, processes: int, overrides: list[str], out: Path, args,
+           long_tail: bool = False) -> tuple[int | str, str, dict]:
     """One `aligner-ext train` under torchrun: its exit status (or why none), its output (out/<name>.log) and
-    every rank's peak memory (multi_gpu_rank.py). Stopped after --timeout seconds, or at the call's deadline
-    (--budget): a call that a time limit would kill would leave no report."""
+    every rank's peak memory (multi_gpu_rank.py); `long_tail`: long-tailed responses (the row's). Stopped after
+    --timeout seconds, or at the call's deadline (--budget): a call that a time limit would kill would leave no
+    report."""
     from aligner_ext.distributed import free_port
 
     peaks = out / f"{name}.peaks"
@@ -113,6 +115,7 @@ def launch(name: str, processes: int, overrides: list[str], out: Path, args) -> 
     command = [sys.executable, *torchrun, str(HERE / "multi_gpu_rank.py"), *overrides]
     pythonpath = os.pathsep.join(filter(None, [str(HERE), str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, MULTI_GPU_PEAKS=str(peaks), PYTHONPATH=pythonpath, PYTHONFAULTHANDLER="1",
+               MULTI_GPU_LONG_TAIL=str(int(long_tail)),
                **({} if os.environ.get("OMP_NUM_THREADS") else {"OMP_NUM_THREADS": "1"}))
     print(f"== {name}: {' '.join(command)}", flush=True)
     started = time.perf_counter()
@@ -149,8 +152,10 @@ def median_range(values: list[float]) -> list[float]:
     return [statistics.median(values), min(values), max(values)]
 
 
-def summarise(run_dir: Path, log: str, row: Row, model: dict, preset: Preset, matmul_rate: float) -> dict:
-    """The run's figures (module docstring) over its steps after the first."""
+def summarise(run_dir: Path, log: str, row: Row, model: dict, preset: Preset, matmul_rate: float,
+              saved: bool = True) -> dict:
+    """The run's figures (module docstring) over its steps after the first; `saved`: whether its final
+    checkpoint was written (a run cut short may not have written it)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if r.get("step", 0) > 1 and "timing/step_s" in r]
     step_s = [r["timing/step_s"] for r in timed]
@@ -166,7 +171,7 @@ def summarise(run_dir: Path, log: str, row: Row, model: dict, preset: Preset, ma
             "generation_s": statistics.median(r["timing/rollout_s"] for r in timed),
             "train_s": statistics.median(r["timing/train_s"] for r in timed),
             "train_mfu": statistics.median(mfu),
-            "checkpoint": {"bytes": sum(p.stat().st_size for p in final.rglob("*") if p.is_file()),
+            "checkpoint": {"bytes": sum(p.stat().st_size for p in final.rglob("*") if p.is_file()) if saved else None,
                            "optimizer": row.save, "write_s": saves["final_save_s"],
                            "stall_per_save_s": saves["stall_per_save_s"],
                            "mean_stall_per_save_s": saves["mean_stall_per_save_s"]}}
@@ -175,14 +180,24 @@ def summarise(run_dir: Path, log: str, row: Row, model: dict, preset: Preset, ma
 def run_row(row: Row, preset: Preset, model: dict, workspace: Path, out: Path, args, matmul_rate: float) -> dict:
     """The row's main run, its variants and its resume (module docstring)."""
     result = {"layout": row.layout.describe(), "dp": row.layout.dp, "shape": row.shape,
-              "batch": f"{row.prompts} x {row.n}, P {preset.prompt_length} + R {preset.response_length}"}
+              "batch": f"{row.prompts} x {row.n}, P {preset.prompt_length} + R {preset.response_length}"
+                       + (f" (long-tailed: {LONG_SHARE:.0%} R, the others R / {LONG_FACTOR})" if row.long_tail else "")}
     run_dir = workspace / "runs" / row.name
     shutil.rmtree(workspace / "runs", ignore_errors=True)  # an earlier call's, cut short
     code, log, result["peak_gib"] = launch(row.name, row.layout.processes,
                                            settings(row, row.layout, preset, workspace, row.name, row.steps),
-                                           out, args)
-    if code != 0 or not (run_dir / "metrics.jsonl").exists():
-        return {**result, "failed": failure_line(log, code)}
+                                           out, args, row.long_tail)
+    history = run_dir / "metrics.jsonl"
+    done = len(history.read_text().splitlines()) if history.exists() else 0
+    if code != 0:
+        if not (isinstance(code, str) and done >= 2):  # a failure, or a time limit before a step could be timed
+            return {**result, "failed": failure_line(log, code)}
+        # a time limit stopped a run that trained: its steps are measured all the same (at 8B the final save alone
+        # can outlast a call), the variants and the resume are not run
+        written = (run_dir / "checkpoints" / f"step_{row.steps}" / "manifest.json").exists()
+        result["failed"] = (f"cut short: {code} (--timeout or --budget), after {done} of {row.steps} steps; "
+                            f"the final checkpoint {'written' if written else 'not written'}")
+        return {**result, **summarise(run_dir, log, row, model, preset, matmul_rate, written)}
     result.update(summarise(run_dir, log, row, model, preset, matmul_rate))
     if row.variants:
         result["variants"] = {}
@@ -190,7 +205,7 @@ def run_row(row: Row, preset: Preset, model: dict, workspace: Path, out: Path, a
         name = f"{row.name}-{variant}"
         weights_only = {"trainer.save_optimizer": "false", "trainer.save_every": 0}  # the main run measures saves
         overrides = settings(row, row.layout, preset, workspace, name, row.variant_steps, variant, weights_only)
-        code, log, peaks = launch(name, row.layout.processes, overrides, out, args)
+        code, log, peaks = launch(name, row.layout.processes, overrides, out, args, row.long_tail)
         history = workspace / "runs" / name / "metrics.jsonl"
         steps = [json.loads(line) for line in history.read_text().splitlines()] if history.exists() else []
         result["variants"][variant] = {"steps": len(steps), "step_s": [r["timing/step_s"] for r in steps],
@@ -206,7 +221,7 @@ def resume(row: Row, preset: Preset, workspace: Path, out: Path, args) -> dict:
     name = f"{row.name}-resumed"
     overrides = settings(row, row.resume, preset, workspace, row.name, row.steps + 1,
                          extra={"trainer.resume": "true", "trainer.save_optimizer": "false"})
-    code, log, peaks = launch(name, row.resume.processes, overrides, out, args)
+    code, log, peaks = launch(name, row.resume.processes, overrides, out, args, row.long_tail)
     result = {"layout": row.resume.describe(), "peak_gib": peaks}
     if code != 0:
         return {**result, "failed": failure_line(log, code)}
@@ -236,13 +251,15 @@ def render(report: dict) -> str:
         save = r["checkpoint"]
         stall = (f"; stall per background save {save['mean_stall_per_save_s']:.1f} s"
                  if save["mean_stall_per_save_s"] is not None else "")
-        checkpoint = (f"{save['bytes'] / 1e9:.1f} GB{' with optimizer' if save['optimizer'] else ''}, written in "
+        checkpoint = ("not written" if save["bytes"] is None else
+                      f"{save['bytes'] / 1e9:.1f} GB{' with optimizer' if save['optimizer'] else ''}, written in "
                       f"{save['write_s'] or 0:.1f} s{stall}")
         back = r.get("resume")
         resumed = "" if not back else (f"{back['layout']}: failed" if "failed" in back else
                                        f"{back['layout']}: from step {back['resumed_from_step']}, a step of "
                                        f"{back['step_s']:.2f} s, peak {peaks(back['peak_gib'])}")
-        failures = [f"resume: {back['failed']}"] if back and "failed" in back else []
+        failures = [r["failed"]] if "failed" in r else []  # a run cut short by a time limit
+        failures += [f"resume: {back['failed']}"] if back and "failed" in back else []
         failures += [f"{v}: {s['failed']}" for v, s in r.get("variants", {}).items() if "failed" in s]
         lines.append(head + f" {r['step_s'][0]:.2f} [{r['step_s'][1]:.2f}, {r['step_s'][2]:.2f}] | "
                      f"{r['samples_per_s']:.1f}{ratio} | {r['generation_s']:.2f} | {r['train_s']:.2f} | "

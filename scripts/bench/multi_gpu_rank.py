@@ -1,7 +1,8 @@
 """One process of a multi-GPU table row (multi_gpu.py): `aligner-ext train` as torchrun starts it, then this
 rank's peak memory written to $MULTI_GPU_PEAKS/rank<RANK>.json when it exits, however it exits: on a GPU
 the caching allocator's peaks (allocated: tensors; reserved: what the process held from the device), on
-the CPU the process's peak resident memory.
+the CPU the process's peak resident memory. With MULTI_GPU_LONG_TAIL=1 the run's engine is made long-tailed
+as it is built (grpo_step_lib.LongTail, the GRPO benchmark's --long-tail workload).
 
     torchrun --nproc_per_node=2 scripts/bench/multi_gpu_rank.py OVERRIDES...
 """
@@ -29,8 +30,28 @@ def write_peak() -> None:
     (folder / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(peak_gib()))
 
 
+def long_tailed_engine() -> None:
+    """The loop's engine long-tailed from its build on: synchronous data parallelism measured on the workload
+    that generation ahead of training is (docs/benchmarks.md). Every rank draws the same long responses (the
+    call's seed); the engine's rank split then shares them out evenly, the best case of a synchronous step."""
+    from grpo_step_lib import LongTail
+
+    from aligner_ext.trainer import loop
+
+    build = loop.build_components
+
+    def build_long_tailed(*args, **kwargs):
+        parts = build(*args, **kwargs)
+        LongTail(parts.engine)
+        return parts
+
+    loop.build_components = build_long_tailed
+
+
 if __name__ == "__main__":  # not in the reward workers, which import this file as their main module
     from aligner_ext.cli import main
 
     atexit.register(write_peak)
+    if os.environ.get("MULTI_GPU_LONG_TAIL") == "1":
+        long_tailed_engine()
     sys.exit(main(["train", *sys.argv[1:]]))

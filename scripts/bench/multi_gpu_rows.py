@@ -96,6 +96,7 @@ class Row:
     variants: tuple[str, ...] = ()  # conf/variant/*.yaml, each run for variant_steps at the row's layout
     variant_steps: int = 2
     resume: Layout | None = None  # the final checkpoint resumed at this layout for one more step
+    long_tail: bool = False  # long-tailed responses (grpo_step_lib.LongTail), the workload of generation ahead
 
     @property
     def tiny(self) -> bool:
@@ -129,6 +130,9 @@ ROWS = {row.name: row for row in [
     # each rank the one-GPU row's batch: a decode step reads all the weights whatever a rank's share of the batch,
     # so DP=2 at the same batch gains at most 1.67x at this shape (one GPU at half the batch, docs/benchmarks.md)
     Row("1.5b-dp2-2x", "1.5b", Layout(2, distributed_optimizer=True), prompts=64, n=8, steps=6),
+    # synchronous, on the long-tailed workload: the baselines of generation ahead on a second GPU (docs/benchmarks.md)
+    Row("1.5b-1gpu-long-tail", "1.5b", Layout(1), prompts=32, n=8, steps=6, long_tail=True),
+    Row("1.5b-dp2-long-tail", "1.5b", Layout(2, distributed_optimizer=True), prompts=32, n=8, steps=6, long_tail=True),
     Row("1.5b-tp2-sp", "1.5b", TP2_SP, prompts=32, n=8, steps=6, save=True, variants=VARIANTS,
         resume=Layout(2, pp=2)),
     Row("8b-tp2-sp", "8b", TP2_SP, prompts=16, n=8, steps=4, save=True),
@@ -150,6 +154,7 @@ PRESETS = {
     "table-2gpu-1.5b": ("1.5b-1gpu", "1.5b-dp2", "1.5b-dp2-2x", "1.5b-tp2-sp"),
     "table-2gpu-8b": ("8b-tp2-sp", "8b-pp2", "moe-ep2"),
     "table-4gpu": ("8b-tp2-dp2", "moe-ep4"),
+    "table-2gpu-long-tail": ("1.5b-1gpu-long-tail", "1.5b-dp2-long-tail"),
     "table-cpu": ("tiny-tp2", "tiny-moe-ep4"),
 }
 

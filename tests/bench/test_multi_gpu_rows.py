@@ -12,7 +12,7 @@ BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 
 from multi_gpu import failure_line, main, render  # noqa: E402
-from multi_gpu_rows import PRESETS, ROWS, Layout, Row, named_rows  # noqa: E402
+from multi_gpu_rows import PRESETS, ROWS, SHAPES, Layout, Row, named_rows  # noqa: E402
 
 
 def test_the_presets_expand_in_order_without_repeating_a_row():
@@ -82,3 +82,66 @@ def test_samples_per_second_are_a_multiple_of_the_one_gpu_row_of_the_same_batch_
     assert "| 45.0 (1.50x) |" in lines["same"]  # against the one-GPU row of its batch: 45 / 30
     assert "| 76.0 (1.90x) |" in lines["twice"]  # no one-GPU row of 64 x 8: against the shape's first, 76 / 40
     assert "| 40.0 |" in lines["one"]
+
+
+def test_a_run_cut_short_by_a_time_limit_reports_the_steps_it_trained(tmp_path, monkeypatch):
+    """At 8B the final save alone can outlast a call: the steps before it are measured all the same."""
+    import multi_gpu
+    from families import shape
+    from grpo_step_lib import Preset
+
+    from aligner_ext.models.family_configs import family_config
+
+    row = Row("cut", "tiny", Layout(2, tp=2), prompts=2, n=2, steps=4, save=True, variants=("dapo",),
+              resume=Layout(1))
+    preset = Preset("tiny", "words", 64, 2, 4, 2, 128, 512, prompts=1, n=1, prompt_length=16, response_length=8,
+                    micro_batch=1, device="cpu", variant_steps=1)
+    step_s = [9.0, 2.0, 4.0]  # three of four steps done, the first compiling
+
+    def launch(name, processes, overrides, out, args, long_tail):
+        assert name == "cut"  # neither the variant nor the resume runs after a cut
+        (tmp_path / "runs" / "cut").mkdir(parents=True)
+        lines = [{"step": step, "timing/step_s": seconds, "timing/train_s": seconds / 2, "timing/rollout_s": seconds / 4,
+                  "batch/num_samples": 4, "response/length_mean": 8.0} for step, seconds in enumerate(step_s, 1)]
+        (tmp_path / "runs" / "cut" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        return "ran past 153 s", "SignalException: Process 5699 got signal: 15\n", {"0": {"resident": 1.0}}
+
+    monkeypatch.setattr(multi_gpu, "launch", launch)
+    monkeypatch.setattr(multi_gpu, "settings", lambda *args, **kwargs: [])  # no workspace: nothing is launched
+    family, sizes = SHAPES["tiny"]
+    model = shape(family_config(family, **sizes))
+    result = multi_gpu.run_row(row, preset, model, tmp_path, tmp_path, None, matmul_rate=1e12)
+    assert result["failed"] == ("cut short: ran past 153 s (--timeout or --budget), after 3 of 4 steps; "
+                                "the final checkpoint not written")
+    assert result["step_s"] == [3.0, 2.0, 4.0]  # steps 2 and 3: median, min, max
+    assert result["samples_per_s"] == pytest.approx((4 / 2 + 4 / 4) / 2)
+    assert result["train_s"] == pytest.approx(1.5) and result["checkpoint"]["bytes"] is None
+    assert "variants" not in result and "resume" not in result
+    report = {"hardware": {"device_name": "cpu", "device": "cpu", "matmul": "float32", "matmul_flops_per_s": 1e12},
+              "date": "today", "capacity": 2, "command": "run.py multi-gpu", "rows": {"cut": result}}
+    line = next(line for line in render(report).splitlines() if line.startswith("| cut |"))
+    assert "| 3.00 [2.00, 4.00] |" in line and "| not written |" in line and line.endswith("not written |")
+
+
+def test_a_long_tailed_row_makes_the_loops_engine_long_tailed_as_it_is_built(monkeypatch):
+    """MULTI_GPU_LONG_TAIL=1 (a row's long_tail): of 20 responses of up to 8 tokens, 2 (10%) run to 8 and the
+    others stop at 8 / 8 = 1, the long ones chosen by the call's seed, the same on every rank."""
+    from types import SimpleNamespace
+
+    from multi_gpu_rank import long_tailed_engine
+
+    from aligner_ext.generation.base import GenerationOutput, SamplingParams
+    from aligner_ext.trainer import loop
+
+    class Engine:
+        weights_version = 0
+
+        def generate(self, prompts, params):
+            return [GenerationOutput(token_ids=[5] * params.max_new_tokens, finish_reason="length") for _ in prompts]
+
+    monkeypatch.setattr(loop, "build_components", lambda cfg, run_dir: SimpleNamespace(engine=Engine()))
+    long_tailed_engine()
+    lengths = [[len(o.token_ids) for o in loop.build_components(None, None).engine.generate(
+        [[1, 2]] * 20, SamplingParams(max_new_tokens=8, seed=seed))] for seed in (3, 3, 4)]
+    assert sorted(lengths[0]) == [1] * 18 + [8] * 2
+    assert lengths[0] == lengths[1] != lengths[2]  # the seed picks which responses are long
