@@ -167,6 +167,8 @@ def summarise(run_dir: Path, log: str, row: Row, model: dict, preset: Preset, ma
     saves = save_summary(run_dir, log, row.save_every, row.steps)
     final = run_dir / "checkpoints" / f"step_{row.steps}"
     return {"step_s": median_range(step_s), "steps_s": saves["step_s"],
+            "steps_phases_s": [{"generation": r.get("timing/rollout_s"), "train": r.get("timing/train_s")}
+                               for r in records if "timing/step_s" in r],  # what made a step slow, step by step
             "samples_per_s": statistics.median(r["batch/num_samples"] / r["timing/step_s"] for r in timed),
             "generation_s": statistics.median(r["timing/rollout_s"] for r in timed),
             "train_s": statistics.median(r["timing/train_s"] for r in timed),
@@ -265,6 +267,12 @@ def render(report: dict) -> str:
                      f"{r['samples_per_s']:.1f}{ratio} | {r['generation_s']:.2f} | {r['train_s']:.2f} | "
                      f"{100 * r['train_mfu']:.1f}% | {peaks(r['peak_gib'])} | {checkpoint} | {resumed} | "
                      f"{'; '.join(failures)} |")
+    timed = [(name, r) for name, r in rows.items() if r.get("steps_phases_s")]
+    if timed:
+        lines += ["", "Every step, seconds: the step (generation + train), the first compiling:", ""]
+        lines += [f"- {name}: " + ", ".join(f"{step:.2f} ({phases['generation'] or 0:.2f} + {phases['train'] or 0:.2f})"
+                                            for step, phases in zip(r["steps_s"], r["steps_phases_s"]))
+                  for name, r in timed]
     variants = [(name, v, s) for name, r in rows.items() for v, s in r.get("variants", {}).items()]
     if variants:
         lines += ["", "Variants at the row's layout (steps run, each step's seconds):", ""]

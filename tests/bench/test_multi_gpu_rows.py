@@ -121,6 +121,7 @@ def test_a_run_cut_short_by_a_time_limit_reports_the_steps_it_trained(tmp_path, 
               "date": "today", "capacity": 2, "command": "run.py multi-gpu", "rows": {"cut": result}}
     line = next(line for line in render(report).splitlines() if line.startswith("| cut |"))
     assert "| 3.00 [2.00, 4.00] |" in line and "| not written |" in line and line.endswith("not written |")
+    assert "- cut: 9.00 (2.25 + 4.50), 2.00 (0.50 + 1.00), 4.00 (1.00 + 2.00)" in render(report)  # every step's phases
 
 
 def test_a_long_tailed_row_makes_the_loops_engine_long_tailed_as_it_is_built(monkeypatch):
