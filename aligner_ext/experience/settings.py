@@ -168,10 +168,11 @@ def check_asynchronous(cfg, variants: set[str]) -> None:
     if not ahead.enabled:
         return
     on = "trainer.asynchronous.enabled=true"
-    if cfg.algorithm.experience_maker in ("agent_episodes", "agents"):
-        raise ValueError(f"algorithm.experience_maker={cfg.algorithm.experience_maker} with {on}: agent episodes are not "
-                         "generated ahead yet (their turn sessions and environments would run beside training "
-                         "untested); set trainer.asynchronous.enabled=false")
+    if cfg.algorithm.experience_maker in ("agent_episodes", "agents") and ahead.partial_rollouts:
+        raise ValueError(f"algorithm.experience_maker={cfg.algorithm.experience_maker} with trainer.asynchronous."
+                         "partial_rollouts=true: an agent batch's tokens carry one version, the engine's when the "
+                         "batch is assembled, which holds only while a refit waits for the batch in progress (a "
+                         "turn parked mid-episode would mix versions); set trainer.asynchronous.partial_rollouts=false")
     if "cpo" in variants:
         raise ValueError(f"CPO (algorithm.adv_estimator={cfg.algorithm.adv_estimator}, cpo.wrap_method="
                          f"{cfg.cpo.wrap_method}) with {on}: its hint pass runs the policy's forward inside the "

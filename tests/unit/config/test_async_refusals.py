@@ -12,8 +12,6 @@ PARTIAL = "trainer.asynchronous.partial_rollouts=true"
 SERVED = ["generator.engine=remote", "generator.remote.urls=[http://a:1]", "generator.remote.weight_sync=distributed"]
 
 REFUSED = {
-    "agents": (["algorithm.experience_maker=agent_episodes", "agents.limits.max_total_tokens=512"],
-               "algorithm.experience_maker=agent_episodes with trainer.asynchronous.enabled=true"),
     "cpo": (["+variant=cpo"], "CPO (algorithm.adv_estimator=cpo"),
     "megatron": (["policy.backend=megatron"], "policy.backend=megatron with trainer.asynchronous.enabled=true"),
     "servers without pushes": (SERVED[:2], "generator.remote.weight_sync=none and generator.engine=remote with "
@@ -25,11 +23,11 @@ REFUSED = {
     "surplus": (["+variant=dapo", "dynamic_sampling.keep_surplus=true"],
                 "dynamic_sampling.keep_surplus=true with trainer.asynchronous.enabled=true"),
     "routing replay": (["policy.routing_replay=true"], "policy.routing_replay=true with trainer.asynchronous"),
-    # agent episodes are not generated ahead at all, so neither parked
+    # an agent batch's tokens carry the one version of its assembly
     "partial rollouts of agent episodes": (["algorithm.experience_maker=agent_episodes", PARTIAL,
                                             "agents.limits.max_total_tokens=512"],
-                                           "algorithm.experience_maker=agent_episodes with trainer.asynchronous.enabled"
-                                           "=true"),
+                                           f"algorithm.experience_maker=agent_episodes with {PARTIAL}: an agent "
+                                           "batch's tokens carry one version"),
     # the graded prompt's engine log-probs are under its system prompts: no behaviour log-probs, parked or not
     "importance sampling of the graded prompt's partial rollouts": (
         [PARTIAL, "+variant=graded_prompt", "loss.importance_sampling_cap=2"],
@@ -64,6 +62,7 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(capsys, case):
                                        [PARTIAL, "generator.engine=rollout", "rollout.stop=[END]"], [PARTIAL, "+variant=dapo"],
                                        [PARTIAL, "+variant=mtpo", "+variant=dapo"],
                                        [PARTIAL, "+variant=graded_prompt"],
-                                       SERVED, [*SERVED, "generator.remote.server_kind=vllm"], [*SERVED, PARTIAL]])
+                                       SERVED, [*SERVED, "generator.remote.server_kind=vllm"], [*SERVED, PARTIAL],
+                                       ["algorithm.experience_maker=agent_episodes", "agents.limits.max_total_tokens=512"]])
 def test_what_it_runs_with_loads(overrides):
     assert load_config("base", AHEAD + overrides).trainer.asynchronous.enabled
