@@ -133,22 +133,27 @@ class GenerationWeights(Protocol):
 
 class WeightsSnapshot:
     """Colocated: a copy of the generation model `live` that a second engine samples from, refitted in
-    place, and the stream the generation thread samples from it on."""
+    place, and the stream the generation thread samples from it on. The copy holds its own trainable
+    weights and shares the frozen ones (LoRA's base), which training never changes: it then costs the
+    adapters alone, and its kernels read the very tensors the live model's do (on the CPU, frozen weights
+    copied to other addresses gave log-probs that differ from the live model's in the last bits)."""
 
     def __init__(self, live: torch.nn.Module):
         self.live = live
         # requires_grad kept as the live model's: on the CPU, frozen weights take other kernels, whose
         # log-probs differ in the last bits (the engine runs under inference_mode, so nothing is recorded)
-        self.model = copy.deepcopy(live)
+        frozen = {id(param): param for param in live.parameters() if not param.requires_grad}
+        self.model = copy.deepcopy(live, memo=frozen)
         self.stream = GenerationStream(next(live.parameters()).device)
 
     @torch.no_grad()
     def refit(self) -> None:
-        """Copy the live weights into the copy's own tensors (an engine over it keeps its references),
-        ordered after the sampling queued on the copy and before the sampling that follows."""
+        """Copy the live trainable weights into the copy's own tensors (an engine over it keeps its
+        references), ordered after the sampling queued on the copy and before the sampling that follows."""
         with self.stream.joined():
             for mine, theirs in zip(self.model.parameters(), self.live.parameters()):
-                mine.copy_(theirs)
+                if theirs.requires_grad:
+                    mine.copy_(theirs)
 
 
 class ServedWeights:

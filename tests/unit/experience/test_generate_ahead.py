@@ -327,3 +327,22 @@ def test_the_next_batch_has_started_when_the_trainer_gets_its_batch():
     ahead, inner, policy = ahead_of(1)
     trained_at = train(ahead, inner, policy)
     assert [trained_at[step] - inner.sampled_at[step] for step in range(6)] == [0, 1, 1, 1, 1, 1]
+
+
+def test_the_copy_shares_the_frozen_weights_and_refits_the_trainable_ones():
+    """LoRA's case: the base frozen, the adapter trained. The copy holds the frozen tensor itself (training never
+    changes it; a copy at another address gave other last bits on the CPU) and its own trainable one, which a
+    refit brings to the live value."""
+    from aligner_ext.experience.ahead import WeightsSnapshot
+
+    live = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    live[0].requires_grad_(False)
+    snapshot = WeightsSnapshot(live)
+    assert snapshot.model[0].weight is live[0].weight and snapshot.model[0].bias is live[0].bias
+    assert snapshot.model[1].weight is not live[1].weight and snapshot.model[1].weight.requires_grad
+    with torch.no_grad():
+        live[1].weight.add_(1.0)
+    before = snapshot.model[1].weight.detach().clone()
+    torch.testing.assert_close(before + 1.0, live[1].weight.detach(), rtol=0, atol=0)  # not refitted yet: its own
+    snapshot.refit()
+    assert torch.equal(snapshot.model[1].weight, live[1].weight)
