@@ -1,13 +1,15 @@
 """Generation ahead of training on a generation server (the disaggregated placement: generator.engine=remote
 with trainer.asynchronous, experience/ahead.py's ServedWeights) in tiny CPU runs through a local `aligner-ext
 serve`: at max_staleness=0 the synchronous run through the same server, bit for bit; at 1 every later batch
-sampled one version behind, the versions the server reported, the weights pushed between two batches."""
+sampled one version behind, the versions the server reported, the weights pushed between two batches; agent
+episodes too, each turn a request."""
 
 import itertools
 import json
 import math
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -121,3 +123,27 @@ def test_partial_rollouts_on_a_server_park_at_the_push_and_resume_under_the_new_
     assert [r.get("staleness/share_lag_1", 0.0) for r in steps] == [0.0, 3 / 8, 3 / 8]
     assert all(math.isfinite(r["rollout/logprob_diff_mean_lag_1"]) for r in steps[1:])
     assert all(r["actor/grad_norm"] > 0 for r in steps)
+
+
+def test_agent_episodes_ahead_on_a_server_sample_each_turn_one_version_behind(tmp_path, server_url, monkeypatch):
+    """Agent episodes generated ahead through the server: each turn a request of its own (no turn session on a
+    server), every turn of a batch at the version pushed before it, the pushes between two batches only."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # e2e_environments (reward workers too)
+    server, url = server_url
+    generate, reported = GenerationServer.generate, []
+
+    def recorded(served, *args):
+        answer = generate(served, *args)
+        reported.append(answer["metadata"]["weight_version"])
+        return answer
+
+    monkeypatch.setattr(GenerationServer, "generate", recorded)
+    records, _ = run(tmp_path, url, "agents", *AHEAD, "trainer.asynchronous.max_staleness=1",
+                     "algorithm.experience_maker=agent_episodes", "agents.environment=e2e_environments.CheckedRetry",
+                     "agents.limits.max_turns=2", "agents.limits.max_total_tokens=256", "rollout.max_response_length=24")
+    steps = records[1:]
+    assert [r["staleness/max"] for r in steps] == [0, 1, 1]
+    assert [r.get("staleness/share_lag_1", 0.0) for r in steps] == [0.0, 1.0, 1.0]
+    assert all(1 <= r["agent/turns"] <= 2 for r in steps) and any(r["agent/turns"] > 1 for r in steps)
+    assert reported == sorted(reported, key=int) and set(reported) <= {"0", "1", "2", "3"}  # versions never go back
+    assert server.weight_version == 3  # the evaluation after the last step pushed the final policy
