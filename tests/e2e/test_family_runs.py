@@ -151,6 +151,28 @@ def test_a_mixture_of_experts_trains_with_every_variant(tmp_path, variant):
     assert 0 <= step["moe/routing_mismatch"] < 0.05  # float32 on both sides: a near tie may flip, rarely
 
 
+def test_a_mixture_of_experts_generated_ahead_at_staleness_zero_is_the_synchronous_run(tmp_path):
+    """Generation ahead of training (trainer.asynchronous) on the HF backend's mixture of experts, the rollout
+    engine sampling from the copy: at max_staleness=0 the synchronous run bit for bit, an importance-sampling
+    correction reading the engine's log-probs included."""
+    from test_async_runs import assert_the_same_run
+
+    model = qwen3_moe_checkpoint(tmp_path / "model")
+    steps = [o for o in STEP if not o.startswith("trainer.total_steps")] + [
+        "trainer.total_steps=2", "policy.optim.lr=1e-3", "loss.importance_sampling_cap=2",
+        "+reward.sources.arithmetic=e2e_rewards.digit_fraction"]  # a dense reward: every step learns
+
+    def run(name, *extra):
+        train(load_config("base", [*SMALL_MODEL, *steps, f"model.path={model}", f"trainer.output_dir={tmp_path}",
+                                   f"trainer.run_name={name}", *extra]))
+        return step_records(tmp_path / name), tmp_path / name
+
+    synchronous, sync_dir = run("sync")
+    ahead, ahead_dir = run("ahead", "trainer.asynchronous.enabled=true", "trainer.asynchronous.max_staleness=0")
+    assert_the_same_run(synchronous, sync_dir, ahead, ahead_dir, steps=2)
+    assert "moe/routing_mismatch" in ahead[2]
+
+
 def test_a_mixture_of_experts_trains_on_the_megatron_backend_at_tp2_with_sequence_parallelism(tmp_path):
     """A Qwen2-MoE checkpoint (shared expert, unnormalised top 2) on megatron-core's MoE layers at TP=2
     with sequence parallelism under torchrun, generating with the HF engine from the refitted HF copy
