@@ -190,7 +190,8 @@ def run_row(row: Row, preset: Preset, model: dict, workspace: Path, out: Path, a
                                            settings(row, row.layout, preset, workspace, row.name, row.steps),
                                            out, args, row.long_tail)
     history = run_dir / "metrics.jsonl"
-    done = len(history.read_text().splitlines()) if history.exists() else 0
+    records = [json.loads(line) for line in history.read_text().splitlines()] if history.exists() else []
+    done = sum("timing/step_s" in r for r in records)  # trained steps (step 0 may hold an evaluation alone)
     if code != 0:
         if not (isinstance(code, str) and done >= 2):  # a failure, or a time limit before a step could be timed
             return {**result, "failed": failure_line(log, code)}

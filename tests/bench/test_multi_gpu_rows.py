@@ -103,6 +103,7 @@ def test_a_run_cut_short_by_a_time_limit_reports_the_steps_it_trained(tmp_path, 
         (tmp_path / "runs" / "cut").mkdir(parents=True)
         lines = [{"step": step, "timing/step_s": seconds, "timing/train_s": seconds / 2, "timing/rollout_s": seconds / 4,
                   "batch/num_samples": 4, "response/length_mean": 8.0} for step, seconds in enumerate(step_s, 1)]
+        lines.insert(0, {"step": 0, "val/accuracy": 0.5})  # the evaluation before training: no step trained
         (tmp_path / "runs" / "cut" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
         return "ran past 153 s", "SignalException: Process 5699 got signal: 15\n", {"0": {"resident": 1.0}}
 
