@@ -168,11 +168,6 @@ def check_asynchronous(cfg, variants: set[str]) -> None:
     if not ahead.enabled:
         return
     on = "trainer.asynchronous.enabled=true"
-    if cfg.algorithm.experience_maker in ("agent_episodes", "agents") and ahead.partial_rollouts:
-        raise ValueError(f"algorithm.experience_maker={cfg.algorithm.experience_maker} with trainer.asynchronous."
-                         "partial_rollouts=true: an agent batch's tokens carry one version, the engine's when the "
-                         "batch is assembled, which holds only while a refit waits for the batch in progress (a "
-                         "turn parked mid-episode would mix versions); set trainer.asynchronous.partial_rollouts=false")
     if "cpo" in variants:
         raise ValueError(f"CPO (algorithm.adv_estimator={cfg.algorithm.adv_estimator}, cpo.wrap_method="
                          f"{cfg.cpo.wrap_method}) with {on}: its hint pass runs the policy's forward inside the "
@@ -223,9 +218,14 @@ def check_partial_rollouts(cfg) -> None:
     """What partial rollouts (`trainer.asynchronous.partial_rollouts`) do not run with, refused naming both
     settings: they resume the engine calls of every built-in maker generation ahead runs (group sampling,
     dynamic sampling's refills, the graded system prompt, MTPO's two rounds), whose batches stamp each token
-    with the version its call's outputs report (`GroupSampling.assemble`); a maker of user code may stamp
-    one version per batch instead, so it is refused."""
+    with the version its call's outputs report (`GroupSampling.assemble`); agent episodes stamp one version per
+    batch, and a maker of user code may, so both are refused."""
     maker = cfg.algorithm.experience_maker
+    if maker in ("agent_episodes", "agents"):
+        raise ValueError(f"algorithm.experience_maker={maker} with trainer.asynchronous.partial_rollouts=true: an agent "
+                         "batch's tokens carry one version, the engine's when the batch is assembled, which holds only "
+                         "while a refit waits for the batch in progress (a turn parked mid-episode would mix "
+                         "versions); set trainer.asynchronous.partial_rollouts=false")
     if maker not in BUILTIN_PLUGINS["aligner_ext.experience.base:EXPERIENCE_MAKERS"]:
         raise ValueError(f"algorithm.experience_maker={maker} with trainer.asynchronous.partial_rollouts=true: a "
                          "maker of user code is not known to stamp each token with the version its engine call "
