@@ -25,6 +25,8 @@ if [ -z "$python" ]; then
   exit 3
 fi
 rm -rf "$venv"
+source scripts/free_space.sh
+need_free_gb "$(dirname "$venv")" 8 "building $venv (5.3 GB installed, and pip's downloads)"
 "$python" -m venv "$venv"
 install=("$venv/bin/pip" install --quiet --disable-pip-version-check)
 "${install[@]}" torch==2.13.0

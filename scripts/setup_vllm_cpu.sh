@@ -15,6 +15,8 @@ if [ -f "$venv/.complete" ]; then
   exit 0
 fi
 rm -rf "$venv"
+source scripts/free_space.sh
+need_free_gb "$(dirname "$venv")" 4 "building $venv (2.2 GB installed, and pip's downloads)"
 python3 -m venv "$venv"
 # --no-compile: Python compiles what it imports on first use, not the 2.5 GB installed
 install=("$venv/bin/pip" install --quiet --disable-pip-version-check --no-compile)

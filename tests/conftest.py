@@ -1,7 +1,9 @@
 """Shared fixtures: the built-in character tokenizer, a very small Llama-architecture model, and a
 factory of minimal experience batches."""
 
+import atexit
 import os
+import shutil
 import tempfile
 import threading
 
@@ -13,7 +15,10 @@ from triton_interpreter import use_on_cpu
 use_on_cpu()  # Triton kernels run in Triton's interpreter without a GPU (before anything imports Triton)
 # Warmed embedded models are cached per machine (models/warmup_cache.py): the suite keeps its own, shared
 # by its subprocesses, instead of the user's.
-os.environ.setdefault("ALIGNER_EXT_CACHE", tempfile.mkdtemp(prefix="aligner_ext_test_cache_"))
+# Only the process that makes it (pytest's own, before its workers start) removes it, at exit.
+if "ALIGNER_EXT_CACHE" not in os.environ:
+    os.environ["ALIGNER_EXT_CACHE"] = tempfile.mkdtemp(prefix="aligner_ext_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["ALIGNER_EXT_CACHE"], ignore_errors=True)
 
 from aligner_ext.batch import ExperienceBatch, SampleInfo
 from aligner_ext.data.types import PromptRow
