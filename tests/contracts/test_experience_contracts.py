@@ -29,7 +29,7 @@ CASES = {
     "graded_prompt": ("base", ["+variant=graded_prompt"]), "dapo+cpo": ("base", ["+variant=[dapo,cpo]"]),
     "dapo+mtpo": ("base", ["+variant=[dapo,mtpo]"]), "dapo+graded_prompt": ("base", ["+variant=[dapo,graded_prompt]"]),
     "dapo+agents": ("base", ["+variant=dapo", "algorithm.experience_maker=agent_episodes",
-                             "agents.environment=tests.e2e.e2e_environments:Retry", "agents.limits.max_total_tokens=512"]),
+                             "agents.environment=tests.e2e.e2e_environments:Retry", "agents.limits.max_total_tokens=160"]),
 }
 
 
