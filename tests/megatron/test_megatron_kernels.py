@@ -79,3 +79,19 @@ def test_gemma_geglu_is_megatron_cores_fused_tanh_kernel_only_where_fused(kernel
     grad = torch.randn(5, 7, dtype=torch.float64)
     (reference,) = torch.autograd.grad(expected, y, grad)
     assert torch.allclose(backward(grad, y.detach()), reference, atol=1e-7)
+
+
+@pytest.mark.parametrize("setting, refused", [
+    ({}, ""), ({"dtype": "auto"}, ""),
+    ({"use_distributed_optimizer": True}, "policy.use_distributed_optimizer=true needs GPUs"),
+    ({"dtype": "bfloat16"}, "policy.dtype=bfloat16 on the Megatron backend needs GPUs"),
+])
+def test_what_megatron_cores_optimizers_cannot_run_on_the_cpu_is_refused_in_one_line(setting, refused):
+    """Unrefused, megatron-core's optimizers raise a TypeError about CUDA tensor types from their constructors."""
+    from aligner_ext.models.megatron.policy import cpu_refusal
+    from aligner_ext.models.settings import PolicyConfig
+
+    cfg = PolicyConfig(backend="megatron", **setting)
+    assert cpu_refusal(cfg, torch.device("cpu")).startswith(refused)
+    assert bool(cpu_refusal(cfg, torch.device("cpu"))) == bool(refused)
+    assert cpu_refusal(cfg, torch.device("cuda")) == ""

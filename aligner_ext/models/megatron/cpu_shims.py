@@ -25,7 +25,7 @@ The pipeline schedules and the optimizer need two more:
 
 Not covered: megatron-core's distributed optimizer and its bf16 mixed-precision optimizer check
 `param.type()` against CUDA tensor type names, so `use_distributed_optimizer` and bf16 training run
-on GPUs only; the CPU tests train in float32.
+on GPUs only (refused on the CPU in one line, `policy.cpu_refusal`); the CPU tests train in float32.
 
 Activation recomputation (`policy.recompute_activations`) one more:
 7. megatron-core's checkpoint function saves and restores the CUDA generator state around the

@@ -108,6 +108,21 @@ def megatron_kernels(kernels: str, device: torch.device) -> str:
     return kernels
 
 
+def cpu_refusal(cfg: PolicyConfig, device: torch.device) -> str:
+    """Why megatron-core cannot train this on `device` (empty where it can): its distributed optimizer and its
+    bf16 mixed-precision optimizer accept CUDA tensors only (cpu_shims.py), and would fail in their constructors
+    with a TypeError rather than say what to change."""
+    if device.type != "cpu":
+        return ""
+    if cfg.use_distributed_optimizer:
+        return ("policy.use_distributed_optimizer=true needs GPUs: megatron-core's distributed optimizer takes CUDA "
+                "tensors only; set it false on the CPU")
+    if resolve_dtype(cfg.dtype, device) == torch.bfloat16:
+        return ("policy.dtype=bfloat16 on the Megatron backend needs GPUs: megatron-core's mixed-precision optimizer "
+                "takes CUDA tensors only; use float32 (or auto) on the CPU")
+    return ""
+
+
 class MegatronPolicy(Policy):
     """A megatron-core GPTModel built from an HF model, trained with megatron-core's DDP and AdamW."""
 
@@ -118,7 +133,7 @@ class MegatronPolicy(Policy):
         self.cfg = cfg
         self.device = init_distributed()
         self.kernels = megatron_kernels(cfg.kernels, self.device)
-        reason = expert_parallel_refusal(model.config, cfg, dist.get_world_size())
+        reason = cpu_refusal(cfg, self.device) or expert_parallel_refusal(model.config, cfg, dist.get_world_size())
         if reason:
             raise ConfigError(reason)
         init_model_parallel(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
