@@ -190,9 +190,9 @@ def run_row(row: Row, preset: Preset, model: dict, workspace: Path, out: Path, a
                                            settings(row, row.layout, preset, workspace, row.name, row.steps),
                                            out, args, row.long_tail)
     history = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in history.read_text().splitlines()] if history.exists() else []
-    done = sum("timing/step_s" in r for r in records)  # trained steps (step 0 may hold an evaluation alone)
     if code != 0:
+        records = [json.loads(line) for line in history.read_text().splitlines()] if history.exists() else []
+        done = sum("timing/step_s" in r for r in records)  # trained steps (step 0 may hold an evaluation alone)
         if not (isinstance(code, str) and done >= 2):  # a failure, or a time limit before a step could be timed
             return {**result, "failed": failure_line(log, code)}
         # a time limit stopped a run that trained: its steps are measured all the same (at 8B the final save alone
@@ -201,6 +201,8 @@ def run_row(row: Row, preset: Preset, model: dict, workspace: Path, out: Path, a
         result["failed"] = (f"cut short: {code} (--timeout or --budget), after {done} of {row.steps} steps; "
                             f"the final checkpoint {'written' if written else 'not written'}")
         return {**result, **summarise(run_dir, log, row, model, preset, matmul_rate, written)}
+    if not history.exists():  # exit 0 without a step logged
+        return {**result, "failed": failure_line(log, code)}
     result.update(summarise(run_dir, log, row, model, preset, matmul_rate))
     if row.variants:
         result["variants"] = {}
