@@ -17,6 +17,8 @@ def test_a_disk_too_small_for_the_environment_is_one_line_before_anything_is_bui
     (tools / "df").write_text("#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
                               f"echo 'fake 9999999 0 {3 * 1024 * 1024} 1% /'\n")
     (tools / "df").chmod(0o755)
+    (tools / "python3").write_text("#!/bin/sh\nexit 1\n")  # without the check the build would start here, and fail
+    (tools / "python3").chmod(0o755)
     venv = tmp_path / "venv"
     run = subprocess.run(["/bin/bash", str(REPO / "scripts" / script), str(venv)], capture_output=True, text=True,
                          env={**os.environ, "PATH": f"{tools}:{os.environ['PATH']}",
