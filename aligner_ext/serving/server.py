@@ -485,8 +485,9 @@ def build_app(server: GenerationServer) -> FastAPI:
 def build_server(cfg) -> GenerationServer:
     """The configured model (the embedded one when model.path is unset, built in the run directory as
     `train` builds it) and engine, as a GenerationServer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from aligner_ext.data.tokenizer import load_tokenizer
     from aligner_ext.generation.base import ENGINES
     from aligner_ext.models.hf import cast_model, resolve_device, resolve_dtype
     from aligner_ext.models.kernels import prepare_gpu_process
@@ -496,9 +497,7 @@ def build_server(cfg) -> GenerationServer:
     resolved_weights_root(cfg.serve)  # a missing directory is refused before the model loads
     model_dir = model_directory(cfg, Path(cfg.trainer.output_dir) / cfg.trainer.run_name)
     check_engine(cfg.generator.engine, AutoConfig.from_pretrained(model_dir))  # one line, before the weights load
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(model_dir)
     device = resolve_device(cfg.policy.device)
     if device.type == "cuda":
         prepare_gpu_process(cfg.policy.cudnn_attention)

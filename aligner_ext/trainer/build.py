@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
 from aligner_ext.algorithms.advantages import ADVANTAGES
@@ -28,6 +28,7 @@ from aligner_ext.context import BuildContext
 from aligner_ext.data.loader import PromptLoader, build_loader, build_val_loaders
 from aligner_ext.data.tasks import builtin_rows
 from aligner_ext.data.tasks.base import DRILLS
+from aligner_ext.data.tokenizer import load_tokenizer
 from aligner_ext.data.types import PromptRow
 from aligner_ext.distributed import main_process_first, world_size
 from aligner_ext.errors import ConfigError, ModelPathError, UserError, error_line
@@ -189,9 +190,7 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
                                                                        resolve_device(cfg.policy.device)))
     if resolve_device(cfg.policy.device).type == "cuda":
         prepare_gpu_process(cfg.policy.cudnn_attention)  # compile workers ready for the first compilation
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(model_dir)
     train_loader = build_loader(cfg.data, tokenizer, "train")
     val_loaders = build_val_loaders(cfg.data, tokenizer, cfg.trainer.eval.sets)
     rewards = RewardManager(cfg.reward)

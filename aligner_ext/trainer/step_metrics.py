@@ -12,8 +12,9 @@ ZERO_STD_EPS = 1e-6  # reward std at or below this counts as "all samples agree"
 
 
 def batch_metrics(batch: ExperienceBatch) -> dict[str, float]:
-    """Reward, accuracy, lengths, zero-std groups, advantage range, entropy, finish reasons."""
+    """Reward, accuracy, prompt and response lengths, zero-std groups, advantage range, entropy, finish reasons."""
     lengths = batch.response_lengths.float()
+    prompt_lengths = batch.prompt_mask.sum(dim=1).float()
     valid, sampled = batch.response_valid, batch.sampled
     agree = groups_all_agree(batch.rewards, batch.group_ids, ZERO_STD_EPS)
     advantages = batch.advantages[batch.response_mask] if batch.advantages is not None else torch.zeros(1)
@@ -23,6 +24,8 @@ def batch_metrics(batch: ExperienceBatch) -> dict[str, float]:
         "reward/std": float(batch.rewards.std(unbiased=False)),
         "reward/accuracy": float(batch.correct.nanmean()),
         "reward/zero_std_group_fraction": float(sum(agree.values()) / max(1, len(agree))),
+        "prompt/length_mean": float(prompt_lengths.mean()),
+        "prompt/length_max": float(prompt_lengths.max()),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/num_tokens": float(valid.sum()),

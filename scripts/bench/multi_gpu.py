@@ -160,13 +160,15 @@ def summarise(run_dir: Path, log: str, row: Row, model: dict, preset: Preset, ma
     timed = [r for r in records if r.get("step", 0) > 1 and "timing/step_s" in r]
     step_s = [r["timing/step_s"] for r in timed]
     mfu = []
-    for r in timed:
+    for r in timed:  # the prompts' measured length (the tokenizer's count), the workload's where a run did not log it
         sequences, response = int(r["batch/num_samples"]), r["response/length_mean"]
-        flops = train_flops(model, [preset.prompt_length + response] * sequences, [response] * sequences)
+        prompt = r.get("prompt/length_mean", preset.prompt_length)
+        flops = train_flops(model, [prompt + response] * sequences, [response] * sequences)
         mfu.append(flops / r["timing/train_s"] / (matmul_rate * row.layout.processes))
     saves = save_summary(run_dir, log, row.save_every, row.steps)
     final = run_dir / "checkpoints" / f"step_{row.steps}"
     return {"step_s": median_range(step_s), "steps_s": saves["step_s"],
+            "prompt_tokens": statistics.median(r.get("prompt/length_mean", preset.prompt_length) for r in timed),
             "steps_phases_s": [{"generation": r.get("timing/rollout_s"), "train": r.get("timing/train_s")}
                                for r in records if "timing/step_s" in r],  # what made a step slow, step by step
             "samples_per_s": statistics.median(r["batch/num_samples"] / r["timing/step_s"] for r in timed),
@@ -204,6 +206,9 @@ def run_row(row: Row, preset: Preset, model: dict, workspace: Path, out: Path, a
     if not history.exists():  # exit 0 without a step logged
         return {**result, "failed": failure_line(log, code)}
     result.update(summarise(run_dir, log, row, model, preset, matmul_rate))
+    if result["prompt_tokens"] != preset.prompt_length:  # the model saw other prompts than the workload's
+        result["failed"] = (f"its prompts were {result['prompt_tokens']:.0f} tokens, not the workload's "
+                            f"{preset.prompt_length}: the tokenizer did not encode the rows as they were written")
     if row.variants:
         result["variants"] = {}
     for variant in row.variants:

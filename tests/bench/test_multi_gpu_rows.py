@@ -147,3 +147,36 @@ def test_a_long_tailed_row_makes_the_loops_engine_long_tailed_as_it_is_built(mon
         [[1, 2]] * 20, SamplingParams(max_new_tokens=8, seed=seed))] for seed in (3, 3, 4)]
     assert sorted(lengths[0]) == [1] * 18 + [8] * 2
     assert lengths[0] == lengths[1] != lengths[2]  # the seed picks which responses are long
+
+
+def test_a_run_whose_prompts_were_not_the_workloads_is_a_failure_and_its_mfu_counts_the_real_prompts(
+        tmp_path, monkeypatch):
+    """A tokenizer that encoded the rows otherwise (the 3-token prompts of a qwen2-shaped checkpoint's word
+    tokenizer) made a row's figures those of another workload."""
+    import multi_gpu
+    from families import shape
+    from grpo_step_lib import Preset
+
+    from aligner_ext.models.family_configs import family_config
+
+    row = Row("short", "tiny", Layout(1), prompts=2, n=2, steps=3)
+    preset = Preset("tiny", "words", 64, 2, 4, 2, 128, 512, prompts=1, n=1, prompt_length=16, response_length=8,
+                    micro_batch=1, device="cpu", variant_steps=1)
+
+    def launch(name, processes, overrides, out, args, long_tail):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        lines = [{"step": step, "timing/step_s": 2.0, "timing/train_s": 1.0, "timing/rollout_s": 1.0,
+                  "batch/num_samples": 4, "response/length_mean": 8.0, "prompt/length_mean": 3.0} for step in (1, 2, 3)]
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        return 0, "", {"0": {"resident": 1.0}}
+
+    monkeypatch.setattr(multi_gpu, "launch", launch)
+    monkeypatch.setattr(multi_gpu, "settings", lambda *args, **kwargs: [])
+    model = shape(family_config(*SHAPES["tiny"][:1], **SHAPES["tiny"][1]))
+    result = multi_gpu.run_row(row, preset, model, tmp_path, tmp_path, None, matmul_rate=1e12)
+    assert result["failed"] == ("its prompts were 3 tokens, not the workload's 16: the tokenizer did not encode "
+                                "the rows as they were written")
+    # 4 sequences of 3 + 8 tokens (8 trained), 1 s of training at 1e12 FLOP/s: the FLOPs of 11-token sequences
+    expected = multi_gpu.train_flops(model, [11.0] * 4, [8.0] * 4) / 1.0 / 1e12
+    assert result["train_mfu"] == pytest.approx(expected)
+    assert expected < multi_gpu.train_flops(model, [24.0] * 4, [8.0] * 4) / 1e12  # not the workload's 16 + 8

@@ -39,7 +39,7 @@ def test_refused_before_the_tokenizer_or_weights_load(tmp_path, capsys, monkeypa
     def never(*args, **kwargs):
         raise AssertionError("loaded before the model was checked")
 
-    monkeypatch.setattr("aligner_ext.trainer.build.AutoTokenizer.from_pretrained", never)
+    monkeypatch.setattr("aligner_ext.data.tokenizer.AutoTokenizer.from_pretrained", never)
     monkeypatch.setattr("aligner_ext.trainer.build.AutoModelForCausalLM.from_pretrained", never)
     with pytest.raises(SystemExit) as stopped:
         main(["train", *SMALL_MODEL, f"model.path={model}", "policy.backend=megatron", f"trainer.output_dir={tmp_path}"])

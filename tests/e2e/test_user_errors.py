@@ -185,6 +185,6 @@ def test_a_tokenizer_without_a_chat_template_names_it(tmp_path, capsys, monkeypa
         tokenizer.chat_template = None
         return tokenizer
 
-    monkeypatch.setattr("aligner_ext.trainer.build.AutoTokenizer.from_pretrained", without_template)
+    monkeypatch.setattr("aligner_ext.data.tokenizer.AutoTokenizer.from_pretrained", without_template)
     error = one_line_error(capsys, SMALL_MODEL + [f"trainer.output_dir={tmp_path}"])
     assert "has no chat template; use a chat/instruct checkpoint as model.path" in error

@@ -1,9 +1,19 @@
-"""The engine-vs-trainer log-prob gap logged every step."""
+"""Metrics logged every step: prompt lengths, the engine-vs-trainer log-prob gap, staleness."""
 
 import pytest
 import torch
 
-from aligner_ext.trainer.step_metrics import logprob_mismatch, staleness_metrics
+from aligner_ext.trainer.step_metrics import batch_metrics, logprob_mismatch, staleness_metrics
+
+
+def test_prompt_lengths_count_real_tokens_not_padding(make_batch):
+    batch = make_batch([[1, 0], [1, 1], [1, 1]], rewards=[1.0, 0.0, 1.0], advantages=torch.zeros(3, 2))
+    batch.prompt_mask = torch.tensor([[False, False, True, True], [True, True, True, True],
+                                      [False, True, True, True]])  # left-padded: 2, 4 and 3 real tokens
+    batch.prompt_ids = torch.ones(3, 4, dtype=torch.long)
+    batch.entropy, batch.correct = torch.zeros(3, 2), torch.tensor([1.0, 0.0, 1.0])
+    metrics = batch_metrics(batch)
+    assert metrics["prompt/length_mean"] == pytest.approx(3.0) and metrics["prompt/length_max"] == 4
 
 
 def test_gap_over_generated_tokens_by_hand(make_batch):
