@@ -10,19 +10,19 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
+source scripts/installer.sh
+installer .venv
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/pip install --quiet torch==2.13.0
+  "${install[@]}" torch==2.13.0
 fi
 # verifiers 0.4.0 (extra aligner_ext[verifiers]) asks for openai<3, while the constraints pin openai 3.57.0, with which
-# its environments pass the tests: it is installed without its resolver, and its other requirements
+# its environments pass the tests: it is installed without its dependencies, and its other requirements
 # (docker/verifiers-requirements.txt) are resolved with the rest, under the constraints, in one call: apart, the
-# openenv extra's fastmcp and verifiers' mcp==2.0.0 do not fit. pip then reports verifiers' openai requirement as a
-# conflict (expected; nothing fails).
-.venv/bin/pip install --quiet --disable-pip-version-check --no-deps verifiers==0.4.0
-.venv/bin/pip install --quiet --disable-pip-version-check -c docker/constraints.txt -e '.[dev,openenv]' \
-  -r docker/verifiers-requirements.txt
+# openenv extra's fastmcp and verifiers' mcp==2.0.0 do not fit.
+"${install[@]}" --no-deps verifiers==0.4.0
+"${install[@]}" -c docker/constraints.txt -e '.[dev,openenv]' -r docker/verifiers-requirements.txt
 # The CPU build of torch comes without Triton; the tests run the rollout engine's Triton kernels in
 # Triton's interpreter (tests/conftest.py). CUDA builds of torch bring their own Triton.
 if ! .venv/bin/python -c "import triton" 2>/dev/null; then
-  .venv/bin/pip install --quiet --disable-pip-version-check triton==3.6.0
+  "${install[@]}" triton==3.6.0
 fi

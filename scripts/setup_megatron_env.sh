@@ -4,7 +4,7 @@
 # Megatron runs on a machine whose default Python is older: megatron-core 0.17 and later need Python >= 3.12.
 # The interpreter: $ALIGNER_EXT_PYTHON312, else a working `python3.12` on PATH, else pyenv's newest 3.12.
 # torch==2.13.0 first: PyPI has only its CUDA build for Python 3.12 (5 GB installed, 1.4 GB downloaded once into
-# pip's cache; it runs on the CPU), the version .venv's local CPU build has. A finished environment is marked by
+# uv's cache; it runs on the CPU), the version .venv's local CPU build has. A finished environment is marked by
 # .complete; a half-built one is built again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,9 +26,10 @@ if [ -z "$python" ]; then
 fi
 rm -rf "$venv"
 source scripts/free_space.sh
-need_free_gb "$(dirname "$venv")" 8 "building $venv (5.3 GB installed, and pip's downloads)"
+need_free_gb "$(dirname "$venv")" 8 "building $venv (5.3 GB installed, and uv's cache of the downloads)"
 "$python" -m venv "$venv"
-install=("$venv/bin/pip" install --quiet --disable-pip-version-check)
+source scripts/installer.sh
+installer "$venv"
 "${install[@]}" torch==2.13.0
 "${install[@]}" -c docker/constraints.txt -e '.[dev,megatron]'
 touch "$venv/.complete"

