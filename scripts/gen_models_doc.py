@@ -411,6 +411,16 @@ def render() -> str:
         "",
         "then `aligner-ext train model.path=gemma3-tiny policy.backend=megatron ...`. "
         "scripts/bench/families.py builds ~1B checkpoints of every family the same way.",
+        "",
+        "**The tokenizer such a directory holds is the one a run uses.** transformers' `AutoTokenizer` picks the "
+        "class registered for the config's model type over the class the directory declares, and for `qwen2` that "
+        "class (`Qwen2Tokenizer`) rebuilds a custom tokenizer from its vocabulary with byte-level pre-tokenising: "
+        "the word tokenizer above would turn a prompt of 256 words into 3 tokens, the embedded character tokenizer "
+        "would lose every space, and nothing would fail. Runs and servers load the tokenizer through "
+        "`data/tokenizer.py`, which checks the class transformers chose against the directory's `tokenizer.json` "
+        "on a probe text and, where they encode differently, loads the file's own tokenizer with one warning "
+        "naming both. A released checkpoint's tokenizer class reproduces its file and is kept. Every step logs "
+        "`prompt/length_mean|max`, so prompts of an unexpected length show in the run's metrics.",
     ]
     return "\n".join(sections) + "\n"
 
