@@ -4,6 +4,7 @@ scripts/bench/families.py takes, and a profile of where one train call's device 
     python scripts/bench/run.py megatron --families llama3,gemma3_text,olmo2 --steps 6 --profile
     python scripts/bench/run.py megatron --families llama3,olmo2 --prev 7ed92df --steps 6   # before / after
     python scripts/bench/run.py megatron --tiny --families olmo2 --steps 1 --profile        # the CPU (tests/bench)
+    python scripts/bench/run.py megatron --families qwen3_moe --layers 4 --prev 11deeec --profile  # Qwen3-30B-A3B's layer
 
 Per family (families.py's config at SIZES, random weights, bf16 on the GPU; its workload: 8 prompts x
 n=8 of P 128 + R 256, packed micro-batches of --tokens (MEGATRON_TOKENS) at TP=1), in its own process: old
@@ -139,7 +140,7 @@ def worker(args) -> None:
     import torch
 
     name = args.worker.removeprefix(PREV_PREFIX)
-    config, preset = family_preset(name, args.tiny)
+    config, preset = family_preset(name, args.tiny, **({"num_hidden_layers": args.layers} if args.layers else {}))
     device = preset.device
     torch.manual_seed(0)
     with torch.device(device):  # random initialisation on the GPU
@@ -217,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prev-families", default=None, help="only these families run with --prev's library too "
                         "(default: every family; one whose code did not change needs no earlier side)")
     parser.add_argument("--tokens", type=int, default=MEGATRON_TOKENS, help="policy.micro_batch_tokens")
+    parser.add_argument("--layers", type=int, default=None, help="each family's layers (default: SIZES'); a mixture "
+                        "of experts at the GPU size fits one GPU with its Adam state at a few")
     driver_arguments(parser, timeout=300)
     args = parser.parse_args(argv)
     hardware = driver_setup(args, "megatron_families")
@@ -229,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
               "--tokens", str(args.tokens)]
     common += ["--tiny"] if args.tiny else []
     common += ["--profile"] if args.profile else []
+    common += ["--layers", str(args.layers)] if args.layers else []
     families = [family for family in args.families.split(",") if family]
     earlier = families if args.prev_families is None else args.prev_families.split(",")
     for name in families:

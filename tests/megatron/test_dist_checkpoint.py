@@ -3,9 +3,12 @@ resume at another layout: one `torchrun --nproc_per_node=2` launch (gloo, CPU) o
 tests/megatron/dist_checkpoint_worker.py.
 
 Cases: Llama with tied embeddings (at PP=2 the last stage holds a copy of the embedding), Qwen3
-(untied output layer, q/k norms), and every family of `megatron_cases.FAMILY_CASES`, among them the
-ones whose parameters no other case has: OLMo 2 / 3 (post-norms in the attention and MLP modules, q/k
-norms over the projection, TP-sharded) and Gemma 3 (all four norms of a layer); no vocabulary a
+(untied output layer, q/k norms), and each family of `megatron_cases.FAMILY_CASES` whose parameters
+another case does not repeat (a checkpoint holds parameters, not RoPE settings or windows:
+`SAME_PARAMETERS` leaves out Mistral, Ministral and SmolLM3, whose parameters are Llama 3's, and
+OLMo 3, whose are OLMo 2's, checked below), among them the ones whose parameters no other case has:
+OLMo 2 (post-norms in the attention and MLP modules, q/k norms over the projection, TP-sharded) and
+Gemma 3 (all four norms of a layer); no vocabulary a
 multiple of 128; and Qwen2-MoE (routed experts, a gated shared expert), saved with its experts split
 over the two DP ranks (EP=2, megatron-core's expert offsets) and loaded whole (EP=1) at PP=2 and DP=2,
 and saved at DP=2 (EP=1) and loaded at EP=2.
@@ -41,7 +44,10 @@ from test_megatron_tp_pp import train_setup  # noqa: E402
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("dist_checkpoint_worker.py")
-CASES = ["llama", "qwen3", "qwen2_moe", *FAMILY_CASES]  # the last one's directory is the worker's missing-checkpoint case
+# a left-out family case -> the case whose parameter names and shapes it repeats (its vocabulary aside)
+SAME_PARAMETERS = {"mistral": "llama3", "ministral": "llama3", "smollm3": "llama3", "olmo3": "olmo2"}
+# the last one's directory is the worker's missing-checkpoint case
+CASES = ["llama", "qwen3", "qwen2_moe", *(case for case in FAMILY_CASES if case not in SAME_PARAMETERS)]
 LOADS = [("tp2", "pp2"), ("tp2", "dp2"), ("pp2", "tp2"), ("pp2", "dp2")]  # (saved at, loaded at)
 MOE_LOADS = [("ep2", "pp2"), ("ep2", "dp2"), ("dp2", "ep2")]  # EP=2 (the experts split over DP) <-> EP=1
 RUNS = [(name, saved_at, loaded_at) for name in CASES
@@ -134,3 +140,15 @@ def test_a_weights_only_checkpoint_holds_no_optimizer_state_and_loads_at_another
     assert run["weights_only"]["trained"]["steps"] == {2.0}  # one RL step of 2 updates from a fresh Adam
     keys = read_metadata(results / CASES[0] / "ckpt_weights_only" / "megatron").state_dict_metadata
     assert keys and not any(key.startswith("optimizer") for key in keys)
+
+
+@pytest.mark.parametrize("left_out, kept", SAME_PARAMETERS.items())
+def test_a_left_out_family_case_holds_the_parameters_of_the_case_that_stands_for_it(left_out, kept):
+    """What a checkpoint of the left-out case would hold: the same parameter names and shapes, but for the
+    rows of its own vocabulary."""
+    def parameters(case: str) -> dict:
+        config = hf_configs()[case]
+        return {name: tuple("vocab" if size == config.vocab_size else size for size in tensor.shape)
+                for name, tensor in build_model(config).state_dict().items()}
+
+    assert parameters(left_out) == parameters(kept)

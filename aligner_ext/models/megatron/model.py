@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,7 @@ from aligner_ext.architecture import (Architecture, Experts, activation, apply_r
                                       rms_norm, rope_tables, rotary_cos_sin, scale_embedding)
 from aligner_ext.models.attention import packed_causal_attention, sliding_window_mask
 from aligner_ext.models.kernels import compiled_on_cuda
+from aligner_ext.models.megatron.experts import GroupedExperts
 
 VOCAB_DIVISIBLE_BY = 128
 
@@ -442,8 +444,10 @@ def block_spec(config: ArchitectureConfig) -> TransformerBlockSubmodules:
     if arch.qk_norm == "head":
         attention.q_layernorm = attention.k_layernorm = norm
     layer.self_attention.module = PostNormSelfAttention if "post_attention" in arch.norm_names else FamilySelfAttention
-    if arch.experts is not None:  # megatron-core's MoE layer: router, token dispatch, one MLP per expert
+    if arch.experts is not None:  # megatron-core's MoE layer (router, token dispatch) with grouped expert products
         layer.mlp = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=arch.experts.count)
+        moe = layer.mlp.keywords["submodules"]
+        moe.experts = partial(GroupedExperts, submodules=moe.experts.keywords["submodules"])
     elif "post_mlp" in arch.norm_names:
         layer.mlp = PostNormMLP
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)
