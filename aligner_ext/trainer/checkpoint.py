@@ -91,6 +91,8 @@ logger = logging.getLogger(__name__)
 LATEST = "latest"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
+# a save that waits this long for the previous background save's write says that saves outpace the disk
+BEHIND_THE_DISK_S = 1.0
 WEIGHTS = "model.safetensors"
 ADAPTERS = "adapters.safetensors"  # instead of WEIGHTS when the policy trains LoRA adapters
 SAFE_TYPES = (ExperienceBatch, SampleInfo, PromptRow)  # the classes trainer_state.pt may hold
@@ -252,6 +254,7 @@ class Checkpointer:
         self.allow_unverified = allow_unverified  # trainer.allow_unverified_checkpoint
         self.expected_bytes = 0  # one checkpoint's estimated size (trainer/disk_space.py), named when a save fails
         self.pending: PendingSave | None = None  # a background save under way
+        self.warned_behind = False  # the one warning that saves come faster than the disk writes them
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None (`complete()` lists them all)."""
@@ -312,9 +315,12 @@ class Checkpointer:
         the same on all; no `model.safetensors` when `model` is None: `save_sharded` holds the
         weights), and `save_sharded(directory, background)` runs on every process inside the new
         checkpoint. `background`: return once the files are in memory (module docstring); `wait` or
-        `poll` finish the save. Logs how long the loop waited: the stall a save costs a step."""
+        `poll` finish the save. Logs how long the loop waited: the stall a save costs a step, and the part
+        of it spent waiting for the previous background save's write (once a warning: raise save_every)."""
         started = time.perf_counter()
+        previous = self.pending.final.name if self.pending is not None else None
         self.wait()
+        behind = time.perf_counter() - started
         final = self.directory / f"step_{step}"
         tmp = self.directory / f".step_{step}.tmp"
         if is_main_process():
@@ -349,8 +355,15 @@ class Checkpointer:
                 self._publish(tmp, final)
             barrier()
         if is_main_process():
-            logger.info("checkpoint %s: the loop waited %.2f s%s", final.name, time.perf_counter() - started,
+            slow_disk = previous is not None and behind >= BEHIND_THE_DISK_S
+            logger.info("checkpoint %s: the loop waited %.2f s%s%s", final.name, time.perf_counter() - started,
+                        f" ({behind:.2f} s of them for {previous}'s write)" if slow_disk else "",
                         ", writing it in the background" if background else "")
+            if slow_disk and not self.warned_behind:
+                self.warned_behind = True
+                logger.warning("checkpoint %s waited %.1f s for %s, still being written in the background: saves come "
+                               "faster than the disk writes them; raise trainer.save_every (or save the weights alone, "
+                               "trainer.save_optimizer=false)", final.name, behind, previous)
         return final
 
     def poll(self) -> None:

@@ -142,10 +142,12 @@ def headline(result: dict) -> list[tuple[str, str]]:
         return rows
     if result["subcommand"] == "megatron":
         rows, llama = [], report["families"].get("llama3", {})
+        depth = re.search(r"--layers (\d+)", report.get("command", ""))
+        size = f"{depth.group(1)} layers of the ~1B shape" if depth else "~1B"
         for name, s in report["families"].items():
             if "train_s" in s:
                 ratio = f" ({s['train_mfu'] / llama['train_mfu']:.2f}x Llama's)" if s is not llama and llama else ""
-                rows.append((f"{name} at ~1B, Megatron train call, TP=1 ({len(s['calls'])} calls)",
+                rows.append((f"{name} at {size}, Megatron train call, TP=1 ({len(s['calls'])} calls)",
                              f"{s['train_s'][0]:.3f} s [{s['train_s'][1]:.3f}, {s['train_s'][2]:.3f}], MFU "
                              f"{100 * s['train_mfu']:.1f}%{ratio}; peak {s['peak_gib']:.1f} GiB"))
         return rows
@@ -200,8 +202,8 @@ def families_table() -> str:
     latest: dict[str, dict] = {}
     for path in result_files():
         result = json.loads(path.read_text())
-        if result["subcommand"] not in ("families", "megatron"):
-            continue
+        if result["subcommand"] not in ("families", "megatron") or "--layers" in result["report"].get("command", ""):
+            continue  # a depth of its own (a mixture of experts cut to fit one GPU) is not the ~1B shape
         rows = result["report"]["families"]
         llama = rows.get("llama3", {})
         for name, s in rows.items():

@@ -18,7 +18,7 @@ from multi_gpu_rows import PRESETS, ROWS, SHAPES, Layout, Row, named_rows  # noq
 def test_the_presets_expand_in_order_without_repeating_a_row():
     rows = named_rows("1.5b-dp2,table-2gpu")
     assert [row.name for row in rows] == ["1.5b-dp2", "1.5b-1gpu", "1.5b-dp2-2x", "1.5b-tp2-sp", "8b-tp2-sp", "8b-pp2",
-                                             "moe-ep2"]
+                                             "8b-tp2-sp-saves", "moe-ep2"]
     assert max(row.processes for row in named_rows("table-2gpu")) == 2
     assert max(row.processes for row in named_rows("table-4gpu")) == 4
     assert all(not ROWS[name].problem() for names in PRESETS.values() for name in names)
