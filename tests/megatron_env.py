@@ -36,7 +36,7 @@ SECONDS_IN_CI = {
     "test_families.py": 40, "test_megatron_families.py": 25, "test_sliding_window.py": 15,
     "test_planted_checkpoint.py": 18, "test_support.py": 14, "test_unsupported_model.py": 12,
     "test_process_groups.py": 12, "test_checkpoint_from_0_16.py": 11, "test_megatron_convert_cli.py": 8,
-    "test_multi_gpu.py": 40,
+    "test_multi_gpu.py": 40, "test_async_remote_megatron.py": 50,
 }
 DEFAULT_SECONDS = 20
 BATCH_SECONDS = 150  # modules are packed into one process up to this many seconds (a longer one runs alone)

@@ -172,10 +172,11 @@ def check_asynchronous(cfg, variants: set[str]) -> None:
         raise ValueError(f"CPO (algorithm.adv_estimator={cfg.algorithm.adv_estimator}, cpo.wrap_method="
                          f"{cfg.cpo.wrap_method}) with {on}: its hint pass runs the policy's forward inside the "
                          "experience maker, which a generation thread cannot share with the training that updates it")
-    if cfg.policy.backend != "hf":
-        raise ValueError(f"policy.backend={cfg.policy.backend} with {on}: generation ahead copies an HF module of the "
-                         "policy; the Megatron backend generates on its training shards, under collectives a second "
-                         "thread would interleave with training's; use policy.backend=hf")
+    if cfg.policy.backend != "hf" and cfg.generator.engine != "remote":
+        raise ValueError(f"policy.backend={cfg.policy.backend} with {on} and generator.engine={cfg.generator.engine}: "
+                         "colocated generation ahead copies an HF module of the policy; the Megatron backend generates "
+                         "on its training shards, under collectives a second thread would interleave with training's; "
+                         "use generation servers (generator.engine=remote) or policy.backend=hf")
     if cfg.generator.engine not in ("auto", "hf", "rollout", "remote"):
         raise ValueError(f"generator.engine={cfg.generator.engine} with {on}: generation ahead runs an in-process engine "
                          "(hf or rollout) on a copy of the policy, or generation servers (generator.engine=remote); "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
+import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import aligner_ext.plugins  # noqa: F401 - registers the built-in plug-ins
@@ -206,10 +207,10 @@ def build_components(cfg: RunConfig, run_dir: Path) -> Components:
         engine_name = generation_engine_name(cfg, model.config, policy.device)
         generation_model = policy.generation_model(engine_name)
         snapshot = weights_snapshot(cfg, engine_name, generation_model)  # before an engine re-points the model's tensors
-        engine = split_across_ranks(build_engine(cfg, engine_name, generation_model, tokenizer),
-                                    cfg.generator.split_across_ranks, getattr(generation_model, "split_group", None))
-        engine, maker_engine, ahead_weights = generation_ahead_engines(cfg, engine_name, engine, generation_model,
-                                                                       snapshot, tokenizer)
+        built = build_engine(cfg, engine_name, generation_model, tokenizer)
+        engine = split_across_ranks(built, cfg.generator.split_across_ranks, getattr(generation_model, "split_group", None))
+        engine, maker_engine, ahead_weights = generation_ahead_engines(cfg, engine_name, engine, built,
+                                                                       generation_model, snapshot, tokenizer)
         ctx = BuildContext(cfg=cfg, tokenizer=tokenizer, policy=policy, engine=maker_engine, rewards=rewards,
                            vocab_size=vocab_size)
         advantage = construct(cfg, "advantage estimator", "algorithm.adv_estimator", cfg.algorithm.adv_estimator,
@@ -244,28 +245,41 @@ def build_engine(cfg: RunConfig, name: str, model: torch.nn.Module, tokenizer) -
 def weights_snapshot(cfg: RunConfig, engine_name: str, generation_model: torch.nn.Module) -> WeightsSnapshot | None:
     """The copy of the generation model that generation ahead of training samples from when colocated
     (experience/ahead.py), or None: `trainer.asynchronous` off, or the engine drives servers that hold the
-    weights (`remote`). Refused under torchrun: the generation thread's collectives would interleave with
-    training's."""
+    weights (`remote`). Under torchrun only servers are driven ahead (`generation_ahead_engines`), without
+    partial rollouts: a park aborts every request on the servers, the other ranks' too."""
     if not cfg.trainer.asynchronous.enabled:
         return None
-    if world_size() > 1:
-        raise ConfigError(f"trainer.asynchronous.enabled=true under torchrun ({world_size()} processes): the "
-                          "generation thread's collectives would interleave with training's; run one process, or "
-                          "set trainer.asynchronous.enabled=false")
+    processes = world_size()
+    if processes > 1 and engine_name != "remote":
+        raise ConfigError(f"trainer.asynchronous.enabled=true under torchrun ({processes} processes) with "
+                          f"generator.engine={engine_name}: a copy of the policy on each rank is not driven ahead "
+                          "(its engine's collectives would interleave with training's); use generation servers "
+                          "(generator.engine=remote), run one process, or set trainer.asynchronous.enabled=false")
+    if processes > 1 and cfg.trainer.asynchronous.partial_rollouts:
+        raise ConfigError(f"trainer.asynchronous.partial_rollouts=true under torchrun ({processes} processes): a park "
+                          "aborts every request on the servers, the other ranks' too; set "
+                          "trainer.asynchronous.partial_rollouts=false or run one process")
     return None if engine_name == "remote" else WeightsSnapshot(generation_model)
 
 
-def generation_ahead_engines(cfg: RunConfig, engine_name: str, engine: GenerationEngine,
+def generation_ahead_engines(cfg: RunConfig, engine_name: str, engine: GenerationEngine, built: GenerationEngine,
                              generation_model: torch.nn.Module, snapshot: WeightsSnapshot | None,
                              tokenizer) -> tuple[GenerationEngine, GenerationEngine, GenerationWeights | None]:
     """(the loop's engine, the experience maker's, the weights generation ahead refits; None: it is off).
     Colocated, the maker samples from the copy with an engine of its own. Disaggregated (remote), both sample
-    from the servers, and only generation ahead pushes to them, between two batches. With partial rollouts
-    the maker's engine is resumable: it parks at a refit."""
+    from the servers (`built`: the engine before its split across ranks), and only generation ahead pushes
+    to them, between two batches; under torchrun the maker's calls are split across the ranks over a gloo
+    group of their own, so the generation thread's gathers never interleave with training's collectives
+    (each rank's thread makes the same calls in the same order: admission follows the trainer's versions,
+    not the threads' timing). With partial rollouts the maker's engine is resumable: it parks at a refit."""
     if not cfg.trainer.asynchronous.enabled:
         return engine, engine, None
     served = engine_name == "remote"
-    maker_engine = engine if served else build_engine(cfg, engine_name, snapshot.model, tokenizer)
+    if served:
+        group = dist.new_group(backend="gloo") if world_size() > 1 else None  # every rank, in the same order
+        maker_engine = split_across_ranks(built, cfg.generator.split_across_ranks, group)
+    else:
+        maker_engine = build_engine(cfg, engine_name, snapshot.model, tokenizer)
     if cfg.trainer.asynchronous.partial_rollouts:
         maker_engine = ResumableEngine(maker_engine, tokenizer)
     if served:

@@ -13,7 +13,8 @@ SERVED = ["generator.engine=remote", "generator.remote.urls=[http://a:1]", "gene
 
 REFUSED = {
     "cpo": (["+variant=cpo"], "CPO (algorithm.adv_estimator=cpo"),
-    "megatron": (["policy.backend=megatron"], "policy.backend=megatron with trainer.asynchronous.enabled=true"),
+    "megatron": (["policy.backend=megatron"], "policy.backend=megatron with trainer.asynchronous.enabled=true and "
+                                               "generator.engine=auto: colocated generation ahead"),
     "servers without pushes": (SERVED[:2], "generator.remote.weight_sync=none and generator.engine=remote with "
                                            "trainer.asynchronous.enabled=true"),
     "partial rollouts on vLLM servers": ([*SERVED, "generator.remote.server_kind=vllm", PARTIAL],
@@ -63,6 +64,25 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(capsys, case):
                                        [PARTIAL, "+variant=mtpo", "+variant=dapo"],
                                        [PARTIAL, "+variant=graded_prompt"],
                                        SERVED, [*SERVED, "generator.remote.server_kind=vllm"], [*SERVED, PARTIAL],
+                                       [*SERVED, "policy.backend=megatron"],  # the Megatron backend drives servers ahead
                                        ["algorithm.experience_maker=agent_episodes", "agents.limits.max_total_tokens=512"]])
 def test_what_it_runs_with_loads(overrides):
     assert load_config("base", AHEAD + overrides).trainer.asynchronous.enabled
+
+
+def test_under_torchrun_only_servers_run_ahead_and_without_partial_rollouts(monkeypatch, tiny_model):
+    """The build's refusals, in one line each (trainer/build.py::weights_snapshot): a copy of the policy per rank
+    is not driven ahead, and a park would abort the other ranks' requests on the servers."""
+    from aligner_ext.errors import ConfigError
+    from aligner_ext.trainer import build
+
+    monkeypatch.setattr(build, "world_size", lambda: 2)
+    colocated = load_config("base", AHEAD + ["generator.engine=rollout"])
+    with pytest.raises(ConfigError, match=r"^trainer\.asynchronous\.enabled=true under torchrun \(2 processes\) with "
+                                          r"generator\.engine=rollout: .*use generation servers"):
+        build.weights_snapshot(colocated, "rollout", tiny_model)
+    assert build.weights_snapshot(load_config("base", AHEAD + SERVED), "remote", tiny_model) is None
+    with pytest.raises(ConfigError, match=r"^trainer\.asynchronous\.partial_rollouts=true under torchrun \(2 processes\)"):
+        build.weights_snapshot(load_config("base", AHEAD + SERVED + [PARTIAL]), "remote", tiny_model)
+    monkeypatch.setattr(build, "world_size", lambda: 1)
+    assert build.weights_snapshot(load_config("base", AHEAD + SERVED + [PARTIAL]), "remote", tiny_model) is None
