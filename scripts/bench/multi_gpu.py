@@ -20,7 +20,9 @@ samples per second, the generation (rollout stage: generation and rewards) and t
 seconds, training MFU (families.train_flops of the step's sequences over the train time and the measured
 matrix rate of each GPU, x the processes), peak GiB of every rank, the final checkpoint's bytes and write
 time and the stall of each background save (save_stall.summarise: the checkpointer's "the loop waited"
-line plus the next step's excess over the median). Writes multi_gpu.json and multi_gpu.md under --out,
+line plus the next step's excess over the median), and the engine's log-probs against the trainer's
+(`rollout/logprob_diff_mean`, median over the steps: a trainer forward or an engine that computes another
+model than the other shows there, which no timing does). Writes multi_gpu.json and multi_gpu.md under --out,
 rewritten after every row.
 """
 
@@ -176,6 +178,8 @@ def summarise(run_dir: Path, log: str, row: Row, model: dict, preset: Preset, ma
             "generation_s": statistics.median(r["timing/rollout_s"] for r in timed),
             "train_s": statistics.median(r["timing/train_s"] for r in timed),
             "train_mfu": statistics.median(mfu),
+            "logprob_gap": statistics.median(gaps) if (gaps := [r["rollout/logprob_diff_mean"] for r in timed
+                                                                 if "rollout/logprob_diff_mean" in r]) else None,
             "checkpoint": {"bytes": sum(p.stat().st_size for p in final.rglob("*") if p.is_file()) if saved else None,
                            "optimizer": row.save, "write_s": saves["final_save_s"],
                            "stall_per_save_s": saves["stall_per_save_s"],
@@ -282,6 +286,11 @@ def render(report: dict) -> str:
         lines += [f"- {name}: " + ", ".join(f"{step:.2f} ({phases['generation'] or 0:.2f} + {phases['train'] or 0:.2f})"
                                             for step, phases in zip(r["steps_s"], r["steps_phases_s"]))
                   for name, r in timed]
+    gaps = [(name, r["logprob_gap"]) for name, r in rows.items() if r.get("logprob_gap") is not None]
+    if gaps:
+        lines += ["", "The engine's log-probs against the trainer's (`rollout/logprob_diff_mean`, the median over "
+                  "the steps after the first):", ""]
+        lines += [f"- {name}: {gap:.5f}" for name, gap in gaps]
     variants = [(name, v, s) for name, r in rows.items() for v, s in r.get("variants", {}).items()]
     if variants:
         lines += ["", "Variants at the row's layout (steps run, each step's seconds):", ""]

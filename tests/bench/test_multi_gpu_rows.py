@@ -102,7 +102,8 @@ def test_a_run_cut_short_by_a_time_limit_reports_the_steps_it_trained(tmp_path, 
         assert name == "cut"  # neither the variant nor the resume runs after a cut
         (tmp_path / "runs" / "cut").mkdir(parents=True)
         lines = [{"step": step, "timing/step_s": seconds, "timing/train_s": seconds / 2, "timing/rollout_s": seconds / 4,
-                  "batch/num_samples": 4, "response/length_mean": 8.0} for step, seconds in enumerate(step_s, 1)]
+                  "batch/num_samples": 4, "response/length_mean": 8.0, "rollout/logprob_diff_mean": seconds / 1000}
+                 for step, seconds in enumerate(step_s, 1)]
         lines.insert(0, {"step": 0, "val/accuracy": 0.5})  # the evaluation before training: no step trained
         (tmp_path / "runs" / "cut" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
         return "ran past 153 s", "SignalException: Process 5699 got signal: 15\n", {"0": {"resident": 1.0}}
@@ -123,6 +124,8 @@ def test_a_run_cut_short_by_a_time_limit_reports_the_steps_it_trained(tmp_path, 
     line = next(line for line in render(report).splitlines() if line.startswith("| cut |"))
     assert "| 3.00 [2.00, 4.00] |" in line and "| not written |" in line and line.endswith("not written |")
     assert "- cut: 9.00 (2.25 + 4.50), 2.00 (0.50 + 1.00), 4.00 (1.00 + 2.00)" in render(report)  # every step's phases
+    assert result["logprob_gap"] == pytest.approx(0.003)  # steps 2 and 3's 0.002 and 0.004, not the first's 0.009
+    assert "- cut: 0.00300" in render(report)
 
 
 def test_a_long_tailed_row_makes_the_loops_engine_long_tailed_as_it_is_built(monkeypatch):
