@@ -168,6 +168,7 @@ def summarise(run_dir: Path, log: str, row: Row, model: dict, preset: Preset, ma
         sequences, response = int(r["batch/num_samples"]), r["response/length_mean"]
         flops = train_flops(model, [prompt + response] * sequences, [response] * sequences)
         mfu.append(flops / r["timing/train_s"] / (matmul_rate * row.layout.processes))
+    gaps = [r["rollout/logprob_diff_mean"] for r in timed if "rollout/logprob_diff_mean" in r]
     saves = save_summary(run_dir, log, row.save_every, row.steps)
     final = run_dir / "checkpoints" / f"step_{row.steps}"
     return {"step_s": median_range(step_s), "steps_s": saves["step_s"],
@@ -178,8 +179,7 @@ def summarise(run_dir: Path, log: str, row: Row, model: dict, preset: Preset, ma
             "generation_s": statistics.median(r["timing/rollout_s"] for r in timed),
             "train_s": statistics.median(r["timing/train_s"] for r in timed),
             "train_mfu": statistics.median(mfu),
-            "logprob_gap": statistics.median(gaps) if (gaps := [r["rollout/logprob_diff_mean"] for r in timed
-                                                                 if "rollout/logprob_diff_mean" in r]) else None,
+            "logprob_gap": statistics.median(gaps) if gaps else None,
             "checkpoint": {"bytes": sum(p.stat().st_size for p in final.rglob("*") if p.is_file()) if saved else None,
                            "optimizer": row.save, "write_s": saves["final_save_s"],
                            "stall_per_save_s": saves["stall_per_save_s"],

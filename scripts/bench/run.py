@@ -142,8 +142,8 @@ def headline(result: dict) -> list[tuple[str, str]]:
         return rows
     if result["subcommand"] == "megatron":
         rows, llama = [], report["families"].get("llama3", {})
-        depth = re.search(r"--layers (\d+)", report.get("command", ""))
-        size = f"{depth.group(1)} layers of the ~1B shape" if depth else "~1B"
+        depth = own_depth(report)
+        size = f"{depth} layers of the ~1B shape" if depth else "~1B"
         for name, s in report["families"].items():
             if "train_s" in s:
                 ratio = f" ({s['train_mfu'] / llama['train_mfu']:.2f}x Llama's)" if s is not llama and llama else ""
@@ -196,13 +196,19 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def own_depth(report: dict) -> str | None:
+    """The layers a `megatron` report's families were cut to (`--layers`), None at their ~1B depth."""
+    depth = re.search(r"--layers (\d+)", report.get("command", ""))
+    return depth.group(1) if depth else None
+
+
 def families_table() -> str:
     """Each family's latest measurement at ~1B in docs/bench_results/ (a later file replaces an earlier
     one), every rate also as a multiple of Llama's from the same call; under TARGET in bold."""
     latest: dict[str, dict] = {}
     for path in result_files():
         result = json.loads(path.read_text())
-        if result["subcommand"] not in ("families", "megatron") or "--layers" in result["report"].get("command", ""):
+        if result["subcommand"] not in ("families", "megatron") or own_depth(result["report"]):
             continue  # a depth of its own (a mixture of experts cut to fit one GPU) is not the ~1B shape
         rows = result["report"]["families"]
         llama = rows.get("llama3", {})

@@ -34,6 +34,14 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 class GroupedExperts(SequentialMLP):
     """`SequentialMLP` whose forward is two grouped products over its local experts (module docstring)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        config = self.config  # what the config decides once; hooks and dtypes are read at each forward
+        swiglu = (config.gated_linear_unit and config.activation_func is F.silu and not config.add_bias_linear
+                  and config.activation_func_clamp_value is None and config.glu_linear_offset == 0)
+        plain = not (config.fp8 or config.fp4 or config.moe_apply_probs_on_input or config.use_te_activation_func)
+        self.grouped_config = self.num_local_experts > 1 and swiglu and plain
+
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         hidden = permuted_local_hidden_states
@@ -55,11 +63,9 @@ class GroupedExperts(SequentialMLP):
 
     def grouped_form_runs(self, hidden: torch.Tensor) -> bool:
         """Whether the grouped products compute what `SequentialMLP.forward` would (module docstring)."""
-        config = self.config
-        swiglu = (config.gated_linear_unit and config.activation_func is F.silu and not config.add_bias_linear
-                  and config.activation_func_clamp_value is None and config.glu_linear_offset == 0)
-        plain = not (config.fp8 or config.fp4 or config.moe_apply_probs_on_input or config.use_te_activation_func)
-        hooked = any(linear._forward_hooks or linear._forward_pre_hooks for expert in self.local_experts
-                     for linear in (expert.linear_fc1, expert.linear_fc2))
-        dtype = hidden.dtype == torch.bfloat16 or (hidden.dtype == torch.float32 and hidden.device.type == "cpu")
-        return self.num_local_experts > 1 and swiglu and plain and not hooked and dtype
+        if not self.grouped_config:
+            return False
+        if not (hidden.dtype == torch.bfloat16 or (hidden.dtype == torch.float32 and hidden.device.type == "cpu")):
+            return False
+        return not any(linear._forward_hooks or linear._forward_pre_hooks for expert in self.local_experts
+                       for linear in (expert.linear_fc1, expert.linear_fc2))
