@@ -440,7 +440,6 @@ def check_across_sections(cfg: RunConfig, for_training: bool = True, given: dict
     resolve_loss_settings(cfg.algorithm.loss, cfg.loss)
     check_evaluation(cfg.algorithm.experience_maker, cfg.trainer.eval)
     check_rollouts(cfg)
-    check_asynchronous(cfg, active_variants(cfg))
     check_remote_engine(cfg.generator.engine, cfg.generator.remote)
     check_lora_engine(cfg.policy.lora, cfg.generator.engine)
     check_group_size(cfg)
@@ -461,7 +460,8 @@ def check_across_sections(cfg: RunConfig, for_training: bool = True, given: dict
     if cfg.algorithm.experience_maker in ("agent_episodes", "agents") and cfg.agents.agent and cfg.policy.routing_replay:
         raise ValueError(f"policy.routing_replay=true with agents.agent={cfg.agents.agent}: the agent endpoint does not "
                          "record the experts; leave routing replay off, or play the episodes with an environment")
-    if for_training:
+    if for_training:  # a server never trains: it serves whatever the trainer's shared config says of training ahead
+        check_asynchronous(cfg, active_variants(cfg))
         check_positions(cfg)
 
 

@@ -37,12 +37,16 @@ def pytest_pycollect_makemodule(module_path, parent):
 
 @pytest.hookimpl(trylast=True)  # after `-k` and `-m` deselected theirs
 def pytest_collection_modifyitems(items):
-    """The modules that run in .venv312 last, packed into batches, and the tests against a real vLLM just before
-    them, so that the environments' builds (minutes, in the background from `pytest_collection_finish`) overlap
-    the other tests rather than hold a worker waiting for them."""
+    """The modules that run in .venv312, packed into batches (the longest first), after the first tenth of the
+    other modules, and the tests against a real vLLM last: the environments build in the background from
+    `pytest_collection_finish` while the first modules run, rather than hold a worker waiting, and the many
+    short modules after the batches even out the two workers' ends (a batch is minutes long)."""
     rest = sorted((item for item in items if not isinstance(item, ModuleRun)),
                   key=lambda item: item.path.name == "test_real_vllm.py")  # stable: the others keep their order
-    items[:] = rest + batches([item for item in items if isinstance(item, ModuleRun)])
+    modules = list(dict.fromkeys(item.path for item in rest))
+    first = modules[len(modules) // 10] if modules else None
+    cut = next((index for index, item in enumerate(rest) if item.path == first), len(rest))
+    items[:] = rest[:cut] + batches([item for item in items if isinstance(item, ModuleRun)]) + rest[cut:]
 
 
 def _build_in_background(session, name: str, build) -> None:

@@ -33,6 +33,8 @@ from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.tasks import sft_target
 from aligner_ext.data.templating import left_pad, right_pad
 from aligner_ext.data.types import PromptDraw, PromptRow
+from aligner_ext.errors import ConfigError
+from aligner_ext.experience.carry_over import CarryOver
 from aligner_ext.experience.settings import RolloutConfig
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
 from aligner_ext.groups import identical_group_fraction
@@ -144,7 +146,7 @@ class GroupSampling(ExperienceMaker):
     writes = ("rewards", "correct", "token_rewards", "generation_logprobs", "generation_versions")
 
     def __init__(self, cfg: RolloutConfig, engine: GenerationEngine, rewards: RewardManager, tokenizer,
-                 seed: int = 0, return_routing: bool = False):
+                 seed: int = 0, return_routing: bool = False, batch_groups: int = 0):
         if cfg.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {cfg.n}")
         if not cfg.return_logprobs:
@@ -155,19 +157,36 @@ class GroupSampling(ExperienceMaker):
         self.tokenizer = tokenizer
         self.seed = seed
         self.return_routing = return_routing  # the policy reads the engine's experts (`Policy.reads_routing`)
+        self.carry_over = None  # with rollout.carry_over.groups: the groups carried between steps (`batch_groups` a batch)
+        if cfg.carry_over.groups:
+            if not engine.reports_finished:
+                raise ConfigError(f"rollout.carry_over.groups={cfg.carry_over.groups} needs the rollout engine in one "
+                                  f"process, which reports each finished response; this run generates with "
+                                  f"{type(engine).__name__}: set generator.engine=rollout, or rollout.carry_over.groups=0")
+            self.carry_over = CarryOver(cfg.carry_over, batch_groups, engine, tokenizer)
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "GroupSampling":
         return cls(ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed,
-                   return_routing=ctx.policy.reads_routing)
+                   return_routing=ctx.policy.reads_routing, batch_groups=ctx.cfg.data.train_batch_size)
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
-        draws = loader.next_batch()
-        requests = self.requests(draws)
-        outputs = self.generate(requests, self.sampling_params(step))
+        params = self.sampling_params(step)
+        if self.carry_over is None:
+            requests = self.requests(loader.next_batch())
+            outputs, carried = self.generate(requests, params), {}
+        else:  # B whole groups, some begun at earlier steps (experience/carry_over.py)
+            requests, outputs, carried = self.carry_over.generate(loader, params, self.requests)
         batch = self.assemble(requests, outputs)
         self.score(batch)
-        return batch, {**self.rewards.metrics(), **identical_samples(batch)}
+        return batch, {**self.rewards.metrics(), **identical_samples(batch), **carried}
+
+    def state_dict(self) -> dict:
+        return self.carry_over.state_dict() if self.carry_over is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.carry_over is not None:
+            self.carry_over.load_state_dict(state)
 
     def sampling_params(self, step: int) -> SamplingParams:
         """Training sampling; seeded by (seed, step) so a resumed run samples the same responses."""

@@ -22,6 +22,16 @@ EXISTING_SYSTEM = ("append", "prepend")
 
 
 @dataclass
+class CarryOverConfig:
+    """Group-level streaming: a step's engine call ends once a batch of groups is whole, the unfinished groups
+    carried into the next step's call (experience/carry_over.py, docs/async.md)."""
+
+    groups: int = number(0, ge=0)  # groups in flight beyond data.train_batch_size: each step's call runs the batch's groups and this many more and ends once data.train_batch_size groups are whole; the unfinished ones go on in the next step's call, their tokens kept (0 = off: a call waits for its slowest response); at most data.train_batch_size; needs the rollout engine
+    max_steps: int = number(1, ge=1)  # steps a group may be carried; a group carried that many times is overdue: the call does not end before it is whole (overdue=wait), or it is dropped at the call's end, counted (drop)
+    overdue: str = choice("wait", "wait", "drop")  # an overdue group: wait for it | drop it (carry_over/dropped_groups)
+
+
+@dataclass
 class RolloutConfig:
     """Sampling of training rollouts (held-out evaluation has the same length cap and stops; its sampling is trainer.eval)."""
 
@@ -35,6 +45,7 @@ class RolloutConfig:
     overlong_buffer_fraction: float = number(0.0, ge=0, lt=1)  # DAPO's overlong reward shaping: the last fraction of max_response_length (DAPO: 4096 of 20480 tokens, 0.2) is a buffer where the reward falls linearly to -overlong_penalty at the cap; 0 = off (experience/overlong.py)
     overlong_penalty: float = number(1.0, gt=0)  # the penalty at the cap, in reward units (DAPO: 1)
     overlong_filter: bool = False  # DAPO's overlong filtering: responses cut at max_response_length (finish reason length) are masked out of the loss
+    carry_over: CarryOverConfig = field(default_factory=CarryOverConfig)  # group-level streaming: unfinished groups carried to the next step's call
 
     def __post_init__(self) -> None:
         if any(not isinstance(text, str) or not text for text in self.stop):
@@ -142,6 +153,30 @@ def check_rollouts(cfg) -> None:
     if cfg.algorithm.experience_maker in ("two_round", "mtpo") and rollout.stop:
         raise ValueError(f"rollout.stop {list(rollout.stop)} is not used by two-round rollouts; set "
                          "mtpo.answer_stop_str and mtpo.confidence_stop_str")
+    if rollout.carry_over.groups:
+        check_carry_over(cfg)
+
+
+def check_carry_over(cfg) -> None:
+    """What carrying groups over (`rollout.carry_over`) does not run with yet, refused naming both settings."""
+    on = f"rollout.carry_over.groups={cfg.rollout.carry_over.groups}"
+    if cfg.rollout.carry_over.groups > cfg.data.train_batch_size:
+        raise ValueError(f"{on} is above data.train_batch_size={cfg.data.train_batch_size}: the overdue groups "
+                         "a batch must take could then outnumber it; lower it")
+    if cfg.algorithm.experience_maker not in ("group_sampling", "grpo"):
+        raise ValueError(f"{on} with algorithm.experience_maker={cfg.algorithm.experience_maker}: groups are carried "
+                         "over by plain group sampling only yet (one engine call a step, one prompt per group)")
+    refused = {"dynamic_sampling.enabled=true": cfg.dynamic_sampling.enabled,
+               "trainer.asynchronous.partial_rollouts=true": cfg.trainer.asynchronous.partial_rollouts,
+               "policy.routing_replay=true": cfg.policy.routing_replay}
+    for setting, on_too in refused.items():
+        if on_too:
+            raise ValueError(f"{on} with {setting}: not combined yet (a carried group's refills, parks or expert "
+                             "records across steps are not defined); turn one off")
+    if cfg.generator.engine not in ("auto", "rollout"):
+        raise ValueError(f"{on} with generator.engine={cfg.generator.engine}: carrying groups over needs the rollout "
+                         "engine, whose batch refills as responses finish and which reports each finished one; set "
+                         "generator.engine=rollout")
 
 
 @dataclass

@@ -74,6 +74,7 @@ class GenerationEngine(abc.ABC):
     report a per-sequence finish reason; accept prompts of different lengths in one call.
     """
 
+    reports_finished: bool = False  # `generate` also takes per-prompt `caps` and calls `on_finished(i)` as outputs become whole (the rollout engine; groups carried over need it, experience/carry_over.py)
     weights_version: int = 0  # the policy version (optimizer updates applied) of the weights it samples with; set by whoever hands it weights, before `update_weights` (a push to servers carries it: generation/remote.py), by the loop's refit (trainer/loop.py) and generation ahead's (experience/ahead.py)
 
     @abc.abstractmethod

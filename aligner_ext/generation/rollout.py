@@ -129,6 +129,8 @@ class KeptCache:
 class RolloutEngine(GenerationEngine):
     """Continuous-batching generation over the policy's own weights (module docstring)."""
 
+    reports_finished = True
+
     def __init__(self, model, tokenizer, cfg: RolloutEngineConfig):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -163,10 +165,16 @@ class RolloutEngine(GenerationEngine):
         self.kept = None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 should_stop: Callable[[], bool] | None = None) -> list[GenerationOutput]:
-        """Continue every prompt once; a `should_stop` that turns true (a server's client left) ends the
-        call between decode steps, its slots freed and outputs cut where they are."""
+                 should_stop: Callable[[], bool] | None = None, caps: list[int] | None = None,
+                 on_finished: Callable[[int], None] | None = None) -> list[GenerationOutput]:
+        """Continue every prompt once; a `should_stop` that turns true (a server's client left, enough groups
+        finished) ends the call between decode steps, its slots freed and outputs cut where they are. `caps`:
+        per prompt, the most tokens it may add, each at most `params.max_new_tokens` (resumed responses);
+        `on_finished(i)` is called once prompt i's output is whole, between decode steps."""
         check_request(prompts, params)
+        if caps is not None and (len(caps) != len(prompts)
+                                 or not all(0 < cap <= params.max_new_tokens for cap in caps)):
+            raise ValueError(f"caps: one per prompt, each in [1, max_new_tokens={params.max_new_tokens}]")
         if not prompts and self.decoder.exchange is None:  # under expert parallelism it joins its group's call
             return []
         call_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -180,7 +188,8 @@ class RolloutEngine(GenerationEngine):
         if kept is not None and record_routing and kept.cache.routing is None:
             kept = None  # its prefixes' experts were not recorded
         with torch.inference_mode():
-            return _Call(self, prompts, params, call_seed, matcher, kept, weights, record_routing).run(should_stop)
+            call = _Call(self, prompts, params, call_seed, matcher, kept, weights, record_routing, caps, on_finished)
+            return call.run(should_stop)
 
     def open_session(self, params: SamplingParams, max_length: int, max_episodes: int) -> TurnSession:
         """Turns of multi-turn episodes on kept KV cache slots (turns.py)."""
@@ -231,7 +240,8 @@ class _Call(SlotBatcher):
     order requests wait in and the slots free for them."""
 
     def __init__(self, engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, call_seed: int,
-                 matcher: StopStringMatcher, kept: KeptCache | None, weights: tuple, record_routing: bool = False):
+                 matcher: StopStringMatcher, kept: KeptCache | None, weights: tuple, record_routing: bool = False,
+                 caps: list[int] | None = None, on_finished: Callable[[int], None] | None = None):
         self.prompts = [list(prompt) for prompt in prompts]
         self.weights = weights
         # Per request: the kept slot and prefix length it starts from; the kept cache is released
@@ -240,7 +250,8 @@ class _Call(SlotBatcher):
         self.kept = kept if any(length for _, length in self.prefixes) else None
         self.seeds = [request_seed(call_seed, index) for index in range(len(prompts))]
         count = len(prompts)
-        self.max_new_tokens = [params.max_new_tokens] * count
+        self.max_new_tokens = list(caps) if caps is not None else [params.max_new_tokens] * count
+        self.on_finished = on_finished
         # on a GPU a multiple of 16, so that a new prompt width compiles no decode-attention kernel (aligner_ext/widths.py)
         # and warms no new decode-step shape (positions past a sequence's own are never read)
         length = padded_width(max(map(len, self.prompts), default=0) + params.max_new_tokens, engine.decoder.device)
@@ -338,3 +349,5 @@ class _Call(SlotBatcher):
             self.routing[index] = self._routing_of(slot, len(self.prompts[index]) + int(self.generated[slot]) - 1)
         self.outputs[index] = self._output(slot, finish_reason)
         heapq.heappush(self.free, slot)
+        if self.on_finished is not None:
+            self.on_finished(index)

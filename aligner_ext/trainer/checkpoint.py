@@ -45,7 +45,7 @@ and resume (the Megatron backend reshards its own state: docs/megatron.md).
 
 `trainer_state.pt` is read with `torch.load(weights_only=True)`: tensors, numbers, strings and
 containers, plus the library's own record types (`SAFE_TYPES`: a dynamic-sampling surplus batch, the
-batches made ahead).
+batches made ahead, the groups carried over).
 Nothing else is unpickled, so a checkpoint handed over by someone else cannot run code on resume;
 the RNG states are saved as plain numbers for that reason. The Megatron backend's distributed
 checkpoint is read the same way (models/megatron/dist_checkpoint.py).
@@ -76,11 +76,14 @@ from safetensors.torch import save as safetensors_bytes
 
 from aligner_ext.adapters import adapter_state, model_is_adapted
 from aligner_ext.batch import ExperienceBatch, SampleInfo
-from aligner_ext.data.types import PromptRow
+from aligner_ext.data.types import PromptDraw, PromptRow
 from aligner_ext.distributed import any_process, barrier, is_main_process
 from aligner_ext.errors import (CheckpointError, CorruptCheckpoint, UnsafeCheckpoint, UnverifiedCheckpoint,
                                  error_line)
+from aligner_ext.experience.base import SampleRequest
+from aligner_ext.experience.carry_over import Group
 from aligner_ext.files import attempt_write, failed_write, follow_umask
+from aligner_ext.generation.resumable import Partial
 from aligner_ext.models import lora
 from aligner_ext.models.base import ShardedWrite
 from aligner_ext.trainer.disk_space import save_failed
@@ -95,7 +98,8 @@ MANIFEST = "manifest.json"
 BEHIND_THE_DISK_S = 1.0
 WEIGHTS = "model.safetensors"
 ADAPTERS = "adapters.safetensors"  # instead of WEIGHTS when the policy trains LoRA adapters
-SAFE_TYPES = (ExperienceBatch, SampleInfo, PromptRow)  # the classes trainer_state.pt may hold
+# the classes trainer_state.pt may hold: batches (made ahead, a dynamic-sampling surplus) and carried groups
+SAFE_TYPES = (ExperienceBatch, SampleInfo, PromptRow, Group, SampleRequest, PromptDraw, Partial)
 
 
 def rng_state() -> dict[str, Any]:

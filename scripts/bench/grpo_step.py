@@ -376,8 +376,9 @@ def render(report: dict) -> str:
         f"{preset['prompts']} prompts x n={preset['n']}, P={preset['prompt_length']}"
         f"{' (the longest; widths vary every step)' if report.get('vary_prompt_widths') else ''}, "
         f"R={preset['response_length']}"
-        + (f" (long-tailed: {report['long_tail']['share']:.0%} of the responses R tokens, the others R / "
-           f"{report['long_tail']['factor']})" if report.get("long_tail") else "") + "; "
+        + (f" (long-tailed: {report['long_tail']['share']:.0%} of the "
+           f"{'prompts (all their responses)' if report['long_tail'].get('by_prompt') else 'responses'} R tokens, the others "
+           f"R / {report['long_tail']['factor']})" if report.get("long_tail") else "") + "; "
         f"{hardware['matmul']} matrix rate {hardware['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s, "
         f"copy {hardware['copy_bytes_per_s'] / 1e9:.0f} GB/s; step floor {floor['step_floor_s']:.3f} s "
         f"(decode bound {floor['decode_bound_s']:.3f} s, prefill {floor['prefill_floor_s']:.3f} s, "
@@ -486,6 +487,9 @@ def main(argv: list[str] | None = None) -> None:
                         "lengths and so shapes vary from step to step (the bound and MFU columns still count R tokens)")
     parser.add_argument("--long-tail", action="store_true", help=f"our systems' responses are long-tailed: "
                         f"{LONG_SHARE:.0%}% of them R tokens, the others R / {LONG_FACTOR} (module docstring)")
+    parser.add_argument("--long-tail-by-prompt", action="store_true", help="as --long-tail, each prompt long with "
+                        "probability LONG_SHARE, all its responses then R tokens: a long response keeps its length "
+                        "when carried over to a later step (rollout.carry_over; grpo_step_lib.LongTailByPrompt)")
     parser.add_argument("--set", action="append", default=[], help="one more config override for our systems "
                         "(repeatable), e.g. generator.rollout.cuda_graphs=false")
     parser.add_argument("--asynchronous", type=staleness_bounds, default=[], help="K or K1,K2: each of our systems also runs generating "
@@ -513,9 +517,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: bench_out/grpo_step_<preset>")
     parser.add_argument("--reference-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.long_tail and args.eos:
+    if args.long_tail and args.long_tail_by_prompt:
+        parser.error("--long-tail and --long-tail-by-prompt are two workloads: choose one")
+    long_tail = args.long_tail or args.long_tail_by_prompt
+    if long_tail and args.eos:
         parser.error("--long-tail sets each response's length; --eos lets EOS end them: choose one")
-    if args.long_tail and (args.variants or any(not s.removeprefix(PREV_PREFIX).startswith("ours")
+    if long_tail and (args.variants or any(not s.removeprefix(PREV_PREFIX).startswith("ours")
                                                 for s in args.systems.split(",") if s)):
         parser.error("--long-tail is our plain GRPO step's workload: pass --variants '' and only ours* systems")
     preset = PRESETS[args.preset]
@@ -536,14 +543,15 @@ def main(argv: list[str] | None = None) -> None:
                   + ["--vary-prompt-widths"] * args.vary_prompt_widths, args.out, left())[0] is None:
         sys.exit("the reference worker failed: nothing to compare against")
     hardware = json.loads((args.out / "reference.json").read_text())
-    lengths = long_tail_lengths(preset.prompts * preset.n, preset.response_length) if args.long_tail else None
+    lengths = long_tail_lengths(preset.prompts * preset.n, preset.response_length) if long_tail else None  # by prompt: on average
     floor = floors(preset, hardware, lengths)
     import torch
 
     reference = torch.load(args.out / "reference.probe.pt")
     report = {"preset": preset.__dict__, "hardware": hardware, "floor": floor, "systems": {}, "variants": {},
               "logprob_check": {}, "failures": {}, "variant_engine": args.variant_engine,
-              "long_tail": {"share": LONG_SHARE, "factor": LONG_FACTOR} if args.long_tail else None,
+              "long_tail": {"share": LONG_SHARE, "factor": LONG_FACTOR, "by_prompt": args.long_tail_by_prompt}
+              if long_tail else None,
               "vary_prompt_widths": args.vary_prompt_widths,
               "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv[1:] if argv is None else argv)}
     systems = []
@@ -570,6 +578,7 @@ def main(argv: list[str] | None = None) -> None:
             extra += ["--profile-slow-steps"] if args.profile_slow_steps and base == system else []
             extra += ["--eos"] if args.eos else []
             extra += ["--long-tail"] if args.long_tail else []
+            extra += ["--long-tail-by-prompt"] if args.long_tail_by_prompt else []
             extra += ["--torch-profile", args.torch_profile] if args.torch_profile and base == system else []  # this tree's side
         else:
             script, extra = "grpo_step_trl.py", ["--mode", base.removeprefix("trl_")]

@@ -247,6 +247,32 @@ class LongTail:
         return outputs
 
 
+class LongTailByPrompt:
+    """The long-tailed workload by prompt, for runs that carry groups over (rollout.carry_over): each prompt is
+    long with probability LONG_SHARE, chosen by its tokens, so that a response resumed in a later call (its
+    prompt followed by its tokens so far) keeps its length; every response of a long prompt runs to R tokens,
+    the others stop at R / LONG_FACTOR. Random weights never end a response: each request is capped at the
+    tokens its length leaves, and one that reached its length is reported ended ("stop"). The prompts are
+    `prompt_length` tokens (the workspace's), so a request's tokens past them are its response so far."""
+
+    def __init__(self, engine, prompt_length: int):
+        self.engine, self.generate, self.prompt_length = engine, engine.generate, prompt_length
+        engine.generate = self
+
+    def length(self, prompt: list[int], response_length: int) -> int:
+        long = random.Random(repr(prompt[: self.prompt_length])).random() < LONG_SHARE
+        return response_length if long else response_length // LONG_FACTOR
+
+    def __call__(self, prompts, params, **engine_options):
+        left = [self.length(prompt, params.max_new_tokens) - (len(prompt) - self.prompt_length) for prompt in prompts]
+        caps = engine_options.pop("caps", None) or [params.max_new_tokens] * len(prompts)
+        outputs = self.generate(prompts, params, caps=[min(*pair) for pair in zip(left, caps)], **engine_options)
+        for output, tokens_left in zip(outputs, left):
+            if len(output.token_ids) == tokens_left:
+                output.finish_reason = "stop"
+        return outputs
+
+
 # ---- the benchmark reward (both systems) ----
 
 def bench_score(response: str, solved: bool) -> float:

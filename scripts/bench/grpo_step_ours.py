@@ -7,7 +7,8 @@ under a phase clock. Called by scripts/bench/grpo_step.py; writes one JSON file.
 With `trainer.asynchronous.enabled=true` (a `--set`) the batches are generated ahead in the maker's
 thread (aligner_ext/experience/ahead.py): the clock times the trainer's thread only, and each step
 records its batch's generation time in that thread, the trainer's wait and the generator's idle time.
-`--long-tail`: the responses' lengths are long-tailed (grpo_step_lib.LongTail).
+`--long-tail`: the responses' lengths are long-tailed (grpo_step_lib.LongTail); `--long-tail-by-prompt`: the
+same share chosen per prompt, which a run that carries groups over can resume (grpo_step_lib.LongTailByPrompt).
 
 `--serve-on GPU` (the disaggregated placement, docs/async.md): the `--engine` runs in `aligner-ext serve`,
 a process of its own that sees GPU alone (`cpu`: on the CPU), and the trainer generates through it
@@ -34,7 +35,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from common import slow_steps  # noqa: E402
-from grpo_step_lib import (DATA_SOURCE, LongTail, PhaseClock, Preset, clock_loop_phases,  # noqa: E402
+from grpo_step_lib import (DATA_SOURCE, LongTail, LongTailByPrompt, PhaseClock, Preset, clock_loop_phases,  # noqa: E402
                            clock_trainer_phases, profiled_step, write_json, write_profile)
 
 VARIANT_OVERRIDES = {  # what each variant overlay needs beyond the shared workload
@@ -138,9 +139,9 @@ class GenerationLedger:
         self.calls: list[dict] = []
         engine.generate = self
 
-    def __call__(self, prompts, params):
+    def __call__(self, prompts, params, **engine_options):
         started = time.perf_counter()
-        outputs = self.generate(prompts, params)
+        outputs = self.generate(prompts, params, **engine_options)
         lengths = [len(output.token_ids) for output in outputs]
         self.calls.append({"sequences": len(outputs), "tokens": sum(lengths), "min_length": min(lengths, default=0),
                            "max_length": max(lengths, default=0), "max_new_tokens": params.max_new_tokens,
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], help="one more config override (repeatable)")
     parser.add_argument("--eos", action="store_true", help="responses end at EOS (lengths vary from step to step)")
     parser.add_argument("--long-tail", action="store_true", help="long-tailed response lengths (grpo_step_lib.LongTail)")
+    parser.add_argument("--long-tail-by-prompt", action="store_true",
+                        help="long-tailed response lengths chosen per prompt (grpo_step_lib.LongTailByPrompt)")
     parser.add_argument("--serve-on", default=None, help="a GPU index (or cpu): the engine runs in `aligner-ext serve` "
                         "there and the trainer generates through it (module docstring)")
     parser.add_argument("--profile-first-step", action="store_true",
@@ -225,6 +228,8 @@ def measure(args, preset: Preset, settings: list[str]) -> None:
     engine, maker = (parts.maker.engine, parts.maker.inner) if ahead else (parts.engine, parts.maker)
     if args.long_tail:
         LongTail(engine)
+    if args.long_tail_by_prompt:
+        LongTailByPrompt(engine, preset.prompt_length)
     calls = CallsByStep(maker, GenerationLedger(engine, cfg.mtpo.answer_stop_str if args.variant == "mtpo" else None))
     startup_s = time.perf_counter() - STARTED
 

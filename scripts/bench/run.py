@@ -92,9 +92,12 @@ def headline(result: dict) -> list[tuple[str, str]]:
         tail = report.get("long_tail")
         shape = (f"{preset['name']}: {preset['prompts']} x {preset['n']} sequences, P {preset['prompt_length']} + "
                  f"R {preset['response_length']}"
-                 + (f", long-tailed ({tail['share']:.0%} R, the others R / {tail['factor']})" if tail else ""))
+                 + (f", long-tailed ({tail['share']:.0%} {'of the prompts ' if tail.get('by_prompt') else ''}R, "
+                    f"the others R / {tail['factor']})" if tail else ""))
         rows = []
         for name, s in report["systems"].items():
+            name += "".join(f" ({setting})" for setting in s.get("settings", {}).get("overrides", ())
+                            if setting.startswith("rollout.carry_over"))
             slow = sum(1 for step in s["steps"] if step["step_s"] > 1.3 * s["step_s"][0])
             overlap = s.get("overlap", {})
             if overlap.get("asynchronous"):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(BENCH))
 import grpo_step_ours  # noqa: E402
 from grpo_step import (baseline_memory, floors, memory_growth_lines, overlap, overlap_lines, ratio_lines,  # noqa: E402
                         with_ahead_runs)
-from grpo_step_lib import PRESETS, LongTail, PhaseClock, Preset, prompt_ids, write_workspace  # noqa: E402
+from grpo_step_lib import PRESETS, LongTail, LongTailByPrompt, PhaseClock, Preset, prompt_ids, write_workspace  # noqa: E402
 
 from aligner_ext.generation.base import GenerationOutput, SamplingParams  # noqa: E402
 
@@ -87,6 +87,34 @@ def test_a_tenth_of_the_responses_runs_8x_the_median():
     assert [len(o.token_ids) for o in again.generate(prompts, SamplingParams(max_new_tokens=16, seed=5))] == lengths
     other = [len(o.token_ids) for o in again.generate(prompts, SamplingParams(max_new_tokens=16, seed=6))]
     assert sorted(other) == sorted(lengths) and other != lengths
+
+
+class CappedEngine:
+    """Answers each request with tokens 1, 2, ... up to its cap ("length"), as random weights do; records the caps."""
+
+    def __init__(self):
+        self.caps = []
+
+    def generate(self, prompts, params, caps=None, on_finished=None):
+        self.caps.append(caps)
+        return [GenerationOutput(token_ids=list(range(1, cap + 1)), finish_reason="length") for cap in caps]
+
+
+def test_the_long_tail_by_prompt_keeps_a_resumed_responses_length():
+    """A prompt's responses are all long or all short, by its P tokens; a response resumed from 3 tokens (the
+    prompt followed by them) is capped at what its length leaves and ends there ("stop")."""
+    engine = CappedEngine()
+    LongTailByPrompt(engine, prompt_length=3)
+    prompts = [[index] * 3 for index in range(200)]
+    lengths = [len(output.token_ids) for output in engine.generate(prompts, SamplingParams(max_new_tokens=16))]
+    assert set(lengths) == {2, 16} and 0.05 < lengths.count(16) / 200 < 0.15  # LONG_SHARE of the prompts
+    long = [prompt for prompt, length in zip(prompts, lengths) if length == 16]
+    caps = [16, 5] * (len(long) // 2) + [16] * (len(long) % 2)  # a carried-over call's own caps, some below 13
+    outputs = engine.generate([prompt + [7, 8, 9] for prompt in long], SamplingParams(max_new_tokens=16), caps=caps)
+    assert engine.caps[1] == [min(13, cap) for cap in caps]
+    assert [(len(output.token_ids), output.finish_reason) for output in outputs] == [
+        (13, "stop") if cap == 16 else (5, "length") for cap in caps]  # ended at its length, or cut by the call
+    assert [len(output.token_ids) for output in engine.generate(prompts, SamplingParams(max_new_tokens=16))] == lengths
 
 
 class RefittedEngine(CountingEngine):

@@ -70,6 +70,15 @@ def test_what_it_runs_with_loads(overrides):
     assert load_config("base", AHEAD + overrides).trainer.asynchronous.enabled
 
 
+def test_a_server_loads_the_trainers_settings_of_generation_ahead():
+    """`aligner-ext serve` never trains, so the trainer's config (one file for both, as a run's launcher shares
+    it) serves with generation ahead on: a Megatron trainer's, whose server engine is the rollout engine."""
+    overrides = AHEAD + ["policy.backend=megatron", "generator.engine=rollout"]
+    assert load_config("base", overrides, for_training=False).trainer.asynchronous.enabled
+    with pytest.raises(ValueError, match="^policy.backend=megatron with trainer.asynchronous.enabled=true"):
+        load_config("base", overrides)
+
+
 def test_under_torchrun_only_servers_run_ahead_and_without_partial_rollouts(monkeypatch, tiny_model):
     """The build's refusals, in one line each (trainer/build.py::weights_snapshot): a copy of the policy per rank
     is not driven ahead, and a park would abort the other ranks' requests on the servers."""

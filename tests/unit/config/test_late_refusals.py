@@ -116,6 +116,8 @@ ELSEWHERE = {
     "holds {held}, this run trains {wanted}": "a checkpoint",
     "has no router; the load-balancing loss": "the model's family (config.json, checked before it loads)",
     "has no router; routing": "the model's family (config.json, checked before it loads)",
+    "needs the rollout engine in one process": "the engine auto picks on this machine, and the processes torchrun "
+                                               "launched (a split engine under several)",
     "records none: set generator.engine=rollout": "the engine auto picks on this machine (checked before the model loads)",
     "policy.routing_replay=true with the graded system prompt": "the model's family (only a mixture of experts reads it)",
     "needs megatron-core": "the installed packages",
