@@ -298,6 +298,18 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
             "three seeds had ended high (0.608; seeds 3-5 0.520). On the lent machine alone, whose 12 runs share one "
             "CPU, the four methods' seeds 3-5 end at 0.520 (GRPO), 0.542 (k = 1), 0.528 (k = 2) and 0.512 (k = 2 at "
             "cap 5). The training reward says the same (0.463 against 0.451-0.461)."),
+    # groups carried over between steps (docs/async.md), on the rollout engine, against GRPO on the same engine
+    Comparison("arithmetic", (
+        Method("GRPO rollout engine", ("generator.engine=rollout",)),
+        Method("carried over", ("generator.engine=rollout", "rollout.carry_over.groups=4",
+                                "loss.importance_sampling_cap=2"), "learns as the synchronous run does"),
+    ), name="arithmetic_carry_over", diagnostics=("carry_over/batch_share_carried", "staleness/mean",
+                                                   "reward/mean", "timing/rollout_s"), seeds=(0, 1, 2, 3, 4, 5),
+       note="Groups carried over between steps (`rollout.carry_over.groups=4`, docs/async.md): each step's engine "
+            "call runs the batch's 16 groups and 4 more and ends once 16 are whole; the unfinished ones go on in "
+            "the next step's call, their earlier tokens one version behind (`loss.importance_sampling_cap=2`, the "
+            "decoupled objective). Both lines sample with the rollout engine (carrying over needs it; the demo's "
+            "default on the CPU is the hf engine), so they differ only in the carry."),
     # LoRA at ten times full training's learning rate (the usual finding for LoRA in RL), alpha 32 at both ranks
     Comparison("arithmetic", (
         Method("GRPO", ()),

@@ -22,6 +22,7 @@ The training prompt is always the draw's own prompt tokens, whatever the generat
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,6 +42,7 @@ from aligner_ext.groups import identical_group_fraction
 from aligner_ext.registry import Registry
 from aligner_ext.rewards.manager import RewardManager
 
+logger = logging.getLogger(__name__)
 EXPERIENCE_MAKERS = Registry("experience maker")
 EXPERIENCE_WRAPPERS = Registry("experience wrapper")  # take the inner maker, add one behaviour
 
@@ -185,8 +187,14 @@ class GroupSampling(ExperienceMaker):
         return self.carry_over.state_dict() if self.carry_over is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
+        """The carried groups, where this run carries groups over; a checkpoint's carried groups resumed by a run
+        that does not are dropped, in one line (their prompts are past in the stream)."""
+        carried = state.get("carried", [])
         if self.carry_over is not None:
-            self.carry_over.load_state_dict(state)
+            self.carry_over.load_state_dict({"carried": carried})
+        elif carried:
+            logger.warning("dropping the checkpoint's %d group(s) carried over to the next step: this run has "
+                           "rollout.carry_over.groups=0, so their prompts are not trained", len(carried))
 
     def sampling_params(self, step: int) -> SamplingParams:
         """Training sampling; seeded by (seed, step) so a resumed run samples the same responses."""

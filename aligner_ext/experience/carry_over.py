@@ -41,7 +41,7 @@ from aligner_ext.generation.resumable import Partial, cut_at_straddling_stop, ex
 from aligner_ext.generation.stopping import StopStringMatcher
 
 
-@dataclass
+@dataclass(eq=False)  # a group is itself: the carry finds it by identity
 class Group:
     """One prompt draw's samples, as far as they got: its requests, and a response per request."""
 

@@ -157,6 +157,20 @@ def test_a_resume_from_the_carry_in_a_checkpoint_makes_the_same_batches(tiny_tok
     assert [step(resumed, loader, engine, version) for version in (1, 2, 3)] == expected
 
 
+def test_a_resume_switching_carry_over_on_starts_empty_and_off_drops_the_carry_in_one_line(tiny_tokenizer, caplog):
+    engine = LockstepEngine(LENGTHS)
+    carrying = GroupSampling(RolloutConfig(n=N, carry_over=CarryOverConfig(groups=1)), engine, None, tiny_tokenizer,
+                             batch_groups=2)
+    carrying.load_state_dict({})  # saved by a run that carried nothing
+    assert carrying.carry_over.groups == []
+    plain = GroupSampling(RolloutConfig(n=N), engine, None, tiny_tokenizer)
+    caplog.set_level("WARNING", logger="aligner_ext.experience.base")
+    plain.load_state_dict({"carried": [object(), object()]})
+    assert [record.getMessage() for record in caplog.records] == [
+        "dropping the checkpoint's 2 group(s) carried over to the next step: this run has rollout.carry_over.groups=0, "
+        "so their prompts are not trained"]
+
+
 def test_the_rollout_engine_caps_each_prompt_reports_whole_outputs_and_stops_when_asked(tiny_tokenizer):
     shape = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=1)
     engine = RolloutEngine(build_tiny_model(tiny_tokenizer, shape).eval(), tiny_tokenizer,
