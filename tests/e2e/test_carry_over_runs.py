@@ -34,14 +34,20 @@ def test_batches_train_on_groups_begun_in_earlier_calls_each_token_at_its_own_st
     assert max(record["staleness/max"] for record in ahead[1:]) == 2
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["synchronous", "ahead"])
 def test_a_resume_takes_the_carried_groups_from_the_checkpoint_and_runs_on_as_if_never_stopped(tmp_path, monkeypatch,
-                                                                                               caplog):
-    _, records, run_dir = interrupted_at_the_first_save(tmp_path, monkeypatch, caplog, "resumed",
-                                                        first=[*CARRY, *SAVED_AT_2_OF_4],
-                                                        then=[*CARRY, *SAVED_AT_2_OF_4])
-    carried = load_trainer_state(run_dir / "checkpoints" / "step_2" / STATE_FILE)["maker"]["carried"]
+                                                                                               caplog, ahead):
+    """Stopped right after step 2's checkpoint; ahead (k = 1) the checkpoint also holds step 3's batch made ahead,
+    with the carry after it, which the resume trains on and goes on from."""
+    settings = [*CARRY, *SAVED_AT_2_OF_4, *([*AHEAD, "trainer.asynchronous.max_staleness=1"] if ahead else [])]
+    _, records, run_dir = interrupted_at_the_first_save(tmp_path, monkeypatch, caplog, "resumed", first=settings,
+                                                        then=settings)
+    maker = load_trainer_state(run_dir / "checkpoints" / "step_2" / STATE_FILE)["maker"]
+    carried = (maker["ready"][0]["maker_state"] if ahead else maker)["carried"]
     assert len(carried) == 2 and any(response.token_ids for group in carried for response in group.responses)
-    straight, straight_dir = run(tmp_path, "straight", *CARRY, *SAVED_AT_2_OF_4)
+    if ahead:
+        assert [saved["step"] for saved in maker["ready"]] == [2] and len(maker["inner"]["carried"]) == 2
+    straight, straight_dir = run(tmp_path, "straight", *settings)
     assert [learning_metrics(r) for r in records] == [learning_metrics(r) for r in straight]
     expected, got = weights(straight_dir, 4), weights(run_dir, 4)
     assert set(got) == set(expected) and all(got[name].equal(expected[name]) for name in got)
