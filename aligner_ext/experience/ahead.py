@@ -93,6 +93,17 @@ def batch_settings(flat_settings: dict[str, object]) -> dict[str, object]:
             if not key.startswith(BOOKKEEPING) or key.startswith(SHAPING_AMONG_BOOKKEEPING)}
 
 
+def run_compiled_calls_beside_tracing() -> None:
+    """A compiled function entered while the other thread traces runs eagerly that once rather than raising.
+    torch's flag for FX tracing is one per process (torch.fx._symbolic_trace), and AOTAutograd traces with it
+    set at every compilation: while the trainer compiles (a new packed width), the generation thread's compiled
+    decode step or sampler would raise "Detected that you are using FX to symbolically trace a dynamo-optimized
+    function" (seen once on an H200, docs/benchmarks.md), and symmetrically. Dynamo's own setting makes such a
+    call run the original function, whose result is the same; only a real nested trace, which would raise, is
+    changed."""
+    torch._dynamo.config.error_on_nested_fx_trace = False
+
+
 class GenerationStream:
     """The generation thread's own CUDA stream (none on the CPU): its kernels then run beside training's,
     where one stream would queue each behind the other."""
@@ -312,6 +323,7 @@ class GenerateAhead(ExperienceWrapper):
             ahead.load_state_dict(self._ready[max(self._ready)].loader_state)
             step = max(self._ready) + 1
         self._next_step = step
+        run_compiled_calls_beside_tracing()
         self._thread = threading.Thread(target=self._produce, args=(ahead, step, torch.get_num_threads()),
                                         name="generate-ahead", daemon=True)
         self._thread.start()

@@ -346,3 +346,35 @@ def test_the_copy_shares_the_frozen_weights_and_refits_the_trainable_ones():
     torch.testing.assert_close(before + 1.0, live[1].weight.detach(), rtol=0, atol=0)  # not refitted yet: its own
     snapshot.refit()
     assert torch.equal(snapshot.model[1].weight, live[1].weight)
+
+
+def test_a_compiled_function_entered_while_the_other_thread_traces_runs_rather_than_raising(monkeypatch):
+    """torch's FX-tracing flag is one per process: while the trainer's thread traces (every compilation does), the
+    generation thread's compiled calls raised in torch's default. Generation ahead sets them to run the function
+    (its result unchanged); the trace is held open by an event, not by time."""
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    inside, release = threading.Event(), threading.Event()
+
+    def traced(x):
+        inside.set()
+        assert release.wait(TIMEOUT_S)
+        return x + 1
+
+    def call_while_traced() -> torch.Tensor:
+        tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(traced,))
+        tracer.start()
+        try:
+            assert inside.wait(TIMEOUT_S)
+            return compiled(torch.ones(3))
+        finally:
+            release.set()
+            tracer.join()
+            inside.clear()
+            release.clear()
+
+    monkeypatch.setattr(torch._dynamo.config, "error_on_nested_fx_trace", True)  # torch's default, restored after
+    with pytest.raises(RuntimeError, match="Detected that you are using FX to symbolically trace"):
+        call_while_traced()
+    ahead, inner, policy = ahead_of(max_staleness=1, steps=2)
+    train(ahead, inner, policy, steps=2)  # starts the thread
+    assert torch.equal(call_while_traced(), torch.full((3,), 3.0))
