@@ -348,7 +348,7 @@ def test_the_copy_shares_the_frozen_weights_and_refits_the_trainable_ones():
     assert torch.equal(snapshot.model[1].weight, live[1].weight)
 
 
-def test_a_compiled_function_entered_while_the_other_thread_traces_runs_rather_than_raising(monkeypatch):
+def test_a_compiled_function_entered_while_the_other_thread_traces_runs_rather_than_raising():
     """torch's FX-tracing flag is one per process: while the trainer's thread traces (every compilation does), the
     generation thread's compiled calls raised in torch's default. Generation ahead sets them to run the function
     (its result unchanged); the trace is held open by an event, not by time."""
@@ -372,9 +372,9 @@ def test_a_compiled_function_entered_while_the_other_thread_traces_runs_rather_t
             inside.clear()
             release.clear()
 
-    monkeypatch.setattr(torch._dynamo.config, "error_on_nested_fx_trace", True)  # torch's default, restored after
-    with pytest.raises(RuntimeError, match="Detected that you are using FX to symbolically trace"):
-        call_while_traced()
-    ahead, inner, policy = ahead_of(max_staleness=1, steps=2)
-    train(ahead, inner, policy, steps=2)  # starts the thread
-    assert torch.equal(call_while_traced(), torch.full((3,), 3.0))
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=True):  # torch's default; the value before, after
+        with pytest.raises(RuntimeError, match="Detected that you are using FX to symbolically trace"):
+            call_while_traced()
+        ahead, inner, policy = ahead_of(max_staleness=1, steps=2)
+        train(ahead, inner, policy, steps=2)  # starts the thread
+        assert torch.equal(call_while_traced(), torch.full((3,), 3.0))
