@@ -10,7 +10,7 @@ Per step (`CarryOver.generate`):
 - The call's groups: the carried ones, oldest first, then new prompt draws, B + `groups` in all. A carried
   response resumes as a request of its generator prompt followed by its tokens so far, prefilled whole under
   the current weights (no key or value of older weights serves it), for the tokens it has left
-  (generation/resumable.py's `extend`; a stop string that straddles the resumption is matched there too).
+  (generation/resumable.py's `continue_with`, which also matches a stop string straddling the resumption).
   Its later tokens carry the current version: a response's versions may vary, as a parked one's do.
 - The call (the rollout engine, whose batch refills as responses finish) reports each whole response
   (`on_finished`) and stops once B groups are whole and no overdue group is still running (overdue=wait).
@@ -37,7 +37,7 @@ from aligner_ext.data.loader import PromptLoader
 from aligner_ext.data.types import PromptDraw
 from aligner_ext.experience.settings import CarryOverConfig
 from aligner_ext.generation.base import GenerationEngine, GenerationOutput, SamplingParams
-from aligner_ext.generation.resumable import Partial, cut_at_straddling_stop, extend
+from aligner_ext.generation.resumable import Partial, continue_with
 from aligner_ext.generation.stopping import StopStringMatcher
 
 
@@ -77,10 +77,7 @@ class CarryOver:
             group.carried += 1
         self.groups.sort(key=lambda group: -group.carried)
         requests = [request for group in taken for request in group.requests]
-        outputs = [GenerationOutput(token_ids=response.token_ids, finish_reason=response.finish_reason,
-                                    logprobs=response.logprobs if params.return_logprobs else None,
-                                    versions=response.versions)
-                   for group in taken for response in group.responses]
+        outputs = [response.output(params.return_logprobs) for group in taken for response in group.responses]
         metrics = {"carry_over/carried_groups": len(self.groups), "carry_over/dropped_groups": len(overdue),
                    "carry_over/batch_share_carried": sum(group.carried > 0 for group in taken) / len(taken)}
         return requests, outputs, metrics
@@ -112,13 +109,8 @@ class CarryOver:
                    for group, index in running]
         caps = [params.max_new_tokens - len(group.responses[index].token_ids) for group, index in running]
         outputs = self.engine.generate(prompts, params, should_stop=enough, caps=caps, on_finished=on_finished)
-        matcher = StopStringMatcher(params.stop, self.decode)
-        for (group, index), output in zip(running, outputs):
-            response = group.responses[index]
-            resumed_at = len(response.token_ids)
-            extend(response, output, params.max_new_tokens, version)
-            if matcher and resumed_at:
-                cut_at_straddling_stop(response, matcher, resumed_at)
+        continue_with([group.responses[index] for group, index in running], outputs, params.max_new_tokens, version,
+                      StopStringMatcher(params.stop, self.decode))
 
     def state_dict(self) -> dict:
         return {"carried": copy.deepcopy(self.groups)}  # the next call extends the live ones

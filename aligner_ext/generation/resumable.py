@@ -45,6 +45,10 @@ class Partial:
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # None while it goes on
 
+    def output(self, return_logprobs: bool) -> GenerationOutput:
+        return GenerationOutput(token_ids=self.token_ids, finish_reason=self.finish_reason,
+                                logprobs=self.logprobs if return_logprobs else None, versions=self.versions)
+
 
 class ResumableEngine(EngineWrapper):
     """`inner`, whose calls park at a refit and resume under the new weights (module docstring).
@@ -72,17 +76,21 @@ class ResumableEngine(EngineWrapper):
             outputs = self.inner.generate([prompts[index] + responses[index].token_ids for index in going],
                                           replace(params, max_new_tokens=most_left, seed=seed),
                                           should_stop=self.refit_wanted)
-            for index, output in zip(going, outputs):
-                parked_at = len(responses[index].token_ids)
-                extend(responses[index], output, params.max_new_tokens, version)
-                if matcher and parked_at:
-                    cut_at_straddling_stop(responses[index], matcher, parked_at)
+            continue_with([responses[index] for index in going], outputs, params.max_new_tokens, version, matcher)
             going = [index for index in going if responses[index].finish_reason is None]
             resumption += 1
-        return [GenerationOutput(token_ids=response.token_ids, finish_reason=response.finish_reason,
-                                 logprobs=response.logprobs if params.return_logprobs else None,
-                                 versions=response.versions) for response in responses]
+        return [response.output(params.return_logprobs) for response in responses]
 
+
+def continue_with(responses: list[Partial], outputs: list[GenerationOutput], max_new_tokens: int, version: int,
+                  matcher: StopStringMatcher) -> None:
+    """Append one engine call's `outputs` (sampled at `version`) to the `responses` they continue (`extend`),
+    matching the stop strings that straddle where each was resumed (`cut_at_straddling_stop`)."""
+    for response, output in zip(responses, outputs):
+        resumed_at = len(response.token_ids)
+        extend(response, output, max_new_tokens, version)
+        if matcher and resumed_at:
+            cut_at_straddling_stop(response, matcher, resumed_at)
 
 
 def extend(response: Partial, output: GenerationOutput, max_new_tokens: int, version: int) -> None:
