@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from aligner_ext.distributed import free_port
 
 
 def init_rank(rank: int, directory: str) -> None:
@@ -37,7 +36,7 @@ def torchrun(args: list[str], processes: int = 2, timeout: int = 300, pythonpath
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-               f"--master_port={free_port()}", *args]
+               "--standalone", *args]
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
     try:

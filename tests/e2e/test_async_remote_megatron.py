@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
 
-from aligner_ext.distributed import free_port  # noqa: E402
 from test_async_remote import AHEAD, SMALL, serving_the_embedded_model  # noqa: E402
 from test_async_runs import learning_metrics  # noqa: E402
 
@@ -35,7 +34,7 @@ def served(tmp_path):
 
 def run_under_torchrun(tmp_path, url, name, *extra) -> tuple[list[dict], Path]:
     """`aligner-ext train` on the Megatron backend at DP=2 through the server at `url`; its metrics records."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                "-m", "aligner_ext", "train", *SMALL, "trainer.total_steps=2", "policy.backend=megatron",
                "trainer.export_hf=true",
                f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}", "generator.engine=remote",

@@ -103,8 +103,6 @@ def test_the_megatron_backend_stops_a_collapsing_run_the_same_way(tmp_path):
     import subprocess
     import sys
 
-    from aligner_ext.models.megatron.parallel import free_port
-
     e2e = Path(__file__).parent
     overrides = SMALL_MODEL + ["model.tiny.num_kv_heads=2", "rollout.max_response_length=12", "trainer.tensorboard=false",
                                "+reward.sources.arithmetic=e2e_rewards.digit_fraction", "policy.backend=megatron",
@@ -114,7 +112,7 @@ def test_the_megatron_backend_stops_a_collapsing_run_the_same_way(tmp_path):
     def launch(*extra: str) -> subprocess.CompletedProcess:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(e2e))
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               f"--master_port={free_port()}", "-m", "aligner_ext", "train", *overrides, *extra],
+                               "--standalone", "-m", "aligner_ext", "train", *overrides, *extra],
                               env=env, capture_output=True, text=True, timeout=300)
 
     good = launch("trainer.total_steps=1", "policy.optim.lr=1e-3")

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from aligner_ext.config import load_config
-from aligner_ext.distributed import free_port
 from aligner_ext.models.family_configs import LAYOUTS, family_config, random_model
 from aligner_ext.models.tiny import build_char_tokenizer
 from aligner_ext.trainer.loop import train
@@ -68,7 +67,7 @@ def test_one_grpo_step_on_the_megatron_backend_at_tp2(tmp_path, family):
 def check_megatron_step_at_tp2(tmp_path, overrides: list[str]) -> None:
     """One step of `aligner-ext train` on the Megatron backend at TP=2 under torchrun: it finishes, trains,
     and the engine's log-probs are the trainer's."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                "-m", "aligner_ext", "train", *SMALL_MODEL, *overrides, "policy.backend=megatron",
                "policy.tensor_model_parallel_size=2", f"trainer.output_dir={tmp_path}", "trainer.run_name=run"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),

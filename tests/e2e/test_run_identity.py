@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from aligner_ext.cli import main
-from aligner_ext.distributed import free_port
 from small_run import SMALL_MODEL
 
 pytestmark = pytest.mark.slow
@@ -117,7 +116,7 @@ def test_a_rank_that_claims_the_run_directory_late_sees_it_fresh_too(tmp_path):
     """The main process writes the run's config right after its claim; a rank that had not looked yet
     took the directory for a resumed run and waited in a collective the main process never reached."""
     worker = Path(__file__).with_name("run_dir_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                str(worker), str(tmp_path)]
     done = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=120)

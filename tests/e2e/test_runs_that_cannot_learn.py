@@ -88,8 +88,6 @@ def test_the_megatron_backend_reports_what_the_detector_reads(tmp_path):
     import subprocess
     import sys
 
-    from aligner_ext.models.megatron.parallel import free_port
-
     e2e = Path(__file__).parent
     overrides = SMALL_MODEL + ["model.tiny.num_kv_heads=2", "rollout.max_response_length=12", "trainer.tensorboard=false",
                                DENSE, "policy.backend=megatron", "policy.tensor_model_parallel_size=2",
@@ -98,7 +96,7 @@ def test_the_megatron_backend_reports_what_the_detector_reads(tmp_path):
                                "trainer.run_name=run"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(e2e))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", "-m", "aligner_ext", "train", *overrides],
+                           "--standalone", "-m", "aligner_ext", "train", *overrides],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     logged = [line for line in done.stderr.splitlines() if "aligner_ext.trainer.no_learning" in line]

@@ -11,7 +11,6 @@ import pytest
 from transformers import LlamaConfig
 
 from aligner_ext.cli import main
-from aligner_ext.distributed import free_port
 from aligner_ext.models.tiny import build_char_tokenizer
 from small_run import SMALL_MODEL
 
@@ -53,7 +52,7 @@ def test_under_torchrun_every_rank_exits_2_and_rank_0_alone_prints(tmp_path):
     logs = tmp_path / "logs"
     # --redirects: each rank's output in its own files, apart from torchrun's own report, which says
     # how each rank ended (torchrun itself then exits 1 with its ChildFailedError traceback)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
                "--redirects=3", f"--log-dir={logs}", "-m", "aligner_ext", "train", *SMALL_MODEL,
                f"model.path={model}", "policy.backend=megatron", f"trainer.output_dir={tmp_path}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
