@@ -4,7 +4,8 @@ thread of the trainer's process generates the next steps' batches (docs/async.md
 How (trainer.asynchronous; the loop is unchanged, it asks this wrapper for each step's batch):
 - Weights, by placement (`GenerationWeights`). The thread runs the configured experience maker (wrappers
   and rewards included) with an engine of its own. Colocated (hf, rollout): the engine samples from
-  `WeightsSnapshot`, a copy of the generation model on the trainer's device. Disaggregated (remote):
+  `WeightsSnapshot`, a copy of the generation model on the trainer's device, or on a GPU of its own in the
+  trainer's process (`device`: the copy and the engine's cache leave the trainer's GPU). Disaggregated (remote):
   the engine drives generation servers, which hold the weights (`ServedWeights`: no copy here). The
   trainer refits those weights to the policy's (a copy in place, or a push to the servers carrying the
   version), at a version boundary, when it asks for a batch or evaluates, and only between two batches
@@ -112,8 +113,10 @@ class GenerationStream:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def enter(self) -> None:
-        """In the generation thread: its CUDA work goes to this stream from now on."""
+        """In the generation thread: its CUDA work goes to this stream, and to its device (a GPU of its own,
+        `trainer.asynchronous.device`), from now on."""
         if self.stream is not None:
+            torch.cuda.set_device(self.stream.device)
             torch.cuda.set_stream(self.stream)
 
     @contextmanager
@@ -144,27 +147,47 @@ class GenerationWeights(Protocol):
 
 class WeightsSnapshot:
     """Colocated: a copy of the generation model `live` that a second engine samples from, refitted in
-    place, and the stream the generation thread samples from it on. The copy holds its own trainable
-    weights and shares the frozen ones (LoRA's base), which training never changes: it then costs the
-    adapters alone, and its kernels read the very tensors the live model's do (on the CPU, frozen weights
-    copied to other addresses gave log-probs that differ from the live model's in the last bits)."""
+    place, and the stream the generation thread samples from it on. On the live model's device the copy
+    holds its own trainable weights and shares the frozen ones (LoRA's base), which training never changes:
+    it then costs the adapters alone, and its kernels read the very tensors the live model's do (on the CPU,
+    frozen weights copied to other addresses gave log-probs that differ from the live model's in the last
+    bits). On a `device` of its own (`trainer.asynchronous.device`, a second GPU) it holds all its weights
+    there, and a refit copies the trainable ones device to device."""
 
-    def __init__(self, live: torch.nn.Module):
+    def __init__(self, live: torch.nn.Module, device: torch.device | None = None):
         self.live = live
+        home = next(live.parameters()).device
+        device = device or home
         # requires_grad kept as the live model's: on the CPU, frozen weights take other kernels, whose
         # log-probs differ in the last bits (the engine runs under inference_mode, so nothing is recorded)
-        frozen = {id(param): param for param in live.parameters() if not param.requires_grad}
-        self.model = copy.deepcopy(live, memo=frozen)
-        self.stream = GenerationStream(next(live.parameters()).device)
+        self.model = copy.deepcopy(live, memo=frozen_shared(live) if device == home else moved(live, device))
+        self.stream = GenerationStream(device)
 
     @torch.no_grad()
     def refit(self) -> None:
         """Copy the live trainable weights into the copy's own tensors (an engine over it keeps its
-        references), ordered after the sampling queued on the copy and before the sampling that follows."""
+        references), ordered after the sampling queued on the copy and before the sampling that follows
+        (across devices too: a copy between two GPUs waits for both devices' current streams, and the
+        destination's waits for it)."""
         with self.stream.joined():
             for mine, theirs in zip(self.model.parameters(), self.live.parameters()):
                 if theirs.requires_grad:
                     mine.copy_(theirs)
+
+
+def frozen_shared(live: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """A deep copy's memo that keeps `live`'s frozen parameters as they are: the copy shares them."""
+    return {id(param): param for param in live.parameters() if not param.requires_grad}
+
+
+def moved(live: torch.nn.Module, device: torch.device) -> dict[int, torch.Tensor]:
+    """A deep copy's memo that gives every parameter and buffer of `live` a copy on `device`, made there
+    directly (the live model's device never holds a second copy); tied weights stay tied."""
+    memo: dict[int, torch.Tensor] = {id(param): torch.nn.Parameter(param.detach().to(device, copy=True),
+                                                                   requires_grad=param.requires_grad)
+                                     for param in live.parameters()}
+    memo.update({id(buffer): buffer.to(device, copy=True) for buffer in live.buffers()})
+    return memo
 
 
 class ServedWeights:

@@ -6,6 +6,7 @@ imports a model library (tests/unit/config/test_plugin_names.py)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from aligner_ext.generation.settings import MIN_TEMPERATURE
@@ -185,7 +186,13 @@ class AsynchronousConfig:
 
     enabled: bool = False  # generate ahead of training; false: each step generates, then trains (the synchronous loop)
     max_staleness: int = number(1, ge=0)  # k: a batch starts only while it cannot be trained more than k policy versions (optimizer updates) after the weights it samples with; 0 = each batch waits for the previous update, the synchronous run bit for bit
+    device: str | None = None  # colocated engines (hf, rollout): the device of the copy generation ahead samples from and of its engine, cuda:N for a GPU of its own in the trainer's process (refitted by a device-to-device copy; the trainer's GPU then holds neither the copy nor the engine's cache); unset: the policy's device
     partial_rollouts: bool = False  # at a refit of the generation weights (the copy, or a push to the servers, whose requests are aborted), park the unfinished responses of the batch in progress and resume them under the new weights (re-prefilled): the trainer does not wait for the batch's tail, a response's later tokens are fresher; false: a refit waits for the batch in progress
+
+    def __post_init__(self) -> None:
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"trainer.asynchronous.device={self.device!r}: must be cpu, cuda or cuda:N (unset: the "
+                             "policy's device)")
 
 
 def planned_updates_per_step(cfg) -> int:
@@ -218,6 +225,10 @@ def check_asynchronous(cfg, variants: set[str]) -> None:
                          "colocated vLLM sleeps while the policy trains, so it is not driven ahead")
     if cfg.generator.engine == "remote":
         check_served_ahead(cfg)
+        if ahead.device is not None:
+            raise ValueError(f"trainer.asynchronous.device={ahead.device} with generator.engine=remote: the servers hold "
+                             "the weights generation ahead samples from, on their own devices; unset "
+                             "trainer.asynchronous.device, or generate in the trainer's process (generator.engine=rollout)")
     if cfg.dynamic_sampling.enabled and cfg.dynamic_sampling.keep_surplus:
         raise ValueError(f"dynamic_sampling.keep_surplus=true with {on}: a carried group reaches training up to "
                          "dynamic_sampling.max_surplus_age steps after the batch it was sampled for, past the bound "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,7 +260,26 @@ def weights_snapshot(cfg: RunConfig, engine_name: str, generation_model: torch.n
         raise ConfigError(f"trainer.asynchronous.partial_rollouts=true under torchrun ({processes} processes): a park "
                           "aborts every request on the servers, the other ranks' too; set "
                           "trainer.asynchronous.partial_rollouts=false or run one process")
-    return None if engine_name == "remote" else WeightsSnapshot(generation_model)
+    if engine_name == "remote":
+        return None
+    return WeightsSnapshot(generation_model, generation_device(cfg.trainer.asynchronous.device))
+
+
+def generation_device(name: str | None) -> torch.device | None:
+    """The device `trainer.asynchronous.device` names, its index made explicit (cuda: the current one), or
+    None (unset: the policy's); one line if this machine has no such device."""
+    if name is None:
+        return None
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None and count else device.index
+    if index is None or index >= count:
+        raise ConfigError(f"trainer.asynchronous.device={name}: this process sees {count} GPU(s) "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); name one of "
+                          "them, or unset it to generate on the policy's device")
+    return torch.device("cuda", index)
 
 
 def generation_ahead_engines(cfg: RunConfig, engine_name: str, engine: GenerationEngine, built: GenerationEngine,

@@ -9,7 +9,8 @@ One call runs, each in its own process and one after another (the device otherwi
      log-probs of the probe;
   2. every system of --systems (ours, ours_rollout with `generator.engine=rollout`, ours_rollout_prev
      its earlier settings, ours_liger with Liger-Kernel's training kernels, ours_packed training on
-     packed micro-batches of 16384 tokens, ours_megatron the Megatron backend at TP=1 generating on
+     packed micro-batches of 16384 tokens (ours_packed_carry also carrying 8 groups over,
+     rollout.carry_over), ours_megatron the Megatron backend at TP=1 generating on
      its GPTModel and training on packed micro-batches (8192 tokens; ours_megatron_16k 16384),
      ours_megatron_distopt the same with activation recomputation and the distributed optimizer
      (OURS below): scripts/bench/grpo_step_ours.py; trl_default, trl_fast, trl_cb: scripts/bench/grpo_step_trl.py):
@@ -29,7 +30,10 @@ its engine in `aligner-ext serve` on the second GPU (SERVING_GPU) and training o
 pushed over NCCL (grpo_step_ours.served_on): NAME_served, synchronous (each step generates through the
 server, then trains, then pushes), and NAME_served_async_kK, generating ahead at max_staleness=K (the
 disaggregated placement, docs/async.md), reported against NAME_served; NAME itself is the one-GPU
-synchronous run. `--long-tail` makes the work long-tailed, for our systems: LONG_SHARE (10%) of each
+synchronous run. `--second-gpu K` runs each once more as NAME_gpu1_async_kK: generating ahead at
+max_staleness=K in the trainer's process on the second GPU (`trainer.asynchronous.device`), reported against
+NAME. A system named with its suffixes in --systems (NAME_async_kK, NAME_gpu1_async_kK) runs as that alone.
+`--long-tail` makes the work long-tailed, for our systems: LONG_SHARE (10%) of each
 step's responses run to R tokens, the others stop at R / 8 (the median), the long rows drawn by the
 step's sampling seed (grpo_step_lib.LongTail); the bounds below count those lengths.
 
@@ -98,6 +102,7 @@ OURS = {"ours": ("hf", []), "ours_rollout": ("rollout", []),
         "ours_rollout_prev": ("rollout", ["generator.rollout.fuse_projections=false", "policy.old_logprob_pass=always"]),
         "ours_liger": ("rollout", ["policy.kernels=liger"]),
         "ours_packed": ("rollout", ["policy.micro_batch_tokens=16384"]),
+        "ours_packed_carry": ("rollout", ["policy.micro_batch_tokens=16384", "rollout.carry_over.groups=8"]),
         "ours_megatron": ("rollout", ["policy.backend=megatron", "policy.micro_batch_tokens=8192"]),
         "ours_megatron_16k": ("rollout", ["policy.backend=megatron", "policy.micro_batch_tokens=16384"]),
         "ours_megatron_distopt": ("rollout", ["policy.backend=megatron", "policy.micro_batch_tokens=8192",
@@ -105,8 +110,10 @@ OURS = {"ours": ("hf", []), "ours_rollout": ("rollout", []),
 VARIANTS = ("dapo", "cpo", "mtpo", "graded_prompt")
 PREV_PREFIX = "prev:"  # a system run with the library of --prev (module docstring)
 ASYNC_SUFFIX = "_async_k"  # NAME_async_kK: our system NAME generating ahead at max_staleness K (module docstring)
+SECOND_GPU_SUFFIX = "_gpu1"  # NAME_gpu1_async_kK: the same, in the trainer's process on the second GPU
 SERVED_SUFFIX = "_served"  # NAME_served[_async_kK]: our system NAME generating through a server on SERVING_GPU
 SERVING_GPU = {"cuda": "1", "cpu": "cpu"}  # where --disaggregated serves, by the preset's device
+DEVICE_OF_SECOND_GPU = {"cuda": "cuda:1", "cpu": "cpu"}  # where --second-gpu generates, by the preset's device
 PHASES = ("generation", "logprobs", "train", "weight_sync", "rewards", "other")
 GROWTH_GIB = 0.25  # a step's rise of allocated memory above which it counts as growth (the allocator's noise is less)
 
@@ -276,7 +283,7 @@ def summarise(result: dict, preset: Preset, floor: dict, hardware: dict) -> dict
     if result["system"].removeprefix(PREV_PREFIX).startswith("ours"):
         summary["overlap"] = overlap(measured, sequences, ahead)
         if ahead:  # the run it is compared with
-            summary["overlap"]["synchronous"] = result["system"].rsplit(ASYNC_SUFFIX, 1)[0]
+            summary["overlap"]["synchronous"] = result["system"].rsplit(ASYNC_SUFFIX, 1)[0].removesuffix(SECOND_GPU_SUFFIX)
     if result["variant"] == "none":
         summary["decode_bound_share"] = floor["decode_bound_s"] / generation_s
         summary["train_mfu"] = floor["train_flops"] / phases["train"] / hardware["matmul_flops_per_s"]
@@ -308,6 +315,9 @@ def overlap(measured: list[dict], sequences: int, ahead: bool) -> dict:
                  "share_by_lag": by_lag("staleness/share_lag_", 0.0),
                  "logprob_gap_by_lag": by_lag("rollout/logprob_diff_mean_lag_", None)}
     return {"asynchronous": ahead, "samples_per_s": sequences / step_s, "step_s": step_s,
+            # on a long tail steps differ by their long prompts: the rate over the run, and the responses' length
+            "samples_per_s_over_run": sequences * len(measured) / sum(step["step_s"] for step in measured),
+            "response_length_mean": statistics.fmean(step["metrics"]["response/length_mean"] for step in measured),
             "generation_s": median(step["generation_s"] for step in measured),
             "train_s": median(step["phases_s"].get("train", 0.0) for step in measured),
             "trainer_wait_s": median(step["trainer_wait_s"] for step in measured), "generator_idle_s": idle,
@@ -499,6 +509,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disaggregated", type=staleness_bounds, default=[], help="K or K1,K2: each of our systems "
                         "also runs generating through `aligner-ext serve` on the second GPU, synchronous (NAME_served) "
                         "and ahead of training at max_staleness=K (NAME_served_async_kK)")
+    parser.add_argument("--second-gpu", type=staleness_bounds, default=[], help="K or K1,K2: each of our systems also "
+                        "runs generating ahead at max_staleness=K in the trainer's process on the second GPU "
+                        "(trainer.asynchronous.device; NAME_gpu1_async_kK)")
     parser.add_argument("--vary-prompt-widths", action="store_true", help="prompts of lengths drawn per step "
                         "(seeded; grpo_step_lib.varying_prompt_lengths): every step's prompt width differs from the "
                         "step before's, as with real data (the bound and MFU columns still count P tokens)")
@@ -520,6 +533,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.long_tail and args.long_tail_by_prompt:
         parser.error("--long-tail and --long-tail-by-prompt are two workloads: choose one")
     long_tail = args.long_tail or args.long_tail_by_prompt
+    if args.long_tail_by_prompt and (args.disaggregated or SERVED_SUFFIX in args.systems):
+        parser.error("--long-tail-by-prompt caps each request at its length, which a server's engine does not take "
+                     "(generator.engine=remote): use --long-tail for the served systems")
     if long_tail and args.eos:
         parser.error("--long-tail sets each response's length; --eos lets EOS end them: choose one")
     if long_tail and (args.variants or any(not s.removeprefix(PREV_PREFIX).startswith("ours")
@@ -556,7 +572,7 @@ def main(argv: list[str] | None = None) -> None:
               "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv[1:] if argv is None else argv)}
     systems = []
     for system in [s for s in args.systems.split(",") if s]:
-        systems += with_ahead_runs(system, args.asynchronous, args.disaggregated)
+        systems += with_ahead_runs(system, args.asynchronous, args.disaggregated, args.second_gpu)
     for system in systems:
         base, root = system.removeprefix(PREV_PREFIX), ROOT
         if base != system:
@@ -565,12 +581,13 @@ def main(argv: list[str] | None = None) -> None:
             root = args.prev
         if base.startswith("ours"):
             base, _, staleness = base.partition(ASYNC_SUFFIX)
-            served = base.endswith(SERVED_SUFFIX)
-            engine, settings = OURS[base.removesuffix(SERVED_SUFFIX)]
+            served, second_gpu = base.endswith(SERVED_SUFFIX), base.endswith(SECOND_GPU_SUFFIX)
+            engine, settings = OURS[base.removesuffix(SERVED_SUFFIX).removesuffix(SECOND_GPU_SUFFIX)]
             if staleness:
                 settings = [*settings, "trainer.asynchronous.enabled=true",
                             f"trainer.asynchronous.max_staleness={staleness}",
-                            *(["trainer.asynchronous.partial_rollouts=true"] if args.partial_rollouts else [])]
+                            *(["trainer.asynchronous.partial_rollouts=true"] if args.partial_rollouts else []),
+                            *([f"trainer.asynchronous.device={DEVICE_OF_SECOND_GPU[preset.device]}"] if second_gpu else [])]
             script, extra = "grpo_step_ours.py", ["--engine", engine, "--system", system,
                                                   *[arg for setting in [*settings, *args.set] for arg in ("--set", setting)]]
             extra += ["--serve-on", SERVING_GPU[preset.device]] if served else []
@@ -606,13 +623,15 @@ def main(argv: list[str] | None = None) -> None:
     print(write_report(report, args.out, started))
 
 
-def with_ahead_runs(system: str, asynchronous: list[int], disaggregated: list[int]) -> list[str]:
-    """`system` and, for one of ours (this tree's: generation ahead is this tree's), its runs generating ahead
-    at each bound of --asynchronous, and through a server, synchronous then at each bound of --disaggregated."""
-    if not system.startswith("ours"):
+def with_ahead_runs(system: str, asynchronous: list[int], disaggregated: list[int], second_gpu: list[int]) -> list[str]:
+    """`system` and, for one of ours (this tree's: generation ahead is this tree's) named without a suffix, its
+    runs generating ahead at each bound of --asynchronous, through a server, synchronous then at each bound of
+    --disaggregated, and on the second GPU at each bound of --second-gpu."""
+    if not system.startswith("ours") or ASYNC_SUFFIX in system:
         return [system]
     served = [f"{system}{SERVED_SUFFIX}"] + [f"{system}{SERVED_SUFFIX}{ASYNC_SUFFIX}{k}" for k in disaggregated]
-    return [system, *[f"{system}{ASYNC_SUFFIX}{k}" for k in asynchronous], *(served if disaggregated else [])]
+    return [system, *[f"{system}{ASYNC_SUFFIX}{k}" for k in asynchronous], *(served if disaggregated else []),
+            *[f"{system}{SECOND_GPU_SUFFIX}{ASYNC_SUFFIX}{k}" for k in second_gpu]]
 
 
 def staleness_bounds(text: str) -> list[int]:

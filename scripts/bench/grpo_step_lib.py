@@ -253,9 +253,10 @@ class LongTailByPrompt:
     prompt followed by its tokens so far) keeps its length; every response of a long prompt runs to R tokens,
     the others stop at R / LONG_FACTOR. Random weights never end a response: each request is capped at the
     tokens its length leaves, and one that reached its length is reported ended ("stop"). The prompts are
-    `prompt_length` tokens (the workspace's), so a request's tokens past them are its response so far."""
+    `prompt_length` tokens (the workspace's), so a request's tokens past them are its response so far; None:
+    every request is a prompt alone (a run that carries nothing over, whose prompts' widths may vary)."""
 
-    def __init__(self, engine, prompt_length: int):
+    def __init__(self, engine, prompt_length: int | None = None):
         self.engine, self.generate, self.prompt_length = engine, engine.generate, prompt_length
         engine.generate = self
 
@@ -264,7 +265,8 @@ class LongTailByPrompt:
         return response_length if long else response_length // LONG_FACTOR
 
     def __call__(self, prompts, params, **engine_options):
-        left = [self.length(prompt, params.max_new_tokens) - (len(prompt) - self.prompt_length) for prompt in prompts]
+        left = [self.length(prompt, params.max_new_tokens) - (len(prompt) - (self.prompt_length or len(prompt)))
+                for prompt in prompts]
         caps = engine_options.pop("caps", None) or [params.max_new_tokens] * len(prompts)
         outputs = self.generate(prompts, params, caps=[min(*pair) for pair in zip(left, caps)], **engine_options)
         for output, tokens_left in zip(outputs, left):

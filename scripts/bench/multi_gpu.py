@@ -102,9 +102,9 @@ def settings(row: Row, layout: Layout, preset: Preset, workspace: Path, run_name
 
 
 def launch(name: str, processes: int, overrides: list[str], out: Path, args,
-           long_tail: bool = False) -> tuple[int | str, str, dict]:
+           long_tail: str = "") -> tuple[int | str, str, dict]:
     """One `aligner-ext train` under torchrun: its exit status (or why none), its output (out/<name>.log) and
-    every rank's peak memory (multi_gpu_rank.py); `long_tail`: long-tailed responses (the row's). Stopped after
+    every rank's peak memory (multi_gpu_rank.py); `long_tail`: the row's long-tailed workload, if any. Stopped after
     --timeout seconds, or at the call's deadline (--budget): a call that a time limit would kill would leave no
     report."""
     from aligner_ext.distributed import free_port
@@ -117,7 +117,7 @@ def launch(name: str, processes: int, overrides: list[str], out: Path, args,
     command = [sys.executable, *torchrun, str(HERE / "multi_gpu_rank.py"), *overrides]
     pythonpath = os.pathsep.join(filter(None, [str(HERE), str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, MULTI_GPU_PEAKS=str(peaks), PYTHONPATH=pythonpath, PYTHONFAULTHANDLER="1",
-               MULTI_GPU_LONG_TAIL=str(int(long_tail)),
+               MULTI_GPU_LONG_TAIL=long_tail,
                **({} if os.environ.get("OMP_NUM_THREADS") else {"OMP_NUM_THREADS": "1"}))
     print(f"== {name}: {' '.join(command)}", flush=True)
     started = time.perf_counter()
@@ -176,6 +176,9 @@ def summarise(run_dir: Path, log: str, row: Row, model: dict, preset: Preset, ma
             "steps_phases_s": [{"generation": r.get("timing/rollout_s"), "train": r.get("timing/train_s")}
                                for r in records if "timing/step_s" in r],  # what made a step slow, step by step
             "samples_per_s": statistics.median(r["batch/num_samples"] / r["timing/step_s"] for r in timed),
+            # on a long tail steps differ by their long prompts: the rate over the run, and the responses' length
+            "samples_per_s_over_run": sum(r["batch/num_samples"] for r in timed) / sum(step_s),
+            "response_length_mean": statistics.fmean(r["response/length_mean"] for r in timed),
             "generation_s": statistics.median(r["timing/rollout_s"] for r in timed),
             "train_s": statistics.median(r["timing/train_s"] for r in timed),
             "train_mfu": statistics.median(mfu),
@@ -190,7 +193,8 @@ def run_row(row: Row, preset: Preset, model: dict, workspace: Path, out: Path, a
     """The row's main run, its variants and its resume (module docstring)."""
     result = {"layout": row.layout.describe(), "dp": row.layout.dp, "shape": row.shape,
               "batch": f"{row.prompts} x {row.n}, P {preset.prompt_length} + R {preset.response_length}"
-                       + (f" (long-tailed: {LONG_SHARE:.0%} R, the others R / {LONG_FACTOR})" if row.long_tail else "")}
+                       + (f" (long-tailed by {row.long_tail[:-1]}: {LONG_SHARE:.0%} R, the others R / {LONG_FACTOR})"
+                          if row.long_tail else "")}
     run_dir = workspace / "runs" / row.name
     shutil.rmtree(workspace / "runs", ignore_errors=True)  # an earlier call's, cut short
     code, log, result["peak_gib"] = launch(row.name, row.layout.processes,

@@ -96,7 +96,7 @@ class Row:
     variants: tuple[str, ...] = ()  # conf/variant/*.yaml, each run for variant_steps at the row's layout
     variant_steps: int = 2
     resume: Layout | None = None  # the final checkpoint resumed at this layout for one more step
-    long_tail: bool = False  # long-tailed responses (grpo_step_lib.LongTail), the workload of generation ahead
+    long_tail: str = ""  # the workload of generation ahead: "responses" (grpo_step_lib.LongTail), "prompts" (LongTailByPrompt)
 
     @property
     def tiny(self) -> bool:
@@ -131,8 +131,15 @@ ROWS = {row.name: row for row in [
     # so DP=2 at the same batch gains at most 1.67x at this shape (one GPU at half the batch, docs/benchmarks.md)
     Row("1.5b-dp2-2x", "1.5b", Layout(2, distributed_optimizer=True), prompts=64, n=8, steps=6),
     # synchronous, on the long-tailed workload: the baselines of generation ahead on a second GPU (docs/benchmarks.md)
-    Row("1.5b-1gpu-long-tail", "1.5b", Layout(1), prompts=32, n=8, steps=6, long_tail=True),
-    Row("1.5b-dp2-long-tail", "1.5b", Layout(2, distributed_optimizer=True), prompts=32, n=8, steps=6, long_tail=True),
+    Row("1.5b-1gpu-long-tail", "1.5b", Layout(1), prompts=32, n=8, steps=6, long_tail="responses"),
+    Row("1.5b-dp2-long-tail", "1.5b", Layout(2, distributed_optimizer=True), prompts=32, n=8, steps=6, long_tail="responses"),
+    # the long tail by prompt, which groups carried over (rollout.carry_over) resume: the baseline of generation ahead on
+    # a GPU of its own with carried groups (docs/benchmarks.md); 16 steps timed, as a step's long prompts vary
+    Row("1.5b-dp2-long-tail-by-prompt", "1.5b", Layout(2, distributed_optimizer=True), prompts=32, n=8, steps=17,
+        long_tail="prompts"),
+    # the same at half the batch, where generation is the larger part of a step (the GRPO benchmark's qwen1_5b_half)
+    Row("1.5b-dp2-long-tail-by-prompt-half", "1.5b", Layout(2, distributed_optimizer=True), prompts=16, n=8, steps=17,
+        long_tail="prompts"),
     Row("1.5b-tp2-sp", "1.5b", TP2_SP, prompts=32, n=8, steps=6, save=True, variants=VARIANTS,
         resume=Layout(2, pp=2)),
     Row("8b-tp2-sp", "8b", TP2_SP, prompts=16, n=8, steps=4, save=True),
@@ -154,7 +161,9 @@ ROWS = {row.name: row for row in [
     # distributed optimizer cannot run (policy.cpu_refusal)
     Row("tiny-tp2-sp", "tiny", TP2_SP, prompts=2, n=8, steps=2, micro_batch_tokens=1024, save=True,
         variants=VARIANTS, resume=Layout(2, pp=2)),
-    Row("tiny-dp2-long-tail", "tiny", Layout(2), prompts=2, n=8, steps=2, micro_batch_tokens=1024, long_tail=True),
+    Row("tiny-dp2-long-tail", "tiny", Layout(2), prompts=2, n=8, steps=2, micro_batch_tokens=1024, long_tail="responses"),
+    Row("tiny-dp2-long-tail-by-prompt", "tiny", Layout(2), prompts=2, n=8, steps=2, micro_batch_tokens=1024,
+        long_tail="prompts"),
     Row("tiny-moe-ep2", "tiny_moe", Layout(2, ep=2), prompts=2, n=8, steps=2, micro_batch_tokens=0),
     Row("tiny-tp2-sp-saves", "tiny", TP2_SP, prompts=2, n=2, steps=5, micro_batch_tokens=1024, save_every=2),
 ]}
@@ -168,7 +177,8 @@ PRESETS = {
     "table-4gpu": ("8b-tp2-dp2", "moe-ep4"),
     "table-2gpu-long-tail": ("1.5b-1gpu-long-tail", "1.5b-dp2-long-tail"),
     "table-cpu": ("tiny-tp2", "tiny-moe-ep4"),
-    "preflight-cpu": ("tiny-tp2-sp", "tiny-dp2-long-tail", "tiny-moe-ep2", "tiny-tp2-sp-saves"),
+    "preflight-cpu": ("tiny-tp2-sp", "tiny-dp2-long-tail", "tiny-dp2-long-tail-by-prompt", "tiny-moe-ep2",
+                      "tiny-tp2-sp-saves"),
 }
 
 

@@ -146,7 +146,7 @@ def test_a_long_response_keeps_each_parts_versions():
 def test_overlap_of_the_measured_steps():
     def step(step_s, generation_s, wait_s, metrics):
         return {"step_s": step_s, "generation_s": generation_s, "trainer_wait_s": wait_s,
-                "phases_s": {"train": step_s / 2}, "metrics": metrics}
+                "phases_s": {"train": step_s / 2}, "metrics": {"response/length_mean": 2 * step_s, **metrics}}
 
     synchronous = [step(4.0, 1.0, 1.5, {"staleness/share_lag_0": 1.0}), step(6.0, 3.0, 3.5, {"staleness/share_lag_0": 1.0}),
                    step(5.0, 2.0, 2.5, {"staleness/share_lag_0": 1.0})]
@@ -154,6 +154,8 @@ def test_overlap_of_the_measured_steps():
     # medians: step 5 s, so 10 / 5 samples/s; the generator is idle for the step's rest, 2.5 s of each
     assert (o["samples_per_s"], o["generation_s"], o["train_s"], o["trainer_wait_s"], o["generator_idle_s"]) == \
         (2.0, 2.0, 2.5, 2.5, 2.5)
+    # over the run: 30 samples in 15 s; the responses' length averaged over the steps (8, 12, 10 tokens)
+    assert (o["samples_per_s_over_run"], o["response_length_mean"]) == (2.0, 10.0)
     ahead = [step(2.0, 1.0, 0.1, {"async/generator_idle_s": 0.4, "staleness/mean": 1.0, "staleness/max": 1.0,
                                   "staleness/share_lag_1": 1.0, "rollout/logprob_diff_mean_lag_1": 0.03}),
              step(2.0, 1.0, 0.1, {"async/generator_idle_s": 0.6, "staleness/mean": 0.5, "staleness/max": 1.0,
@@ -161,6 +163,7 @@ def test_overlap_of_the_measured_steps():
                                   "rollout/logprob_diff_mean_lag_0": 0.01, "rollout/logprob_diff_mean_lag_1": 0.05})]
     o = overlap(ahead, 10, ahead=True)
     assert o["generator_idle_s"] == pytest.approx(0.5)  # the thread's wait for admission
+    assert o["samples_per_s_over_run"] == 5.0
     # shares averaged over the steps (a lag absent from a step counts 0 there); gaps over the steps that have the lag
     assert o["staleness"] == {"mean": 0.75, "max": 1.0, "share_by_lag": {"0": 0.25, "1": 0.75},
                               "logprob_gap_by_lag": {"0": 0.01, "1": pytest.approx(0.04)}}
@@ -231,13 +234,14 @@ def test_the_disaggregated_placement_on_the_cpu(tmp_path):
     assert (tmp_path / "ours_rollout_served_async_k1.server" / "server.log").exists()
 
 
-def test_each_of_our_systems_runs_ahead_and_through_a_server_too():
-    assert with_ahead_runs("ours_rollout", [1], [1, 2]) == [
+def test_each_of_our_systems_runs_ahead_through_a_server_and_on_the_second_gpu_too():
+    assert with_ahead_runs("ours_rollout", [1], [1, 2], [1]) == [
         "ours_rollout", "ours_rollout_async_k1", "ours_rollout_served", "ours_rollout_served_async_k1",
-        "ours_rollout_served_async_k2"]
-    assert with_ahead_runs("ours", [], []) == ["ours"]
-    assert with_ahead_runs("trl_fast", [1], [1]) == ["trl_fast"]
-    assert with_ahead_runs("prev:ours", [1], [1]) == ["prev:ours"]  # generation ahead is this tree's
+        "ours_rollout_served_async_k2", "ours_rollout_gpu1_async_k1"]
+    assert with_ahead_runs("ours", [], [], []) == ["ours"]
+    assert with_ahead_runs("trl_fast", [1], [1], [1]) == ["trl_fast"]
+    assert with_ahead_runs("prev:ours", [1], [1], [1]) == ["prev:ours"]  # generation ahead is this tree's
+    assert with_ahead_runs("ours_packed_gpu1_async_k1", [1], [], [1]) == ["ours_packed_gpu1_async_k1"]  # named whole
 
 
 def test_memory_that_grows_at_every_step_is_reported_with_its_rate():

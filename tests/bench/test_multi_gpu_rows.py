@@ -117,6 +117,7 @@ def test_a_run_cut_short_by_a_time_limit_reports_the_steps_it_trained(tmp_path, 
                                 "the final checkpoint not written")
     assert result["step_s"] == [3.0, 2.0, 4.0]  # steps 2 and 3: median, min, max
     assert result["samples_per_s"] == pytest.approx((4 / 2 + 4 / 4) / 2)
+    assert result["samples_per_s_over_run"] == pytest.approx(8 / 6) and result["response_length_mean"] == 8.0
     assert result["train_s"] == pytest.approx(1.5) and result["checkpoint"]["bytes"] is None
     assert "variants" not in result and "resume" not in result
     report = {"hardware": {"device_name": "cpu", "device": "cpu", "matmul": "float32", "matmul_flops_per_s": 1e12},
@@ -129,7 +130,7 @@ def test_a_run_cut_short_by_a_time_limit_reports_the_steps_it_trained(tmp_path, 
 
 
 def test_a_long_tailed_row_makes_the_loops_engine_long_tailed_as_it_is_built(monkeypatch):
-    """MULTI_GPU_LONG_TAIL=1 (a row's long_tail): of 20 responses of up to 8 tokens, 2 (10%) run to 8 and the
+    """MULTI_GPU_LONG_TAIL=responses (a row's long_tail): of 20 responses of up to 8 tokens, 2 (10%) run to 8 and the
     others stop at 8 / 8 = 1, the long ones chosen by the call's seed, the same on every rank."""
     from types import SimpleNamespace
 
@@ -145,11 +146,32 @@ def test_a_long_tailed_row_makes_the_loops_engine_long_tailed_as_it_is_built(mon
             return [GenerationOutput(token_ids=[5] * params.max_new_tokens, finish_reason="length") for _ in prompts]
 
     monkeypatch.setattr(loop, "build_components", lambda cfg, run_dir: SimpleNamespace(engine=Engine()))
-    long_tailed_engine()
+    long_tailed_engine("responses")
     lengths = [[len(o.token_ids) for o in loop.build_components(None, None).engine.generate(
         [[1, 2]] * 20, SamplingParams(max_new_tokens=8, seed=seed))] for seed in (3, 3, 4)]
     assert sorted(lengths[0]) == [1] * 18 + [8] * 2
     assert lengths[0] == lengths[1] != lengths[2]  # the seed picks which responses are long
+
+
+def test_a_row_long_tailed_by_prompt_makes_each_engine_built_long_tailed_by_prompt(monkeypatch):
+    """MULTI_GPU_LONG_TAIL=prompts: the engine each rank's split drives (trainer/build.py::build_engine) makes a
+    prompt's responses all 16 tokens or all 16 / 8 = 2, by its tokens, about 10% of the prompts long."""
+    from multi_gpu_rank import long_tailed_engine
+
+    from aligner_ext.generation.base import GenerationOutput, SamplingParams
+    from aligner_ext.trainer import build
+
+    class Engine:
+        def generate(self, prompts, params, caps=None):
+            return [GenerationOutput(token_ids=[5] * cap, finish_reason="length") for cap in caps]
+
+    monkeypatch.setattr(build, "build_engine", lambda *args: Engine())
+    long_tailed_engine("prompts")
+    engine = build.build_engine(None, "rollout", None, None)
+    prompts = [[index, index + 1] for index in range(300)] * 2  # each prompt twice: both times the same length
+    lengths = [len(output.token_ids) for output in engine.generate(prompts, SamplingParams(max_new_tokens=16))]
+    assert set(lengths) == {2, 16} and lengths[:300] == lengths[300:]
+    assert 0.05 < lengths[:300].count(16) / 300 < 0.15
 
 
 def test_a_run_whose_prompts_were_not_the_workloads_is_a_failure_and_its_mfu_counts_the_real_prompts(

@@ -3,6 +3,7 @@ config loads, in one line naming both settings (`aligner-ext config` exits 2); w
 servers among them: the disaggregated placement)."""
 
 import pytest
+import torch
 
 from aligner_ext.cli import main
 from aligner_ext.config import load_config
@@ -20,6 +21,9 @@ REFUSED = {
     "partial rollouts on vLLM servers": ([*SERVED, "generator.remote.server_kind=vllm", PARTIAL],
                                          f"{PARTIAL} and generator.remote.server_kind=vllm with generator.engine="
                                          "remote with trainer.asynchronous.enabled=true"),
+    "a device of its own beside servers": ([*SERVED, "trainer.asynchronous.device=cuda:1"],
+                                           "trainer.asynchronous.device=cuda:1 with generator.engine=remote: the "
+                                           "servers hold the weights"),
     "vllm": (["generator.engine=vllm"], "generator.engine=vllm with trainer.asynchronous.enabled=true"),
     "surplus": (["+variant=dapo", "dynamic_sampling.keep_surplus=true"],
                 "dynamic_sampling.keep_surplus=true with trainer.asynchronous.enabled=true"),
@@ -64,6 +68,7 @@ def test_the_command_line_says_it_in_one_line_and_exits_2(capsys, case):
                                        [PARTIAL, "+variant=mtpo", "+variant=dapo"],
                                        [PARTIAL, "+variant=graded_prompt"],
                                        SERVED, [*SERVED, "generator.remote.server_kind=vllm"], [*SERVED, PARTIAL],
+                                       ["generator.engine=rollout", "trainer.asynchronous.device=cuda:1"],
                                        [*SERVED, "policy.backend=megatron"],  # the Megatron backend drives servers ahead
                                        ["algorithm.experience_maker=agent_episodes", "agents.limits.max_total_tokens=512"]])
 def test_what_it_runs_with_loads(overrides):
@@ -95,3 +100,18 @@ def test_under_torchrun_only_servers_run_ahead_and_without_partial_rollouts(monk
         build.weights_snapshot(load_config("base", AHEAD + SERVED + [PARTIAL]), "remote", tiny_model)
     monkeypatch.setattr(build, "world_size", lambda: 1)
     assert build.weights_snapshot(load_config("base", AHEAD + SERVED + [PARTIAL]), "remote", tiny_model) is None
+
+
+def test_a_device_of_its_own_is_checked_against_the_machine_at_build(tiny_model):
+    """`trainer.asynchronous.device` names a device the process sees, else one line at build; a malformed name is
+    refused at load."""
+    from aligner_ext.errors import ConfigError
+    from aligner_ext.trainer import build
+
+    assert build.generation_device(None) is None and build.generation_device("cpu") == torch.device("cpu")
+    if torch.cuda.device_count() < 4:
+        with pytest.raises(ConfigError, match=r"^trainer\.asynchronous\.device=cuda:3: this process sees \d GPU\(s\)"):
+            build.weights_snapshot(load_config("base", AHEAD + ["generator.engine=rollout", "trainer.asynchronous.device=cuda:3"]),
+                                   "rollout", tiny_model)
+    with pytest.raises(ValueError, match=r"^trainer\.asynchronous\.device='gpu1': must be cpu, cuda or cuda:N"):
+        load_config("base", AHEAD + ["trainer.asynchronous.device=gpu1"])

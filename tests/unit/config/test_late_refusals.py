@@ -92,6 +92,7 @@ ELSEWHERE = {
     "needs a KV cache with batch_select_indices": "the model's cache class",
     "has no {path} endpoint": "the generation servers",
     "needs the policy on a GPU": "the machine's GPUs",
+    "this process sees {count} GPU(s)": "the machine's GPUs",
     "needs vLLM installed": "the installed packages",
     "no KV-cache slot": "the GPU's free memory",
     "generator.engine=vllm needs vLLM": "the installed packages",

@@ -348,6 +348,41 @@ def test_the_copy_shares_the_frozen_weights_and_refits_the_trainable_ones():
     assert torch.equal(snapshot.model[1].weight, live[1].weight)
 
 
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda:1", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="a second GPU"))])
+def test_a_copy_on_a_device_of_its_own_holds_every_weight_there(device):
+    """`trainer.asynchronous.device`: the copy's parameters and buffers are made on that device, none shared with
+    the live model (frozen ones included), tied weights stay tied, and requires_grad is the live model's. With
+    two GPUs, from the first: the values are the live ones, and a refit copies the trained ones across."""
+    from aligner_ext.experience.ahead import WeightsSnapshot
+
+    home = "cuda:0" if device.startswith("cuda") else "cpu"
+    live = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 5, bias=False))
+    live[2].weight = live[0].weight
+    live[1].requires_grad_(False)
+    live[1].register_buffer("scale", torch.arange(4.0))
+    live.to(home)
+    snapshot = WeightsSnapshot(live, torch.device(device))
+    copied = dict(snapshot.model.named_parameters()) | dict(snapshot.model.named_buffers())
+    originals = dict(live.named_parameters()) | dict(live.named_buffers())
+    assert copied.keys() == originals.keys()
+    for name, tensor in copied.items():
+        assert tensor.device == torch.device(device) and tensor is not originals[name], name
+        assert tensor.requires_grad == originals[name].requires_grad, name
+    assert snapshot.model[2].weight is snapshot.model[0].weight
+    assert all(tensor.device == torch.device(home) for tensor in originals.values())
+    if device == "meta":
+        return
+    for name, tensor in copied.items():
+        assert torch.equal(tensor.cpu(), originals[name].cpu()), name
+    with torch.no_grad():
+        live[0].weight.add_(1.0)
+    snapshot.refit()
+    torch.cuda.synchronize(device)
+    assert torch.equal(snapshot.model[0].weight.cpu(), live[0].weight.cpu())
+    assert torch.equal(snapshot.model[2].weight.cpu(), live[0].weight.cpu())
+
+
 def test_a_compiled_function_entered_while_the_other_thread_traces_runs_rather_than_raising():
     """torch's FX-tracing flag is one per process: while the trainer's thread traces (every compilation does), the
     generation thread's compiled calls raised in torch's default. Generation ahead sets them to run the function
