@@ -25,7 +25,9 @@ engine's sampling log-probs (`rollout.return_logprobs`) were computed under s_i:
 (every off-policy correction is refused with this maker, variants.py, generation ahead or not).
 `keep_in_training` instead trains on the prompt the generator saw (system message included).
 With partial rollouts (docs/async.md) a response parked at a refit resumes from its own generator
-prompt, and each token's version is the one its engine call reports (`GroupSampling.assemble`).
+prompt, and each token's version is the one its engine call reports (`GroupSampling.assemble`). With
+groups carried over (`rollout.carry_over`) each request holds its plan (`GradedRequest`): a carried sample
+resumes from its own graded prompt, and the metrics read the plans of the requests a batch was assembled from.
 
 Decisions (docs/variants/graded_prompt.md; tests/unit/experience/test_graded_prompt_*.py):
 - Active only when `enabled`, sampling (`rollout.temperature` > 0) and `rollout.n` > 1; otherwise
@@ -160,11 +162,11 @@ def inactive_reason(cfg: GradedPromptConfig, rollout: RolloutConfig) -> str | No
 
 
 @dataclass
-class SamplePlan:
-    """One sample's request and what its generator prompt disclosed."""
+class GradedRequest(SampleRequest):
+    """One sample's request and what its generator prompt disclosed: it travels with the request, so a group
+    carried over to a later step (rollout.carry_over) keeps its plan, and a checkpoint holds it."""
 
-    request: SampleRequest
-    group_ratio: float | None  # g_i; None when the draw is sampled plain (see plain_reason)
+    group_ratio: float | None = None  # g_i; None when the draw is sampled plain (see plain_reason)
     plain_reason: str = ""  # why the draw is sampled plain: no_rubric | truncated ("" when graded)
     shown: int = 0  # criteria listed
     system_tokens: int = 0  # generator prompt tokens minus original prompt tokens
@@ -177,13 +179,14 @@ class GradedPromptSampling(GroupSampling):
     Config = GradedPromptConfig
 
     def __init__(self, cfg: RolloutConfig, graded: GradedPromptConfig, engine, rewards, tokenizer, seed: int = 0,
-                 total_steps: int = 1, return_routing: bool = False):
-        super().__init__(cfg, engine, rewards, tokenizer, seed=seed, return_routing=return_routing)
+                 total_steps: int = 1, return_routing: bool = False, batch_groups: int = 0):
+        super().__init__(cfg, engine, rewards, tokenizer, seed=seed, return_routing=return_routing,
+                         batch_groups=batch_groups)
         self.graded = graded
         self.total_steps = total_steps
         self.inactive = inactive_reason(graded, cfg)
         self.step = 0
-        self.plans: list[SamplePlan] = []  # the last requests() call's plans, aligned with its batch rows
+        self.plans: list[GradedRequest] = []  # the last batch's requests, aligned with its rows (`assemble`)
         self._logged: set[str] = set()  # plain-sampling reasons already logged
         ratios = sorted({group_ratio(i, cfg.n, graded) for i in range(cfg.n)}, reverse=True)
         self.summary_metrics = () if self.inactive else tuple(f"graded_prompt/reward_mean_r{g:.2f}" for g in ratios)
@@ -199,7 +202,7 @@ class GradedPromptSampling(GroupSampling):
     def from_context(cls, ctx: BuildContext) -> "GradedPromptSampling":
         return cls(ctx.cfg.rollout, ctx.cfg.graded_prompt, ctx.engine, ctx.rewards, ctx.tokenizer,
                    seed=ctx.cfg.trainer.seed, total_steps=ctx.cfg.trainer.total_steps,
-                   return_routing=ctx.policy.reads_routing)
+                   return_routing=ctx.policy.reads_routing, batch_groups=ctx.cfg.data.train_batch_size)
 
     @classmethod
     def warmup_examples(cls, cfg, rows: list[PromptRow]) -> list[tuple[list[dict[str, str]], str]]:
@@ -232,15 +235,20 @@ class GradedPromptSampling(GroupSampling):
     def requests(self, draws: list[PromptDraw]) -> list[SampleRequest]:
         """n requests per draw, sample i disclosing k_i criteria (module docstring); plain when inactive."""
         if self.inactive:
-            self.plans = []
             return super().requests(draws)
         decay = step_factor(self.step, self.total_steps, self.graded)
-        self.plans = [plan for draw in draws for plan in self.plan_draw(draw, decay)]
+        planned = [request for draw in draws for request in self.plan_draw(draw, decay)]
         logger.debug("%s step %d: %d draws -> %d single samples (step factor %.4f)", LOG_TAG, self.step,
-                     len(draws), len(self.plans), decay)
-        return [plan.request for plan in self.plans]
+                     len(draws), len(planned), decay)
+        return planned
 
-    def plan_draw(self, draw: PromptDraw, decay: float) -> list[SamplePlan]:
+    def assemble(self, requests: list[SampleRequest], outputs) -> ExperienceBatch:
+        """The batch, its requests kept for `metrics`: with groups carried over, some were planned at earlier
+        steps (under their step's decay), and the batch is not the latest draws'."""
+        self.plans = [] if self.inactive else list(requests)
+        return super().assemble(requests, outputs)
+
+    def plan_draw(self, draw: PromptDraw, decay: float) -> list[GradedRequest]:
         """The n sample plans of one draw."""
         items = [item for item in (draw.row.rubrics or []) if item["points"] != 0]
         if not items:
@@ -255,14 +263,13 @@ class GradedPromptSampling(GroupSampling):
             system = system_message(choose_criteria(items, k, rng), self.graded)
             ids = draw.prompt_ids if system is None else self._encode(draw.row, system)
             trained = dataclasses.replace(draw, prompt_ids=ids) if self.graded.keep_in_training else draw
-            request = SampleRequest(trained, ids, draw.draw_id)
-            plans.append(SamplePlan(request, g, "", k, len(ids) - len(draw.prompt_ids)))
+            plans.append(GradedRequest(trained, ids, draw.draw_id, g, "", k, len(ids) - len(draw.prompt_ids)))
             logger.debug("%s draw %d sample %d: ratio %.2f, %d/%d criteria, system prompt %d tokens%s", LOG_TAG,
                          draw.draw_id, i, g * decay, k, len(items), len(ids) - len(draw.prompt_ids),
                          f":\n{system}" if system else " (none)")
         return plans
 
-    def _plain(self, draw: PromptDraw, reason: str) -> list[SamplePlan]:
+    def _plain(self, draw: PromptDraw, reason: str) -> list[GradedRequest]:
         """n plain requests for a draw that gets no graded prompt; logged once per reason, counted in metrics."""
         if reason not in self._logged:
             self._logged.add(reason)
@@ -270,8 +277,7 @@ class GradedPromptSampling(GroupSampling):
                    "truncated": "was truncated by the loader, so its messages no longer give its prompt tokens"}[reason]
             logger.warning("%s row %s %s: sampled plain (counted in graded_prompt/num_plain_samples_%s; "
                            "logged once)", LOG_TAG, draw.row.row_id, why, reason)
-        request = SampleRequest(draw, draw.prompt_ids, draw.draw_id)
-        return [SamplePlan(request, None, reason) for _ in range(self.cfg.n)]
+        return [GradedRequest(draw, draw.prompt_ids, draw.draw_id, None, reason) for _ in range(self.cfg.n)]
 
     def _encode(self, row: PromptRow, system: str) -> list[int]:
         messages = generation_messages(row.messages, system, self.graded.existing_system)

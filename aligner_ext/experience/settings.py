@@ -164,9 +164,9 @@ def check_carry_over(cfg) -> None:
     if cfg.rollout.carry_over.groups > cfg.data.train_batch_size:
         raise ValueError(f"{on} is above data.train_batch_size={cfg.data.train_batch_size}: the overdue groups "
                          "a batch must take could then outnumber it; lower it")
-    if cfg.algorithm.experience_maker not in ("group_sampling", "grpo"):
+    if cfg.algorithm.experience_maker not in ("group_sampling", "grpo", "graded_prompt", "graded_system_prompt"):
         raise ValueError(f"{on} with algorithm.experience_maker={cfg.algorithm.experience_maker}: groups are carried "
-                         "over by plain group sampling only yet (one engine call a step, one prompt per group)")
+                         "over by group sampling and the graded system prompt only yet (one engine call a step)")
     refused = {"dynamic_sampling.enabled=true": cfg.dynamic_sampling.enabled,
                "trainer.asynchronous.partial_rollouts=true": cfg.trainer.asynchronous.partial_rollouts,
                "policy.routing_replay=true": cfg.policy.routing_replay}

@@ -82,6 +82,7 @@ from aligner_ext.errors import (CheckpointError, CorruptCheckpoint, UnsafeCheckp
                                  error_line)
 from aligner_ext.experience.base import SampleRequest
 from aligner_ext.experience.carry_over import Group
+from aligner_ext.experience.graded_prompt import GradedRequest
 from aligner_ext.files import attempt_write, failed_write, follow_umask
 from aligner_ext.generation.resumable import Partial
 from aligner_ext.models import lora
@@ -99,7 +100,7 @@ BEHIND_THE_DISK_S = 1.0
 WEIGHTS = "model.safetensors"
 ADAPTERS = "adapters.safetensors"  # instead of WEIGHTS when the policy trains LoRA adapters
 # the classes trainer_state.pt may hold: batches (made ahead, a dynamic-sampling surplus) and carried groups
-SAFE_TYPES = (ExperienceBatch, SampleInfo, PromptRow, Group, SampleRequest, PromptDraw, Partial)
+SAFE_TYPES = (ExperienceBatch, SampleInfo, PromptRow, Group, SampleRequest, GradedRequest, PromptDraw, Partial)
 
 
 def rng_state() -> dict[str, Any]:

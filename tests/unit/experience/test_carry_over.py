@@ -210,11 +210,17 @@ def test_group_sampling_refuses_an_engine_that_does_not_report_finished_response
 REFUSED = {
     "above the batch": (["data.train_batch_size=2", "rollout.carry_over.groups=3"], "is above data.train_batch_size=2"),
     "another maker": (["+variant=mtpo", "rollout.carry_over.groups=1"],
-                      "with algorithm.experience_maker=two_round: groups are carried over by plain group sampling"),
+                      "with algorithm.experience_maker=two_round: groups are carried over by group sampling and the "
+                      "graded system prompt only"),
     "dynamic sampling": (["+variant=dapo", "rollout.carry_over.groups=1"], "with dynamic_sampling.enabled=true"),
     "the hf engine": (["generator.engine=hf", "rollout.carry_over.groups=1"],
                       "with generator.engine=hf: carrying groups over needs the rollout engine"),
 }
+
+
+def test_the_graded_prompt_carries_groups_over():
+    cfg = load_config("base", ["+variant=graded_prompt", "generator.engine=rollout", "rollout.carry_over.groups=1"])
+    assert cfg.rollout.carry_over.groups == 1
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
