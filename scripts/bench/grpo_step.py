@@ -533,9 +533,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.long_tail and args.long_tail_by_prompt:
         parser.error("--long-tail and --long-tail-by-prompt are two workloads: choose one")
     long_tail = args.long_tail or args.long_tail_by_prompt
-    if args.long_tail_by_prompt and (args.disaggregated or SERVED_SUFFIX in args.systems):
-        parser.error("--long-tail-by-prompt caps each request at its length, which a server's engine does not take "
-                     "(generator.engine=remote): use --long-tail for the served systems")
     if long_tail and args.eos:
         parser.error("--long-tail sets each response's length; --eos lets EOS end them: choose one")
     if long_tail and (args.variants or any(not s.removeprefix(PREV_PREFIX).startswith("ours")

@@ -8,6 +8,7 @@ See scripts/bench/grpo_step.py for the benchmark itself.
 from __future__ import annotations
 
 import cProfile
+import inspect
 import json
 import pstats
 import random
@@ -228,23 +229,30 @@ class LongTail:
         engine.generate = self
 
     def __call__(self, prompts, params):
-        median = params.max_new_tokens // LONG_FACTOR
         long = sorted(random.Random(params.seed).sample(range(len(prompts)), round(LONG_SHARE * len(prompts))))
-        version = self.engine.weights_version  # of the first part's tokens where its outputs carry none
-        outputs = self.generate(prompts, replace(params, max_new_tokens=median))
-        tail_version = self.engine.weights_version  # a refit between the two parts (partial rollouts) moves it
-        tails = self.generate([list(prompts[index]) + outputs[index].token_ids for index in long],
-                              replace(params, max_new_tokens=params.max_new_tokens - median))
-        for index, tail in zip(long, tails):
-            output = outputs[index]
-            if output.versions is not None or tail.versions is not None or tail_version != version:
-                output.versions = ((output.versions or [version] * len(output.token_ids))
-                                   + (tail.versions or [tail_version] * len(tail.token_ids)))
-            output.token_ids = output.token_ids + tail.token_ids
-            if output.logprobs is not None:
-                output.logprobs = output.logprobs + tail.logprobs
-            output.finish_reason, output.routing = tail.finish_reason, tail.routing  # the routing of every token
-        return outputs
+        return median_then_tails(self.engine, self.generate, prompts, params, long)
+
+
+def median_then_tails(engine, generate, prompts, params, long: list[int]):
+    """`generate` (`engine`'s) made long-tailed as two calls: every prompt to the median length R / LONG_FACTOR, then
+    the `long` ones continued to R from where they stand (the rollout engine's kept cache resumes them without
+    prefilling them again)."""
+    median = params.max_new_tokens // LONG_FACTOR
+    version = engine.weights_version  # of the first part's tokens where its outputs carry none
+    outputs = generate(prompts, replace(params, max_new_tokens=median))
+    tail_version = engine.weights_version  # a refit between the two parts (partial rollouts) moves it
+    tails = generate([list(prompts[index]) + outputs[index].token_ids for index in long],
+                     replace(params, max_new_tokens=params.max_new_tokens - median))
+    for index, tail in zip(long, tails):
+        output = outputs[index]
+        if output.versions is not None or tail.versions is not None or tail_version != version:
+            output.versions = ((output.versions or [version] * len(output.token_ids))
+                               + (tail.versions or [tail_version] * len(tail.token_ids)))
+        output.token_ids = output.token_ids + tail.token_ids
+        if output.logprobs is not None:
+            output.logprobs = output.logprobs + tail.logprobs
+        output.finish_reason, output.routing = tail.finish_reason, tail.routing  # the routing of every token
+    return outputs
 
 
 class LongTailByPrompt:
@@ -254,7 +262,10 @@ class LongTailByPrompt:
     the others stop at R / LONG_FACTOR. Random weights never end a response: each request is capped at the
     tokens its length leaves, and one that reached its length is reported ended ("stop"). The prompts are
     `prompt_length` tokens (the workspace's), so a request's tokens past them are its response so far; None:
-    every request is a prompt alone (a run that carries nothing over, whose prompts' widths may vary)."""
+    every request is a prompt alone (a run that carries nothing over, whose prompts' widths may vary). An engine
+    that takes no per-request caps (a server's) is called as LongTail calls it: every prompt to R / LONG_FACTOR,
+    then the long prompts' responses continued to R (fresh prompts only: carrying groups over needs the rollout
+    engine)."""
 
     def __init__(self, engine, prompt_length: int | None = None):
         self.engine, self.generate, self.prompt_length = engine, engine.generate, prompt_length
@@ -265,6 +276,10 @@ class LongTailByPrompt:
         return response_length if long else response_length // LONG_FACTOR
 
     def __call__(self, prompts, params, **engine_options):
+        if "caps" not in inspect.signature(self.generate).parameters:  # a server's engine: fresh prompts only
+            long = [index for index, prompt in enumerate(prompts)
+                    if self.length(prompt, params.max_new_tokens) == params.max_new_tokens]
+            return median_then_tails(self.engine, self.generate, prompts, params, long)
         left = [self.length(prompt, params.max_new_tokens) - (len(prompt) - (self.prompt_length or len(prompt)))
                 for prompt in prompts]
         caps = engine_options.pop("caps", None) or [params.max_new_tokens] * len(prompts)

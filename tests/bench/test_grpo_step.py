@@ -117,6 +117,23 @@ def test_the_long_tail_by_prompt_keeps_a_resumed_responses_length():
     assert [len(output.token_ids) for output in engine.generate(prompts, SamplingParams(max_new_tokens=16))] == lengths
 
 
+def test_the_long_tail_by_prompt_through_an_engine_without_caps_is_two_calls():
+    """A server's engine takes no per-request caps: every prompt to the median, then the long prompts' responses
+    continued to R, the same prompts long as with caps."""
+    prompts = [[index] * 3 for index in range(200)]
+    capped = CappedEngine()
+    LongTailByPrompt(capped, prompt_length=3)
+    expected = [len(output.token_ids) for output in capped.generate(prompts, SamplingParams(max_new_tokens=16))]
+    engine = CountingEngine()
+    LongTailByPrompt(engine, prompt_length=3)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=16))
+    assert [len(output.token_ids) for output in outputs] == expected
+    long = [index for index, length in enumerate(expected) if length == 16]
+    (first, median), (second, rest) = engine.calls
+    assert first == prompts and median == 2 and rest == 14 and second == [prompts[index] + [3, 4] for index in long]
+    assert outputs[long[0]].token_ids == list(range(3, 19))  # the tail continues the response
+
+
 class RefittedEngine(CountingEngine):
     """The first call samples at version 4 (its outputs carry no versions) and ends with a refit to 5; the
     second, a long response's tail, is parked once after its first token (versions 4, 5, 5, ...)."""
