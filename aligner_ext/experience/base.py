@@ -148,7 +148,7 @@ class GroupSampling(ExperienceMaker):
     writes = ("rewards", "correct", "token_rewards", "generation_logprobs", "generation_versions")
 
     def __init__(self, cfg: RolloutConfig, engine: GenerationEngine, rewards: RewardManager, tokenizer,
-                 seed: int = 0, return_routing: bool = False, batch_groups: int = 0):
+                 seed: int = 0, return_routing: bool = False):
         if cfg.n < 1:
             raise ValueError(f"rollout.n must be >= 1, got {cfg.n}")
         if not cfg.return_logprobs:
@@ -159,18 +159,18 @@ class GroupSampling(ExperienceMaker):
         self.tokenizer = tokenizer
         self.seed = seed
         self.return_routing = return_routing  # the policy reads the engine's experts (`Policy.reads_routing`)
-        self.carry_over = None  # with rollout.carry_over.groups: the groups carried between steps (`batch_groups` a batch)
+        self.carry_over = None  # with rollout.carry_over.groups: the groups carried between steps
         if cfg.carry_over.groups:
             if not engine.reports_finished:
                 raise ConfigError(f"rollout.carry_over.groups={cfg.carry_over.groups} needs the rollout engine in one "
                                   f"process, which reports each finished response; this run generates with "
                                   f"{type(engine).__name__}: set generator.engine=rollout, or rollout.carry_over.groups=0")
-            self.carry_over = CarryOver(cfg.carry_over, batch_groups, engine, tokenizer)
+            self.carry_over = CarryOver(cfg.carry_over, engine, tokenizer)
 
     @classmethod
     def from_context(cls, ctx: BuildContext) -> "GroupSampling":
         return cls(ctx.cfg.rollout, ctx.engine, ctx.rewards, ctx.tokenizer, seed=ctx.cfg.trainer.seed,
-                   return_routing=ctx.policy.reads_routing, batch_groups=ctx.cfg.data.train_batch_size)
+                   return_routing=ctx.policy.reads_routing)
 
     def make_experience(self, loader: PromptLoader, step: int) -> tuple[ExperienceBatch, dict[str, float]]:
         params = self.sampling_params(step)

@@ -6,6 +6,9 @@ Why: a call that waits for its slowest response leaves the engine decoding a few
 while its other rows sit empty. With groups carried over, the extra groups fill those rows, the step ends
 once B groups (B = data.train_batch_size) are done, and the long responses finish in a later call.
 
+B is the prompt loader's batch at each call: data.train_batch_size, or under dynamic sampling the groups a
+refill asks for (experience/dynamic_sampling.py), whose calls carry groups to each other as steps do.
+
 Per step (`CarryOver.generate`):
 - The call's groups: the carried ones, oldest first, then new prompt draws, B + `groups` in all. A carried
   response resumes as a request of its generator prompt followed by its tokens so far, prefilled whole under
@@ -16,12 +19,14 @@ Per step (`CarryOver.generate`):
   (`on_finished`) and stops once B groups are whole and no overdue group is still running (overdue=wait).
 - The batch: B whole groups, the most carried first (so an overdue one is always taken), then in draw order.
   Whole groups beyond B wait in the carry and lead the next batch; unfinished groups are carried once more.
-  A group carried `max_steps` times is overdue: the call waits for it, or (overdue=drop) it is dropped at
-  the call's end and counted. `groups` <= B (checked at load), so the overdue groups always fit one batch.
+  A group carried out of `max_steps` calls is overdue: the call waits for it, or (overdue=drop) it is dropped
+  at the call's end and counted. `groups` <= data.train_batch_size (checked at load), so the overdue groups fit
+  one step's batch; a refill smaller than them takes the most carried first, and the others lead the next call.
 - The carry is the maker's state: a checkpoint holds it, and a resume goes on with it.
 
-Staleness: a token trained at step t was sampled at most `max_steps` steps before t's call, so at most
-`max_steps` steps' updates older than the weights the call started on (plus generation ahead's k).
+Staleness: a token trained at step t was sampled at most `max_steps` calls, so at most `max_steps` steps,
+before t's last call: at most `max_steps` steps' updates older than the weights that call started on (plus
+generation ahead's k).
 Metrics: carry_over/carried_groups (waiting for the next call), carry_over/batch_share_carried (the share of
 the batch's groups drawn at an earlier step), carry_over/dropped_groups.
 """
@@ -57,20 +62,21 @@ class Group:
 class CarryOver:
     """The groups carried between steps, and the call that goes on with them (module docstring)."""
 
-    def __init__(self, cfg: CarryOverConfig, batch_groups: int, engine: GenerationEngine, tokenizer):
-        self.cfg, self.batch_groups, self.engine = cfg, batch_groups, engine
+    def __init__(self, cfg: CarryOverConfig, engine: GenerationEngine, tokenizer):
+        self.cfg, self.engine = cfg, engine
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         self.groups: list[Group] = []  # carried, in the order the next batch takes whole ones
 
     def generate(self, loader: PromptLoader, params: SamplingParams,
                  requests_of: Callable[[list[PromptDraw]], list]) -> tuple[list, list[GenerationOutput], dict]:
-        """Step's (requests, outputs) for B whole groups, and the carry's metrics."""
-        draws = loader.next_batch(self.batch_groups + self.cfg.groups - len(self.groups))
+        """Step's (requests, outputs) for B whole groups (B = `loader.batch_size`), and the carry's metrics."""
+        batch_groups = loader.batch_size
+        draws = loader.next_batch(max(0, batch_groups + self.cfg.groups - len(self.groups)))
         by_draw = itertools.groupby(requests_of(draws), key=lambda request: request.group_id)
         fresh = [Group(requests, [Partial() for _ in requests]) for requests in (list(group) for _, group in by_draw)]
         groups = self.groups + fresh
-        self._run(groups, params)
-        taken = [group for group in groups if group.whole][: self.batch_groups]  # the most carried first
+        self._run(groups, params, batch_groups)
+        taken = [group for group in groups if group.whole][:batch_groups]  # the most carried first
         overdue = [group for group in groups if not group.whole and group.carried >= self.cfg.max_steps]
         self.groups = [group for group in groups if group not in taken and group not in overdue]
         for group in self.groups:
@@ -82,9 +88,9 @@ class CarryOver:
                    "carry_over/batch_share_carried": sum(group.carried > 0 for group in taken) / len(taken)}
         return requests, outputs, metrics
 
-    def _run(self, groups: list[Group], params: SamplingParams) -> None:
-        """One engine call over every unfinished response of `groups`, until B groups are whole and (waiting for
-        overdue groups) none of those is running."""
+    def _run(self, groups: list[Group], params: SamplingParams, batch_groups: int) -> None:
+        """One engine call over every unfinished response of `groups`, until `batch_groups` groups are whole and
+        (waiting for overdue groups) none of those is running."""
         running = [(group, index) for group in groups for index, response in enumerate(group.responses)
                    if response.finish_reason is None]
         if not running:
@@ -102,7 +108,7 @@ class CarryOver:
                 overdue.discard(key)
 
         def enough() -> bool:
-            return whole >= self.batch_groups and (self.cfg.overdue == "drop" or not overdue)
+            return whole >= batch_groups and (self.cfg.overdue == "drop" or not overdue)
 
         version = self.engine.weights_version
         prompts = [group.requests[index].generation_prompt + group.responses[index].token_ids

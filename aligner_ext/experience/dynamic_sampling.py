@@ -31,6 +31,8 @@ Decisions (docs/variants/dapo.md; tests/unit/experience/test_dynamic_sampling.py
   simply starts the next epoch (`data/epoch` shows it).
 - If every group is filtered and the bound is hit, the step's batch is empty: the loop logs the
   step and makes no update.
+- With groups carried over (`rollout.carry_over`) each refill is one call of the carrying maker, which takes
+  the groups the refill asks for and carries the rest to the next call (experience/carry_over.py).
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ class _PromptQuota:
         self._loader = loader
         self.batch_size = count
 
-    def next_batch(self):
-        return self._loader.next_batch(self.batch_size)
+    def next_batch(self, count: int | None = None):
+        return self._loader.next_batch(self.batch_size if count is None else count)
 
     def __getattr__(self, name):
         return getattr(self._loader, name)

@@ -179,9 +179,8 @@ class GradedPromptSampling(GroupSampling):
     Config = GradedPromptConfig
 
     def __init__(self, cfg: RolloutConfig, graded: GradedPromptConfig, engine, rewards, tokenizer, seed: int = 0,
-                 total_steps: int = 1, return_routing: bool = False, batch_groups: int = 0):
-        super().__init__(cfg, engine, rewards, tokenizer, seed=seed, return_routing=return_routing,
-                         batch_groups=batch_groups)
+                 total_steps: int = 1, return_routing: bool = False):
+        super().__init__(cfg, engine, rewards, tokenizer, seed=seed, return_routing=return_routing)
         self.graded = graded
         self.total_steps = total_steps
         self.inactive = inactive_reason(graded, cfg)
@@ -202,7 +201,7 @@ class GradedPromptSampling(GroupSampling):
     def from_context(cls, ctx: BuildContext) -> "GradedPromptSampling":
         return cls(ctx.cfg.rollout, ctx.cfg.graded_prompt, ctx.engine, ctx.rewards, ctx.tokenizer,
                    seed=ctx.cfg.trainer.seed, total_steps=ctx.cfg.trainer.total_steps,
-                   return_routing=ctx.policy.reads_routing, batch_groups=ctx.cfg.data.train_batch_size)
+                   return_routing=ctx.policy.reads_routing)
 
     @classmethod
     def warmup_examples(cls, cfg, rows: list[PromptRow]) -> list[tuple[list[dict[str, str]], str]]:

@@ -28,7 +28,7 @@ class CarryOverConfig:
     carried into the next step's call (experience/carry_over.py, docs/async.md)."""
 
     groups: int = number(0, ge=0)  # groups in flight beyond data.train_batch_size: each step's call runs the batch's groups and this many more and ends once data.train_batch_size groups are whole; the unfinished ones go on in the next step's call, their tokens kept (0 = off: a call waits for its slowest response); at most data.train_batch_size; needs the rollout engine
-    max_steps: int = number(1, ge=1)  # steps a group may be carried; a group carried that many times is overdue: the call does not end before it is whole (overdue=wait), or it is dropped at the call's end, counted (drop)
+    max_steps: int = number(1, ge=1)  # calls a group may be carried out of (one a step; under dynamic sampling one a refill); a group carried that many times is overdue: the call does not end before it is whole (overdue=wait), or it is dropped at the call's end, counted (drop)
     overdue: str = choice("wait", "wait", "drop")  # an overdue group: wait for it | drop it (carry_over/dropped_groups)
 
 
@@ -167,13 +167,13 @@ def check_carry_over(cfg) -> None:
     if cfg.algorithm.experience_maker not in ("group_sampling", "grpo", "graded_prompt", "graded_system_prompt"):
         raise ValueError(f"{on} with algorithm.experience_maker={cfg.algorithm.experience_maker}: groups are carried "
                          "over by group sampling and the graded system prompt only yet (one engine call a step)")
-    refused = {"dynamic_sampling.enabled=true": cfg.dynamic_sampling.enabled,
+    refused = {"dynamic_sampling.keep_surplus=true": cfg.dynamic_sampling.enabled and cfg.dynamic_sampling.keep_surplus,
                "trainer.asynchronous.partial_rollouts=true": cfg.trainer.asynchronous.partial_rollouts,
                "policy.routing_replay=true": cfg.policy.routing_replay}
     for setting, on_too in refused.items():
         if on_too:
-            raise ValueError(f"{on} with {setting}: not combined yet (a carried group's refills, parks or expert "
-                             "records across steps are not defined); turn one off")
+            raise ValueError(f"{on} with {setting}: not combined yet (two carries of groups, or a carried group's "
+                             "parks or expert records across steps, are not defined); turn one off")
     if cfg.generator.engine not in ("auto", "rollout"):
         raise ValueError(f"{on} with generator.engine={cfg.generator.engine}: carrying groups over needs the rollout "
                          "engine, whose batch refills as responses finish and which reports each finished one; set "

@@ -51,3 +51,21 @@ def test_a_resume_takes_the_carried_groups_from_the_checkpoint_and_runs_on_as_if
     assert [learning_metrics(r) for r in records] == [learning_metrics(r) for r in straight]
     expected, got = weights(straight_dir, 4), weights(run_dir, 4)
     assert set(got) == set(expected) and all(got[name].equal(expected[name]) for name in got)
+
+
+def test_dynamic_sampling_refills_carry_groups_over_to_each_other(tmp_path):
+    """DAPO's dynamic sampling over carried groups: each refill's call takes the groups it asks for (the missing
+    ones), whole, and carries the rest to the next call, the step's next refill or the next step's first call;
+    nothing beyond the batch is generated and thrown away. A fair coin per sample (character parity) leaves some
+    groups all agreeing, so refills happen."""
+    records, _ = run(tmp_path, "dapo", *CARRY, "+variant=dapo", "trainer.total_steps=4",
+                     "reward.sources.arithmetic=e2e_rewards.character_parity")
+    steps = records[1:]
+    assert len(steps) == 4 and max(record["dynamic_sampling/num_gen_batches"] for record in steps) >= 2
+    for record in steps:
+        assert record["batch/num_samples"] == 16  # 4 groups of n = 4
+        assert record["carry_over/carried_groups"] + record["carry_over/dropped_groups"] == 2
+        # every group generated is trained or filtered: a refill makes only the groups the batch misses
+        assert record["dynamic_sampling/generated_groups"] - record["dynamic_sampling/discarded_groups"] == 4
+        assert record["dynamic_sampling/surplus_discarded"] == 0
+    assert any(record.get("staleness/share_lag_1", 0) > 0 for record in steps[1:])

@@ -89,7 +89,7 @@ def step(carry: CarryOver, loader, engine, version):
 
 def test_a_batch_takes_the_first_whole_groups_and_the_long_tail_goes_on_in_later_calls(tiny_tokenizer, loader):
     engine = LockstepEngine(LENGTHS)
-    carry = CarryOver(CarryOverConfig(groups=1, max_steps=2), batch_groups=2, engine=engine, tokenizer=tiny_tokenizer)
+    carry = CarryOver(CarryOverConfig(groups=1, max_steps=2), engine=engine, tokenizer=tiny_tokenizer)
 
     # step 0 runs draws 0-2 and ends at its third decode step, when groups 0 and 2 are whole; draw 1 has 3 of 8 tokens
     (groups, responses, versions, _, _), metrics = step(carry, loader, engine, version=0)
@@ -125,7 +125,7 @@ def test_a_batch_takes_the_first_whole_groups_and_the_long_tail_goes_on_in_later
 
 def test_an_overdue_group_is_dropped_and_counted_where_configured(tiny_tokenizer, loader):
     engine = LockstepEngine({**LENGTHS, (1, 0): 16})  # draw 1 would take every step's call to the end
-    carry = CarryOver(CarryOverConfig(groups=1, max_steps=1, overdue="drop"), batch_groups=2, engine=engine,
+    carry = CarryOver(CarryOverConfig(groups=1, max_steps=1, overdue="drop"), engine=engine,
                       tokenizer=tiny_tokenizer)
     step(carry, loader, engine, version=0)
     (groups, _, _, _, _), metrics = step(carry, loader, engine, version=1)  # group 1 overdue: not waited for
@@ -134,7 +134,7 @@ def test_an_overdue_group_is_dropped_and_counted_where_configured(tiny_tokenizer
     step(carry, loader, engine, version=2)
     assert engine.calls[2] == [(draw, sample) for draw in (5, 6, 7) for sample in range(N)]  # three new draws
 
-    waiting = CarryOver(CarryOverConfig(groups=1, max_steps=1), batch_groups=2, engine=engine, tokenizer=tiny_tokenizer)
+    waiting = CarryOver(CarryOverConfig(groups=1, max_steps=1), engine=engine, tokenizer=tiny_tokenizer)
     loader = prompt_stream(tiny_tokenizer)
     step(waiting, loader, engine, version=0)
     (groups, responses, _, _, _), metrics = step(waiting, loader, engine, version=1)  # overdue: the call waits for it
@@ -143,7 +143,7 @@ def test_an_overdue_group_is_dropped_and_counted_where_configured(tiny_tokenizer
 
 def test_a_resume_from_the_carry_in_a_checkpoint_makes_the_same_batches(tiny_tokenizer, loader):
     def carry_over():
-        return CarryOver(CarryOverConfig(groups=1, max_steps=2), batch_groups=2, engine=engine, tokenizer=tiny_tokenizer)
+        return CarryOver(CarryOverConfig(groups=1, max_steps=2), engine=engine, tokenizer=tiny_tokenizer)
 
     engine = LockstepEngine(LENGTHS)
     uninterrupted = carry_over()
@@ -159,8 +159,7 @@ def test_a_resume_from_the_carry_in_a_checkpoint_makes_the_same_batches(tiny_tok
 
 def test_a_resume_switching_carry_over_on_starts_empty_and_off_drops_the_carry_in_one_line(tiny_tokenizer, caplog):
     engine = LockstepEngine(LENGTHS)
-    carrying = GroupSampling(RolloutConfig(n=N, carry_over=CarryOverConfig(groups=1)), engine, None, tiny_tokenizer,
-                             batch_groups=2)
+    carrying = GroupSampling(RolloutConfig(n=N, carry_over=CarryOverConfig(groups=1)), engine, None, tiny_tokenizer)
     carrying.load_state_dict({})  # saved by a run that carried nothing
     assert carrying.carry_over.groups == []
     plain = GroupSampling(RolloutConfig(n=N), engine, None, tiny_tokenizer)
@@ -203,8 +202,7 @@ def test_group_sampling_refuses_an_engine_that_does_not_report_finished_response
 
     with pytest.raises(ConfigError, match=r"^rollout\.carry_over\.groups=1 needs the rollout engine in one process.*"
                                           r"generates with OneShot"):
-        GroupSampling(RolloutConfig(carry_over=CarryOverConfig(groups=1)), OneShot(), None, tiny_tokenizer,
-                      batch_groups=2)
+        GroupSampling(RolloutConfig(carry_over=CarryOverConfig(groups=1)), OneShot(), None, tiny_tokenizer)
 
 
 REFUSED = {
@@ -212,7 +210,8 @@ REFUSED = {
     "another maker": (["+variant=mtpo", "rollout.carry_over.groups=1"],
                       "with algorithm.experience_maker=two_round: groups are carried over by group sampling and the "
                       "graded system prompt only"),
-    "dynamic sampling": (["+variant=dapo", "rollout.carry_over.groups=1"], "with dynamic_sampling.enabled=true"),
+    "dynamic sampling's surplus": (["+variant=dapo", "rollout.carry_over.groups=1", "dynamic_sampling.keep_surplus=true"],
+                                   "with dynamic_sampling.keep_surplus=true"),
     "the hf engine": (["generator.engine=hf", "rollout.carry_over.groups=1"],
                       "with generator.engine=hf: carrying groups over needs the rollout engine"),
 }
@@ -228,3 +227,37 @@ def test_refused_at_load_naming_both(case):
     overrides, message = REFUSED[case]
     with pytest.raises(ValueError, match=r"^rollout\.carry_over\.groups=\d .*" + message.replace("(", r"\(")):
         load_config("base", overrides)
+
+
+class AgreeingFirstRow:
+    """Rewards in which row r0's samples all agree (its group is filtered out) and every other group's are mixed."""
+
+    def score(self, responses, rows):
+        from aligner_ext.rewards.base import RewardResult
+
+        return [RewardResult(score=value, correct=value)
+                for value in (0.0 if row.row_id == "r0" else float(index % 2) for index, row in enumerate(rows))]
+
+    def metrics(self):
+        return {}
+
+
+def test_a_dynamic_sampling_refill_asks_only_for_the_missing_groups_and_carries_the_rest(tiny_tokenizer, loader):
+    """Dynamic sampling over carried groups: a refill's call takes the groups it asks for (B is the loader's batch at
+    each call), and the groups it began go on in the next call, as between steps."""
+    from aligner_ext.experience.dynamic_sampling import DynamicSampling
+    from aligner_ext.experience.settings import DynamicSamplingConfig
+
+    engine = LockstepEngine(LENGTHS)
+    sampling = GroupSampling(RolloutConfig(n=N, max_response_length=16, carry_over=CarryOverConfig(groups=1, max_steps=3)),
+                             engine, AgreeingFirstRow(), tiny_tokenizer)
+    sampling.requests = requests_of
+    maker = DynamicSampling(sampling, DynamicSamplingConfig(enabled=True, max_gen_batches=0), tiny_tokenizer.pad_token_id)
+    batch, metrics = maker.make_experience(loader, 0)
+    # the first call ends once groups 0 and 2 are whole; group 0 agrees and is dropped, so one group is missing:
+    # the refill draws one prompt (3) beside the carried group 1 and ends once one group (3) is whole
+    assert engine.calls == [[(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)], [(1, 0), (3, 0), (3, 1)]]
+    assert batch.group_ids.tolist() == [2, 2, 3, 3] and loader.position == 4
+    assert metrics["dynamic_sampling/num_gen_batches"] == 2 and metrics["dynamic_sampling/generated_groups"] == 3
+    assert [group.requests[0].group_id for group in sampling.carry_over.groups] == [1]  # 5 of its 8 tokens so far
+    assert len(sampling.carry_over.groups[0].responses[0].token_ids) == 5
