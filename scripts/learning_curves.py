@@ -312,6 +312,19 @@ COMPARISONS = (  # the two-method comparisons first: they finish sooner
             "default on the CPU is the hf engine), so they differ only in the carry. Six seeds, run on this machine "
             "on 2026-11-30 from a warm-up made that day: 0.355 held out before RL, against 0.220 in the sections "
             "above, whose warm-up was made before (the hf engine gives the same 0.355 on this one)."),
+    # dynamic sampling's refills over groups carried over (docs/async.md), DAPO on the rollout engine on both lines
+    Comparison("arithmetic", (
+        Method("DAPO rollout engine", ("+variant=dapo", "generator.engine=rollout")),
+        Method("DAPO carried over", ("+variant=dapo", "generator.engine=rollout", "rollout.carry_over.groups=4",
+                                     "loss.importance_sampling_cap=2"), "learns as DAPO does"),
+    ), name="arithmetic_dapo_carry_over", diagnostics=("carry_over/batch_share_carried", "staleness/mean",
+                                                       "dynamic_sampling/num_gen_batches", "reward/mean"),
+       note="DAPO (`+variant=dapo`: dynamic sampling, clip-higher, overlong shaping) with groups carried over "
+            "(`rollout.carry_over.groups=4`, docs/async.md): each generation call, the step's first or a refill, "
+            "runs the groups it asks for and 4 more and ends once those are whole; the unfinished ones go on in the "
+            "next call, their earlier tokens one version behind when that call is the next step's "
+            "(`loss.importance_sampling_cap=2`). Both lines sample with the rollout engine, so they differ only in "
+            "the carry."),
     # LoRA at ten times full training's learning rate (the usual finding for LoRA in RL), alpha 32 at both ranks
     Comparison("arithmetic", (
         Method("GRPO", ()),

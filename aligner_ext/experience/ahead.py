@@ -162,10 +162,6 @@ class WeightsSnapshot:
         # log-probs differ in the last bits (the engine runs under inference_mode, so nothing is recorded)
         self.model = copy.deepcopy(live, memo=frozen_shared(live) if device == home else moved(live, device))
         self.stream = GenerationStream(device)
-        copied = sum(param.numel() * param.element_size() for param in self.model.parameters()
-                     if device != home or param.requires_grad)
-        logger.info("generation ahead samples from a copy of the policy on %s (%.2f GiB of weights copied%s)", device,
-                    copied / 2**30, "" if device != home else "; the frozen ones shared")
 
     @torch.no_grad()
     def refit(self) -> None:

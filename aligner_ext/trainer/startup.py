@@ -55,12 +55,15 @@ def startup_lines(cfg: RunConfig, parts: Components, run_dir: Path, start: str) 
 
 
 def generation_ahead_lines(cfg: RunConfig) -> list[str]:
-    """With `trainer.asynchronous` on: its bound, and the correction a stale batch wants when none is set."""
+    """With `trainer.asynchronous` on: its bound, where it generates, and the correction a stale batch wants when
+    none is set."""
     ahead = cfg.trainer.asynchronous
     if not ahead.enabled:
         return []
+    where = ("on the generation servers" if cfg.generator.engine == "remote" else
+             "on a copy of the generation model" + (f" on {ahead.device}" if ahead.device else ""))
     line = (f"generation ahead of training (trainer.asynchronous): each batch at most {ahead.max_staleness} policy "
-            "version(s) behind the one it trains at, generated on a copy of the generation model")
+            f"version(s) behind the one it trains at, generated {where}")
     if ahead.max_staleness and correction_mode(cfg.loss) == "none":
         line += ("; loss.off_policy_correction=none leaves the behaviour policy's ratio out of the loss: "
                  "loss.importance_sampling_cap=2 gives the decoupled objective (docs/async.md)")

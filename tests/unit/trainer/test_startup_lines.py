@@ -39,4 +39,10 @@ def test_generation_ahead_says_its_bound_and_the_correction_it_wants():
     assert line.startswith("generation ahead of training (trainer.asynchronous): each batch at most 2 policy version(s)")
     assert line.endswith("loss.importance_sampling_cap=2 gives the decoupled objective (docs/async.md)")
     [line] = generation_ahead_lines(load_config("base", [*ahead, "loss.importance_sampling_cap=2"]))
-    assert "decoupled" not in line
+    assert "decoupled" not in line and line.endswith("generated on a copy of the generation model")
+    [line] = generation_ahead_lines(load_config("base", [*ahead, "loss.importance_sampling_cap=2",
+                                                         "generator.engine=rollout", "trainer.asynchronous.device=cuda:1"]))
+    assert line.endswith("generated on a copy of the generation model on cuda:1")
+    served = ["generator.engine=remote", "generator.remote.urls=[http://a:1]", "generator.remote.weight_sync=distributed"]
+    [line] = generation_ahead_lines(load_config("base", [*ahead, "loss.importance_sampling_cap=2", *served]))
+    assert line.endswith("generated on the generation servers")
