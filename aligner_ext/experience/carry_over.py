@@ -28,7 +28,8 @@ Staleness: a token trained at step t was sampled at most `max_steps` calls, so a
 before t's last call: at most `max_steps` steps' updates older than the weights that call started on (plus
 generation ahead's k).
 Metrics: carry_over/carried_groups (waiting for the next call), carry_over/batch_share_carried (the share of
-the batch's groups drawn at an earlier step), carry_over/dropped_groups.
+the batch's groups drawn at an earlier call: an earlier step, or under dynamic sampling an earlier refill),
+carry_over/dropped_groups.
 """
 
 from __future__ import annotations
