@@ -80,6 +80,13 @@ class ModuleFailed(Exception):
     """A test of the module failed in .venv312 (its pytest output)."""
 
 
+def first_report(output: str, limit: int = 6000) -> str:
+    """The first failure's or error's report in a pytest output: where a module fixture fails, every test of the
+    module errors, and the end of the output is their one-line summaries, not the traceback that says why."""
+    starts = [output.find(header) for header in ("= ERRORS =", "= FAILURES =") if header in output]
+    return output[min(starts):][:limit] if starts else ""
+
+
 class ModuleInMegatronEnv(pytest.File):
     """A test module run whole by `.venv312`'s pytest, as one item (until `batches` packs it with others)."""
 
@@ -143,7 +150,8 @@ class ModuleRun(pytest.Item):
         if run.returncode == pytest.ExitCode.NO_TESTS_COLLECTED:  # every test deselected by `-m`
             pytest.skip(f"{names} in .venv312: {summary}")
         if run.returncode != 0:
-            raise ModuleFailed(f"{names} in .venv312: {summary}\n{run.stdout[-8000:]}{run.stderr[-3000:]}")
+            raise ModuleFailed(f"{names} in .venv312: {summary}\n{first_report(run.stdout)}\n...\n"
+                               f"{run.stdout[-4000:]}{run.stderr[-3000:]}")
         if " passed" not in summary:  # every test skipped there: say why, as the tests themselves would
             pytest.skip("; ".join(line for line in run.stdout.splitlines() if line.startswith("SKIPPED")))
 

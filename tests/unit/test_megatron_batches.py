@@ -15,3 +15,12 @@ def test_modules_are_packed_first_fit_longest_first_under_the_bound(monkeypatch)
     # joins b (145); e (30) joins c (90); unlisted (20) joins c (110)
     assert [[path.name for path in group] for group in packed(paths)] == [
         ["a.py"], ["b.py", "d.py"], ["c.py", "e.py", "unlisted.py"]]
+
+
+def test_a_failed_batch_reports_its_first_traceback_not_only_the_summary_lines():
+    output = ("...E\n==================== ERRORS ====================\n___ ERROR at setup of test_a ___\n"
+              "RuntimeError: the worker could not start\n___ ERROR at setup of test_b ___\nsame\n"
+              "=== short test summary info ===\n" + "ERROR tests/x.py::test_b\n" * 300)
+    report = megatron_env.first_report(output, limit=120)
+    assert report.startswith("= ERRORS =") and "RuntimeError: the worker could not start" in report
+    assert len(report) == 120 and megatron_env.first_report("1 passed") == ""
